@@ -1,0 +1,146 @@
+"""Every task of the memopt monorepo is one nox session: ``nox -l`` is the menu.
+
+CPU sessions pin torch==2.13.0 (a CPU build; an unpinned torch pulls a multi-GB CUDA build).
+``gpu_tests`` instead runs in the current interpreter with no downloads, for an offline GPU host.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).parent
+PACKAGES = ROOT / "packages"
+TORCH_CPU = "torch==2.13.0"
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "check_versions", "tests"]
+nox.options.error_on_external_run = True
+
+
+def _package_dirs() -> list[Path]:
+    """Package folders in dependency order (core first, the meta-package last)."""
+    dirs = sorted(p.parent for p in PACKAGES.glob("*/pyproject.toml"))
+    order = {"memopt-core": 0, "memopt": 2}
+    return sorted(dirs, key=lambda d: (order.get(d.name, 1), d.name))
+
+
+PACKAGE_NAMES = [d.name for d in _package_dirs()]
+
+
+def _sibling_closure(package: str) -> list[str]:
+    """The sibling packages ``package`` needs, directly or through other siblings."""
+    local = {canonicalize_name(name): name for name in PACKAGE_NAMES}
+    needed: list[str] = []
+    todo = [package]
+    while todo:
+        pyproject = tomllib.loads((PACKAGES / todo.pop() / "pyproject.toml").read_text())
+        for dep in pyproject["project"].get("dependencies", []):
+            name = local.get(canonicalize_name(Requirement(dep).name))
+            if name and name not in needed:
+                needed.append(name)
+                todo.append(name)
+    return needed
+
+
+def _install_torch(session: nox.Session) -> None:
+    session.install(TORCH_CPU)
+
+
+def _pytest(session: nox.Session, package: Path, *args: str) -> None:
+    """Run one package's tests with its own pyproject's pytest config, against the installed package."""
+    if not (package / "tests").is_dir():
+        return
+    session.run("python", "-m", "pytest", *args, *session.posargs, cwd=str(package))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Lint and format-check every Python file with ruff."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=False)
+def check_versions(session: nox.Session) -> None:
+    """Fail when a sibling pin does not admit the local version of the package it names."""
+    session.run(sys.executable, str(ROOT / "tools" / "check_versions.py"))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's CPU tests together, plus the tools' tests (the CI command)."""
+    _install_torch(session)
+    session.install("pytest", *[str(d) for d in _package_dirs()])
+    for package in _package_dirs():
+        _pytest(session, package)
+    session.run("python", "-m", "pytest", "-q", "tools/tests", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", PACKAGE_NAMES)
+def isolated(session: nox.Session, package: str) -> None:
+    """One package alone with only what it declares: proves a la carte installs."""
+    _install_torch(session)
+    pkg = PACKAGES / package
+    # Siblings come from this checkout, not from PyPI, but only those the package declares.
+    siblings = [str(PACKAGES / name) for name in _sibling_closure(package)]
+    session.install("pytest", *siblings, str(pkg))
+    _pytest(session, pkg)
+
+
+@nox.session(python=False)
+def gpu_tests(session: nox.Session) -> None:
+    """GPU tests in the current interpreter (no downloads); fails without a CUDA device."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        session.run(sys.executable, "-c", probe, silent=True)
+    except nox.command.CommandFailed:
+        session.error("gpu_tests needs a CUDA device and a CUDA build of torch in this interpreter")
+    # Pure packages run from their source folders, so an offline host needs no build backend.
+    src = os.pathsep.join(str(d / "src") for d in _package_dirs())
+    env = {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for package in _package_dirs():
+        if (package / "tests").is_dir():
+            session.run(sys.executable, "-m", "pytest", "-m", "gpu", *session.posargs,
+                        cwd=str(package), env=env)
+
+
+@nox.session(venv_params=["--system-site-packages"], default=False)
+def bench(session: nox.Session) -> None:
+    """Optimizer-step benchmark against torch AdamW; pass options after --."""
+    _install_torch_unless_present(session)
+    session.install(*[str(d) for d in _package_dirs()])
+    session.run("python", "tools/bench/step_bench.py", *session.posargs)
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def demo(session: nox.Session) -> None:
+    """Train a small GPT on the stdlib's sources with torch AdamW and each memopt optimizer."""
+    _install_torch_unless_present(session)
+    session.install(*[str(d) for d in _package_dirs()])
+    session.run("python", "tools/demo/gpt_demo.py", *session.posargs)
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Build the sdist and wheel of every package into dist/."""
+    session.install("build")
+    for package in _package_dirs():
+        session.run("python", "-m", "build", "--outdir", str(ROOT / "dist"), str(package))
+
+
+def _install_torch_unless_present(session: nox.Session) -> None:
+    # The demo and the benchmark use a GPU build of torch when the host has one (system site
+    # packages); elsewhere they install the pinned CPU build.
+    try:
+        session.run("python", "-c", "import torch", silent=True)
+    except nox.command.CommandFailed:
+        _install_torch(session)

@@ -1,0 +1,33 @@
+"""memopt-core: the interface every memopt package shares.
+
+- :mod:`memopt_core.reference`: the update rules (SGD, SGDW, Adam, AdamW, Lion) as plain functions.
+- :mod:`memopt_core.formats`: the bit-level state formats and their reference codecs.
+- :mod:`memopt_core.rng`: the counter-based generator behind stochastic rounding.
+- :mod:`memopt_core.plan`: multi-tensor planning (groups, state arenas, chunk tables).
+- :mod:`memopt_core.backends`: the kernel-backend registry and the pure-torch backend.
+- :mod:`memopt_core.optimizer`: :class:`MemOptimizer`, the base of every memopt optimizer.
+- :mod:`memopt_core.errors`: the exception hierarchy.
+"""
+
+from __future__ import annotations
+
+from memopt_core.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    FormatError,
+    MemoptError,
+    NumericsError,
+    StateDictError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "FormatError",
+    "MemoptError",
+    "NumericsError",
+    "StateDictError",
+    "__version__",
+]

@@ -1,0 +1,41 @@
+"""One exception hierarchy for every memopt package.
+
+Messages say what was wrong, with which parameter (name or shape), and what to do instead.
+Each class also derives from the builtin a caller would naturally catch (``ValueError``,
+``RuntimeError``, ...), so ``except ValueError`` keeps working for bad hyperparameters.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "FormatError",
+    "MemoptError",
+    "NumericsError",
+    "StateDictError",
+]
+
+
+class MemoptError(Exception):
+    """Base class of every error memopt raises on purpose."""
+
+
+class ConfigError(MemoptError, ValueError):
+    """A bad hyperparameter, format name or parameter (dtype, device, layout)."""
+
+
+class FormatError(MemoptError, ValueError):
+    """Data that does not fit a state format (wrong dtype, size or block layout)."""
+
+
+class NumericsError(MemoptError, ArithmeticError):
+    """A non-finite value or an update too small for the format to represent (``check_numerics``)."""
+
+
+class BackendUnavailableError(MemoptError, RuntimeError):
+    """A kernel backend that was asked for cannot run here; the message says why."""
+
+
+class StateDictError(MemoptError, ValueError):
+    """An optimizer state dict that does not match this optimizer (keys, shapes, formats)."""

@@ -1,0 +1,98 @@
+"""The codec interfaces every state format implements.
+
+A *moment codec* stores a flat fp32 vector (a first or second moment, a momentum buffer) in
+compact fields; a *master codec* splits an fp32 master weight into the low-precision parameter the
+model sees plus an optional correction code. Both are pure-torch references: kernels reproduce
+their bits exactly (DESIGN section 4), so every operation here is exact integer/bit arithmetic or a
+single correctly rounded IEEE operation.
+
+Blocked formats work on whole blocks of ``block_size`` elements: the plan pads every tensor to a
+multiple of the block so a block never straddles two tensors, and callers pass padded lengths.
+
+Stochastic rounding: ``encode(x, rand=r)`` takes ``r``, an int64 tensor of x's shape holding
+uniform 32-bit words (values in [0, 2**32)) from :mod:`memopt_core.rng`; ``rand=None`` rounds to
+nearest. The rule, the same in every format: with ``lo <= |y| <= hi`` the two neighbours of the
+magnitude ``|y|`` on the target grid, ``frac24 = floor((|y| - lo) / (hi - lo) * 2**24)``, the
+magnitude rounds up to ``hi`` iff ``(r >> 8) < frac24``; the sign is kept.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["FieldSpec", "MasterCodec", "MomentCodec"]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One stored field of a format: its dtype and how many entries it holds per element/block."""
+
+    dtype: torch.dtype
+    per_block: bool = False  # True: one entry per block (scales); False: one per element
+
+    def numel(self, n: int, block_size: int) -> int:
+        return n // block_size if self.per_block else n
+
+
+class MomentCodec(ABC):
+    """A moment format. ``name`` is its key in the registry; ``block_size`` is 1 when unblocked."""
+
+    name: str
+    block_size: int = 1
+    #: ``{field suffix: FieldSpec}``; the optimizer stores field ``f`` of state ``exp_avg`` under
+    #: the state key ``exp_avg`` when the suffix is ``""``, else ``f"exp_avg_{suffix}"``.
+    fields: dict[str, FieldSpec]
+    #: True when the stored value can be negative (first moments); second moments are >= 0.
+    signed: bool = True
+
+    def bytes_per_element(self) -> float:
+        return sum(
+            torch.empty((), dtype=f.dtype).element_size() / (self.block_size if f.per_block else 1)
+            for f in self.fields.values()
+        )
+
+    def allocate(self, n: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """Zeroed fields for ``n`` elements (``n`` a multiple of ``block_size``); they decode to 0."""
+        self.check_length(n)
+        return {
+            k: torch.zeros(f.numel(n, self.block_size), dtype=f.dtype, device=device)
+            for k, f in self.fields.items()
+        }
+
+    def check_length(self, n: int) -> None:
+        if n % self.block_size:
+            from memopt_core.errors import FormatError
+
+            raise FormatError(
+                f"format {self.name!r} stores whole blocks of {self.block_size} elements; got a "
+                f"length of {n}: pad it to a multiple of {self.block_size} (memopt_core.plan does)"
+            )
+
+    @abstractmethod
+    def encode(self, x: Tensor, *, rand: Tensor | None = None) -> dict[str, Tensor]:
+        """Fields holding fp32 vector ``x`` (round to nearest, or stochastically with ``rand``)."""
+
+    @abstractmethod
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        """The fp32 vector the fields hold."""
+
+
+class MasterCodec(ABC):
+    """A master-weight format: fp32 master -> (parameter in ``param_dtype``, optional code)."""
+
+    name: str
+    param_dtype: torch.dtype
+    #: dtype of the correction code, or None when the parameter alone holds the weight.
+    code_dtype: torch.dtype | None
+
+    @abstractmethod
+    def encode(self, x: Tensor, *, rand: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``(param, code)`` for fp32 ``x``."""
+
+    @abstractmethod
+    def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
+        """The fp32 master weight held by ``param`` and ``code``."""

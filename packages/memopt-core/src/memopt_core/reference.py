@@ -1,0 +1,294 @@
+"""Reference update rules: the semantics every backend reproduces bit for bit.
+
+Each rule is a pure function over fp32 (or fp64) tensors that returns new tensors and never
+modifies its inputs. It is written with elementary, individually rounded torch operations
+(``+ - * /`` and a correctly rounded square root), in the fixed order documented on each function,
+with no fused multiply-add anywhere: a C++ or Triton kernel that performs the same operations in
+the same order produces the same bits (DESIGN section 4, "Exactness in practice").
+
+Hyperparameters enter through a scalars object built by :func:`adam_scalars`,
+:func:`sgd_scalars` or :func:`lion_scalars`. Those functions do their arithmetic once, in Python
+doubles; a backend rounds each field to the compute dtype exactly once (``to_compute``), so every
+backend multiplies by the same fp32 numbers.
+
+Semantics: SGD/SGDW, Adam/AdamW match ``torch.optim.SGD``/``Adam``/``AdamW`` (foreach=False)
+except that torch fuses some multiply-adds (``lerp``, ``addcmul``, ``addcdiv``, ``add(alpha=)``):
+they agree within a few ulps per step, not bit for bit. Lion follows the Lion paper (Chen et
+al. 2023). ``maximize`` negates the gradient first; ``decouple_lr`` scales decoupled weight decay by
+``lr / initial_lr`` (FlashOptim's convention) instead of ``lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AdamScalars",
+    "LionScalars",
+    "SGDScalars",
+    "adam",
+    "adam_scalars",
+    "correctly_rounded_sqrt",
+    "decay_factor",
+    "lion",
+    "lion_scalars",
+    "sgd",
+    "sgd_scalars",
+    "to_compute",
+]
+
+
+def correctly_rounded_sqrt(x: Tensor) -> Tensor:
+    """IEEE square root, correctly rounded in ``x.dtype``.
+
+    torch's float32 ``sqrt`` on the CPU is not correctly rounded (about 16% of results are one ulp
+    off on AVX-512 builds). The square root of the exact fp64 value rounded once to fp32 is the
+    correctly rounded fp32 square root (fp64 carries more than 2*24+2 bits, so double rounding is
+    innocuous), which is what ``sqrt.rn`` gives on the GPU.
+    """
+    if x.dtype == torch.float64:
+        return torch.sqrt(x)
+    return torch.sqrt(x.double()).to(x.dtype)
+
+
+def decay_factor(lr: float, weight_decay: float, initial_lr: float | None) -> float:
+    """Multiplier of decoupled weight decay, in double: ``1 - lr*wd`` or ``1 - (lr/initial_lr)*wd``."""
+    if initial_lr is None:
+        return 1.0 - lr * weight_decay
+    if initial_lr <= 0.0:
+        raise ValueError(f"decouple_lr needs a positive initial lr, got {initial_lr}")
+    return 1.0 - (lr / initial_lr) * weight_decay
+
+
+@dataclass(frozen=True)
+class AdamScalars:
+    """Per-step scalars of Adam/AdamW, computed in double.
+
+    ``step_size = lr / (1 - beta1**step)``, ``bc2_sqrt = sqrt(1 - beta2**step)``,
+    ``one_minus_beta1 = 1 - beta1``, ``one_minus_beta2 = 1 - beta2``, ``decay`` multiplies the
+    parameter (1.0 when there is no decoupled decay), ``l2`` is Adam's coupled weight decay.
+    """
+
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    eps: float
+    step_size: float
+    bc2_sqrt: float
+    decay: float
+    l2: float
+    maximize: bool
+
+
+@dataclass(frozen=True)
+class SGDScalars:
+    """Per-step scalars of SGD/SGDW: ``one_minus_dampening = 1 - dampening``."""
+
+    lr: float
+    momentum: float
+    one_minus_dampening: float
+    nesterov: bool
+    decay: float
+    l2: float
+    maximize: bool
+
+
+@dataclass(frozen=True)
+class LionScalars:
+    """Per-step scalars of Lion."""
+
+    lr: float
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    decay: float
+    maximize: bool
+
+
+def adam_scalars(
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled: bool,
+    maximize: bool = False,
+    initial_lr: float | None = None,
+) -> AdamScalars:
+    """Scalars of Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) at ``step`` (1-based)."""
+    if step < 1:
+        raise ValueError(f"step counts from 1, got {step}")
+    beta1, beta2 = betas
+    return AdamScalars(
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        eps=eps,
+        step_size=lr / (1.0 - beta1**step),
+        bc2_sqrt=math.sqrt(1.0 - beta2**step),
+        decay=decay_factor(lr, weight_decay, initial_lr) if decoupled else 1.0,
+        l2=0.0 if decoupled else weight_decay,
+        maximize=maximize,
+    )
+
+
+def sgd_scalars(
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    decoupled: bool = False,
+    maximize: bool = False,
+    initial_lr: float | None = None,
+) -> SGDScalars:
+    """Scalars of SGD (``decoupled=False``, L2 decay) or SGDW (``decoupled=True``)."""
+    return SGDScalars(
+        lr=lr,
+        momentum=momentum,
+        one_minus_dampening=1.0 - dampening,
+        nesterov=nesterov,
+        decay=decay_factor(lr, weight_decay, initial_lr) if decoupled else 1.0,
+        l2=0.0 if decoupled else weight_decay,
+        maximize=maximize,
+    )
+
+
+def lion_scalars(
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float = 0.0,
+    maximize: bool = False,
+    initial_lr: float | None = None,
+) -> LionScalars:
+    """Scalars of Lion (decoupled weight decay, as in the paper)."""
+    beta1, beta2 = betas
+    return LionScalars(
+        lr=lr,
+        beta1=beta1,
+        one_minus_beta1=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        decay=decay_factor(lr, weight_decay, initial_lr),
+        maximize=maximize,
+    )
+
+
+def to_compute(value: float, like: Tensor) -> Tensor:
+    """``value`` rounded once to ``like``'s dtype, as a 0-d tensor on ``like``'s device."""
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _scalars_as(s, like: Tensor) -> dict:
+    # Floats become 0-d tensors of the compute dtype (rounded once); flags stay Python bools.
+    return {
+        f.name: (getattr(s, f.name) if isinstance(getattr(s, f.name), bool)
+                 else to_compute(getattr(s, f.name), like))
+        for f in fields(s)
+    }
+
+
+def _check_compute(*tensors: Tensor) -> None:
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"reference rules compute in float32 or float64, got {dtype}")
+    for t in tensors:
+        if t.dtype != dtype or t.shape != tensors[0].shape:
+            raise ValueError(
+                f"reference rules need tensors of one dtype and shape, got {t.dtype}{tuple(t.shape)}"
+                f" next to {dtype}{tuple(tensors[0].shape)}"
+            )
+
+
+def adam(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: AdamScalars) -> tuple[Tensor, Tensor, Tensor]:
+    """One Adam/AdamW step; returns ``(p, m, v)``. ``m`` and ``v`` are zero before the first step.
+
+    Order (each line individually rounded, left to right)::
+
+        g = -g                              if maximize
+        g = g + l2 * p                      if l2 != 0       (Adam's L2 decay)
+        p = p * decay                       if decay != 1    (AdamW's decoupled decay)
+        m = m + one_minus_beta1 * (g - m)
+        v = beta2 * v + one_minus_beta2 * (g * g)
+        d = sqrt(v) / bc2_sqrt + eps        (correctly rounded sqrt)
+        p = p - step_size * (m / d)
+    """
+    _check_compute(p, g, m, v)
+    c = _scalars_as(s, p)
+    if s.maximize:
+        g = -g
+    if s.l2 != 0.0:
+        g = g + c["l2"] * p
+    if s.decay != 1.0:
+        p = p * c["decay"]
+    m = m + c["one_minus_beta1"] * (g - m)
+    v = c["beta2"] * v + c["one_minus_beta2"] * (g * g)
+    d = correctly_rounded_sqrt(v) / c["bc2_sqrt"] + c["eps"]
+    p = p - c["step_size"] * (m / d)
+    return p, m, v
+
+
+def sgd(
+    p: Tensor, g: Tensor, buf: Tensor | None, s: SGDScalars, *, first_step: bool
+) -> tuple[Tensor, Tensor | None]:
+    """One SGD/SGDW step; returns ``(p, buf)`` (``buf`` is None without momentum).
+
+    Order::
+
+        g = -g                              if maximize
+        g = g + l2 * p                      if l2 != 0       (SGD's L2 decay)
+        p = p * decay                       if decay != 1    (SGDW's decoupled decay)
+        buf = g                             on the first step (momentum != 0)
+        buf = momentum * buf + one_minus_dampening * g        afterwards
+        d = g + momentum * buf              if nesterov, else d = buf (or g without momentum)
+        p = p - lr * d
+    """
+    _check_compute(p, g, *(() if buf is None else (buf,)))
+    c = _scalars_as(s, p)
+    if s.maximize:
+        g = -g
+    if s.l2 != 0.0:
+        g = g + c["l2"] * p
+    if s.decay != 1.0:
+        p = p * c["decay"]
+    if s.momentum != 0.0:
+        if first_step or buf is None:
+            buf = g.clone()
+        else:
+            buf = c["momentum"] * buf + c["one_minus_dampening"] * g
+        d = g + c["momentum"] * buf if s.nesterov else buf
+    else:
+        d = g
+    p = p - c["lr"] * d
+    return p, buf if s.momentum != 0.0 else None
+
+
+def lion(p: Tensor, g: Tensor, m: Tensor, s: LionScalars) -> tuple[Tensor, Tensor]:
+    """One Lion step; returns ``(p, m)``.
+
+    Order::
+
+        g = -g                              if maximize
+        p = p * decay                       if decay != 1
+        u = beta1 * m + one_minus_beta1 * g
+        p = p - lr * sign(u)                (sign(0) = 0)
+        m = beta2 * m + one_minus_beta2 * g
+    """
+    _check_compute(p, g, m)
+    c = _scalars_as(s, p)
+    if s.maximize:
+        g = -g
+    if s.decay != 1.0:
+        p = p * c["decay"]
+    u = c["beta1"] * m + c["one_minus_beta1"] * g
+    p = p - c["lr"] * torch.sign(u)
+    m = c["beta2"] * m + c["one_minus_beta2"] * g
+    return p, m

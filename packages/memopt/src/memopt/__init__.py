@@ -1,0 +1,42 @@
+"""memopt: memory-efficient PyTorch optimizers, the whole stack behind one import.
+
+Names are re-exported lazily from the component packages, so ``import memopt`` stays cheap and a
+name whose package is not installed raises an ImportError that says which package to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+#: public name -> (module that defines it, distribution that ships the module)
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "MemOptimizer": ("memopt_core.optimizer", "memopt-core"),
+    "StateSpec": ("memopt_core.formats", "memopt-core"),
+    "MemoptError": ("memopt_core.errors", "memopt-core"),
+    "ConfigError": ("memopt_core.errors", "memopt-core"),
+    "FormatError": ("memopt_core.errors", "memopt-core"),
+    "NumericsError": ("memopt_core.errors", "memopt-core"),
+    "StateDictError": ("memopt_core.errors", "memopt-core"),
+    "BackendUnavailableError": ("memopt_core.errors", "memopt-core"),
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'memopt' has no attribute {name!r}")
+    module, dist = _EXPORTS[name]
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ImportError(f"memopt.{name} needs the {dist} package: pip install {dist}") from exc
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+import memopt
+import memopt_core
+
+
+def test_every_export_resolves_to_the_component_object():
+    for name in memopt.__all__:
+        if name == "__version__":
+            continue
+        module, _ = memopt._EXPORTS[name]
+        assert getattr(memopt, name) is getattr(__import__(module, fromlist=[name]), name)
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'FlashNothing'"):
+        _ = memopt.FlashNothing
+
+
+def test_missing_component_names_the_package(monkeypatch):
+    monkeypatch.setitem(memopt._EXPORTS, "Ghost", ("memopt_ghost_pkg", "memopt-ghost"))
+    with pytest.raises(ImportError, match="pip install memopt-ghost"):
+        _ = memopt.Ghost
+
+
+def test_installed_metadata_matches_the_modules():
+    # A stale install (metadata of one version, code of another) fails here.
+    assert version("memopt") == memopt.__version__
+    assert version("memopt-core") == memopt_core.__version__
+    assert "MemOptimizer" in dir(memopt)
