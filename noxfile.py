@@ -109,8 +109,16 @@ def gpu_tests(session: nox.Session) -> None:
     env = {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for package in _package_dirs():
         if (package / "tests").is_dir():
-            session.run(sys.executable, "-m", "pytest", "-m", "gpu", *session.posargs,
-                        cwd=str(package), env=env)
+            session.run(
+                sys.executable,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                *session.posargs,
+                cwd=str(package),
+                env=env,
+            )
 
 
 @nox.session(venv_params=["--system-site-packages"], default=False)

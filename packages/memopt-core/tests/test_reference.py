@@ -43,7 +43,9 @@ def _run_torch(opt_cls, p0, kwargs, seed):
 def _assert_close(ours, theirs, path):
     bound = 4 * EPS32 * (theirs.abs() + path)
     excess = ((ours - theirs).abs() - bound).max().item()
-    assert excess <= 0, f"reference differs from torch by more than 4 ulps of the movement ({excess})"
+    assert excess <= 0, (
+        f"reference differs from torch by more than 4 ulps of the movement ({excess})"
+    )
 
 
 ADAM_CASES = [
@@ -61,7 +63,9 @@ def test_adam_matches_torch(case, decoupled):
     p, m, v = p0.clone(), torch.zeros(N), torch.zeros(N)
     hyper = {k: val for k, val in case.items() if k != "maximize"}
     for t, g in enumerate(_grads(7), start=1):
-        s = R.adam_scalars(**hyper, step=t, decoupled=decoupled, maximize=case.get("maximize", False))
+        s = R.adam_scalars(
+            **hyper, step=t, decoupled=decoupled, maximize=case.get("maximize", False)
+        )
         p, m, v = R.adam(p, g, m, v, s)
     _assert_close(p, theirs, path)
 
@@ -124,11 +128,22 @@ def test_lion_maximize_and_zero_update():
 
 
 def test_decouple_lr_scales_decay_by_lr_over_initial_lr():
-    s = R.adam_scalars(lr=0.5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=1,
-                       decoupled=True, initial_lr=1e-3)
+    s = R.adam_scalars(
+        lr=0.5e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.1,
+        step=1,
+        decoupled=True,
+        initial_lr=1e-3,
+    )
     assert s.decay == 1 - 0.5 * 0.1
-    assert R.adam_scalars(lr=0.5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=1,
-                          decoupled=True).decay == 1 - 0.5e-3 * 0.1
+    assert (
+        R.adam_scalars(
+            lr=0.5e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=1, decoupled=True
+        ).decay
+        == 1 - 0.5e-3 * 0.1
+    )
     with pytest.raises(ValueError, match="positive initial lr"):
         R.decay_factor(1e-3, 0.1, 0.0)
 
@@ -147,13 +162,21 @@ def test_sqrt_is_correctly_rounded():
 def test_rules_do_not_modify_inputs_and_check_dtypes():
     p, g, m, v = (torch.randn(8) for _ in range(4))
     copies = [t.clone() for t in (p, g, m, v)]
-    R.adam(p, g, m, v, R.adam_scalars(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
-                                      step=3, decoupled=False))
+    R.adam(
+        p,
+        g,
+        m,
+        v,
+        R.adam_scalars(
+            lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=3, decoupled=False
+        ),
+    )
     assert all(torch.equal(a, b) for a, b in zip((p, g, m, v), copies, strict=True))
     with pytest.raises(TypeError, match="float32 or float64"):
         R.lion(p.half(), g.half(), m.half(), R.lion_scalars(lr=1e-3, betas=(0.9, 0.99)))
     with pytest.raises(ValueError, match="one dtype and shape"):
         R.lion(p, g[:4], m, R.lion_scalars(lr=1e-3, betas=(0.9, 0.99)))
     with pytest.raises(ValueError, match="step counts from 1"):
-        R.adam_scalars(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, step=0,
-                       decoupled=True)
+        R.adam_scalars(
+            lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, step=0, decoupled=True
+        )

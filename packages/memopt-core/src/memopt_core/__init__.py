@@ -11,6 +11,15 @@
 
 from __future__ import annotations
 
+from memopt_core.backends import (
+    KERNEL_API,
+    Backend,
+    BackendStatus,
+    GroupStep,
+    available_backends,
+    backend_capabilities,
+    select_backend,
+)
 from memopt_core.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -19,15 +28,33 @@ from memopt_core.errors import (
     NumericsError,
     StateDictError,
 )
+from memopt_core.formats import StateSpec
+from memopt_core.optimizer import MemOptimizer
+from memopt_core.plan import GroupPlan, Slot, StateArena, make_plans
+from memopt_core.torch_backend import TorchBackend
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "KERNEL_API",
+    "Backend",
+    "BackendStatus",
     "BackendUnavailableError",
     "ConfigError",
     "FormatError",
+    "GroupPlan",
+    "GroupStep",
+    "MemOptimizer",
     "MemoptError",
     "NumericsError",
+    "Slot",
+    "StateArena",
     "StateDictError",
+    "StateSpec",
+    "TorchBackend",
     "__version__",
+    "available_backends",
+    "backend_capabilities",
+    "make_plans",
+    "select_backend",
 ]

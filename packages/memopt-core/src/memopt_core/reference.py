@@ -190,8 +190,11 @@ def to_compute(value: float, like: Tensor) -> Tensor:
 def _scalars_as(s, like: Tensor) -> dict:
     # Floats become 0-d tensors of the compute dtype (rounded once); flags stay Python bools.
     return {
-        f.name: (getattr(s, f.name) if isinstance(getattr(s, f.name), bool)
-                 else to_compute(getattr(s, f.name), like))
+        f.name: (
+            getattr(s, f.name)
+            if isinstance(getattr(s, f.name), bool)
+            else to_compute(getattr(s, f.name), like)
+        )
         for f in fields(s)
     }
 
@@ -208,7 +211,9 @@ def _check_compute(*tensors: Tensor) -> None:
             )
 
 
-def adam(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: AdamScalars) -> tuple[Tensor, Tensor, Tensor]:
+def adam(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: AdamScalars
+) -> tuple[Tensor, Tensor, Tensor]:
     """One Adam/AdamW step; returns ``(p, m, v)``. ``m`` and ``v`` are zero before the first step.
 
     Order (each line individually rounded, left to right)::

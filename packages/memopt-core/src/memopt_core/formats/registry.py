@@ -88,7 +88,9 @@ class StateSpec:
 
     def __post_init__(self) -> None:
         if self.master not in MASTER_FORMATS:
-            raise ConfigError(f"unknown master format {self.master!r}; choose one of {MASTER_FORMATS}")
+            raise ConfigError(
+                f"unknown master format {self.master!r}; choose one of {MASTER_FORMATS}"
+            )
         if self.moments not in MOMENT_PRESETS:
             raise ConfigError(
                 f"unknown moment format {self.moments!r}; choose one of {tuple(MOMENT_PRESETS)}"

@@ -1,0 +1,334 @@
+"""Kernel backends: the registry, the ``KERNEL_API`` level and capability queries.
+
+A backend performs one optimizer step over a group of tensors (:class:`GroupStep`). Core ships
+the always-available pure-torch backend (``"torch"``, :mod:`memopt_core.torch_backend`); kernel
+packages register theirs through the ``memopt.kernels`` entry-point group, e.g. in their
+``pyproject.toml``::
+
+    [project.entry-points."memopt.kernels"]
+    cpu = "memopt_kernels_cpu:backend"
+
+The entry point's name is the backend's name (``MEMOPT_BACKEND=cpu`` picks it). It resolves to a
+backend object, or to a class / zero-argument factory returning one, with an integer
+``KERNEL_API`` equal to :data:`KERNEL_API`, ``available() -> (bool, reason)``,
+``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None``. A backend that
+fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
+reason (:func:`available_backends`) and never breaks ``import memopt_core``.
+
+Selection (:func:`select_backend`): an explicit ``backend=`` name, else ``MEMOPT_BACKEND``
+(``torch``, ``cpu``, ``triton`` or another registered name; empty means no choice; an explicit
+``backend="auto"`` chooses automatically and ignores the variable),
+forces one backend and raises :class:`~memopt_core.errors.BackendUnavailableError` with the reason
+when it cannot run the group. Otherwise the first usable backend supporting the group in the order
+``triton`` (CUDA tensors), ``cpu`` (CPU tensors), then ``torch``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from memopt_core.errors import BackendUnavailableError
+from memopt_core.formats import StateSpec
+from memopt_core.plan import GroupPlan, StateArena
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
+    "KERNEL_API",
+    "RULES",
+    "Backend",
+    "BackendStatus",
+    "GroupStep",
+    "available_backends",
+    "backend_capabilities",
+    "default_order",
+    "forced_backend",
+    "get_backend",
+    "refresh_backends",
+    "select_backend",
+]
+
+#: The interface level between core and kernel packages; a backend must declare the same.
+KERNEL_API = 1
+ENTRY_POINT_GROUP = "memopt.kernels"
+ENV_VAR = "MEMOPT_BACKEND"
+#: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
+RULES = ("sgd", "adam", "lion")
+_INSTALL_HINT = {
+    "cpu": "pip install memopt-kernels-cpu",
+    "triton": "pip install memopt-kernels-triton (and triton, on a CUDA machine)",
+}
+
+
+@dataclass
+class GroupStep:
+    """One step of one group of tensors, as the optimizer hands it to a backend.
+
+    ``slots`` are the indices (into ``plan.slots``/``plan.params``) of the tensors taking part,
+    ascending; ``params``, ``grads`` and ``tensor_ids`` are aligned with them. All of them share
+    ``step`` (1-based: the step being computed), so ``scalars`` (from
+    :func:`memopt_core.reference.adam_scalars` / ``sgd_scalars`` / ``lion_scalars``, in double)
+    hold for all. ``first_step`` is ``step == 1`` (SGD's momentum buffer starts as the gradient).
+    Gradients have the parameter's dtype or float32. Stochastic rounding (when
+    ``spec.stochastic_rounding``) draws ``memopt_core.rng.uniform_bits(seed, tensor_id, index,
+    step, stream)`` with ``index`` the element's position in its own tensor (padding continues it).
+    A backend updates ``params`` and the arena in place.
+    """
+
+    rule: str
+    spec: StateSpec
+    plan: GroupPlan
+    slots: list[int]
+    params: list[Tensor]
+    grads: list[Tensor]
+    arena: StateArena
+    scalars: Any
+    step: int
+    seed: int
+    tensor_ids: list[int]
+    first_step: bool
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def full(self) -> bool:
+        """True when every tensor of the plan takes part."""
+        return len(self.slots) == len(self.plan.slots)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a kernel package registers (see the module doc)."""
+
+    name: str
+    KERNEL_API: int
+
+    def available(self) -> tuple[bool, str]: ...
+
+    def supports(
+        self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
+    ) -> bool: ...
+
+    def step(self, work: GroupStep) -> None: ...
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """A registry entry: ``usable`` says whether it can run at all here, ``reason`` why (not)."""
+
+    name: str
+    usable: bool
+    reason: str
+    origin: str
+    backend: Any = None
+
+
+_lock = threading.Lock()
+_registry: dict[str, BackendStatus] | None = None
+
+
+def _builtin() -> BackendStatus:
+    from memopt_core.torch_backend import TorchBackend
+
+    return BackendStatus(
+        "torch",
+        True,
+        "pure-torch reference backend (always available)",
+        "memopt_core.torch_backend",
+        TorchBackend(),
+    )
+
+
+def _load_entry_point(ep: Any) -> BackendStatus:
+    name = getattr(ep, "name", "?")
+    origin = f"entry point {name} = {getattr(ep, 'value', '?')}"
+    try:
+        obj = ep.load()
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return BackendStatus(name, False, f"failed to import: {type(e).__name__}: {e}", origin)
+    try:
+        if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "step")):
+            obj = obj()
+    except Exception as e:
+        return BackendStatus(name, False, f"failed to construct: {type(e).__name__}: {e}", origin)
+    api = getattr(obj, "KERNEL_API", None)
+    if api != KERNEL_API:
+        return BackendStatus(
+            name,
+            False,
+            f"built for KERNEL_API {api!r} but memopt-core needs KERNEL_API {KERNEL_API}: install "
+            "versions of the kernel package and memopt-core that match",
+            origin,
+            obj,
+        )
+    missing = [m for m in ("available", "supports", "step") if not callable(getattr(obj, m, None))]
+    if missing:
+        return BackendStatus(
+            name, False, f"is not a backend: it lacks {', '.join(missing)}()", origin, obj
+        )
+    try:
+        ok, why = obj.available()
+    except Exception as e:
+        return BackendStatus(
+            name, False, f"available() failed: {type(e).__name__}: {e}", origin, obj
+        )
+    return BackendStatus(name, bool(ok), str(why), origin, obj)
+
+
+def _discover() -> dict[str, BackendStatus]:
+    reg = {"torch": _builtin()}
+    try:
+        eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as e:  # a broken installation must not break import
+        reg["<entry points>"] = BackendStatus(
+            "<entry points>", False, f"could not list entry points: {type(e).__name__}: {e}", ""
+        )
+        return reg
+    for ep in eps:
+        status = _load_entry_point(ep)
+        if status.name == "torch":
+            reg["torch (shadowed)"] = BackendStatus(
+                status.name,
+                False,
+                "the name 'torch' belongs to core's built-in backend; rename the entry point",
+                status.origin,
+            )
+            continue
+        old = reg.get(status.name)
+        if old is not None and old.usable:
+            continue  # first usable registration of a name wins
+        reg[status.name] = status
+    return reg
+
+
+def _get_registry() -> dict[str, BackendStatus]:
+    global _registry
+    with _lock:
+        if _registry is None:
+            _registry = _discover()
+        return _registry
+
+
+def refresh_backends() -> dict[str, BackendStatus]:
+    """Rediscover the entry points (after installing a kernel package, or in tests)."""
+    global _registry
+    with _lock:
+        _registry = None
+    return _get_registry()
+
+
+def available_backends() -> dict[str, BackendStatus]:
+    """Every known backend, usable or not, with the reason: ``{name: BackendStatus}``."""
+    return dict(_get_registry())
+
+
+def get_backend(name: str) -> Any:
+    """The usable backend called ``name``, or :class:`BackendUnavailableError` saying why not."""
+    reg = _get_registry()
+    status = reg.get(name)
+    if status is None:
+        hint = _INSTALL_HINT.get(name)
+        raise BackendUnavailableError(
+            f"memopt backend {name!r} is not installed"
+            + (f" ({hint})" if hint else "")
+            + f"; installed backends: {', '.join(sorted(n for n, s in reg.items() if s.usable))}"
+        )
+    if not status.usable:
+        raise BackendUnavailableError(f"memopt backend {name!r} cannot run here: {status.reason}")
+    return status.backend
+
+
+def _describe(rule: str, spec: StateSpec, device: torch.device, dtype: torch.dtype) -> str:
+    return (
+        f"rule {rule!r} with master {spec.master!r}, moments {spec.moments!r} "
+        f"(stochastic_rounding={spec.stochastic_rounding}) for {dtype} parameters on {device}"
+    )
+
+
+def backend_capabilities(
+    rule: str, spec: StateSpec, device: torch.device | str, param_dtype: torch.dtype
+) -> dict[str, tuple[bool, str]]:
+    """``{backend name: (can run it, reason)}`` for one (rule, spec, device, dtype)."""
+    device = torch.device(device)
+    out: dict[str, tuple[bool, str]] = {}
+    for name, status in _get_registry().items():
+        if not status.usable:
+            out[name] = (False, status.reason)
+            continue
+        try:
+            ok = bool(status.backend.supports(rule, spec, device, param_dtype))
+        except Exception as e:
+            out[name] = (False, f"supports() failed: {type(e).__name__}: {e}")
+            continue
+        out[name] = (
+            (True, "supported")
+            if ok
+            else (False, f"does not support {_describe(rule, spec, device, param_dtype)}")
+        )
+    return out
+
+
+def default_order(device: torch.device | str) -> tuple[str, ...]:
+    """Backends tried, in order, when none is forced."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return ("triton", "torch")
+    if kind == "cpu":
+        return ("cpu", "torch")
+    return ("torch",)
+
+
+def forced_backend(backend: str | None = None) -> str | None:
+    """The backend forced by ``backend`` or else ``MEMOPT_BACKEND`` (None: choose automatically)."""
+    name = backend if backend is not None else os.environ.get(ENV_VAR)
+    if name is None:
+        return None
+    name = name.strip().lower()
+    return None if name in ("", "auto") else name
+
+
+def select_backend(
+    rule: str,
+    spec: StateSpec,
+    device: torch.device | str,
+    param_dtype: torch.dtype,
+    backend: str | None = None,
+) -> Any:
+    """The backend that runs ``rule`` with ``spec`` for ``param_dtype`` tensors on ``device``.
+
+    ``backend`` (else ``MEMOPT_BACKEND``) forces one by name; see the module doc.
+    """
+    device = torch.device(device)
+    forced = forced_backend(backend)
+    reg = _get_registry()
+    if forced is not None:
+        source = "backend=" if backend is not None else f"{ENV_VAR}="
+        try:
+            chosen = get_backend(forced)
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(f"{e} (forced by {source}{forced!r})") from None
+        if not chosen.supports(rule, spec, device, param_dtype):
+            raise BackendUnavailableError(
+                f"memopt backend {forced!r} (forced by {source}{forced!r}) does not support "
+                f"{_describe(rule, spec, device, param_dtype)}; unset {ENV_VAR} or pass "
+                "backend=None to let memopt choose"
+            )
+        return chosen
+    for name in default_order(device):
+        status = reg.get(name)
+        if status is None or not status.usable:
+            continue
+        try:
+            if status.backend.supports(rule, spec, device, param_dtype):
+                return status.backend
+        except Exception:
+            continue
+    return reg["torch"].backend

@@ -1,0 +1,87 @@
+"""q8 moments: ``q8_signed`` (first moments) and ``q8_sqrt`` (second moments), 8 bits + a
+per-block E8M0 scale each, 2.0625 B/param for both moments together (see docs/formats.md).
+
+``q8_signed`` is block-scaled fp8 e4m3 (exactly ``fp8_e4m3``'s layout and rounding).
+
+``q8_sqrt`` stores ``s = sqrt(v)`` (correctly rounded) in an unsigned minifloat "e4m4": 4 exponent
+bits (bias 15), 4 mantissa bits, subnormals at exponent field 0, ``0xFF`` = NaN, largest finite
+``0xFE`` = 1.875; per block of 32 an E8M0 scale chosen from the block's largest finite ``s``.
+Decoding squares the decoded ``q`` (one correctly rounded multiply). sqrt companding halves the
+dynamic range a block must span: a 1000x gradient outlier is 1e6x in ``v`` but only 1000x in
+``s``, so its neighbours keep 5 significant bits instead of flushing to zero. Because
+``sqrt(RN(q*q)) == q`` in IEEE arithmetic, Adam's ``sqrt(v)`` recovers ``q`` exactly.
+
+Stochastic rounding picks one of the two codes around ``s`` with the probability that keeps
+``v`` unbiased (``E[q*q] = v``), not ``s``: rounding ``s`` unbiasedly would bias ``v`` upwards
+by ``Var(q)``, about +1% over a long Adam run (tests/test_long_run.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from memopt_core.formats.base import FieldSpec
+from memopt_core.formats.bits import sr_round_up
+from memopt_core.formats.block_fp8 import BlockFp8Codec, BlockMinifloatCodec
+from memopt_core.reference import correctly_rounded_sqrt
+
+__all__ = ["Q8SignedCodec", "Q8SqrtCodec"]
+
+
+class Q8SignedCodec(BlockFp8Codec):
+    """First moments: fp8 e4m3 codes with per-block E8M0 scales (identical to ``fp8_e4m3``)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float8_e4m3fn)
+        self.name = "q8_signed"
+
+
+class Q8SqrtCodec(BlockMinifloatCodec):
+    """Second moments: ``sqrt(v)`` as unsigned e4m4 codes (``uint8``) with per-block E8M0 scales."""
+
+    name = "q8_sqrt"
+    signed = False
+    man_bits, emin = 4, -14  # bias 15: exponent fields 1..15 are 2**-14 .. 2**0
+    fmax_bits, max_code, nan_code, inf_code = 0x3FF00000, 0xFE, 0xFF, None  # 1.875
+    sign_bit = 0
+    code_dtype = torch.uint8
+    fields = {"": FieldSpec(torch.uint8), "scale": FieldSpec(torch.uint8, per_block=True)}  # noqa: RUF012
+
+    def encode(self, x: Tensor, *, rand: Tensor | None = None) -> dict[str, Tensor]:
+        if x.dtype != torch.float32:
+            return self._encode_codes(x, rand)  # raises the FormatError of f32_to_bits
+        # sqrt(-0) = -0 is stored as 0; a negative v gives NaN (stored as the NaN code)
+        s = correctly_rounded_sqrt(x)
+        if rand is None:
+            return self._encode_codes(s, None)  # nearest even on the grid of s
+        # SR chooses between the neighbouring codes lo <= s <= hi with the probability that makes
+        # the decoded v unbiased: the shared rule applied to v on the grid {q*q}, with
+        # frac24 = floor(RN((v - lo*lo) / (hi*hi - lo*lo)) * 2**24). lo*lo, hi*hi, the numerator
+        # (lo*lo <= v, both multiples of ulp(v)) and the denominator (2j+1)*spacing**2 are exact;
+        # the quotient is one correctly rounded division (see docs/formats.md).
+        lo_fields = self._encode_codes(
+            s, torch.full(s.shape, 0xFFFFFFFF, dtype=torch.int64, device=s.device)
+        )
+        lo_code = lo_fields[""].to(torch.int64)
+        finite = lo_code <= self.max_code
+        hi_code = torch.where(finite, torch.clamp(lo_code + 1, max=self.max_code), lo_code)
+        both = self._decode_codes(
+            {  # lo and hi in one pass
+                "": torch.cat([lo_fields[""], hi_code.to(torch.uint8)]),
+                "scale": lo_fields["scale"].repeat(2),
+            }
+        )
+        lo, hi = both[: x.numel()], both[x.numel() :]
+        lo2, hi2 = lo * lo, hi * hi
+        num, den = x - lo2, hi2 - lo2
+        frac = num / torch.where(den > 0, den, torch.ones_like(den))
+        frac24 = torch.floor(frac * 2.0**24).to(torch.int64)
+        frac24 = torch.where(finite & (den > 0) & (num > 0), torch.clamp(frac24, 0, 2**24), 0)
+        code = lo_code + sr_round_up(frac24, rand).to(torch.int64)
+        return {"": code.to(torch.uint8), "scale": lo_fields["scale"]}
+
+    def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        q = self._decode_codes(fields)
+        # NaN codes keep the decoder's NaN pattern (a NaN product's bits differ between devices)
+        return torch.where(torch.isnan(q), q, q * q)

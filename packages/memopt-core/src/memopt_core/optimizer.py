@@ -1,0 +1,933 @@
+"""``MemOptimizer``: the base of every memopt optimizer, also usable directly.
+
+Rules: ``sgd`` / ``adam`` (L2 weight decay added to the gradient), ``sgdw`` / ``adamw`` / ``lion``
+(decoupled weight decay), with the semantics of :mod:`memopt_core.reference`.
+
+Parameters: float32 on any device torch runs on (CPU, CUDA), updated in place (their own master);
+bfloat16 / float16 with ``master="none"`` (updated directly, rounded to nearest or stochastically)
+and bfloat16 with ``master="ecc24"`` / ``"ecc32"`` (an 8 / 16-bit code per element next to the
+parameter keeps a 24-bit / exact fp32 master). Other dtypes are refused.
+
+State bytes per parameter element (moments for Adam; Lion and SGD with momentum keep only the
+first; SGD without momentum keeps none), plus the master code:
+
+=========== ====================== ======================
+moments     first + second moment  master code
+=========== ====================== ======================
+``fp32``    4 + 4                  ``fp32``/``none``: 0
+``bf16``    2 + 2                  ``ecc24``: 1
+``fp8``     ~1 + ~1 (+ scales)     ``ecc32``: 2
+``q8``      ~1 + ~1 (+ scales)
+=========== ====================== ======================
+
+Exact numbers for a configuration: :meth:`MemOptimizer.state_bytes` (arena bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from memopt_core import backends, reference
+from memopt_core.errors import ConfigError, NumericsError, StateDictError
+from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
+from memopt_core.plan import (
+    GroupPlan,
+    StateArena,
+    expected_layout,
+    make_plans,
+    padding_unit,
+    round_up,
+)
+
+__all__ = ["RULES", "MemOptimizer"]
+
+#: rule -> (backend rule, decoupled weight decay)
+RULES: dict[str, tuple[str, bool]] = {
+    "sgd": ("sgd", False),
+    "sgdw": ("sgd", True),
+    "adam": ("adam", False),
+    "adamw": ("adam", True),
+    "lion": ("lion", True),
+}
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HYPER = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "maximize",
+    "decouple_lr",
+    "master",
+    "moments",
+    "stochastic_rounding",
+)
+_BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
+_STATE_DICT_VERSION = 1
+
+
+@dataclass
+class _Entry:
+    plan: GroupPlan
+    arena: StateArena
+    tensor_ids: list[int]
+
+
+@dataclass
+class _GroupPlans:
+    signature: tuple
+    formats: tuple[str, str]
+    names: tuple[str, ...]
+    entries: list[_Entry]
+
+
+def _as_float(value: Any, what: str, where: str) -> float:
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{what} {where} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ConfigError(f"{what} {where} must be finite, got {value}")
+    return value
+
+
+def _describe_tensor(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
+
+
+class MemOptimizer(Optimizer):
+    """A memory-lean SGD/SGDW/Adam/AdamW/Lion with compact states, the base of memopt's families.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs, or param-group dicts (torch semantics).
+        rule: ``"sgd"``, ``"sgdw"``, ``"adam"``, ``"adamw"`` or ``"lion"``.
+        lr, betas, eps, weight_decay, momentum, dampening, nesterov, maximize: as in torch.optim
+            (``betas=None``: (0.9, 0.999), Lion (0.9, 0.99)); ``momentum``/``dampening``/
+            ``nesterov`` apply to SGD, ``betas`` to Adam and Lion, ``eps`` to Adam.
+        decouple_lr: decoupled weight decay multiplies by ``lr / initial_lr * weight_decay``
+            (``initial_lr`` recorded per group when it is added, as LR schedulers do) instead of
+            ``lr * weight_decay``.
+        master: master format of bfloat16/float16 parameters: ``"none"``, ``"ecc24"``, ``"ecc32"``
+            (float32 parameters are always their own master).
+        moments: moment format preset: ``"fp32"``, ``"bf16"``, ``"fp8"``, ``"q8"``.
+        stochastic_rounding: round master and moments stochastically (counter-based, so every
+            backend gives the same bits) where the format offers it.
+        seed: key of the stochastic-rounding generator.
+        check_numerics: refuse non-finite gradients with :class:`NumericsError`, before any state
+            or parameter changes.
+        backend: force a backend by name (``"torch"``, ``"cpu"``, ``"triton"``); None defers to
+            ``MEMOPT_BACKEND`` and then to the automatic choice.
+
+    Every hyperparameter except ``rule``, ``seed``, ``check_numerics`` and ``backend`` may differ
+    per param group. State lives in one arena per (param group, device, dtype); ``self.state[p]``
+    holds views of it under named keys (``step``, ``exp_avg``, ``exp_avg_sq``,
+    ``momentum_buffer``, codec fields like ``exp_avg_scale``, ``master_code``).
+    """
+
+    #: default betas per rule when the caller passes None
+    DEFAULT_BETAS: dict[str, tuple[float, float]] = {"lion": (0.9, 0.99)}  # noqa: RUF012
+    FALLBACK_BETAS: tuple[float, float] = (0.9, 0.999)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        rule: str = "adamw",
+        lr: float = 1e-3,
+        betas: tuple[float, float] | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        decouple_lr: bool = False,
+        master: str = "none",
+        moments: str = "fp32",
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+        check_numerics: bool = False,
+        backend: str | None = None,
+    ) -> None:
+        if rule not in RULES:
+            raise ConfigError(f"unknown rule {rule!r}; choose one of {tuple(RULES)}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        if not isinstance(check_numerics, bool):
+            raise ConfigError(f"check_numerics must be a bool, got {check_numerics!r}")
+        if backend is not None and not isinstance(backend, str):
+            raise ConfigError(
+                f"backend must be None or a backend name like 'torch', 'cpu', 'triton'; got {backend!r}"
+            )
+        self.rule = rule
+        self.seed = seed
+        self.check_numerics = check_numerics
+        self.backend = backend
+        self._reset_plans()
+        forced = backends.forced_backend(backend)
+        if forced is not None:
+            backends.get_backend(forced)  # fail fast with the reason
+        defaults = {
+            "lr": lr,
+            "betas": self._default_betas() if betas is None else betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "dampening": dampening,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "decouple_lr": decouple_lr,
+            "master": master,
+            "moments": moments,
+            "stochastic_rounding": stochastic_rounding,
+        }
+        defaults["betas"] = self._check_group(defaults, "(optimizer defaults)")
+        if isinstance(params, Tensor):
+            raise ConfigError(
+                "params must be an iterable of tensors or param-group dicts, got a single tensor "
+                f"({_describe_tensor(params)}): wrap it in a list"
+            )
+        params = list(params)
+        if not params:
+            raise ConfigError("optimizer got an empty parameter list")
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------------- configuration
+    def _default_betas(self) -> tuple[float, float]:
+        return self.DEFAULT_BETAS.get(self.rule, self.FALLBACK_BETAS)
+
+    def _reset_plans(self) -> None:
+        self._plans: dict[int, _GroupPlans] = {}
+        self._where: dict[int, tuple[int, int, int]] = {}
+        self._index: dict[int, int] | None = None
+
+    @property
+    def _kind(self) -> str:
+        return RULES[self.rule][0]
+
+    def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
+        """Validate a group's hyperparameters (ConfigError); returns the betas as floats."""
+        lr = _as_float(g["lr"], "learning rate (lr)", where)
+        if lr < 0:
+            raise ConfigError(f"invalid learning rate {lr} {where}: it must be >= 0")
+        eps = _as_float(g["eps"], "eps", where)
+        if eps < 0:
+            raise ConfigError(f"invalid eps {eps} {where}: it must be >= 0")
+        wd = _as_float(g["weight_decay"], "weight_decay", where)
+        if wd < 0:
+            raise ConfigError(f"invalid weight_decay {wd} {where}: it must be >= 0")
+        betas = g["betas"]
+        if betas is None:
+            betas = self._default_betas()
+        if isinstance(betas, Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
+        b = tuple(_as_float(x, f"beta{i + 1}", where) for i, x in enumerate(betas))
+        for i, x in enumerate(b):
+            if not 0.0 <= x < 1.0:
+                raise ConfigError(f"invalid beta{i + 1} {x} {where}: betas must lie in [0, 1)")
+        momentum = _as_float(g["momentum"], "momentum", where)
+        if momentum < 0:
+            raise ConfigError(f"invalid momentum {momentum} {where}: it must be >= 0")
+        dampening = _as_float(g["dampening"], "dampening", where)
+        for name in _BOOLS:
+            if not isinstance(g[name], bool):
+                raise ConfigError(f"{name} {where} must be True or False, got {g[name]!r}")
+        if g["nesterov"] and (momentum <= 0 or dampening != 0):
+            raise ConfigError(
+                f"nesterov=True {where} needs momentum > 0 and dampening == 0, got momentum="
+                f"{momentum}, dampening={dampening}"
+            )
+        if g["master"] not in MASTER_FORMATS:
+            raise ConfigError(
+                f"unknown master format {g['master']!r} {where}; choose 'none', 'ecc24' or "
+                "'ecc32' (bfloat16/float16 parameters; float32 ones always use 'fp32')"
+            )
+        if g["moments"] not in MOMENT_PRESETS:
+            raise ConfigError(
+                f"unknown moment format {g['moments']!r} {where}; choose one of {tuple(MOMENT_PRESETS)}"
+            )
+        if g["decouple_lr"] and "initial_lr" in g:
+            initial = _as_float(g["initial_lr"], "initial_lr", where)
+            if initial <= 0:
+                raise ConfigError(
+                    f"decouple_lr=True {where} divides by the initial lr, which is {initial}: "
+                    "it must be > 0"
+                )
+        return b  # type: ignore[return-value]
+
+    def _spec(self, group: Mapping[str, Any], dtype: torch.dtype) -> StateSpec:
+        return StateSpec(
+            master="fp32" if dtype == torch.float32 else group["master"],
+            moments=group["moments"],
+            stochastic_rounding=group["stochastic_rounding"],
+        )
+
+    def _needed_names(self, group: Mapping[str, Any]) -> tuple[str, ...]:
+        kind = self._kind
+        if kind == "adam":
+            return ("exp_avg", "exp_avg_sq")
+        if kind == "lion":
+            return ("exp_avg",)
+        return ("momentum_buffer",) if _as_float(group["momentum"], "momentum", "") != 0 else ()
+
+    def _allowed_names(self) -> tuple[str, ...]:
+        return {"adam": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}.get(
+            self._kind, ("momentum_buffer",)
+        )
+
+    @staticmethod
+    def _codec_of(name: str, spec: StateSpec) -> MomentCodec:
+        return spec.second if name == "exp_avg_sq" else spec.first
+
+    def _param_label(self, p: Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    label = f"{names[i]!r}" if names else f"#{i} of param group {gi}"
+                    return f"parameter {label} ({_describe_tensor(p)})"
+        return f"a tensor ({_describe_tensor(p)}) that this optimizer does not hold"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (torch semantics), validating its parameters and hyperparameters."""
+        if not isinstance(param_group, dict):
+            raise ConfigError(f"a param group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ConfigError("a param group needs a 'params' entry")
+        gi = len(self.param_groups)
+        where = f"(param group {gi})"
+        raw = param_group["params"]
+        if isinstance(raw, Tensor):
+            raw = [raw]
+        elif isinstance(raw, (set, frozenset)):
+            raise ConfigError(
+                f"params {where} is a set, whose order changes between runs: pass a list"
+            )
+        raw = list(raw)
+        tensors, names = [], []
+        for item in raw:
+            if isinstance(item, tuple) and len(item) == 2:
+                names.append(item[0])
+                item = item[1]
+            tensors.append(item)
+        existing = {id(q) for g in self.param_groups for q in g["params"]}
+        seen: set[int] = set()
+        for i, p in enumerate(tensors):
+            label = f"{names[i]!r}" if len(names) == len(tensors) else f"#{i}"
+            if not isinstance(p, Tensor):
+                raise ConfigError(
+                    f"parameter {label} {where} is a {type(p).__name__}, not a tensor"
+                )
+            desc = f"parameter {label} {where} ({_describe_tensor(p)})"
+            if not p.is_leaf:
+                raise ConfigError(
+                    f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
+                    "the leaf it comes from, or pass t.detach().requires_grad_()"
+                )
+            if p.dtype not in _PARAM_DTYPES:
+                raise ConfigError(
+                    f"{desc} has dtype {p.dtype}; memopt optimizes float32, bfloat16 and "
+                    "float16 parameters: cast it (e.g. to float32) or leave it out"
+                )
+            if id(p) in seen:
+                raise ConfigError(f"{desc} appears twice in the group; list each parameter once")
+            if id(p) in existing:
+                raise ConfigError(
+                    f"{desc} is already in another param group; each parameter belongs to one group"
+                )
+            seen.add(id(p))
+        merged = dict(self.defaults)
+        merged.update({k: v for k, v in param_group.items() if k != "params"})
+        if merged.get("betas") is None:
+            merged["betas"] = self._default_betas()
+        betas = self._check_group(merged, where)
+        for i, p in enumerate(tensors):
+            try:
+                self._spec(merged, p.dtype).master_for(p.dtype)
+            except ConfigError as e:
+                label = f"{names[i]!r}" if len(names) == len(tensors) else f"#{i}"
+                raise ConfigError(
+                    f"parameter {label} {where} ({_describe_tensor(p)}): {e}"
+                ) from None
+        param_group["betas"] = betas
+        if merged["decouple_lr"] and "initial_lr" not in param_group:
+            lr = _as_float(merged["lr"], "lr", where)
+            if lr <= 0:
+                raise ConfigError(
+                    f"decouple_lr=True {where} scales weight decay by lr / initial_lr and needs "
+                    f"a positive initial lr, got {lr}"
+                )
+            param_group["initial_lr"] = merged["lr"]
+        super().add_param_group(param_group)
+        self._index = None
+
+    # ------------------------------------------------------------------------- plans, arenas
+    def _tensor_index(self) -> dict[int, int]:
+        if self._index is None:
+            self._index = {
+                id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+            }
+        return self._index
+
+    def _members(self, group: Mapping[str, Any]) -> list[Tensor]:
+        # frozen parameters without state or gradient get no arena space until they train
+        return [
+            p for p in group["params"] if p.requires_grad or p.grad is not None or p in self.state
+        ]
+
+    def _group_names(self, gi: int, group: Mapping[str, Any], members: list[Tensor]) -> tuple:
+        names = set(self._needed_names(group))
+        cur = self._plans.get(gi)
+        if cur is not None:  # names only grow; the state holds no others
+            names.update(cur.names)
+            return tuple(n for n in self._allowed_names() if n in names)
+        spec_any = self._spec(group, torch.float32)
+        for name in self._allowed_names():
+            suffix = next(iter(self._codec_of(name, spec_any).fields))
+            key = name if suffix == "" else f"{name}_{suffix}"
+            if any(key in self.state.get(p, ()) for p in members):
+                names.add(name)
+        return tuple(n for n in self._allowed_names() if n in names)
+
+    def _plans_current_for(self, only: list[Tensor]) -> bool:
+        """Fast check for :meth:`step_parameters`: O(len(only)), not O(all parameters)."""
+        groups = set()
+        for p in only:
+            loc = self._where.get(id(p))
+            if loc is None:
+                return False
+            gi, ei, si = loc
+            plan = self._plans[gi].entries[ei].plan
+            if (
+                p.device != plan.device
+                or p.dtype != plan.param_dtype
+                or p.shape != plan.slots[si].shape
+            ):
+                return False
+            groups.add(gi)
+        for gi in groups:
+            group, cur = self.param_groups[gi], self._plans[gi]
+            if cur.signature[:2] != (
+                (group["master"], group["moments"]),
+                group["stochastic_rounding"],
+            ):
+                return False
+            if not set(self._needed_names(group)) <= set(cur.names):
+                return False
+        return True
+
+    def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
+        """(Re)build the plans and arenas of every group whose parameters or formats changed."""
+        if only is not None and self._plans_current_for(only):
+            return
+        for gi, group in enumerate(self.param_groups):
+            members = self._members(group)
+            names = self._group_names(gi, group, members)
+            formats = (group["master"], group["moments"])
+            signature = (
+                formats,
+                group["stochastic_rounding"],
+                names,
+                tuple(map(id, members)),
+                tuple((p.device, p.dtype, p.shape) for p in members),
+            )
+            cur = self._plans.get(gi)
+            if cur is not None and cur.signature == signature:
+                continue
+            if cur is not None and cur.formats != formats:
+                raise ConfigError(
+                    f"param group {gi} changed its state format from master={cur.formats[0]!r}, "
+                    f"moments={cur.formats[1]!r} to master={formats[0]!r}, moments="
+                    f"{formats[1]!r} after its state was created; formats cannot change in place: "
+                    "restore the old values, or build a new optimizer (memopt_checkpoint converts "
+                    "saved states between formats)"
+                )
+            self._build_group(gi, group, members, names, formats, signature)
+
+    def _build_group(self, gi, group, members, names, formats, signature) -> None:
+        index = self._tensor_index()
+        old = self._plans.pop(gi, None)
+        if old is not None:
+            for entry in old.entries:
+                for p in entry.plan.params:
+                    self._where.pop(id(p), None)
+        entries: list[_Entry] = []
+        new_states: dict[Tensor, dict[str, Any]] = {}
+        for plan in make_plans(members, lambda dt: self._spec(group, dt), group_index=gi):
+            master = plan.spec.master_for(plan.param_dtype)
+            arena = StateArena(plan, {n: self._codec_of(n, plan.spec) for n in names}, master)
+            for slot, p in zip(plan.slots, plan.params, strict=True):
+                prev = self.state.get(p) or {}
+                views = arena.views(slot)
+                for key, view in views.items():
+                    src = prev.get(key)
+                    if src is not None:
+                        if (
+                            not isinstance(src, Tensor)
+                            or src.shape != view.shape
+                            or src.dtype != view.dtype
+                        ):
+                            got = (
+                                f"{src.dtype} of shape {tuple(src.shape)}"
+                                if isinstance(src, Tensor)
+                                else type(src).__name__
+                            )
+                            raise ConfigError(
+                                f"state {key!r} of {self._param_label(p)} is {got}, but "
+                                f"{plan.spec} stores {view.dtype} of shape {tuple(view.shape)}"
+                            )
+                        view.copy_(src)
+                    elif key == "master_code":
+                        _, code = master.encode(p.detach().float().reshape(-1))
+                        view.copy_(code.view(slot.shape))
+                step = prev.get("step")
+                state = {"step": _step_tensor(step if step is not None else 0)}
+                state.update(views)
+                new_states[p] = state
+            entries.append(_Entry(plan, arena, [index[id(p)] for p in plan.params]))
+        for p, state in new_states.items():
+            self.state[p] = state
+        for ei, entry in enumerate(entries):
+            for si, p in enumerate(entry.plan.params):
+                self._where[id(p)] = (gi, ei, si)
+        self._plans[gi] = _GroupPlans(signature, formats, names, entries)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held now (arenas: moments, scales, master codes; not the
+        parameters, not the per-tensor step counters). State is created by the first step."""
+        return sum(e.arena.nbytes() for gp in self._plans.values() for e in gp.entries)
+
+    # ------------------------------------------------------------------------------- stepping
+    def _scalars(self, group: Mapping[str, Any], step: int):
+        kind, decoupled = RULES[self.rule]
+        lr = float(group["lr"])
+        betas = tuple(float(b) for b in group["betas"])
+        wd = float(group["weight_decay"])
+        initial_lr = None
+        if group["decouple_lr"] and decoupled:
+            if "initial_lr" not in group:
+                group["initial_lr"] = group["lr"]
+            initial_lr = float(group["initial_lr"])
+        if kind == "adam":
+            return reference.adam_scalars(
+                lr=lr,
+                betas=betas,
+                eps=float(group["eps"]),
+                weight_decay=wd,
+                step=step,
+                decoupled=decoupled,
+                maximize=group["maximize"],
+                initial_lr=initial_lr,
+            )
+        if kind == "lion":
+            return reference.lion_scalars(
+                lr=lr,
+                betas=betas,
+                weight_decay=wd,
+                maximize=group["maximize"],
+                initial_lr=initial_lr,
+            )
+        return reference.sgd_scalars(
+            lr=lr,
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=group["nesterov"],
+            weight_decay=wd,
+            decoupled=decoupled,
+            maximize=group["maximize"],
+            initial_lr=initial_lr,
+        )
+
+    def _check_grad(self, p: Tensor, g: Tensor, plan: GroupPlan, si: int) -> None:
+        if g.layout != torch.strided:
+            raise ConfigError(
+                f"{self._param_label(p)} has a {g.layout} gradient; memopt optimizers need dense "
+                "gradients (torch.nn.Embedding(sparse=False), or g.to_dense())"
+            )
+        if g.is_complex():
+            raise ConfigError(f"{self._param_label(p)} has a complex gradient ({g.dtype})")
+        if g.shape != p.shape or g.device != p.device:
+            raise ConfigError(
+                f"{self._param_label(p)} has a gradient of shape {tuple(g.shape)} on {g.device}; "
+                "it must match the parameter"
+            )
+        if g.dtype not in (p.dtype, torch.float32):
+            raise ConfigError(
+                f"{self._param_label(p)} has a {g.dtype} gradient; memopt takes gradients in the "
+                "parameter's dtype or float32"
+            )
+        slot = plan.slots[si]
+        if p.device != plan.device or p.dtype != plan.param_dtype or p.shape != slot.shape:
+            raise ConfigError(
+                f"{self._param_label(p)} changed since its state was created (it was "
+                f"{plan.param_dtype} of shape {tuple(slot.shape)} on {plan.device}); move or cast "
+                "models before their first optimizer step"
+            )
+
+    def _collect(
+        self, only: list[Tensor] | None
+    ) -> list[tuple[int, int, list[tuple[int, Tensor, Tensor]]]]:
+        tasks: dict[tuple[int, int], list[tuple[int, Tensor, Tensor]]] = {}
+        if only is None:
+            for gi, gp in self._plans.items():
+                for ei, entry in enumerate(gp.entries):
+                    part = [
+                        (si, p, p.grad)
+                        for si, p in enumerate(entry.plan.params)
+                        if p.grad is not None
+                    ]
+                    if part:
+                        tasks[(gi, ei)] = part
+        else:
+            seen: set[int] = set()
+            for p in only:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                loc = self._where.get(id(p))
+                if loc is None:
+                    if isinstance(p, Tensor) and id(p) in self._tensor_index():
+                        continue  # frozen parameter without state: nothing to do
+                    what = _describe_tensor(p) if isinstance(p, Tensor) else type(p).__name__
+                    raise ConfigError(
+                        f"step_parameters got a tensor ({what}) that this optimizer does not hold"
+                    )
+                if p.grad is None:
+                    continue
+                gi, ei, si = loc
+                tasks.setdefault((gi, ei), []).append((si, p, p.grad))
+            for part in tasks.values():
+                part.sort(key=lambda t: t[0])
+        return [(gi, ei, part) for (gi, ei), part in sorted(tasks.items())]
+
+    def _update(self, only: list[Tensor] | None) -> None:
+        self._ensure_plans(only)
+        tasks = self._collect(only)
+        works: list[tuple[Any, backends.GroupStep]] = []
+        for gi, ei, part in tasks:
+            group = self.param_groups[gi]
+            self._check_group(group, f"(param group {gi})")
+            entry = self._plans[gi].entries[ei]
+            plan = entry.plan
+            for si, p, g in part:
+                self._check_grad(p, g, plan, si)
+            by_step: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
+            for item in part:
+                by_step.setdefault(int(self.state[item[1]]["step"].item()), []).append(item)
+            spec = self._spec(group, plan.param_dtype)
+            backend = backends.select_backend(
+                self._kind, spec, plan.device, plan.param_dtype, self.backend
+            )
+            for done in sorted(by_step):
+                items = by_step[done]
+                step = done + 1
+                works.append(
+                    (
+                        backend,
+                        backends.GroupStep(
+                            rule=self._kind,
+                            spec=spec,
+                            plan=plan,
+                            slots=[si for si, _, _ in items],
+                            params=[p for _, p, _ in items],
+                            grads=[g for _, _, g in items],
+                            arena=entry.arena,
+                            scalars=self._scalars(group, step),
+                            step=step,
+                            seed=self.seed,
+                            tensor_ids=[entry.tensor_ids[si] for si, _, _ in items],
+                            first_step=step == 1,
+                        ),
+                    )
+                )
+        if self.check_numerics:
+            self._check_finite(works)
+        for backend, work in works:
+            backend.step(work)
+            for p in work.params:
+                self.state[p]["step"] += 1
+
+    def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
+        by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        for _, work in works:
+            for p, g in zip(work.params, work.grads, strict=True):
+                if g.numel():
+                    by_device.setdefault(g.device, []).append((p, g))
+        bad: list[Tensor] = []
+        for pairs in by_device.values():
+            flags = torch.stack([torch.isfinite(g).all() for _, g in pairs]).tolist()
+            bad.extend(p for (p, _), ok in zip(pairs, flags, strict=True) if not ok)
+        if bad:
+            listed = "; ".join(self._param_label(p) for p in bad[:8])
+            more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+            raise NumericsError(
+                f"non-finite gradient (NaN or Inf) in {len(bad)} parameter(s): {listed}{more}. "
+                "No parameter or state was modified; lower the learning rate or loss scale, or "
+                "skip this step"
+            )
+
+    def step(self, closure=None):  # type: ignore[override]
+        """One optimizer step over every parameter with a gradient; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._update(None)
+        return loss
+
+    def step_parameters(self, params: Iterable[Tensor]) -> None:
+        """Update only ``params`` (those with a gradient), e.g. from a gradient-release hook."""
+        if isinstance(params, Tensor):
+            params = [params]
+        with torch.no_grad():
+            self._update(list(params))
+
+    # ---------------------------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format (``state`` by parameter index, ``param_groups``) with memopt's named
+        state keys, plus ``memopt``: rule, seed, version. State tensors are views of the arenas
+        (live references, as in torch; ``torch.save`` stores each arena once; take a
+        ``copy.deepcopy`` for a snapshot in memory)."""
+        sd = super().state_dict()
+        sd["memopt"] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`, validating everything before changing anything.
+
+        States keep their formats and dtypes (never cast to the parameter dtype); saved param
+        groups' hyperparameters replace the current ones, but their formats (``master``,
+        ``moments``) must match. Mismatches raise :class:`StateDictError` naming the parameter.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(
+                f"expected a state dict (a mapping), got {type(state_dict).__name__}"
+            )
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise StateDictError(
+                    f"the state dict lacks {key!r}; pass the dict MemOptimizer.state_dict() returns"
+                )
+        meta = state_dict.get("memopt")
+        if meta is not None:
+            if not isinstance(meta, Mapping):
+                raise StateDictError("the state dict's 'memopt' entry must be a dict")
+            if meta.get("rule", self.rule) != self.rule:
+                raise StateDictError(
+                    f"the state dict was saved by a {meta['rule']!r} optimizer; this one runs "
+                    f"{self.rule!r}"
+                )
+            seed = meta.get("seed", self.seed)
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+                raise StateDictError(
+                    f"the state dict's seed must be an int in [0, 2**64), got {seed!r}"
+                )
+        else:
+            seed = self.seed
+        saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, (list, tuple)):
+            raise StateDictError("the state dict's 'param_groups' must be a list")
+        if len(saved_groups) != len(self.param_groups):
+            raise StateDictError(
+                f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        merged_groups: list[dict[str, Any]] = []
+        id_map: dict[Any, tuple[int, Tensor]] = {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            if not isinstance(saved, Mapping) or "params" not in saved:
+                raise StateDictError(
+                    f"param group {gi} of the state dict is not a param group dict"
+                )
+            if len(saved["params"]) != len(group["params"]):
+                raise StateDictError(
+                    f"param group {gi} of the state dict has {len(saved['params'])} parameters, "
+                    f"this optimizer's has {len(group['params'])}"
+                )
+            missing = [k for k in _HYPER if k not in saved]
+            if missing:
+                raise StateDictError(
+                    f"param group {gi} of the state dict lacks {missing}: it was not saved by a "
+                    "memopt optimizer (convert it with memopt_checkpoint)"
+                )
+            for k in ("master", "moments"):
+                if saved[k] != group[k]:
+                    raise StateDictError(
+                        f"param group {gi} of the state dict holds {k}={saved[k]!r} states; this "
+                        f"optimizer uses {k}={group[k]!r}: build the optimizer with the same format "
+                        "(or convert the checkpoint with memopt_checkpoint)"
+                    )
+            merged = {k: v for k, v in group.items() if k != "params"}
+            merged.update({k: deepcopy(v) for k, v in saved.items() if k != "params"})
+            if isinstance(merged.get("betas"), list):
+                merged["betas"] = tuple(merged["betas"])
+            try:
+                merged["betas"] = self._check_group(merged, f"(param group {gi} of the state dict)")
+            except ConfigError as e:
+                raise StateDictError(str(e)) from None
+            merged["params"] = group["params"]
+            merged_groups.append(merged)
+            for key, p in zip(saved["params"], group["params"], strict=True):
+                if key in id_map:
+                    raise StateDictError(f"parameter index {key!r} appears twice in the state dict")
+                id_map[key] = (gi, p)
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, Mapping):
+            raise StateDictError("the state dict's 'state' must be a dict")
+        new_state: dict[Tensor, dict[str, Any]] = {}
+        for key, entry in saved_state.items():
+            if key not in id_map:
+                raise StateDictError(
+                    f"the state dict holds state for parameter index {key!r}, which none of its "
+                    "param groups lists"
+                )
+            gi, p = id_map[key]
+            new_state[p] = self._validated_state(p, gi, key, merged_groups[gi], entry)
+        # everything is valid: commit
+        for group, merged in zip(self.param_groups, merged_groups, strict=True):
+            group.clear()
+            group.update(merged)
+        self.state = defaultdict(dict)
+        for p, entry in new_state.items():
+            self.state[p] = entry
+        self.seed = seed
+        self._reset_plans()
+        if new_state:
+            self._ensure_plans()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _validated_state(self, p: Tensor, gi: int, key: Any, group: Mapping, entry: Any) -> dict:
+        label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
+        if not isinstance(entry, Mapping):
+            raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
+        spec = self._spec(group, p.dtype)
+        master = spec.master_for(p.dtype)
+        padded = round_up(p.numel(), padding_unit(spec))
+        needed = set(self._needed_names(group))
+        allowed = self._allowed_names()
+        layout = {
+            name: expected_layout({name: self._codec_of(name, spec)}, None, p.shape, padded)
+            for name in allowed
+        }
+        expected: dict[str, tuple] = {}
+        for name in allowed:
+            present = [k for k in layout[name] if k in entry]
+            if name in needed or present:
+                expected.update(layout[name])
+        expected.update(expected_layout({}, master, p.shape, padded))
+        required = set(expected) | {"step"}
+        missing = sorted(required - set(entry))
+        if missing:
+            raise StateDictError(
+                f"the state of {label} lacks {missing} (the format master={spec.master!r}, "
+                f"moments={spec.moments!r} of rule {self.rule!r} stores {sorted(required)})"
+            )
+        extra = sorted(set(entry) - required, key=str)
+        if extra:
+            raise StateDictError(
+                f"the state of {label} has unexpected entries {extra} (the format "
+                f"master={spec.master!r}, moments={spec.moments!r} of rule {self.rule!r} stores "
+                f"{sorted(required)})"
+            )
+        out: dict[str, Any] = {"step": self._validated_step(entry["step"], label)}
+        for k, (shape, dtype) in expected.items():
+            t = entry[k]
+            if not isinstance(t, Tensor):
+                raise StateDictError(
+                    f"state {k!r} of {label} must be a tensor, got {type(t).__name__}"
+                )
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise StateDictError(
+                    f"state {k!r} of {label} is {t.dtype} of shape {tuple(t.shape)}; the format "
+                    f"master={spec.master!r}, moments={spec.moments!r} stores {dtype} of shape "
+                    f"{tuple(shape)}"
+                )
+            out[k] = t
+        return out
+
+    @staticmethod
+    def _validated_step(step: Any, label: str) -> Tensor:
+        value = step
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_complex():
+                raise StateDictError(f"'step' of {label} must be a single number, got {value!r}")
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise StateDictError(f"'step' of {label} must be a number, got {step!r}")
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise StateDictError(f"'step' of {label} must be a whole number >= 0, got {value}")
+        return _step_tensor(value)
+
+    # ------------------------------------------------------------------------ pickle, deepcopy
+    def __getstate__(self) -> dict[str, Any]:
+        # compact copies of the state (views would pickle whole arenas once per view)
+        state = defaultdict(dict)
+        for p, s in self.state.items():
+            state[p] = {k: (_Picklable(v) if isinstance(v, Tensor) else v) for k, v in s.items()}
+        return {
+            "defaults": self.defaults,
+            "state": state,
+            "param_groups": self.param_groups,
+            "rule": self.rule,
+            "seed": self.seed,
+            "check_numerics": self.check_numerics,
+            "backend": self.backend,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("rule", "adamw")
+        self.__dict__.setdefault("seed", 0)
+        self.__dict__.setdefault("check_numerics", False)
+        self.__dict__.setdefault("backend", None)
+        for st in self.state.values():  # a shallow copy.copy() gets the pickling wrappers
+            for k, v in st.items():
+                if isinstance(v, _Picklable):
+                    st[k] = v.__reduce__()[0](*v.__reduce__()[1])
+        self._reset_plans()
+
+
+class _Picklable:
+    """A compact copy of a state tensor for pickling (a view would pickle its whole arena once per
+    view). torch 2.13's plain pickle cannot rebuild float8 tensors, so they travel as uint8."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self):
+        t = self.t.detach()
+        if t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+            return (_from_bytes, (t.clone().view(torch.uint8), str(t.dtype).removeprefix("torch.")))
+        return (_identity, (t.clone(),))
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+def _from_bytes(t: Tensor, dtype: str) -> Tensor:
+    return t.view(getattr(torch, dtype))
+
+
+def _step_tensor(value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        value = value.item()
+    return torch.tensor(float(value), dtype=torch.float32)

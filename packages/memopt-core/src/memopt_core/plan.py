@@ -1,0 +1,309 @@
+"""Multi-tensor planning: groups of tensors, one state arena per group, chunk tables.
+
+A *plan group* (:class:`GroupPlan`) holds the parameters of one optimizer param group that share
+a device, a parameter dtype and a :class:`~memopt_core.formats.StateSpec`. Each parameter gets a
+:class:`Slot`: its element count, that count rounded up to the spec's block size (so a
+quantization block never straddles two tensors) and its offset in the group's arena.
+
+A :class:`StateArena` stores every state of the group in a few flat tensors: for each state name
+(``exp_avg``, ...) and each field of its codec one tensor for the whole group (per-block fields
+hold ``total / block_size`` entries), plus the master-weight codes of ECC formats. Per-parameter
+state entries are views of these tensors.
+
+A *chunk table* (:meth:`GroupPlan.chunk_table`) cuts the work into chunks of at most
+``chunk_size`` elements that never cross a tensor: an int64 ``(n_chunks, 4)`` tensor with
+columns ``(slot, start within the tensor, length, arena offset of the chunk's first element)``.
+``chunk_size`` is a multiple of the block size, so every chunk covers whole blocks; ``length``
+counts the tensor's real elements (the last chunk of a tensor stops at ``numel``, and its last
+block is completed by zero padding up to the slot's padded length). Tables are cached on the tuple
+of the tensors' ``data_ptr()`` (plus sizes, offsets and chunk size): asking twice with the same
+tensors returns the identical tensor object, so kernels can keep device-side pointers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from memopt_core.errors import ConfigError
+from memopt_core.formats import MasterCodec, MomentCodec, StateSpec
+
+__all__ = [
+    "CHUNK_COLUMNS",
+    "GroupPlan",
+    "Slot",
+    "StateArena",
+    "clear_chunk_cache",
+    "expected_layout",
+    "make_plans",
+    "padding_unit",
+    "round_up",
+    "state_key",
+]
+
+#: Columns of a chunk table, in order.
+CHUNK_COLUMNS = ("slot", "start", "length", "arena_offset")
+
+
+def round_up(n: int, block: int) -> int:
+    """``n`` rounded up to a multiple of ``block``."""
+    return -(-n // block) * block
+
+
+def state_key(name: str, suffix: str) -> str:
+    """The optimizer-state key of field ``suffix`` of state ``name`` (``exp_avg``, ``exp_avg_scale``)."""
+    return name if suffix == "" else f"{name}_{suffix}"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor's place in its group: ``index`` in the group, sizes, arena ``offset``."""
+
+    index: int
+    shape: torch.Size
+    numel: int
+    padded: int
+    offset: int
+
+
+class GroupPlan:
+    """The layout of one group of tensors (same device, parameter dtype, spec, param group).
+
+    ``params`` are kept in the order given; ``slots[i]`` describes ``params[i]``; ``total`` is the
+    arena length in elements (sum of the padded lengths).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        spec: StateSpec,
+        *,
+        group_index: int = 0,
+        device: torch.device | None = None,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.params = list(params)
+        if not self.params and (device is None or param_dtype is None):
+            raise ConfigError("an empty plan group needs an explicit device and param_dtype")
+        self.device = torch.device(device) if device is not None else self.params[0].device
+        self.param_dtype = param_dtype if param_dtype is not None else self.params[0].dtype
+        self.spec = spec
+        self.group_index = group_index
+        self.block_size = padding_unit(spec)
+        slots = []
+        offset = 0
+        for i, p in enumerate(self.params):
+            if p.device != self.device or p.dtype != self.param_dtype:
+                raise ConfigError(
+                    f"plan group of {self.param_dtype} tensors on {self.device} got a "
+                    f"{p.dtype} tensor of shape {tuple(p.shape)} on {p.device}"
+                )
+            n = p.numel()
+            padded = round_up(n, self.block_size)
+            slots.append(Slot(i, p.shape, n, padded, offset))
+            offset += padded
+        self.slots: list[Slot] = slots
+        self.total = offset
+        self._aux: dict = {}  # per-plan caches of backends (index vectors, layouts, ...)
+
+    @property
+    def key(self) -> tuple:
+        """``(device, param dtype, spec, param-group index)``: what the tensors share."""
+        return (self.device, self.param_dtype, self.spec, self.group_index)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __repr__(self) -> str:
+        return (
+            f"GroupPlan({len(self.slots)} tensors, {self.total} elements, {self.param_dtype} on "
+            f"{self.device}, {self.spec}, group {self.group_index})"
+        )
+
+    def cache(self, key, build: Callable[[], object]):
+        """A per-plan memo for backends: ``build()`` once per ``key`` (keep keys small)."""
+        try:
+            return self._aux[key]
+        except KeyError:
+            value = self._aux[key] = build()
+            return value
+
+    def chunk_table(self, chunk_size: int, slots: Sequence[int] | None = None) -> Tensor:
+        """The chunk table of ``slots`` (all by default), on the plan's device; cached (see module doc)."""
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if chunk_size % self.block_size:
+            raise ConfigError(
+                f"chunk_size {chunk_size} must be a multiple of the block size {self.block_size} "
+                f"of {self.spec} so that a chunk covers whole blocks"
+            )
+        chosen = [self.slots[i] for i in (range(len(self.slots)) if slots is None else slots)]
+        key = (
+            tuple(self.params[s.index].data_ptr() for s in chosen),
+            tuple((s.index, s.numel, s.offset) for s in chosen),
+            chunk_size,
+            str(self.device),
+        )
+        table = _CHUNK_CACHE.get(key)
+        if table is None:
+            table = _build_chunk_table(chosen, chunk_size, self.device)
+            _CHUNK_CACHE[key] = table
+            while len(_CHUNK_CACHE) > _CHUNK_CACHE_SIZE:
+                _CHUNK_CACHE.popitem(last=False)
+        else:
+            _CHUNK_CACHE.move_to_end(key)
+        return table
+
+
+def padding_unit(spec: StateSpec) -> int:
+    """Padding unit of ``spec``'s arena: a multiple of every moment codec's block size."""
+    bs = spec.block_size
+    lcm = math.lcm(spec.first.block_size, spec.second.block_size)
+    return bs if bs % lcm == 0 else lcm
+
+
+_CHUNK_CACHE: OrderedDict[tuple, Tensor] = OrderedDict()
+_CHUNK_CACHE_SIZE = 256
+
+
+def clear_chunk_cache() -> None:
+    """Forget every cached chunk table."""
+    _CHUNK_CACHE.clear()
+
+
+def _build_chunk_table(slots: Sequence[Slot], chunk_size: int, device: torch.device) -> Tensor:
+    if not slots:
+        return torch.zeros((0, 4), dtype=torch.int64, device=device)
+    numel = torch.tensor([s.numel for s in slots], dtype=torch.int64)
+    counts = (numel + chunk_size - 1) // chunk_size
+    n = int(counts.sum())
+    slot_ids = torch.repeat_interleave(torch.tensor([s.index for s in slots]), counts)
+    offsets = torch.repeat_interleave(torch.tensor([s.offset for s in slots]), counts)
+    sizes = torch.repeat_interleave(numel, counts)
+    firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    start = (torch.arange(n, dtype=torch.int64) - firsts) * chunk_size
+    length = torch.minimum(sizes - start, torch.tensor(chunk_size))
+    table = torch.stack([slot_ids, start, length, offsets + start], dim=1)
+    return table.to(device).contiguous()
+
+
+def make_plans(
+    params: Iterable[Tensor],
+    spec_for: StateSpec | Callable[[torch.dtype], StateSpec],
+    *,
+    group_index: int = 0,
+) -> list[GroupPlan]:
+    """Split ``params`` into :class:`GroupPlan` s by (device, dtype, spec), in order of first use.
+
+    ``spec_for`` is one spec for every tensor or a function of the parameter dtype (the master
+    format depends on it: fp32 parameters use master ``fp32``).
+    """
+    buckets: dict[tuple, list[Tensor]] = {}
+    specs: dict[tuple, StateSpec] = {}
+    for p in params:
+        spec = spec_for if isinstance(spec_for, StateSpec) else spec_for(p.dtype)
+        key = (p.device, p.dtype, spec)
+        buckets.setdefault(key, []).append(p)
+        specs[key] = spec
+    return [
+        GroupPlan(ps, specs[key], group_index=group_index, device=key[0], param_dtype=key[1])
+        for key, ps in buckets.items()
+    ]
+
+
+class StateArena:
+    """Flat state storage of one :class:`GroupPlan`.
+
+    ``moments`` maps each state name to its codec (e.g. ``{"exp_avg": spec.first, "exp_avg_sq":
+    spec.second}``). ``fields[name][suffix]`` is one flat tensor for the whole group;
+    ``master_code`` is the flat int code tensor of an ECC master (``total`` entries) or None.
+    :meth:`views` gives one tensor's entries under the optimizer's state keys: unblocked fields
+    (codec block 1) and master codes shaped like the parameter, blocked fields as flat padded views.
+    """
+
+    def __init__(
+        self,
+        plan: GroupPlan,
+        moments: Mapping[str, MomentCodec],
+        master: MasterCodec | None = None,
+    ) -> None:
+        self.plan = plan
+        self.codecs: dict[str, MomentCodec] = dict(moments)
+        self.master = master
+        self.fields: dict[str, dict[str, Tensor]] = {}
+        for name, codec in self.codecs.items():
+            if plan.block_size % codec.block_size:
+                raise ConfigError(
+                    f"codec {codec.name!r} has block size {codec.block_size}, which does not divide "
+                    f"the plan's padding unit {plan.block_size}"
+                )
+            self.fields[name] = codec.allocate(plan.total, plan.device)
+        code_dtype = master.code_dtype if master is not None else None
+        self.master_code: Tensor | None = (
+            torch.zeros(plan.total, dtype=code_dtype, device=plan.device)
+            if code_dtype is not None
+            else None
+        )
+
+    def field_slice(self, name: str, suffix: str, slot: Slot) -> Tensor:
+        """Flat view of field ``suffix`` of state ``name`` covering ``slot`` (padded length)."""
+        codec = self.codecs[name]
+        flat = self.fields[name][suffix]
+        if codec.fields[suffix].per_block:
+            bs = codec.block_size
+            return flat[slot.offset // bs : (slot.offset + slot.padded) // bs]
+        return flat[slot.offset : slot.offset + slot.padded]
+
+    def views(self, slot: Slot) -> dict[str, Tensor]:
+        """``{state key: view}`` of every field of ``slot``; the master code under ``master_code``."""
+        out: dict[str, Tensor] = {}
+        for name, codec in self.codecs.items():
+            for suffix in codec.fields:
+                view = self.field_slice(name, suffix, slot)
+                if codec.block_size == 1:
+                    view = view[: slot.numel].view(slot.shape)
+                out[state_key(name, suffix)] = view
+        if self.master_code is not None:
+            code = self.master_code[slot.offset : slot.offset + slot.numel]
+            out["master_code"] = code.view(slot.shape)
+        return out
+
+    def layout(self, slot: Slot) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{state key: (shape, dtype)}`` of :meth:`views` without building them."""
+        return expected_layout(self.codecs, self.master, slot.shape, slot.padded)
+
+    def tensors(self) -> list[Tensor]:
+        """Every flat tensor of the arena."""
+        out = [t for fs in self.fields.values() for t in fs.values()]
+        if self.master_code is not None:
+            out.append(self.master_code)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of all the arena's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def expected_layout(
+    moments: Mapping[str, MomentCodec],
+    master: MasterCodec | None,
+    shape: Sequence[int],
+    padded: int,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{state key: (shape, dtype)}`` of a tensor of ``shape`` padded to ``padded`` elements."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, codec in moments.items():
+        for suffix, f in codec.fields.items():
+            if codec.block_size == 1:
+                size: tuple[int, ...] = tuple(shape)
+            else:
+                size = (f.numel(padded, codec.block_size),)
+            out[state_key(name, suffix)] = (size, f.dtype)
+    if master is not None and master.code_dtype is not None:
+        out["master_code"] = (tuple(shape), master.code_dtype)
+    return out

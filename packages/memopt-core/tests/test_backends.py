@@ -1,0 +1,237 @@
+"""The backend registry: entry points, KERNEL_API checks, capability queries, forced selection."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from memopt_core import MemOptimizer, backends
+from memopt_core.backends import KERNEL_API, GroupStep
+from memopt_core.errors import BackendUnavailableError
+from memopt_core.formats import StateSpec
+from memopt_core.reference import AdamScalars, SGDScalars
+from memopt_core.torch_backend import TorchBackend
+
+SPEC = StateSpec(master="fp32", moments="fp32")
+
+
+class FakeEntryPoint:
+    def __init__(self, name, obj=None, error=None):
+        self.name, self.value, self.group = name, f"fake_{name}:backend", "memopt.kernels"
+        self._obj, self._error = obj, error
+
+    def load(self):
+        if self._error is not None:
+            raise self._error
+        return self._obj
+
+
+class RecordingBackend:
+    """A kernel-package stand-in: delegates to the torch backend and records what it was given."""
+
+    KERNEL_API = KERNEL_API
+
+    def __init__(self, name="cpu", rules=("sgd", "adam", "lion"), usable=True):
+        self.name, self.rules, self.usable, self.calls = name, rules, usable, []
+
+    def available(self):
+        return (True, "ok") if self.usable else (False, "no AVX2 on this CPU")
+
+    def supports(self, rule, spec, device, param_dtype):
+        return rule in self.rules and device.type == "cpu"
+
+    def step(self, work: GroupStep):
+        self.calls.append(work)
+        TorchBackend().step(work)
+
+
+class OldBackend(RecordingBackend):
+    KERNEL_API = 0
+
+
+def install(monkeypatch, *eps):
+    real = importlib.metadata.entry_points
+
+    def fake_entry_points(**kw):
+        if kw != {"group": "memopt.kernels"}:  # other libraries (triton, ...) look up theirs
+            return real(**kw)
+        return list(eps)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake_entry_points)
+    backends.refresh_backends()
+
+
+def test_kernel_api_level_and_torch_always_there(fresh_backends):
+    assert KERNEL_API == 1
+    reg = backends.available_backends()
+    assert reg["torch"].usable
+    assert isinstance(reg["torch"].backend, TorchBackend)
+    assert isinstance(reg["torch"].backend, backends.Backend)  # satisfies the protocol
+
+
+def test_registry_reports_unusable_entry_points(monkeypatch, fresh_backends):
+    install(
+        monkeypatch,
+        FakeEntryPoint("old", OldBackend("old")),
+        FakeEntryPoint("broken", error=ImportError("libmemopt_cpu.so: cannot open shared object")),
+        FakeEntryPoint("nogpu", RecordingBackend("nogpu", usable=False)),
+        FakeEntryPoint("junk", object()),
+        FakeEntryPoint("cpu", RecordingBackend("cpu")),
+    )
+    reg = backends.available_backends()
+    assert not reg["old"].usable
+    assert "built for KERNEL_API 0 but memopt-core needs KERNEL_API 1" in reg["old"].reason
+    assert not reg["broken"].usable
+    assert "failed to import: ImportError: libmemopt_cpu.so" in reg["broken"].reason
+    assert not reg["nogpu"].usable
+    assert reg["nogpu"].reason == "no AVX2 on this CPU"
+    assert not reg["junk"].usable
+    assert "KERNEL_API None" in reg["junk"].reason
+    assert reg["cpu"].usable
+    assert reg["cpu"].origin == "entry point cpu = fake_cpu:backend"
+
+
+def test_entry_point_listing_failure_does_not_break(monkeypatch, fresh_backends):
+    real = importlib.metadata.entry_points
+
+    def boom(**kw):
+        if kw != {"group": "memopt.kernels"}:
+            return real(**kw)
+        raise RuntimeError("corrupt metadata")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", boom)
+    reg = backends.refresh_backends()
+    assert reg["torch"].usable
+    assert "corrupt metadata" in reg["<entry points>"].reason
+
+
+def test_entry_point_factories_are_called(monkeypatch, fresh_backends):
+    install(monkeypatch, FakeEntryPoint("cpu", RecordingBackend))  # a class: instantiated
+    assert backends.available_backends()["cpu"].usable
+
+
+def test_capabilities_say_why(monkeypatch, fresh_backends):
+    install(
+        monkeypatch,
+        FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("adam",))),
+        FakeEntryPoint("old", OldBackend("old")),
+    )
+    caps = backends.backend_capabilities("lion", SPEC, "cpu", torch.float32)
+    assert caps["torch"] == (True, "supported")
+    assert caps["cpu"][0] is False
+    assert "does not support rule 'lion' with master 'fp32', moments 'fp32'" in caps["cpu"][1]
+    assert "torch.float32 parameters on cpu" in caps["cpu"][1]
+    assert caps["old"][0] is False
+    assert "KERNEL_API" in caps["old"][1]
+    assert backends.backend_capabilities("adam", SPEC, "cpu", torch.float32)["cpu"] == (
+        True,
+        "supported",
+    )
+
+
+def test_default_selection_order(monkeypatch, fresh_backends):
+    cpu = RecordingBackend("cpu", rules=("adam",))
+    install(monkeypatch, FakeEntryPoint("cpu", cpu))
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    assert backends.select_backend("adam", SPEC, "cpu", torch.float32) is cpu
+    assert isinstance(backends.select_backend("lion", SPEC, "cpu", torch.float32), TorchBackend)
+    assert isinstance(backends.select_backend("adam", SPEC, "meta", torch.float32), TorchBackend)
+    assert backends.default_order("cuda") == ("triton", "torch")
+    assert backends.default_order("cpu") == ("cpu", "torch")
+
+
+def test_env_var_forces_torch(monkeypatch, fresh_backends):
+    cpu = RecordingBackend("cpu")
+    install(monkeypatch, FakeEntryPoint("cpu", cpu))
+    monkeypatch.setenv("MEMOPT_BACKEND", "torch")
+    assert isinstance(backends.select_backend("adam", SPEC, "cpu", torch.float32), TorchBackend)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = MemOptimizer([p])
+    p.grad = torch.ones(3)
+    opt.step()
+    assert cpu.calls == []
+    # an explicit backend= wins over the variable
+    opt = MemOptimizer([p], backend="cpu")
+    opt.step()
+    assert len(cpu.calls) == 1
+
+
+def test_env_var_forcing_a_missing_backend(monkeypatch, fresh_backends):
+    install(monkeypatch)
+    monkeypatch.setenv("MEMOPT_BACKEND", "triton")
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"memopt backend 'triton' is not installed \(pip install memopt-kernels-triton.*\); installed backends: torch \(forced by MEMOPT_BACKEND='triton'\)",
+    ):
+        backends.select_backend("adam", SPEC, "cpu", torch.float32)
+    monkeypatch.setenv("MEMOPT_BACKEND", " Auto ")
+    assert isinstance(backends.select_backend("adam", SPEC, "cpu", torch.float32), TorchBackend)
+
+
+def test_forcing_an_unusable_or_unsupporting_backend(monkeypatch, fresh_backends):
+    install(
+        monkeypatch,
+        FakeEntryPoint("old", OldBackend("old")),
+        FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("sgd",))),
+    )
+    with pytest.raises(
+        BackendUnavailableError, match=r"'old' cannot run here: built for KERNEL_API 0"
+    ):
+        backends.select_backend("adam", SPEC, "cpu", torch.float32, backend="old")
+    with pytest.raises(
+        BackendUnavailableError,
+        match=r"'cpu' \(forced by backend='cpu'\) does not support rule 'adam'",
+    ):
+        backends.select_backend("adam", SPEC, "cpu", torch.float32, backend="cpu")
+    # the optimizer reports it at step time, before changing anything
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = MemOptimizer([p], backend="cpu")
+    p.grad = torch.ones(3)
+    with pytest.raises(BackendUnavailableError, match="does not support rule 'adam'"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert opt.state[p]["step"].item() == 0
+
+
+def test_backend_receives_a_group_step(monkeypatch, fresh_backends):
+    cpu = RecordingBackend("cpu")
+    install(monkeypatch, FakeEntryPoint("cpu", cpu))
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (5, 6, 7))
+    opt = MemOptimizer(
+        [{"params": [a]}, {"params": [b, c], "lr": 0.5}], rule="sgdw", momentum=0.9, seed=11
+    )
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    c.grad = None
+    opt.step()
+    first, second, a_again, third = cpu.calls
+    assert (first.rule, first.step, first.first_step, first.tensor_ids, first.slots) == (
+        "sgd",
+        1,
+        True,
+        [0],
+        [0],
+    )
+    assert second.tensor_ids == [1, 2]
+    assert second.slots == [0, 1]
+    assert second.full
+    assert isinstance(second.scalars, SGDScalars)
+    assert second.scalars.lr == 0.5
+    assert second.scalars.decay == 1 - 0.5 * 0.0  # weight_decay 0
+    assert second.seed == 11
+    assert second.spec == StateSpec("fp32", "fp32", True)
+    assert second.arena.plan is second.plan
+    assert "momentum_buffer" in second.arena.codecs
+    assert (third.step, third.first_step, third.slots, third.tensor_ids) == (2, False, [0], [1])
+    assert not third.full
+    assert third.params == [b]
+    assert (a_again.step, a_again.tensor_ids) == (2, [0])
+    cpu.calls.clear()
+    opt = MemOptimizer([a], rule="adam")
+    opt.step()
+    assert isinstance(cpu.calls[0].scalars, AdamScalars)
+    assert cpu.calls[0].rule == "adam"

@@ -1,0 +1,204 @@
+"""Block-scaled fp8 moments (fp8_e4m3, fp8_e5m2; q8_signed is e4m3): casts, bounds, scales, SR."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memopt_core import rng
+from memopt_core.errors import FormatError
+from memopt_core.formats import moment_codec
+from memopt_core.formats.bits import bits_to_f32
+
+# name -> (torch dtype, mantissa bits, emin, largest finite)
+GRIDS = {
+    "fp8_e4m3": (torch.float8_e4m3fn, 3, -6, 448.0),
+    "fp8_e5m2": (torch.float8_e5m2, 2, -14, 57344.0),
+    "q8_signed": (torch.float8_e4m3fn, 3, -6, 448.0),
+}
+NAMES = list(GRIDS)
+B = 32
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def blocks(nblocks: int, seed: int = 0, lo: float = -35, hi: float = 35) -> torch.Tensor:
+    """Gaussian blocks, each with its own magnitude 10**U(lo, hi)."""
+    g = gen(seed)
+    mag = 10.0 ** (torch.rand(nblocks, generator=g) * (hi - lo) + lo)
+    return (torch.randn(nblocks, B, generator=g) * mag[:, None]).flatten()
+
+
+def edge_blocks(fmax: float) -> torch.Tensor:
+    f = torch.finfo(torch.float32)
+    rows = [
+        [fmax, -fmax / 3, fmax / 2**9, fmax / 2**20, 0.0, -0.0] + [1.0] * 26,  # max exactly fmax
+        [f.max, -f.max / 7, 1.0e30, 1.0] + [0.0] * 28,
+        [f.tiny, 2.0**-149, -(2.0**-140), 1.0e-45] + [0.0] * 28,  # fp32 subnormals
+        [0.0] * 32,
+        [-0.0] * 32,
+        [1.0 + i / 16 + 1 / 32 for i in range(32)],  # ties of e4m3 (and e5m2 below)
+        [1.0 + i / 8 + 1 / 16 for i in range(32)],
+    ]
+    return torch.tensor(rows, dtype=torch.float32).flatten()
+
+
+def scale_k(fields) -> torch.Tensor:
+    return fields["scale"].to(torch.int64) - 127
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rne_equals_torch_cast(name):
+    dtype, _, _, fmax = GRIDS[name]
+    codec = moment_codec(name)
+    x = torch.cat(
+        [
+            blocks(900),
+            edge_blocks(fmax),
+            bits_to_f32(torch.randint(0, 0x7F800000, (B * 64,), generator=gen(1))),
+        ]
+    )
+    f = codec.encode(x)
+    assert f[""].dtype == dtype
+    assert f["scale"].dtype == torch.uint8
+    assert f["scale"].numel() == x.numel() // B
+    k = scale_k(f).repeat_interleave(B).double()
+    y = (x.double() * torch.exp2(-k)).float()  # exact unless far below the fp8 grid
+    assert torch.equal(f[""].view(torch.uint8), y.to(dtype).view(torch.uint8))
+    # decode = code value * 2**k (FLT_MAX rounds to 2**128 on the fp8 grid: inf, like bf16's cast)
+    assert torch.equal(codec.decode(f), (f[""].double() * torch.exp2(k)).float())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scale_is_smallest_power_of_two(name):
+    _, _, _, fmax = GRIDS[name]
+    codec = moment_codec(name)
+    x = torch.cat([blocks(500, 2), edge_blocks(fmax)])
+    k = scale_k(codec.encode(x)).double()
+    m = x.view(-1, B).abs().amax(1).double()
+    assert (m * torch.exp2(-k) <= fmax).all()
+    assert ((m * torch.exp2(1 - k) > fmax) | (k == -127)).all()
+    assert (k[m == 0] == -127).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n", [0, B, 33 * B])
+def test_sizes(name, n):
+    codec = moment_codec(name)
+    x = torch.randn(n, generator=gen(n))
+    f = codec.encode(x)
+    assert f[""].shape == (n,)
+    assert f["scale"].shape == (n // B,)
+    assert codec.decode(f).shape == (n,)
+    z = codec.allocate(n)
+    assert not codec.decode(z).any()
+    assert set(z) == {"", "scale"}
+    assert codec.bytes_per_element() == 1 + 1 / 32
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n", [1, 31, 33, 32 * 3 + 5])
+def test_padded_length_required(name, n):
+    codec = moment_codec(name)
+    with pytest.raises(FormatError, match="pad"):
+        codec.encode(torch.ones(n))
+    with pytest.raises(FormatError):
+        codec.allocate(n)
+
+
+def bound(name: str, x: torch.Tensor, sr: bool) -> torch.Tensor:
+    """Per-element error bound: half an ulp of the element (relative 2**-(m+1)) where the scaled
+    element is normal, else half the subnormal spacing, which is <= 2**(emin-m) * blockmax / fmax;
+    SR doubles both (any of the two neighbours)."""
+    _, m, emin, fmax = GRIDS[name]
+    bmax = x.view(-1, B).abs().amax(1).repeat_interleave(B).double()
+    b = torch.maximum(x.double().abs() * 2.0 ** -(m + 1), bmax * 2.0 ** (emin - m) / fmax)
+    return 2 * b if sr else b
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("sr", [False, True])
+def test_error_bound(name, sr):
+    codec = moment_codec(name)
+    x = torch.cat([blocks(900, 3), blocks(100, 4, -30, -29)])
+    r = rng.uniform_bits(0, 0, torch.arange(x.numel()), 1, rng.STREAM_FIRST) if sr else None
+    err = (codec.decode(codec.encode(x, rand=r)).double() - x.double()).abs()
+    assert (err <= bound(name, x, sr)).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_values_do_not_underflow(name):
+    _, m, _, _ = GRIDS[name]
+    codec = moment_codec(name)
+    g = gen(5)
+    x = (
+        (1.0 + torch.rand(64 * B, generator=g))
+        * 1e-30
+        * torch.sign(torch.randn(64 * B, generator=g))
+    )
+    y = codec.decode(codec.encode(x))
+    assert (y != 0).all()
+    assert (((y.double() - x.double()) / x.double()).abs() <= 2.0 ** -(m + 1)).all()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nonfinite_isolated(name):
+    codec = moment_codec(name)
+    x = blocks(4, 6, -2, 2)
+    bad = x.clone()
+    bad[[3, 40, 77, 100]] = torch.tensor([float("nan"), float("inf"), float("-inf"), float("nan")])
+    clean = x.clone()
+    clean[[3, 40, 77, 100]] = 0.0
+    fb, fc = codec.encode(bad), codec.encode(clean)
+    assert torch.equal(fb["scale"], fc["scale"])
+    yb, yc = codec.decode(fb), codec.decode(fc)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[[3, 40, 77, 100]] = False
+    assert torch.equal(yb[keep], yc[keep])
+    assert yb[[3, 100]].isnan().all()
+    inf = yb[[40, 77]]
+    if name == "fp8_e5m2":
+        assert inf.tolist() == [float("inf"), float("-inf")]
+    else:  # e4m3fn has no inf
+        assert inf.isnan().all()
+
+
+def decode_sr(codec, x, rand):
+    return codec.decode(codec.encode(x, rand=rand))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sr_unbiased(name):
+    codec = moment_codec(name)
+    x = blocks(8, 7, -3, 3)
+    x[:4] = x[:4] * 1e-3  # small entries next to big ones: subnormal range of the block
+    draws = 600
+    ys = torch.stack(
+        [
+            decode_sr(codec, x, rng.uniform_bits(1, 2, torch.arange(x.numel()), d, 1)).double()
+            for d in range(draws)
+        ]
+    )
+    lo = decode_sr(codec, x, torch.full(x.shape, 2**32 - 1)).double()
+    hi = decode_sr(codec, x, torch.zeros(x.shape, dtype=torch.int64)).double()
+    assert ((ys == lo) | (ys == hi)).all()
+    assert ((lo - x.double()).abs() <= (hi - lo).abs()).all()
+    assert ((hi - x.double()).abs() <= (hi - lo).abs()).all()
+    gap = (hi - lo).abs()
+    assert ((ys.mean(0) - x.double()).abs() <= 5 * gap / 2 / draws**0.5 + gap * 2**-24).all()
+    on_grid = codec.decode(codec.encode(x))  # representable values never move
+    assert torch.equal(decode_sr(codec, on_grid, torch.zeros(x.shape, dtype=torch.int64)), on_grid)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sr_reproducible_and_seeded(name):
+    codec = moment_codec(name)
+    x = blocks(64, 8, -3, 3)
+    r = lambda seed: rng.uniform_bits(seed, 0, torch.arange(x.numel()), 9, 1)  # noqa: E731
+    a, b, c = codec.encode(x, rand=r(1)), codec.encode(x, rand=r(1)), codec.encode(x, rand=r(2))
+    ua, ub, uc = (f[""].view(torch.uint8) for f in (a, b, c))
+    assert torch.equal(ua, ub)
+    assert torch.equal(a["scale"], b["scale"])
+    assert (ua != uc).sum() > x.numel() // 4

@@ -1,0 +1,344 @@
+"""Bad input: every error says what was wrong, where, and leaves no half-modified state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from memopt_core import (
+    BackendUnavailableError,
+    ConfigError,
+    MemoptError,
+    MemOptimizer,
+    StateDictError,
+)
+
+
+def P(*shape, dtype=torch.float32):
+    return torch.nn.Parameter(torch.randn(*shape).to(dtype))
+
+
+# ------------------------------------------------------------------------- hyperparameters
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(rule="adagrad"), r"unknown rule 'adagrad'; choose one of \('sgd', 'sgdw', 'adam'"),
+        (dict(lr=-1e-3), r"invalid learning rate -0.001 \(optimizer defaults\): it must be >= 0"),
+        (dict(lr=float("nan")), r"learning rate \(lr\) \(optimizer defaults\) must be finite"),
+        (dict(lr="fast"), r"learning rate \(lr\) \(optimizer defaults\) must be a real number"),
+        (dict(eps=-1e-8), r"invalid eps -1e-08"),
+        (dict(weight_decay=-0.1), r"invalid weight_decay -0.1"),
+        (dict(betas=(1.0, 0.999)), r"invalid beta1 1.0 .*betas must lie in \[0, 1\)"),
+        (dict(betas=(0.9, -0.1)), r"invalid beta2 -0.1"),
+        (dict(betas=(0.9,)), r"betas \(optimizer defaults\) must be a pair"),
+        (dict(rule="sgd", momentum=-0.5), r"invalid momentum -0.5"),
+        (
+            dict(rule="sgd", nesterov=True),
+            r"nesterov=True .*needs momentum > 0 and dampening == 0.*momentum=0.0",
+        ),
+        (dict(rule="sgd", momentum=0.9, dampening=0.1, nesterov=True), r"dampening=0.1"),
+        (dict(maximize=1), r"maximize \(optimizer defaults\) must be True or False, got 1"),
+        (dict(master="ecc16"), r"unknown master format 'ecc16'.*'none', 'ecc24' or 'ecc32'"),
+        (dict(moments="int4"), r"unknown moment format 'int4'.*\('fp32', 'bf16', 'fp8', 'q8'\)"),
+        (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\)"),
+        (dict(check_numerics="yes"), r"check_numerics must be a bool"),
+        (dict(backend=3), r"backend must be None or a backend name"),
+        (
+            dict(decouple_lr=True, lr=0.0),
+            r"decouple_lr=True .*needs a positive initial lr, got 0.0",
+        ),
+    ],
+)
+def test_bad_hyperparameters(kwargs, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        MemOptimizer([P(3)], **kwargs)
+
+
+def test_config_errors_are_value_errors_and_memopt_errors():
+    with pytest.raises(ValueError, match="invalid learning rate") as info:
+        MemOptimizer([P(3)], lr=-1)
+    assert isinstance(info.value, MemoptError)
+
+
+def test_bad_group_hyperparameters_name_the_group():
+    with pytest.raises(ConfigError, match=r"invalid learning rate -1.0 \(param group 1\)"):
+        MemOptimizer([{"params": [P(2)]}, {"params": [P(2)], "lr": -1.0}])
+
+
+def test_bad_lr_set_later_is_caught_at_step_without_changes():
+    p = P(4)
+    opt = MemOptimizer([p])
+    p.grad = torch.ones(4)
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = -0.1
+    with pytest.raises(ConfigError, match=r"invalid learning rate -0.1 \(param group 0\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+# ----------------------------------------------------------------------------- parameters
+def test_params_must_be_leaves():
+    base = P(3)
+    with pytest.raises(
+        ConfigError, match=r"parameter #0 \(param group 0\) \(shape \(3,\).*is not a leaf"
+    ):
+        MemOptimizer([base * 2])
+
+
+def test_duplicate_params():
+    p = P(3)
+    with pytest.raises(ConfigError, match="appears twice in the group"):
+        MemOptimizer([p, p])
+    with pytest.raises(ConfigError, match="already in another param group"):
+        MemOptimizer([{"params": [p]}, {"params": [p]}])
+    opt = MemOptimizer([p])
+    with pytest.raises(ConfigError, match="already in another param group"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pattern"),
+    [
+        (
+            torch.float64,
+            r"shape \(2, 3\), torch.float64.*memopt optimizes float32, bfloat16 and float16",
+        ),
+        (torch.int32, r"shape \(2, 3\), torch.int32"),
+        (torch.complex64, r"shape \(2, 3\), torch.complex64"),
+    ],
+)
+def test_unsupported_param_dtypes(dtype, pattern):
+    t = torch.zeros(2, 3, dtype=dtype)
+    with pytest.raises(ConfigError, match=pattern):
+        MemOptimizer([P(4), t])
+
+
+def test_named_parameters_appear_in_messages():
+    with pytest.raises(ConfigError, match=r"parameter 'head.bias' \(param group 0\)"):
+        MemOptimizer([("w", P(2)), ("head.bias", torch.zeros(2, dtype=torch.float64))])
+
+
+def test_master_format_must_fit_the_dtype():
+    with pytest.raises(
+        ConfigError, match=r"parameter #0 .*shape \(5,\), torch.float16.*'ecc24'.*bfloat16"
+    ):
+        MemOptimizer([P(5, dtype=torch.float16)], master="ecc24")
+
+
+def test_params_container_errors():
+    with pytest.raises(ConfigError, match="got a single tensor"):
+        MemOptimizer(P(3))
+    with pytest.raises(ConfigError, match="empty parameter list"):
+        MemOptimizer([])
+    with pytest.raises(ConfigError, match="is a set"):
+        MemOptimizer([{"params": {P(3)}}])
+    with pytest.raises(ConfigError, match="is a str, not a tensor"):
+        MemOptimizer([P(3), "weight"])
+
+
+# ------------------------------------------------------------------------------- gradients
+def test_sparse_gradients_are_refused_without_changes():
+    a, b = P(4), P(5, 3)
+    opt = MemOptimizer([a, b])
+    a.grad = torch.ones(4)
+    b.grad = torch.eye(5, 3).to_sparse()
+    before = a.detach().clone()
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter #1 of param group 0 \(shape \(5, 3\).*sparse_coo gradient.*dense",
+    ):
+        opt.step()
+    assert torch.equal(a.detach(), before)
+    assert opt.state[a]["step"].item() == 0
+
+
+def test_gradient_dtype_must_be_param_dtype_or_fp32():
+    p = P(4, dtype=torch.bfloat16)
+    p.grad_dtype = None
+    opt = MemOptimizer([p])
+    p.grad = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(
+        ConfigError,
+        match=r"torch.float64 gradient; memopt takes gradients in the parameter's dtype or float32",
+    ):
+        opt.step()
+
+
+def test_step_parameters_with_a_foreign_tensor():
+    opt = MemOptimizer([P(3)])
+    with pytest.raises(
+        ConfigError, match=r"step_parameters got a tensor \(shape \(2,\).*does not hold"
+    ):
+        opt.step_parameters([torch.zeros(2)])
+
+
+def test_format_cannot_change_after_state_exists():
+    p = P(40)
+    opt = MemOptimizer([p], moments="fp32")
+    p.grad = torch.ones(40)
+    opt.step()
+    opt.param_groups[0]["moments"] = "q8"
+    before = p.detach().clone()
+    with pytest.raises(
+        ConfigError,
+        match=r"param group 0 changed its state format from .*moments='fp32' to .*moments='q8'",
+    ):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    opt.param_groups[0]["moments"] = "fp32"
+    opt.step()  # restoring the format works
+
+
+def test_forced_backend_that_is_missing(monkeypatch, fresh_backends):
+    monkeypatch.setenv("MEMOPT_BACKEND", "triton")
+    with pytest.raises(
+        BackendUnavailableError, match=r"'triton' is not installed.*memopt-kernels-triton"
+    ):
+        MemOptimizer([P(3)])
+    with pytest.raises(BackendUnavailableError, match=r"'cpu' is not installed"):
+        MemOptimizer([P(3)], backend="cpu")
+
+
+# ----------------------------------------------------------------------------- state dicts
+def _trained(master="ecc24", moments="q8", dtype=torch.bfloat16, rule="adamw"):
+    params = [P(6, 7, dtype=dtype), P(40, dtype=dtype)]
+    opt = MemOptimizer(params, rule=rule, master=master, moments=moments)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape).to(dtype)
+        opt.step()
+    return params, opt
+
+
+def _fresh(params, **kw):
+    kw = {"master": "ecc24", "moments": "q8", **kw}
+    return MemOptimizer([p.detach().clone().requires_grad_() for p in params], **kw)
+
+
+def _snapshot(opt):
+    return {
+        "groups": copy.deepcopy(
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        ),
+        "state": {
+            i: {k: v.clone() for k, v in s.items()} for i, s in enumerate(opt.state.values())
+        },
+        "seed": opt.seed,
+    }
+
+
+def _same(a, b):
+    if (
+        a["groups"] != b["groups"]
+        or a["seed"] != b["seed"]
+        or a["state"].keys() != b["state"].keys()
+    ):
+        return False
+    return all(
+        a["state"][i].keys() == b["state"][i].keys()
+        and all(torch.equal(v, b["state"][i][k]) for k, v in a["state"][i].items())
+        for i in a["state"]
+    )
+
+
+def _mutations():
+    def drop(sd):
+        del sd["state"][0]["exp_avg_scale"]
+
+    def extra(sd):
+        sd["state"][1]["exp_avg_max"] = torch.zeros(3)
+
+    def shape(sd):
+        sd["state"][1]["master_code"] = torch.zeros(41, dtype=torch.uint8)
+
+    def dtype(sd):
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].float()
+
+    def fmt(sd):
+        sd["param_groups"][0]["moments"] = "bf16"
+
+    def rule(sd):
+        sd["memopt"]["rule"] = "lion"
+
+    def groups(sd):
+        sd["param_groups"].append(dict(sd["param_groups"][0]))
+
+    def size(sd):
+        sd["param_groups"][0]["params"] = [0]
+
+    def step(sd):
+        sd["state"][0]["step"] = torch.tensor(-1.0)
+
+    def orphan(sd):
+        sd["state"][5] = sd["state"][0]
+
+    def torch_dict(sd):
+        del sd["param_groups"][0]["master"]
+
+    def bad_lr(sd):
+        sd["param_groups"][0]["lr"] = -3.0
+
+    def no_state(sd):
+        del sd["state"]
+
+    return [
+        (
+            drop,
+            r"state of parameter index 0 \(shape \(6, 7\), torch.bfloat16.*lacks \['exp_avg_scale'\]",
+        ),
+        (extra, r"parameter index 1 .*unexpected entries \['exp_avg_max'\]"),
+        (
+            shape,
+            r"state 'master_code' of parameter index 1 .*torch.uint8 of shape \(41,\).*stores torch.uint8 of shape \(40,\)",
+        ),
+        (
+            dtype,
+            r"state 'exp_avg' of parameter index 0 .*is torch.float32 of shape \(64,\).*stores torch.float8_e4m3fn",
+        ),
+        (
+            fmt,
+            r"param group 0 of the state dict holds moments='bf16' states; this optimizer uses moments='q8'",
+        ),
+        (rule, r"saved by a 'lion' optimizer; this one runs 'adamw'"),
+        (groups, r"the state dict has 2 param group\(s\), this optimizer has 1"),
+        (size, r"param group 0 of the state dict has 1 parameters, this optimizer's has 2"),
+        (step, r"'step' of parameter index 0 .*whole number >= 0, got -1.0"),
+        (orphan, r"state for parameter index 5, which none of its param groups lists"),
+        (torch_dict, r"lacks \['master'\]: it was not saved by a memopt optimizer"),
+        (bad_lr, r"invalid learning rate -3.0 \(param group 0 of the state dict\)"),
+        (no_state, r"lacks 'state'"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "pattern"), _mutations(), ids=lambda x: getattr(x, "__name__", "")
+)
+def test_bad_state_dicts_are_refused_before_any_change(mutate, pattern):
+    params, opt = _trained()
+    target = _fresh(params)
+    for p in (q for g in target.param_groups for q in g["params"]):
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    target.step()
+    before = _snapshot(target)
+    sd = copy.deepcopy(opt.state_dict())
+    mutate(sd)
+    with pytest.raises(StateDictError, match=pattern):
+        target.load_state_dict(sd)
+    assert _same(before, _snapshot(target))
+
+
+def test_state_dict_of_another_format_into_fp32_moments():
+    params, opt = _trained(moments="bf16")
+    target = _fresh(params, moments="fp32")
+    with pytest.raises(
+        StateDictError, match="holds moments='bf16' states; this optimizer uses moments='fp32'"
+    ):
+        target.load_state_dict(opt.state_dict())
+
+
+def test_not_a_mapping():
+    with pytest.raises(StateDictError, match="expected a state dict"):
+        MemOptimizer([P(2)]).load_state_dict([1, 2])

@@ -1,0 +1,477 @@
+"""MemOptimizer behaves like a torch optimizer: state dicts and bit-identical resume, schedulers,
+closures, param groups, parameters without gradients, odd shapes and layouts, copies, partial
+steps, numerics checks."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+from memopt_core import MemOptimizer, NumericsError
+
+CONFIGS = {
+    "fp32": dict(rule="adamw", dtype=torch.float32, master="none", moments="fp32"),
+    "ecc24-q8": dict(rule="adamw", dtype=torch.bfloat16, master="ecc24", moments="q8"),
+    "ecc32-bf16-lion": dict(rule="lion", dtype=torch.bfloat16, master="ecc32", moments="bf16"),
+    "none-fp8-sgd": dict(
+        rule="sgd", dtype=torch.bfloat16, master="none", moments="fp8", momentum=0.9
+    ),
+}
+SHAPES = [(7, 9), (), (0, 3), (100,), (33,)]
+
+
+def make_params(dtype=torch.float32, device="cpu", seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+        for s in shapes
+    ]
+
+
+def grads_for(params, step, seed=100):
+    gen = torch.Generator().manual_seed(seed + step)
+    return [torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype) for p in params]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.clone()
+
+
+def train(opt, params, steps, start=0, seed=100):
+    for t in range(start, start + steps):
+        set_grads(params, grads_for(params, t, seed))
+        opt.step()
+
+
+def make_opt(params, cfg, **kw):
+    cfg = {k: v for k, v in cfg.items() if k != "dtype"}
+    cfg.update(kw)
+    return MemOptimizer(params, lr=1e-2, weight_decay=0.01, **cfg)
+
+
+def clone_all(params):
+    return [p.detach().clone() for p in params]
+
+
+def equal_all(a, b):
+    return all(torch.equal(x.detach(), y.detach()) for x, y in zip(a, b, strict=True))
+
+
+# --------------------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_resume_is_bit_identical(name, device):
+    cfg = CONFIGS[name]
+    straight = make_params(cfg["dtype"], device)
+    opt = make_opt(straight, cfg, seed=7)
+    train(opt, straight, 3)
+    buf = io.BytesIO()
+    torch.save({"params": clone_all(straight), "opt": opt.state_dict()}, buf)
+    train(opt, straight, 3, start=3)
+
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = [p.clone().requires_grad_() for p in saved["params"]]
+    opt2 = make_opt(resumed, cfg, seed=99)  # the seed comes back from the state dict
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.seed == 7
+    train(opt2, resumed, 3, start=3)
+    assert equal_all(straight, resumed)
+    for p, q in zip(straight, resumed, strict=True):
+        assert set(opt.state[p]) == set(opt2.state[q])
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[q][k]), k
+
+
+def test_state_dict_format_and_dtypes_survive_loading():
+    params = make_params(torch.bfloat16, shapes=[(4, 8), (5,)])
+    opt = MemOptimizer(params, master="ecc24", moments="q8")
+    train(opt, params, 2)
+    sd = opt.state_dict()
+    assert sd["memopt"] == {"rule": "adamw", "seed": 0, "version": 1}
+    assert sd["param_groups"][0]["params"] == [0, 1]
+    assert sd["param_groups"][0]["moments"] == "q8"
+    st = sd["state"][0]
+    assert set(st) == {
+        "step",
+        "exp_avg",
+        "exp_avg_scale",
+        "exp_avg_sq",
+        "exp_avg_sq_scale",
+        "master_code",
+    }
+    assert st["step"].dtype == torch.float32
+    assert st["step"].shape == ()
+    assert st["step"].item() == 2
+    assert st["master_code"].dtype == torch.uint8
+    assert st["master_code"].shape == (4, 8)
+    assert st["exp_avg"].dim() == 1
+    assert st["exp_avg"].numel() % 32 == 0
+    # loading keeps the stored dtypes (torch's base class would cast floats to bfloat16)
+    params2 = [p.detach().clone().requires_grad_() for p in params]
+    opt2 = MemOptimizer(params2, master="ecc24", moments="q8")
+    opt2.load_state_dict(copy.deepcopy(sd))
+    for k, v in opt.state[params[0]].items():
+        assert opt2.state[params2[0]][k].dtype == v.dtype
+        assert torch.equal(opt2.state[params2[0]][k], v)
+
+
+def test_fp32_states_look_like_torch():
+    p = torch.randn(3, 4, requires_grad=True)
+    opt = MemOptimizer([p], moments="fp32")
+    p.grad = torch.ones(3, 4)
+    opt.step()
+    st = opt.state[p]
+    assert st["exp_avg"].shape == (3, 4)
+    assert st["exp_avg"].dtype == torch.float32
+    assert st["exp_avg_sq"].shape == (3, 4)
+    assert st["step"].device.type == "cpu"
+
+
+def test_load_state_dict_restores_hyperparameters():
+    params = make_params()
+    opt = MemOptimizer(params, lr=0.1)
+    train(opt, params, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["lr"] = 0.5
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert opt.param_groups[0]["params"] == params
+
+
+def test_state_dict_before_any_step_and_roundtrip_in_place():
+    params = make_params()
+    opt = MemOptimizer(params)
+    assert opt.state_dict()["state"] == {}
+    opt.load_state_dict(opt.state_dict())
+    train(opt, params, 2)
+    before = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    opt.load_state_dict(opt.state_dict())  # loading its own live views
+    for k, v in before.items():
+        assert torch.equal(opt.state[params[0]][k], v)
+
+
+# ------------------------------------------------------------------------ schedulers, closure
+def test_step_lr_scheduler_changes_the_update():
+    def run(schedule):
+        p = torch.nn.Parameter(torch.ones(8))
+        opt = MemOptimizer([p], rule="sgd", lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
+        for _ in range(3):
+            p.grad = torch.ones(8)
+            opt.step()
+            if sched:
+                sched.step()
+        return p.detach()
+
+    f32 = torch.float32
+    expected = torch.tensor(1.0, dtype=f32)
+    for lr in (0.1, 0.05, 0.025):
+        expected = expected - torch.tensor(lr, dtype=f32) * 1.0
+    assert torch.equal(run(True), expected.expand(8))
+    assert not torch.equal(run(False), run(True))
+
+
+def test_decouple_lr_uses_lr_over_initial_lr():
+    p = torch.nn.Parameter(torch.full((4,), 2.0))
+    opt = MemOptimizer([p], rule="adamw", lr=1e-2, weight_decay=0.1, decouple_lr=True)
+    assert opt.param_groups[0]["initial_lr"] == 1e-2
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    expected = torch.full((4,), 2.0)
+    for factor in (1.0, 0.5, 0.25):
+        p.grad = torch.zeros(4)  # zero gradient: only the decay moves the weight
+        opt.step()
+        sched.step()
+        expected = expected * torch.tensor(1 - factor * 0.1, dtype=torch.float32)
+    assert torch.equal(p.detach(), expected)
+
+
+def test_closure_is_evaluated_with_grad_enabled():
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = MemOptimizer([p], rule="sgd", lr=0.1)
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        calls.append(1)
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert calls == [1]
+    assert loss.item() == 5.0
+    assert torch.equal(
+        p.detach(), torch.tensor([1.0, -2.0]) - torch.tensor(0.1) * torch.tensor([2.0, -4.0])
+    )
+
+
+# ---------------------------------------------------------------------------- param groups
+def test_param_groups_with_their_own_hyperparameters_and_formats():
+    a = make_params(torch.float32, seed=1)
+    b = make_params(torch.bfloat16, seed=2)
+    opt = MemOptimizer(
+        [
+            {"params": a, "moments": "q8", "lr": 1e-2},
+            {"params": b, "master": "ecc24", "moments": "bf16", "lr": 1e-3, "betas": (0.8, 0.9)},
+        ],
+        stochastic_rounding=False,
+    )
+    a1 = [p.detach().clone().requires_grad_() for p in a]
+    b1 = [p.detach().clone().requires_grad_() for p in b]
+    oa = MemOptimizer(a1, moments="q8", lr=1e-2, stochastic_rounding=False)
+    ob = MemOptimizer(
+        b1, master="ecc24", moments="bf16", lr=1e-3, betas=(0.8, 0.9), stochastic_rounding=False
+    )
+    for t in range(3):
+        ga, gb = grads_for(a, t), grads_for(b, t, seed=500)
+        set_grads(a, ga), set_grads(b, gb), set_grads(a1, ga), set_grads(b1, gb)
+        opt.step(), oa.step(), ob.step()
+    assert equal_all(a, a1)
+    assert equal_all(b, b1)
+    assert "exp_avg_scale" in opt.state[a[0]]
+    assert "master_code" not in opt.state[a[0]]
+    assert opt.state[b[0]]["exp_avg"].dtype == torch.bfloat16
+    assert opt.state[b[0]]["master_code"].dtype == torch.uint8
+
+
+def test_mixed_dtypes_in_one_group():
+    a = make_params(torch.float32, seed=1)
+    b = make_params(torch.bfloat16, seed=2)
+    opt = MemOptimizer(a + b, master="ecc32", moments="q8")
+    train(opt, a + b, 2)
+    assert "master_code" in opt.state[b[0]]
+    assert "master_code" not in opt.state[a[0]]
+    assert opt.state[b[3]]["step"].item() == 2
+
+
+def test_add_param_group_after_steps():
+    a = make_params(seed=1)
+    b = make_params(seed=2)
+    opt = MemOptimizer(a, lr=1e-2, stochastic_rounding=False)
+    a_ref = [p.detach().clone().requires_grad_() for p in a]
+    ref_a = MemOptimizer(a_ref, lr=1e-2, stochastic_rounding=False)
+    train(opt, a, 2)
+    train(ref_a, a_ref, 2)
+    opt.add_param_group({"params": b, "lr": 1e-3, "moments": "bf16"})
+    b_ref = [p.detach().clone().requires_grad_() for p in b]
+    ref_b = MemOptimizer(b_ref, lr=1e-3, moments="bf16", stochastic_rounding=False)
+    for t in (2, 3):
+        ga, gb = grads_for(a, t), grads_for(b, t, seed=500)
+        set_grads(a, ga), set_grads(b, gb), set_grads(a_ref, ga), set_grads(b_ref, gb)
+        opt.step(), ref_a.step(), ref_b.step()
+    assert equal_all(a, a_ref)
+    assert equal_all(b, b_ref)
+    assert opt.state[a[0]]["step"].item() == 4
+    assert opt.state[b[0]]["step"].item() == 2
+    assert opt.param_groups[1]["lr"] == 1e-3
+    assert opt.param_groups[1]["betas"] == (0.9, 0.999)
+
+
+def test_params_without_grads_are_skipped_and_keep_their_step():
+    params = make_params()
+    opt = MemOptimizer(params)
+    train(opt, params, 1)
+    before = clone_all(params)
+    grads = grads_for(params, 5)
+    grads[0] = None
+    set_grads(params, grads)
+    opt.step()
+    assert torch.equal(params[0].detach(), before[0])
+    assert opt.state[params[0]]["step"].item() == 1
+    assert opt.state[params[3]]["step"].item() == 2
+    # the next step updates both, each with its own bias correction (separate sub-batches)
+    set_grads(params, grads_for(params, 6))
+    opt.step()
+    assert opt.state[params[0]]["step"].item() == 2
+    assert opt.state[params[3]]["step"].item() == 3
+
+
+def test_frozen_params_get_no_state():
+    params = make_params()
+    frozen = torch.randn(50)  # requires_grad=False
+    opt = MemOptimizer([*params, frozen], moments="fp32")
+    train(opt, params, 2)
+    assert frozen not in opt.state
+    assert opt.state_bytes() == sum(p.numel() for p in params) * 8
+    frozen.requires_grad_()  # unfreezing: it joins at its first gradient
+    frozen.grad = torch.ones(50)
+    before = frozen.detach().clone()
+    opt.step()
+    assert opt.state[frozen]["step"].item() == 1
+    assert not torch.equal(frozen.detach(), before)
+    assert opt.state[params[0]]["step"].item() == 3  # their (old) grads are still there: stepped
+    assert opt.state_bytes() == (sum(p.numel() for p in params) + 50) * 8
+
+
+def test_zero_size_and_scalar_params(device):
+    p0 = torch.zeros((0, 4), device=device, requires_grad=True)
+    s = torch.tensor(1.5, device=device, requires_grad=True)
+    opt = MemOptimizer([p0, s], master="ecc24", moments="q8", lr=0.1)
+    for _ in range(2):
+        p0.grad = torch.zeros((0, 4), device=device)
+        s.grad = torch.tensor(1.0, device=device)
+        opt.step()
+    assert s.item() < 1.5
+    assert p0.shape == (0, 4)
+    assert opt.state[s]["exp_avg"].shape == (32,)
+    assert opt.state[p0]["exp_avg"].shape == (0,)
+    assert opt.state[s]["step"].item() == 2
+
+
+@pytest.mark.parametrize("cfg", ["fp32", "ecc24-q8"])
+def test_non_contiguous_params(cfg, device):
+    c = CONFIGS[cfg]
+    base = torch.randn(12, 10, device=device).to(c["dtype"])
+    p = base.t().requires_grad_()  # a transposed leaf: non-contiguous
+    q = p.detach().contiguous().requires_grad_()
+    assert not p.is_contiguous()
+    op, oq = make_opt([p], c), make_opt([q], c)
+    for t in range(3):
+        g = grads_for([q], t)[0]
+        p.grad, q.grad = g.clone(), g.clone()
+        op.step(), oq.step()
+    assert torch.equal(p.detach(), q.detach())
+    assert not p.is_contiguous()
+    assert p.stride() == (1, 10)
+
+
+# ------------------------------------------------------------------------- copies and pickle
+@pytest.mark.parametrize("name", ["fp32", "ecc24-q8"])
+def test_deepcopy_and_pickle(name):
+    cfg = CONFIGS[name]
+    params = make_params(cfg["dtype"])
+    opt = make_opt(params, cfg)
+    train(opt, params, 2)
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        cparams = [p for g in clone.param_groups for p in g["params"]]
+        assert all(cp is not p for cp, p in zip(cparams, params, strict=True))
+        assert equal_all(cparams, params)
+        train(clone, cparams, 2, start=2)
+    train(opt, params, 2, start=2)
+    assert equal_all(cparams, params)  # the copy continued exactly like the original
+    for k, v in opt.state[params[0]].items():
+        assert torch.equal(clone.state[cparams[0]][k], v)
+    # pickling stores compact states, not one whole arena per view
+    assert len(pickle.dumps(opt)) < 4 * opt.state_bytes() + 20000
+
+
+def test_step_parameters_updates_only_those():
+    params = make_params()
+    full = [p.detach().clone().requires_grad_() for p in params]
+    opt, ref = MemOptimizer(params), MemOptimizer(full)
+    grads = grads_for(params, 0)
+    set_grads(params, grads)
+    set_grads(full, grads)
+    before = clone_all(params)
+    opt.step_parameters([params[3], params[0]])
+    assert torch.equal(params[1].detach(), before[1])
+    assert torch.equal(params[4].detach(), before[4])
+    assert opt.state[params[4]]["step"].item() == 0
+    opt.step_parameters(params[4])
+    opt.step_parameters([params[1], params[2]])
+    ref.step()
+    assert equal_all(params, full)
+
+
+def test_check_numerics_raises_before_touching_anything():
+    params = make_params(torch.bfloat16)
+    named = [(f"layer{i}.weight", p) for i, p in enumerate(params)]
+    opt = MemOptimizer(named, master="ecc24", moments="q8", check_numerics=True)
+    train(opt, params, 1)
+    before_p = clone_all(params)
+    before_s = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)}
+    grads = grads_for(params, 9)
+    grads[3][7] = float("nan")
+    grads[0][1, 2] = float("inf")
+    set_grads(params, grads)
+    with pytest.raises(NumericsError, match=r"2 parameter\(s\).*'layer0.weight'.*'layer3.weight'"):
+        opt.step()
+    assert equal_all(params, before_p)
+    for i, p in enumerate(params):
+        for k, v in before_s[i].items():
+            assert torch.equal(opt.state[p][k], v), (i, k)
+    set_grads(params, grads_for(params, 10))
+    opt.step()  # finite again: steps normally
+    assert opt.state[params[0]]["step"].item() == 2
+
+
+def test_without_check_numerics_nan_flows_into_the_parameter():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = MemOptimizer([p])
+    p.grad = torch.tensor([float("nan"), 0.0, 0.0, 0.0])
+    opt.step()
+    assert torch.isnan(p.detach()[0])
+    assert torch.isfinite(p.detach()[1:]).all()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad(set_to_none):
+    params = make_params()
+    opt = MemOptimizer(params)
+    set_grads(params, grads_for(params, 0))
+    opt.zero_grad(set_to_none=set_to_none)
+    for p in params:
+        assert (p.grad is None) if set_to_none else torch.equal(p.grad, torch.zeros_like(p))
+
+
+def test_default_betas_follow_the_rule():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    assert MemOptimizer(p, rule="lion").defaults["betas"] == (0.9, 0.99)
+    assert MemOptimizer(p, rule="adamw").defaults["betas"] == (0.9, 0.999)
+    assert MemOptimizer(p, rule="lion", betas=(0.95, 0.98)).defaults["betas"] == (0.95, 0.98)
+    opt = MemOptimizer([{"params": p, "betas": None}], rule="lion")
+    assert opt.param_groups[0]["betas"] == (0.9, 0.99)
+
+
+def test_momentum_switched_on_later_creates_the_buffer():
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = MemOptimizer([p], rule="sgd", lr=0.1)
+    p.grad = torch.ones(5)
+    opt.step()
+    assert set(opt.state[p]) == {"step"}
+    opt.param_groups[0]["momentum"] = 0.9
+    opt.step()
+    assert "momentum_buffer" in opt.state[p]
+    # the new buffer starts at zero: 0.9 * 0 + (1 - 0) * g (as torch, whose buffer starts at g)
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.ones(5))
+
+
+def test_state_bytes_counts_arenas():
+    p32 = torch.nn.Parameter(torch.randn(1000))
+    assert MemOptimizer([p32]).state_bytes() == 0  # no state before the first step
+    opt = MemOptimizer([p32], moments="fp32")
+    p32.grad = torch.ones(1000)
+    opt.step()
+    assert opt.state_bytes() == 8000
+    pb = torch.nn.Parameter(torch.randn(1000, dtype=torch.bfloat16))
+    opt = MemOptimizer([pb], master="ecc24", moments="q8")
+    pb.grad = torch.ones(1000, dtype=torch.bfloat16)
+    opt.step()
+    padded = 1024  # 1000 rounded up to the 32-element block
+    assert opt.state_bytes() == 2 * (padded + padded // 32) + padded
+    sgd = MemOptimizer([p32], rule="sgd")
+    sgd.step()
+    assert sgd.state_bytes() == 0  # plain SGD keeps no state
+
+
+def test_param_cast_after_state_exists_keeps_its_state():
+    # model.to(bfloat16) after some steps: the group is re-planned and the state carried over
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = MemOptimizer([p], moments="fp32")
+    p.grad = torch.ones(4)
+    opt.step()
+    m = opt.state[p]["exp_avg"].clone()
+    p.data = p.data.to(torch.bfloat16)
+    p.grad = None
+    p.grad_dtype = None
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.state[p]["step"].item() == 2
+    assert p.dtype == torch.bfloat16
+    assert torch.equal(opt.state[p]["exp_avg"], m + 0.1 * (1 - m))  # continued from m
