@@ -53,11 +53,18 @@ def _install_torch(session: nox.Session) -> None:
     session.install(TORCH_CPU)
 
 
-def _pytest(session: nox.Session, package: Path, *args: str) -> None:
+def _pytest(
+    session: nox.Session,
+    package: Path,
+    *args: str,
+    python: str = "python",
+    env: dict[str, str] | None = None,
+) -> None:
     """Run one package's tests with its own pyproject's pytest config, against the installed package."""
     if not (package / "tests").is_dir():
         return
-    session.run("python", "-m", "pytest", *args, *session.posargs, cwd=str(package))
+    with session.chdir(package):
+        session.run(python, "-m", "pytest", *args, *session.posargs, env=env)
 
 
 @nox.session
@@ -108,17 +115,7 @@ def gpu_tests(session: nox.Session) -> None:
     src = os.pathsep.join(str(d / "src") for d in _package_dirs())
     env = {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for package in _package_dirs():
-        if (package / "tests").is_dir():
-            session.run(
-                sys.executable,
-                "-m",
-                "pytest",
-                "-m",
-                "gpu",
-                *session.posargs,
-                cwd=str(package),
-                env=env,
-            )
+        _pytest(session, package, "-m", "gpu", python=sys.executable, env=env)
 
 
 @nox.session(venv_params=["--system-site-packages"], default=False)
