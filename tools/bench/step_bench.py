@@ -1,0 +1,434 @@
+"""Optimizer-step benchmark: the step alone, against torch AdamW and the copy bandwidth.
+
+For each parameter profile and each optimizer configuration, time ``opt.step()`` (median of
+``--iters`` after ``--warmup`` steps; CUDA events on a GPU, ``perf_counter`` on a CPU) with fixed
+random gradients, and report the bandwidth it reaches for the bytes its format must move.
+
+Byte model, per parameter and step: the weights are read and written (2 W), the gradient is read
+(G = W) and every byte of optimizer state is read and written (2 S, S from the optimizer's own
+count after a step). torch AdamW fp32: 2·4 + 4 + 2·8 = 28 B; ECC-24 with q8 moments about 12.
+The fraction of copy bandwidth compares that rate with a large ``copy_`` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Shape = tuple[int, ...]
+Builder = Callable[[Any, Iterable[torch.nn.Parameter], torch.device], torch.optim.Optimizer]
+CPU_SCALE = 256  # default --scale on a CPU, so that a run with the slowest backend stays short
+
+
+def qwen25_05b_shapes() -> list[Shape]:
+    """Parameter shapes of Qwen2.5-0.5B (tied embedding): 290 tensors, 494,032,768 parameters."""
+    hidden, mlp, kv = 896, 4864, 128
+    layer = [
+        (hidden, hidden), (hidden,),  # q
+        (kv, hidden), (kv,),  # k
+        (kv, hidden), (kv,),  # v
+        (hidden, hidden),  # o
+        (mlp, hidden), (mlp, hidden), (hidden, mlp),  # gate, up, down
+        (hidden,), (hidden,),  # input and post-attention norms
+    ]  # fmt: skip
+    return [(151936, hidden), *layer * 24, (hidden,)]
+
+
+PROFILES: dict[str, list[Shape]] = {
+    "8x64M": [(64 * 2**20,)] * 8,
+    "4096x32K": [(32 * 2**10,)] * 4096,
+    "qwen2.5-0.5b": qwen25_05b_shapes(),
+}
+
+
+def scaled(shapes: list[Shape], scale: int) -> list[Shape]:
+    """Divide each tensor's first dimension by ``scale`` (rounding up): same count, fewer bytes."""
+    return [(-(-s[0] // scale), *s[1:]) for s in shapes]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One optimizer configuration; ``module`` is imported first and its absence skips it."""
+
+    name: str
+    label: str
+    module: str
+    param_dtype: torch.dtype
+    build: Builder
+
+
+def _torch_adamw(impl: str) -> Builder:
+    # "fused" is torch's fastest AdamW on CUDA and on CPU alike; "foreach" is its multi-tensor default.
+    def build(_: Any, params: Iterable[torch.nn.Parameter], __: torch.device):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{impl: True})
+
+    return build
+
+
+def _memopt(master: str, moments: str) -> Builder:
+    def build(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+        return mod.MemOptimizer(
+            params, rule="adamw", lr=1e-3, weight_decay=0.01, master=master, moments=moments
+        )
+
+    return build
+
+
+def _flash_adamw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    return mod.FlashAdamW(params, lr=1e-3, weight_decay=0.01, master_weight_bits=24)
+
+
+def _apexw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    return mod.ApexW(params, lr=1e-3, weight_decay=0.01)
+
+
+BF16 = torch.bfloat16
+CONFIGS: tuple[BenchConfig, ...] = (
+    BenchConfig("adamw", "torch AdamW fp32 fused", "torch", torch.float32, _torch_adamw("fused")),
+    BenchConfig("adamw-foreach", "torch AdamW fp32 foreach", "torch", torch.float32, _torch_adamw("foreach")),
+    BenchConfig("adamw-bf16", "torch AdamW pure bf16 fused", "torch", BF16, _torch_adamw("fused")),
+    BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8")),
+    BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16")),
+    BenchConfig("memopt-ecc24-q8", "memopt bf16+ecc24+q8", "memopt_core.optimizer", BF16, _memopt("ecc24", "q8")),
+    BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8")),
+    BenchConfig("flash-adamw", "memopt_ecc FlashAdamW", "memopt_ecc", BF16, _flash_adamw),
+    BenchConfig("apexw", "memopt_apexw ApexW", "memopt_apexw", torch.float32, _apexw),
+)  # fmt: skip
+
+
+@dataclass
+class Row:
+    """One measurement (JSON-ready); ``error`` is set instead of the numbers when a config failed."""
+
+    profile: str
+    config: str
+    label: str
+    tensors: int
+    params: int
+    ms: float | None = None
+    timed: int = 0
+    state_bytes_per_param: float | None = None
+    moved_bytes_per_param: float | None = None
+    gb_per_s: float | None = None
+    copy_fraction: float | None = None
+    time_vs_adamw: float | None = None
+    error: str | None = None
+
+
+class Timer:
+    """Times a callable: CUDA events on a GPU (queued work only), perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Milliseconds one call of ``fn`` took."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    def median(
+        self, fn: Callable[[], object], warmup: int, iters: int, budget_s: float
+    ) -> tuple[float, int]:
+        """(median ms, calls timed): up to ``warmup`` untimed calls, then up to ``iters`` timed
+        ones. The first call is always untimed (it creates the state) and one call is always
+        timed; the others stop once ``budget_s`` is spent, so a slow fallback cannot stall the run.
+        """
+        deadline = time.perf_counter() + budget_s
+        self(fn)
+        for _ in range(warmup - 1):
+            if time.perf_counter() > deadline:
+                break
+            self(fn)
+        times = [self(fn)]
+        while len(times) < iters and time.perf_counter() < deadline:
+            times.append(self(fn))
+        return statistics.median(times), len(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> float:
+    """GB/s of a large ``copy_`` counting the bytes read plus the bytes written."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    ms, _ = timer.median(lambda: dst.copy_(src), warmup=2, iters=10, budget_s=5.0)
+    return 2 * nbytes / ms / 1e6
+
+
+def make_params(
+    shapes: list[Shape], dtype: torch.dtype, device: torch.device, seed: int
+) -> list[torch.nn.Parameter]:
+    """Seeded random parameters with fixed random gradients (about the scale of real ones)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, device=device).to(dtype))
+        p.grad = (torch.randn(shape, generator=gen, device=device) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """``opt.state_bytes()`` where offered, else the bytes of its state tensors."""
+    method = getattr(opt, "state_bytes", None)
+    if callable(method):
+        return int(method())
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def measure(
+    profile: str,
+    shapes: list[Shape],
+    config: BenchConfig,
+    module: Any,
+    args: argparse.Namespace,
+    timer: Timer,
+    copy_gbs: float,
+) -> Row:
+    """Time one configuration on one profile."""
+    device = torch.device(args.device)
+    params = make_params(shapes, config.param_dtype, device, args.seed)
+    n = sum(p.numel() for p in params)
+    row = Row(profile, config.name, config.label, len(params), n)
+    opt = config.build(module, params, device)
+    row.ms, row.timed = timer.median(opt.step, args.warmup, args.iters, args.max_seconds)
+    weight = params[0].element_size()
+    row.state_bytes_per_param = state_bytes(opt) / n
+    row.moved_bytes_per_param = 3 * weight + 2 * row.state_bytes_per_param
+    row.gb_per_s = row.moved_bytes_per_param * n / row.ms / 1e6
+    row.copy_fraction = row.gb_per_s / copy_gbs
+    return row
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _last_level_cache() -> str | None:
+    # On a CPU a profile that fits in this cache runs faster than the copy bandwidth allows.
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"))
+    sizes = {
+        int((c / "level").read_text()): (c / "size").read_text().strip()
+        for c in caches
+        if (c / "level").exists() and (c / "size").exists()
+    }
+    return sizes[max(sizes)] if sizes else None
+
+
+def machine(device: torch.device) -> str:
+    """A one-line description of what ran the benchmark."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, host {os.cpu_count()} CPUs"
+    llc = _last_level_cache()
+    return (
+        f"{_cpu_model()}, {os.cpu_count()} CPUs, torch using {torch.get_num_threads()} threads"
+        + (f", last-level cache {llc}" if llc else "")
+    )
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(rows: list[Row], header: dict[str, Any]) -> str:
+    """The report: how it was made, then one table row per (profile, configuration)."""
+    lines = ["# Optimizer step benchmark", ""]
+    lines += [f"- {key}: {value}" for key, value in header.items()]
+    lines += [
+        "",
+        "| profile | optimizer | tensors | params | step ms | steps timed | moved B/param | GB/s "
+        "| of copy BW | state B/param | time / AdamW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error is not None:
+            lines.append(
+                f"| {r.profile} | {r.label} | {r.tensors} | {r.params:,} | failed: {r.error}"
+            )
+            continue
+        lines.append(
+            f"| {r.profile} | {r.label} | {r.tensors} | {r.params:,} | {_fmt(r.ms, '.3f')} "
+            f"| {r.timed} "
+            f"| {_fmt(r.moved_bytes_per_param, '.2f')} | {_fmt(r.gb_per_s, '.1f')} "
+            f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.state_bytes_per_param, '.2f')} "
+            f"| {_fmt(r.time_vs_adamw, '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device (%(default)s)")
+    p.add_argument("--profiles", default=",".join(PROFILES), help="comma list (%(default)s)")
+    p.add_argument(
+        "--optimizers",
+        default=",".join(c.name for c in CONFIGS),
+        help="comma list; unimportable ones are skipped with the reason (%(default)s)",
+    )
+    p.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help=f"divide every tensor's first dimension (default: 1 on CUDA, {CPU_SCALE} on CPU)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps, at most; at least 1 (%(default)s)"
+    )
+    p.add_argument(
+        "--iters", type=int, default=20, help="timed steps, at most; at least 1 (%(default)s)"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=3.0,
+        help="budget per measurement: no further step starts past it (%(default)s)",
+    )
+    p.add_argument(
+        "--copy-mib", type=int, help="copy-bandwidth buffer (default: 2048 on CUDA, 1024 on CPU)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("out/bench"), help="output folder (%(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of params and grads (%(default)s)")
+    args = p.parse_args(argv)
+    on_cuda = torch.device(args.device).type == "cuda"
+    if args.scale is None:
+        args.scale = 1 if on_cuda else CPU_SCALE
+    if args.copy_mib is None:
+        args.copy_mib = 2048 if on_cuda else 1024  # far beyond the caches either way
+    unknown = set(args.profiles.split(",")) - set(PROFILES)
+    unknown |= set(args.optimizers.split(",")) - {c.name for c in CONFIGS}
+    if unknown:
+        p.error(f"unknown profile or optimizer names: {sorted(unknown)}")
+    if args.scale < 1:
+        p.error("--scale must be at least 1")
+    return args
+
+
+def importable(names: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``{config name: module}`` for the named configs that import, ``{name: reason}`` for the rest."""
+    modules: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    for config in CONFIGS:
+        if config.name in names:
+            try:
+                modules[config.name] = importlib.import_module(config.module)
+            except ImportError as exc:
+                skipped[config.name] = f"{config.module} cannot be imported ({exc})"
+    return modules, skipped
+
+
+def run_profile(
+    profile: str, modules: dict[str, Any], args: argparse.Namespace, timer: Timer, copy_gbs: float
+) -> list[Row]:
+    """Measure every importable configuration on one profile, then relate them to AdamW's time."""
+    shapes = scaled(PROFILES[profile], args.scale)
+    name = profile if args.scale == 1 else f"{profile}/{args.scale}"
+    rows: list[Row] = []
+    for config in (c for c in CONFIGS if c.name in modules):
+        try:
+            row = measure(name, shapes, config, modules[config.name], args, timer, copy_gbs)
+        except Exception as exc:  # one broken configuration must not hide the others
+            n = sum(math.prod(s) for s in shapes)
+            error = " ".join(f"{type(exc).__name__}: {exc}".replace("|", "/").split())
+            error = error if len(error) <= 160 else error[:157] + "..."  # one table cell
+            row = Row(name, config.name, config.label, len(shapes), n, error=error)
+        rows.append(row)
+        result = row.error or f"{row.ms:.3f} ms"
+        print(f"{name:>20} {config.label:<28} {result}", file=sys.stderr)
+        if timer.device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r.ms for r in rows if r.config == "adamw"), None)
+    for r in rows:
+        if r.ms is not None and base:
+            r.time_vs_adamw = r.ms / base
+    return rows
+
+
+def report_header(
+    args: argparse.Namespace, argv: list[str], copy_gbs: float, skipped: dict[str, str]
+) -> dict[str, str]:
+    """How the numbers were made: command, date, machine, versions, method and byte model."""
+    device = torch.device(args.device)
+    clock = "CUDA events" if device.type == "cuda" else "perf_counter"
+    return {
+        "command": " ".join(["python", "tools/bench/step_bench.py", *argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "scale": f"first dimension of every tensor divided by {args.scale}",
+        "timing": f"median of up to {args.iters} steps after up to {args.warmup} warmup steps "
+        f"({clock}); no step starts after {args.max_seconds:g} s, except the first of each",
+        "copy bandwidth": f"{copy_gbs:.1f} GB/s (copy_ of {args.copy_mib} MiB, read + write)",
+        "byte model": "per param, moved = 2 W (weights read + write) + W (grad read) "
+        "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
+        "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
+        "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    began = time.perf_counter()
+    timer = Timer(torch.device(args.device))
+    copy_gbs = copy_bandwidth(timer.device, args.copy_mib * 2**20, timer)
+    print(f"copy bandwidth {copy_gbs:.1f} GB/s (read + write)", file=sys.stderr)
+    modules, skipped = importable(set(args.optimizers.split(",")))
+    for name, reason in skipped.items():
+        print(f"skipping {name}: {reason}", file=sys.stderr)
+
+    rows = [
+        row
+        for profile in args.profiles.split(",")
+        for row in run_profile(profile, modules, args, timer, copy_gbs)
+    ]
+    header = report_header(args, argv, copy_gbs, skipped)
+    header["seconds"] = f"{time.perf_counter() - began:.0f}"
+    report = markdown(rows, header)
+    args.out.mkdir(parents=True, exist_ok=True)
+    md, js = args.out / "step_bench.md", args.out / "step_bench.json"
+    md.write_text(report)
+    js.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    print(report)
+    print(f"wrote {md} and {js}", file=sys.stderr)
+    return 1 if any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
