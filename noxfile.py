@@ -88,7 +88,8 @@ def tests(session: nox.Session) -> None:
     session.install("pytest", *[str(d) for d in _package_dirs()])
     for package in _package_dirs():
         _pytest(session, package)
-    session.run("python", "-m", "pytest", "-q", "tools/tests", *session.posargs)
+    with session.chdir(ROOT / "tools"):
+        session.run("python", "-m", "pytest", *session.posargs)
 
 
 @nox.session
