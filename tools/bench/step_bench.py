@@ -91,10 +91,6 @@ def _flash_adamw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device
     return mod.FlashAdamW(params, lr=1e-3, weight_decay=0.01, master_weight_bits=24)
 
 
-def _apexw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
-    return mod.ApexW(params, lr=1e-3, weight_decay=0.01)
-
-
 BF16 = torch.bfloat16
 CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("adamw", "torch AdamW fp32 fused", "torch", torch.float32, _torch_adamw("fused")),
@@ -102,10 +98,8 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("adamw-bf16", "torch AdamW pure bf16 fused", "torch", BF16, _torch_adamw("fused")),
     BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8")),
     BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16")),
-    BenchConfig("memopt-ecc24-q8", "memopt bf16+ecc24+q8", "memopt_core.optimizer", BF16, _memopt("ecc24", "q8")),
     BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8")),
-    BenchConfig("flash-adamw", "memopt_ecc FlashAdamW", "memopt_ecc", BF16, _flash_adamw),
-    BenchConfig("apexw", "memopt_apexw ApexW", "memopt_apexw", torch.float32, _apexw),
+    BenchConfig("flash-adamw", "memopt_ecc FlashAdamW (ecc24+q8)", "memopt_ecc", BF16, _flash_adamw),
 )  # fmt: skip
 
 

@@ -73,10 +73,6 @@ def _flash_adamw(mod: Any, params: Params, h: Hyper) -> torch.optim.Optimizer:
     )
 
 
-def _apexw(mod: Any, params: Params, h: Hyper) -> torch.optim.Optimizer:
-    return mod.ApexW(params, lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay)
-
-
 CONFIGS: tuple[OptimizerConfig, ...] = (
     OptimizerConfig(
         "adamw", "torch AdamW fp32", "torch", _torch_adamw, description="the reference"
@@ -87,14 +83,6 @@ CONFIGS: tuple[OptimizerConfig, ...] = (
         "memopt_core.optimizer",
         _memopt("none", "q8"),
         description="fp32 params, blockwise 8-bit moments",
-    ),
-    OptimizerConfig(
-        "memopt-ecc24-q8",
-        "memopt bf16+ecc24+q8",
-        "memopt_core.optimizer",
-        _memopt("ecc24", "q8"),
-        param_dtype=torch.bfloat16,
-        description="bf16 params + 8-bit error correction + q8 moments (FlashAdamW-like)",
     ),
     OptimizerConfig(
         "memopt-bf16",
@@ -109,9 +97,8 @@ CONFIGS: tuple[OptimizerConfig, ...] = (
         "memopt_ecc",
         _flash_adamw,
         param_dtype=torch.bfloat16,
-        description="ECC-24 + 8-bit moments",
+        description="bf16 params + 8-bit error correction (ECC-24, SR) + q8 moments",
     ),
-    OptimizerConfig("apexw", "memopt_apexw ApexW", "memopt_apexw", _apexw, description="ApexW"),
 )
 
 

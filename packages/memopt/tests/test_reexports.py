@@ -6,6 +6,7 @@ import pytest
 
 import memopt
 import memopt_core
+import memopt_ecc
 
 
 def test_every_export_resolves_to_the_component_object():
@@ -31,4 +32,5 @@ def test_installed_metadata_matches_the_modules():
     # A stale install (metadata of one version, code of another) fails here.
     assert version("memopt") == memopt.__version__
     assert version("memopt-core") == memopt_core.__version__
+    assert version("memopt-ecc") == memopt_ecc.__version__
     assert "MemOptimizer" in dir(memopt)

@@ -21,6 +21,15 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "NumericsError": ("memopt_core.errors", "memopt-core"),
     "StateDictError": ("memopt_core.errors", "memopt-core"),
     "BackendUnavailableError": ("memopt_core.errors", "memopt-core"),
+    "FlashSGD": ("memopt_ecc", "memopt-ecc"),
+    "FlashSGDW": ("memopt_ecc", "memopt-ecc"),
+    "FlashAdam": ("memopt_ecc", "memopt-ecc"),
+    "FlashAdamW": ("memopt_ecc", "memopt-ecc"),
+    "FlashLion": ("memopt_ecc", "memopt-ecc"),
+    "cast_model": ("memopt_ecc", "memopt-ecc"),
+    "enable_gradient_release": ("memopt_ecc", "memopt-ecc"),
+    "get_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
+    "set_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

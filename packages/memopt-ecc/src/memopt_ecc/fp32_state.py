@@ -1,0 +1,182 @@
+"""Full-precision weights in and out of a model trained with ECC master weights.
+
+A bf16 parameter with master ``ecc24`` / ``ecc32`` is only half of its weight: the other half is
+the code in ``optimizer.state[p]["master_code"]``. :func:`get_fp32_model_state_dict` decodes
+both with the master codec of :mod:`memopt_core.formats` into an ordinary fp32 state dict (load it
+into an fp32 copy of the model, or save it as a portable checkpoint);
+:func:`set_fp32_model_state_dict` encodes fp32 weights back into the parameters and their codes.
+
+Round trips: ECC-32 is exact (``get(set(sd)) == sd`` bit for bit, for every finite fp32 value);
+ECC-24 keeps 16 significant bits (``set`` rounds to nearest, so ``get(set(sd))`` is ``sd`` rounded
+to the 24-bit master pattern, and ``set(get())`` changes nothing); without a master (``none``) the
+weight is the bf16 parameter (``set`` rounds to nearest even); fp32 parameters are copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from memopt_core import MemOptimizer
+from memopt_core.errors import StateDictError
+from memopt_core.formats import master_codec
+
+__all__ = ["fp32_master", "get_fp32_model_state_dict", "set_fp32_model_state_dict"]
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, MemOptimizer):
+        raise TypeError(
+            f"expected a memopt optimizer (memopt_core.MemOptimizer or a memopt_ecc Flash*), got "
+            f"{type(optimizer).__name__}"
+        )
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    while isinstance(model, wrappers):
+        model = model.module
+    return model
+
+
+def _groups(optimizer: MemOptimizer) -> dict[int, Mapping[str, Any]]:
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def _master_name(p: Tensor, group: Mapping[str, Any]) -> str:
+    return "fp32" if p.dtype == torch.float32 else group["master"]
+
+
+def _decode(optimizer: MemOptimizer, param: Tensor, group: Mapping[str, Any] | None) -> Tensor:
+    code = optimizer.state.get(param, {}).get("master_code") if group is not None else None
+    p = param.detach()
+    if code is None or group is None:
+        return p.float().clone() if p.dtype != torch.float32 else p.clone()
+    codec = master_codec(_master_name(param, group), p.dtype)
+    return codec.decode(p.reshape(-1), code.reshape(-1)).reshape(p.shape)
+
+
+def fp32_master(optimizer: MemOptimizer, param: Tensor) -> Tensor:
+    """The fp32 master weight of ``param`` (a new tensor shaped like it, on its device).
+
+    bf16 parameter + ECC code decoded with the master codec; without a code (master ``none``, a
+    parameter without state yet, or one the optimizer does not hold) the parameter widened to
+    fp32, which is also what a fresh ECC state decodes to.
+    """
+    _check_optimizer(optimizer)
+    return _decode(optimizer, param, _groups(optimizer).get(id(param)))
+
+
+def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict[str, Any]:
+    """``model.state_dict()`` with every floating tensor in fp32 and ECC parameters decoded.
+
+    Keys are those of the (unwrapped, for DDP/DataParallel) model's ``state_dict()``, tied
+    parameters under each of their names; values are new tensors on the model's devices.
+    Parameters with an ECC code hold their full master weight; other floating parameters and
+    buffers are widened to fp32; integer buffers (``num_batches_tracked``) keep their dtype.
+    """
+    _check_optimizer(optimizer)
+    model = _unwrap(model)
+    held = _groups(optimizer)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict(keep_vars=True).items():
+            if not isinstance(value, Tensor):
+                out[key] = value
+            elif isinstance(value, nn.Parameter) and id(value) in held:
+                out[key] = _decode(optimizer, value, held[id(value)])
+            elif value.is_floating_point():
+                out[key] = value.detach().float().clone()
+            else:
+                out[key] = value.detach().clone()
+    return out
+
+
+def set_fp32_model_state_dict(
+    model: nn.Module,
+    optimizer: MemOptimizer,
+    state_dict: Mapping[str, Any],
+    strict: bool = True,
+) -> None:
+    """Load fp32 weights into a (bf16) model and its optimizer's ECC codes.
+
+    Each parameter the optimizer holds is encoded with its master codec (round to nearest): the
+    parameter gets the bf16 half, ``optimizer.state[p]["master_code"]`` the code, so the next step
+    starts from exactly these weights (ECC-32: bit for bit). Other parameters and buffers are
+    copied with a cast. Moments and step counters are untouched. Optimizer state is created for
+    trainable parameters that have none yet (as the first step would create it); a frozen
+    parameter without state only gets the rounded bf16 value.
+
+    ``strict`` (default): the keys must equal ``model.state_dict()``'s. Parameter values must be
+    float32 tensors of the parameter's shape; tied parameters must get equal values. Everything is
+    checked before anything changes (:class:`memopt_core.StateDictError`).
+    """
+    _check_optimizer(optimizer)
+    model = _unwrap(model)
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"expected a state dict (a mapping), got {type(state_dict).__name__}")
+    targets = model.state_dict(keep_vars=True)
+    if strict:
+        missing = [k for k in targets if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in targets]
+        if missing or unexpected:
+            raise StateDictError(
+                f"the fp32 state dict does not match the model: missing keys {missing[:8]}, "
+                f"unexpected keys {unexpected[:8]} (pass strict=False to load the common keys)"
+            )
+    held = _groups(optimizer)
+    chosen: dict[int, tuple[str, Tensor, Tensor]] = {}
+    buffers: list[tuple[Tensor, Tensor]] = []
+    for key, target in targets.items():
+        if key not in state_dict or not isinstance(target, Tensor):
+            continue
+        value = state_dict[key]
+        if not isinstance(value, Tensor):
+            raise StateDictError(f"entry {key!r} must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise StateDictError(
+                f"entry {key!r} has shape {tuple(value.shape)}; the model's is {tuple(target.shape)}"
+            )
+        if isinstance(target, nn.Parameter):
+            if value.dtype != torch.float32:
+                raise StateDictError(
+                    f"entry {key!r} is {value.dtype}; parameters load from float32 values (the "
+                    "dict get_fp32_model_state_dict returns)"
+                )
+            prev = chosen.get(id(target))
+            if prev is not None:
+                a, b = (t.detach().cpu().contiguous().view(torch.int32) for t in (prev[2], value))
+                if not torch.equal(a, b):
+                    raise StateDictError(
+                        f"entries {prev[0]!r} and {key!r} name one tied parameter but differ"
+                    )
+                continue
+            chosen[id(target)] = (key, target, value)
+        else:
+            buffers.append((target, value))
+    if any(id(t) in held for _, t, _ in chosen.values()):
+        # the codes live in the optimizer's state: create it as the first step would
+        optimizer._ensure_plans()
+    with torch.no_grad():
+        for _, p, value in chosen.values():
+            x = value.detach().to(device=p.device, dtype=torch.float32)
+            group = held.get(id(p))
+            if p.dtype == torch.float32:
+                p.detach().copy_(x)
+                continue
+            if group is None:
+                p.detach().copy_(x)  # not optimized here: a plain (nearest) cast
+                continue
+            codec = master_codec(_master_name(p, group), p.dtype)
+            low, code = codec.encode(x.reshape(-1))
+            p.detach().copy_(low.view(p.shape))
+            slot = optimizer.state.get(p, {}).get("master_code")
+            if slot is not None and code is not None:
+                slot.copy_(code.view(slot.shape))
+        for b, value in buffers:
+            b.detach().copy_(value.detach())

@@ -1,0 +1,683 @@
+"""The ECC family: ``FlashSGD``, ``FlashSGDW``, ``FlashAdam``, ``FlashAdamW``, ``FlashLion``.
+
+Each class is a :class:`memopt_core.MemOptimizer` with FlashOptim's constructor (same parameter
+names, order and defaults) mapped onto core's formats:
+
+=========================== ===================================================================
+FlashOptim argument          memopt configuration
+=========================== ===================================================================
+``master_weight_bits=24``    bf16 parameters: master ``"ecc24"`` (bf16 + uint8 code, 16
+                             significant bits); fp32 parameters keep their fp32 master
+``master_weight_bits=32``    bf16 parameters: master ``"ecc32"`` (bf16 + int16 code, exactly fp32)
+``master_weight_bits=None``  bf16/fp16 parameters are the weights (master ``"none"``)
+``quantize=True``            moments ``"q8"`` (e4m3 first moment, e4m4 sqrt second moment, E8M0
+                             scale per 32 elements: 1.03125 B per moment)
+``quantize=False``           moments ``"fp32"`` (4 B per moment)
+``fused=True``               a registered kernel backend when one supports the group (Triton on
+                             CUDA, memopt-kernels-cpu on CPU), else core's torch backend; same bits
+``fused=False``              always core's pure-torch reference backend (same bits, slower)
+``compress_state_dict``      ``state_dict()`` keeps the compact codes (True) or decodes moments to
+                             fp32 tensors shaped like the parameters (False)
+``check_numerics``           non-finite gradients and updates below the master's resolution raise
+                             :class:`~memopt_core.NumericsError` (see :func:`master_resolution`)
+=========================== ===================================================================
+
+plus memopt's ``stochastic_rounding`` (default True: the measured choice, docs/ecc.md) and ``seed``.
+
+**``quantize=False`` deviates from FlashOptim on purpose.** FlashOptim's docstring says it keeps
+states "in FP32", but its code stores them in the *parameter's* dtype (bf16 for bf16 parameters),
+where a round-to-nearest second moment with beta2 = 0.999 cannot decay (docs/formats.md, "Long
+runs"). memopt keeps them in fp32 (8 B/param for Adam), the debugging baseline the flag is for.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memopt_core import MemOptimizer, NumericsError, StateSpec
+from memopt_core.errors import ConfigError, StateDictError
+from memopt_core.optimizer import RULES
+from memopt_core.plan import padding_unit, round_up, state_key
+
+__all__ = [
+    "MASTER_WEIGHT_BITS",
+    "FlashAdam",
+    "FlashAdamW",
+    "FlashLion",
+    "FlashOptimizer",
+    "FlashSGD",
+    "FlashSGDW",
+    "master_resolution",
+    "significant_bits",
+]
+
+#: ``master_weight_bits`` -> core's master format for bfloat16 parameters
+MASTER_WEIGHT_BITS: dict[int | None, str] = {24: "ecc24", 32: "ecc32", None: "none"}
+_MOMENT_NAMES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+def _master_for_bits(bits: Any) -> str:
+    if (
+        isinstance(bits, bool)
+        or (bits is not None and not isinstance(bits, int))
+        or bits not in MASTER_WEIGHT_BITS
+    ):
+        raise ConfigError(
+            f"master_weight_bits must be 24 (bf16 + 8-bit code), 32 (bf16 + 16-bit code, exact "
+            f"fp32) or None (no master: the bf16 parameter is the weight); got {bits!r}"
+        )
+    return MASTER_WEIGHT_BITS[bits]
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+# ------------------------------------------------------------------------------ resolution
+def significant_bits(master: str, param_dtype: torch.dtype, stochastic_rounding: bool) -> int:
+    """Significant bits (implicit bit included) that decide whether an update survives.
+
+    ``24`` for float32 parameters, ECC-32 and *any* master with stochastic rounding (SR keeps an
+    update in expectation as long as the fp32 sum ``x + u`` differs from ``x``, so fp32's own
+    rounding is the limit); with round-to-nearest ``16`` for ECC-24, ``8`` for bf16 and ``11``
+    for fp16 parameters without a master.
+    """
+    if param_dtype == torch.float32 or master in ("fp32", "ecc32") or stochastic_rounding:
+        return 24
+    if master == "ecc24":
+        return 16
+    if master == "none":
+        return 8 if param_dtype == torch.bfloat16 else 11
+    raise ConfigError(f"unknown master format {master!r}")
+
+
+def master_resolution(
+    magnitude: float,
+    master: str,
+    param_dtype: torch.dtype = torch.bfloat16,
+    stochastic_rounding: bool = True,
+) -> float:
+    """The spacing of the master format's grid at a weight of ``magnitude`` (its real resolution).
+
+    ``resolution(M) = 2**(max(floor(log2 M), emin) - (p - 1))`` with ``p`` from
+    :func:`significant_bits` and ``emin = -14`` for fp16 parameters rounded to nearest without a
+    master, else ``-126``. An update ``u`` of a weight in ``M``'s binade is lost (the master does
+    not change, not even in expectation) iff ``|u| < resolution(M) / 2``.
+    """
+    p = significant_bits(master, param_dtype, stochastic_rounding)
+    emin = -14 if p == 11 else -126
+    m = abs(float(magnitude))
+    e = emin if m == 0.0 or not math.isfinite(m) else max(math.frexp(m)[1] - 1, emin)
+    return math.ldexp(1.0, e - (p - 1))
+
+
+# ------------------------------------------------------------------------------ base class
+class FlashOptimizer(MemOptimizer):
+    """Base of the ECC family (see the module doc for the argument mapping).
+
+    Bytes of optimizer state per parameter element (:meth:`state_bytes` gives exact arena bytes;
+    the bf16 parameter itself adds 2): master code 1 (``master_weight_bits=24``), 2 (32) or 0
+    (None, or fp32 parameters); moments 1.03125 each with ``quantize=True``, 4 each without (Adam
+    keeps two, Lion and SGD with momentum one, SGD without momentum none). Parameters: bfloat16
+    (ECC or none), float16 (``master_weight_bits=None`` only) or float32, on CPU or CUDA; mixed
+    dtypes in one optimizer are grouped internally; non-contiguous parameters are handled.
+
+    While :func:`memopt_ecc.enable_gradient_release` is active, :meth:`step` and
+    :meth:`zero_grad` do nothing and warn once per activation.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        rule: str,
+        lr: float,
+        betas: tuple[float, float] | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        decouple_lr: bool = False,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        master = _master_for_bits(master_weight_bits)
+        for name, value in (
+            ("quantize", quantize),
+            ("compress_state_dict", compress_state_dict),
+            ("fused", fused),
+        ):
+            _check_flag(name, value)
+        self.quantize = quantize
+        self.master_weight_bits = master_weight_bits
+        self.compress_state_dict = compress_state_dict
+        self.fused = fused
+        self._release_warned: set[str] = set()
+        super().__init__(
+            params,
+            rule=rule,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=False,
+            decouple_lr=decouple_lr,
+            master=master,
+            moments="q8" if quantize else "fp32",
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+            check_numerics=check_numerics,
+            backend=None if fused else "torch",
+        )
+
+    # ------------------------------------------------------------------------- param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch semantics; a group may also set FlashOptim's ``master_weight_bits`` and
+        ``quantize``, translated to core's ``master`` / ``moments``."""
+        if isinstance(param_group, dict):
+            group = dict(param_group)
+            if "master_weight_bits" in group:
+                if "master" in group:
+                    raise ConfigError(
+                        "a param group sets both master_weight_bits and master; set one"
+                    )
+                group["master"] = _master_for_bits(group.pop("master_weight_bits"))
+            if "quantize" in group:
+                if "moments" in group:
+                    raise ConfigError("a param group sets both quantize and moments; set one")
+                q = group.pop("quantize")
+                _check_flag("quantize (param group)", q)
+                group["moments"] = "q8" if q else "fp32"
+            param_group = group
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------- gradient release
+    def _release_active(self) -> bool:
+        handle = getattr(self, "_memopt_gradient_release", None)
+        return handle is not None and handle.active
+
+    def _warn_released(self, what: str) -> None:
+        if what in self._release_warned:
+            return
+        self._release_warned.add(what)
+        doing = "updates each parameter" if what == "step" else "frees each gradient"
+        warnings.warn(
+            f"optimizer.{what}() does nothing while enable_gradient_release() is active: a hook "
+            f"{doing} as soon as its gradient is final. Call handle.remove() to restore the "
+            "ordinary step()/zero_grad() loop (this warning is shown once per activation)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    # ------------------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
+        """One step over every parameter with a gradient; returns the closure's loss.
+
+        A no-op (warning once) while gradient release is active; the closure is not called then.
+        """
+        if self._release_active():
+            self._warn_released("step")
+            return None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # step_parameters over every parameter computes the same work as MemOptimizer.step (and
+        # does not re-enter torch's step hooks, which wrap this method already)
+        self.step_parameters([p for g in self.param_groups for p in g["params"]])
+        return loss
+
+    def step_parameters(self, params: Iterable[Tensor]) -> None:
+        """Update only ``params`` (those with a gradient); the gradient-release hooks call it."""
+        params = [params] if isinstance(params, Tensor) else list(params)
+        with torch.no_grad():
+            if self.check_numerics:
+                self._check_resolution(params)
+            super().step_parameters(params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch semantics; a no-op (warning once) while gradient release is active."""
+        if self._release_active():
+            self._warn_released("zero_grad")
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ---------------------------------------------------------------------- numerics check
+    def _step_bound(self, group: Mapping[str, Any], gmax: float, mag: float) -> float:
+        """An upper estimate of the gradient-driven step of the tensor's elements."""
+        kind, decoupled = RULES[self.rule]
+        lr = float(group["lr"])
+        if kind in ("adam", "lion"):
+            # Lion: exactly lr (a sign); Adam: |m_hat / (sqrt(v_hat) + eps)| <= 1 while the
+            # gradient keeps its scale, so lr bounds its steady steps.
+            return lr
+        direction = gmax + (0.0 if decoupled else float(group["weight_decay"]) * mag)
+        momentum = float(group["momentum"])
+        if momentum > 0.0:
+            if momentum >= 1.0:
+                return math.inf
+            direction *= abs(1.0 - float(group["dampening"])) / (1.0 - momentum)
+        return lr * direction
+
+    def _check_resolution(self, params: list[Tensor]) -> None:
+        """Raise NumericsError when a step cannot change the largest weights of a tensor."""
+        from memopt_ecc.fp32_state import _decode
+
+        groups = {id(p): g for g in self.param_groups for p in g["params"]}
+        names = {}
+        for g in self.param_groups:
+            if g.get("param_names"):
+                names.update({id(p): n for p, n in zip(g["params"], g["param_names"], strict=True)})
+        kind = RULES[self.rule][0]
+        items: list[tuple[Tensor, Mapping[str, Any]]] = []
+        seen: set[int] = set()
+        for p in params:
+            g = groups.get(id(p)) if isinstance(p, Tensor) else None
+            if g is None or id(p) in seen or p.grad is None or p.numel() == 0:
+                continue
+            seen.add(id(p))
+            if float(g["lr"]) == 0.0:
+                continue  # a dummy step is allowed
+            items.append((p, g))
+        if not items:
+            return
+        by_device: dict[torch.device, list[tuple[Tensor, Mapping[str, Any], Tensor]]] = {}
+        for p, g in items:
+            x = _decode(self, p, g).abs()
+            x = torch.where(torch.isfinite(x), x, torch.zeros((), device=x.device))
+            # the largest |g| (SGD's step) and whether g is finite (else core's error comes first)
+            grad = p.grad.detach()
+            gmax = grad.abs().amax().float() if kind == "sgd" else torch.zeros((), device=x.device)
+            finite = torch.isfinite(grad).all().float()
+            stats = torch.stack([x.amax(), gmax, finite])
+            by_device.setdefault(p.device, []).append((p, g, stats))
+        bad: list[str] = []
+        for entries in by_device.values():
+            values = torch.stack([s for *_, s in entries])
+            for (p, g, _), (mag, gmax, finite) in zip(entries, values.tolist(), strict=True):
+                if not finite:
+                    continue  # core reports non-finite gradients
+                master = "fp32" if p.dtype == torch.float32 else g["master"]
+                sr = bool(g["stochastic_rounding"])
+                res = master_resolution(mag, master, p.dtype, sr)
+                step = self._step_bound(g, gmax, mag)
+                if step < res / 2:
+                    label = names.get(id(p))
+                    what = f"{label!r}" if label else f"of shape {tuple(p.shape)}"
+                    bad.append(
+                        f"parameter {what} ({p.dtype}, master {master!r}, "
+                        f"{'stochastic' if sr else 'nearest'} rounding): step <= {step:.3g} at "
+                        f"lr {float(g['lr']):.3g}, but its largest weight {mag:.6g} has "
+                        f"resolution {res:.3g} (updates below {res / 2:.3g} are lost)"
+                    )
+        if bad:
+            more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+            raise NumericsError(
+                "check_numerics: an update is below the master format's resolution for "
+                + "; ".join(bad[:8])
+                + more
+                + ". resolution(M) = 2**(floor(log2 M) - (p - 1)) with p = 24 (fp32, ECC-32 or "
+                "stochastic rounding), 16 (ECC-24) or 8 (bf16, no master) significant bits. No "
+                "parameter or state was modified; raise the learning rate, use "
+                "master_weight_bits=32 or stochastic_rounding=True, or set check_numerics=False"
+            )
+
+    # ---------------------------------------------------------------------------- state dicts
+    def _spec_of(self, group: Mapping[str, Any], p: Tensor) -> StateSpec:
+        return StateSpec(
+            master="fp32" if p.dtype == torch.float32 else group["master"],
+            moments=group["moments"],
+            stochastic_rounding=group["stochastic_rounding"],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Core's state dict; with ``compress_state_dict=False`` every moment is decoded to an fp32
+        tensor shaped like its parameter (master codes and steps are kept as they are)."""
+        sd = super().state_dict()
+        sd["memopt"] = dict(sd["memopt"], compressed=self.compress_state_dict)
+        if self.compress_state_dict:
+            return sd
+        state = sd["state"]
+        for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            for p, key in zip(group["params"], saved["params"], strict=True):
+                if key not in state:
+                    continue
+                spec = self._spec_of(group, p)
+                entry = dict(state[key])
+                for name in _MOMENT_NAMES:
+                    codec = spec.second if name == "exp_avg_sq" else spec.first
+                    keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
+                    if codec.name == "fp32" or not all(k in entry for k in keys.values()):
+                        continue
+                    flat = codec.decode({sfx: entry.pop(k) for sfx, k in keys.items()})
+                    entry[name] = flat[: p.numel()].reshape(p.shape).clone()
+                state[key] = entry
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`, compressed or not.
+
+        Uncompressed moments (fp32 tensors shaped like their parameters) are encoded into this
+        optimizer's format (round to nearest) first; decoding them gives exactly the values that
+        were saved, so training resumes with the same bits as from the compressed dict.
+        """
+        if isinstance(state_dict, Mapping) and isinstance(state_dict.get("state"), Mapping):
+            state_dict = self._compress_loaded(state_dict)
+        super().load_state_dict(state_dict)
+
+    def _compress_loaded(self, sd: Mapping[str, Any]) -> Mapping[str, Any]:
+        saved_groups = sd.get("param_groups")
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
+            self.param_groups
+        ):
+            return sd  # core explains what is wrong
+        state = dict(sd["state"])
+        changed = False
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            if not isinstance(saved, Mapping) or len(saved.get("params", ())) != len(
+                group["params"]
+            ):
+                return sd
+            for p, key in zip(group["params"], saved["params"], strict=True):
+                entry = state.get(key)
+                if not isinstance(entry, Mapping):
+                    continue
+                try:
+                    spec = StateSpec(
+                        master="fp32" if p.dtype == torch.float32 else saved["master"],
+                        moments=saved["moments"],
+                        stochastic_rounding=bool(saved.get("stochastic_rounding", True)),
+                    )
+                except (KeyError, ConfigError):
+                    return sd
+                new = dict(entry)
+                for name in _MOMENT_NAMES:
+                    codec = spec.second if name == "exp_avg_sq" else spec.first
+                    t = new.get(name)
+                    if (
+                        codec.name == "fp32"
+                        or not isinstance(t, Tensor)
+                        or t.dtype != torch.float32
+                        or tuple(t.shape) != tuple(p.shape)
+                    ):
+                        continue
+                    if any(state_key(name, sfx) in new for sfx in codec.fields if sfx):
+                        raise StateDictError(
+                            f"the state of parameter index {key!r} holds {name!r} both decoded "
+                            "(fp32) and encoded; keep one"
+                        )
+                    padded = round_up(p.numel(), padding_unit(spec))
+                    flat = torch.zeros(padded, dtype=torch.float32, device=t.device)
+                    flat[: p.numel()] = t.reshape(-1)
+                    del new[name]
+                    for sfx, value in codec.encode(flat).items():
+                        new[state_key(name, sfx)] = value
+                    changed = True
+                state[key] = new
+        if not changed:
+            return sd
+        out = dict(sd)
+        out["state"] = state
+        return out
+
+    # ------------------------------------------------------------------------ fp32 weights
+    def get_fp32_model_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """FlashOptim's method form of :func:`memopt_ecc.get_fp32_model_state_dict`."""
+        from memopt_ecc.fp32_state import get_fp32_model_state_dict
+
+        return get_fp32_model_state_dict(model, self)
+
+    def set_fp32_model_state_dict(
+        self, model: torch.nn.Module, fp32_state_dict: Mapping[str, Any], strict: bool = True
+    ) -> None:
+        """FlashOptim's method form of :func:`memopt_ecc.set_fp32_model_state_dict`."""
+        from memopt_ecc.fp32_state import set_fp32_model_state_dict
+
+        set_fp32_model_state_dict(model, self, fp32_state_dict, strict=strict)
+
+    # ---------------------------------------------------------------------- pickle, deepcopy
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(
+            quantize=self.quantize,
+            master_weight_bits=self.master_weight_bits,
+            compress_state_dict=self.compress_state_dict,
+            fused=self.fused,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("quantize", True)
+        self.__dict__.setdefault("master_weight_bits", 24)
+        self.__dict__.setdefault("compress_state_dict", True)
+        self.__dict__.setdefault("fused", True)
+        self._release_warned = set()
+        self.__dict__.pop("_memopt_gradient_release", None)  # hooks belong to the original
+
+
+# ------------------------------------------------------------------------------ the family
+class FlashSGD(FlashOptimizer):
+    """SGD with L2 weight decay (``torch.optim.SGD`` semantics, first momentum step ``buf = g``).
+
+    State bytes per element: code 1 / 2 / 0 (``master_weight_bits`` 24 / 32 / None) plus, with
+    ``momentum > 0``, 1.03125 (``quantize=True``) or 4; bf16, fp16 (no master) or fp32
+    parameters, CPU or CUDA. Unlike FlashOptim (which dampens the first momentum step too), the
+    first step follows torch: ``buf = g``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            rule="sgd",
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            quantize=quantize,
+            compress_state_dict=compress_state_dict,
+            master_weight_bits=master_weight_bits,
+            check_numerics=check_numerics,
+            fused=fused,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
+
+
+class FlashSGDW(FlashOptimizer):
+    """SGD with decoupled weight decay (``p *= 1 - lr*wd``, or ``1 - lr/initial_lr*wd`` with
+    ``decouple_lr``). Bytes and dtypes as :class:`FlashSGD`."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        decouple_lr: bool = False,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            rule="sgdw",
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            decouple_lr=decouple_lr,
+            quantize=quantize,
+            compress_state_dict=compress_state_dict,
+            master_weight_bits=master_weight_bits,
+            check_numerics=check_numerics,
+            fused=fused,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
+
+
+class FlashAdam(FlashOptimizer):
+    """Adam with L2 weight decay (``torch.optim.Adam`` semantics).
+
+    State bytes per element: code 1 / 2 / 0 (``master_weight_bits`` 24 / 32 / None) plus moments
+    2.0625 (``quantize=True``) or 8: the default bf16 configuration holds 3.0625 B of state next
+    to the 2 B parameter. bf16, fp16 (no master) or fp32 parameters, CPU or CUDA.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            rule="adam",
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            quantize=quantize,
+            compress_state_dict=compress_state_dict,
+            master_weight_bits=master_weight_bits,
+            check_numerics=check_numerics,
+            fused=fused,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
+
+
+class FlashAdamW(FlashOptimizer):
+    """AdamW (``torch.optim.AdamW`` semantics; ``decouple_lr`` decays by ``lr/initial_lr*wd``).
+
+    State bytes per element: code 1 / 2 / 0 (``master_weight_bits`` 24 / 32 / None) plus moments
+    2.0625 (``quantize=True``) or 8: the default bf16 configuration holds 3.0625 B of state next
+    to the 2 B parameter. bf16, fp16 (no master) or fp32 parameters, CPU or CUDA.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        decouple_lr: bool = False,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            rule="adamw",
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decouple_lr=decouple_lr,
+            quantize=quantize,
+            compress_state_dict=compress_state_dict,
+            master_weight_bits=master_weight_bits,
+            check_numerics=check_numerics,
+            fused=fused,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )
+
+
+class FlashLion(FlashOptimizer):
+    """Lion (Chen et al. 2023) with decoupled weight decay.
+
+    State bytes per element: code 1 / 2 / 0 (``master_weight_bits`` 24 / 32 / None) plus one
+    moment, 1.03125 (``quantize=True``) or 4. bf16, fp16 (no master) or fp32 parameters, CPU or
+    CUDA.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        decouple_lr: bool = False,
+        quantize: bool = True,
+        compress_state_dict: bool = True,
+        master_weight_bits: int | None = 24,
+        check_numerics: bool = False,
+        fused: bool = True,
+        *,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            rule="lion",
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            decouple_lr=decouple_lr,
+            quantize=quantize,
+            compress_state_dict=compress_state_dict,
+            master_weight_bits=master_weight_bits,
+            check_numerics=check_numerics,
+            fused=fused,
+            stochastic_rounding=stochastic_rounding,
+            seed=seed,
+        )

@@ -1,0 +1,201 @@
+"""cast_model: dtypes, fnmatch patterns and module objects, the two full-precision lists,
+BatchNorm kept fp32 inside a bf16 network, tied weights."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from memopt_core import ConfigError
+from memopt_ecc import FlashAdamW, cast_model
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.attn(x))
+
+
+class Net(nn.Module):
+    """embed -> blocks -> bn -> decoder (with a nested head) -> head; embed tied to out."""
+
+    def __init__(self, d: int = 8, vocab: int = 11) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.bn = nn.BatchNorm1d(d)
+        self.decoder = nn.Sequential()
+        self.decoder.add_module("proj", nn.Linear(d, d))
+        self.decoder.add_module("head", nn.Linear(d, d))
+        self.head = nn.Linear(d, 3)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.embed.weight  # tied
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for b in self.blocks:
+            x = b(x)
+        x = self.bn(x)
+        x = self.decoder(x)
+        return self.head(x), self.out(x)
+
+
+def dtypes(model):
+    return {name: t.dtype for name, t in model.state_dict().items()}
+
+
+def test_default_cast_keeps_batchnorm_fp32(device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    assert cast_model(model) is model
+    d = dtypes(model)
+    for name, dt in d.items():
+        if name.startswith("bn."):
+            want = torch.int64 if name == "bn.num_batches_tracked" else torch.float32
+        elif name == "counter":
+            want = torch.int64
+        else:
+            want = torch.bfloat16
+        assert dt == want, name
+    # tied weights stay one Parameter
+    assert model.out.weight is model.embed.weight
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+    head, logits = model(torch.randint(0, 11, (6,), device=device))
+    assert head.dtype == torch.bfloat16
+    assert logits.dtype == torch.bfloat16
+
+
+def test_batchnorm_runs_fp32_statistics_on_bf16_input(device):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(5).to(device)
+    ref = copy.deepcopy(bn)
+    model = nn.Sequential(bn)
+    cast_model(model)
+    x = torch.randn(16, 5, device=device).bfloat16()
+    y = model(x)
+    assert y.dtype == torch.bfloat16  # cast back to the input's dtype
+    want = ref(x.float())  # fp32 statistics on the widened input
+    assert torch.equal(y, want.bfloat16())
+    assert torch.equal(bn.running_mean, ref.running_mean)
+    assert torch.equal(bn.running_var, ref.running_var)
+    assert bn.running_mean.dtype == torch.float32
+    # an fp32 input stays fp32
+    assert model(torch.randn(4, 5, device=device)).dtype == torch.float32
+
+
+def test_selective_false_casts_batchnorm():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    cast_model(model, selective=False)
+    assert all(t.dtype == torch.bfloat16 for t in model[1].parameters())
+    assert model[1].running_mean.dtype == torch.bfloat16
+    assert model[1].num_batches_tracked.dtype == torch.int64
+    assert not model[1]._forward_pre_hooks
+
+
+def test_patterns_match_full_dotted_names():
+    model = Net()
+    model.out.weight = nn.Parameter(torch.randn(11, 8))  # untie for this test
+    cast_model(model, full_precision_layers=["head"])  # the top-level head only
+    assert model.head.weight.dtype == torch.float32
+    assert model.decoder.head.weight.dtype == torch.bfloat16
+
+    model = Net()
+    model.out.weight = nn.Parameter(torch.randn(11, 8))
+    cast_model(model, full_precision_layers=["*.head"])  # nested heads, not the top-level one
+    assert model.decoder.head.weight.dtype == torch.float32
+    assert model.head.weight.dtype == torch.bfloat16
+
+    model = Net()
+    model.out.weight = nn.Parameter(torch.randn(11, 8))
+    cast_model(model, full_precision_recast_layers=["blocks.*.attn"])
+    assert model.blocks[0].attn.weight.dtype == torch.float32
+    assert model.blocks[1].attn.bias.dtype == torch.float32
+    assert model.blocks[0].norm.weight.dtype == torch.bfloat16
+
+
+def test_full_precision_output_stays_fp32_recast_output_is_cast_back(device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    model.out.weight = nn.Parameter(torch.randn(11, 8, device=device))
+    cast_model(
+        model,
+        full_precision_layers=[model.head],  # a module object
+        full_precision_recast_layers=["decoder"],  # a subtree: decoder.proj, decoder.head
+    )
+    assert model.head.weight.dtype == torch.float32
+    assert {p.dtype for p in model.decoder.parameters()} == {torch.float32}
+    seen = {}
+
+    def spy(m, a, o):
+        seen["proj"] = o.dtype  # returns None: observes, replaces nothing
+
+    model.decoder.proj.register_forward_hook(spy)
+    head, logits = model(torch.randint(0, 11, (5,), device=device))
+    assert head.dtype == torch.float32  # terminal layer: fp32 output
+    assert seen["proj"] == torch.float32  # inside the recast subtree everything is fp32
+    assert logits.dtype == torch.bfloat16  # decoder's output was cast back, out is bf16
+
+
+def test_tied_weight_conflict_is_refused():
+    model = Net()
+    with pytest.raises(ConfigError, match="shared with"):
+        cast_model(model, full_precision_layers=["out"])
+    # keeping both holders in full precision is consistent
+    model = Net()
+    cast_model(model, full_precision_layers=["out", "embed"])
+    assert model.embed.weight.dtype == torch.float32
+    assert model.out.weight is model.embed.weight
+
+
+def test_bad_arguments():
+    model = Net()
+    with pytest.raises(TypeError, match="fnmatch patterns"):
+        cast_model(model, full_precision_layers=[3])
+    with pytest.raises(ConfigError, match="floating torch dtype"):
+        cast_model(model, dtype=torch.int8)
+    with pytest.raises(ConfigError, match="matches both"):
+        cast_model(model, full_precision_layers=["head"], full_precision_recast_layers=["head"])
+    with pytest.warns(UserWarning, match="matches no module"):
+        cast_model(Net(), full_precision_layers=["lm_head"])
+    with pytest.warns(UserWarning, match="matches no module"):
+        cast_model(Net(), full_precision_layers=[nn.Linear(2, 2)])
+
+
+def test_recast_replaces_hooks_and_other_dtypes():
+    model = Net()
+    model.out.weight = nn.Parameter(torch.randn(11, 8))
+    cast_model(model, full_precision_recast_layers=["head"])
+    cast_model(model, full_precision_recast_layers=["head"])
+    assert len(model.head._forward_pre_hooks) == 1
+    assert len(model.head._forward_hooks) == 1
+    assert len(model.bn._forward_pre_hooks) == 1
+    cast_model(model, dtype=torch.float16)  # head is no longer listed: hooks gone, cast
+    assert not model.head._forward_pre_hooks
+    assert model.head.weight.dtype == torch.float16
+    assert model.blocks[0].attn.weight.dtype == torch.float16
+
+
+def test_cast_model_pickles_and_trains_with_mixed_dtypes(device):
+    torch.manual_seed(0)
+    model = Net().to(device)
+    cast_model(model, full_precision_layers=["head"])
+    clone = pickle.loads(pickle.dumps(model))
+    assert len(clone.bn._forward_pre_hooks) == 1
+    opt = FlashAdamW(model.parameters(), lr=1e-2)  # bf16 and fp32 parameters in one optimizer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    head, logits = model(torch.randint(0, 11, (6,), device=device))
+    (head.float().pow(2).mean() + logits.float().pow(2).mean()).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert not torch.equal(p.detach(), before[n]), n
+    assert opt.state[model.head.weight].get("master_code") is None  # fp32: its own master
+    assert opt.state[model.decoder.proj.weight]["master_code"].dtype == torch.uint8

@@ -1,0 +1,189 @@
+"""fp32 weights out of bf16 + ECC codes and back: exact for ECC-32, nearest for ECC-24."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from ecc_testutil import same_bits
+from torch import nn
+
+from memopt_core import StateDictError
+from memopt_core.formats import master_codec
+from memopt_ecc import (
+    FlashAdamW,
+    cast_model,
+    fp32_master,
+    get_fp32_model_state_dict,
+    set_fp32_model_state_dict,
+)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.lin = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, idx):
+        return self.out(self.bn(self.lin(self.embed(idx))))
+
+
+def trained(device, mwb=24, steps=3, seed=0):
+    torch.manual_seed(seed)
+    model = cast_model(Model().to(device))
+    opt = FlashAdamW(model.parameters(), lr=1e-2, master_weight_bits=mwb)
+    for t in range(steps):
+        idx = torch.randint(0, 10, (8,), generator=torch.Generator().manual_seed(t)).to(device)
+        model(idx).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def random_fp32_dict(model, seed=1):
+    """Values that are not bf16 numbers (full 24-bit mantissas)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point():
+            out[k] = (torch.randn(v.shape, generator=gen) * 3).to(v.device)
+        else:
+            out[k] = v.clone()
+    out["out.weight"] = out["embed.weight"]  # tied: the same values under both names
+    return out
+
+
+@pytest.mark.parametrize("mwb", [24, 32, None])
+def test_get_decodes_parameters_and_widens_the_rest(mwb, device):
+    model, opt = trained(device, mwb)
+    sd = get_fp32_model_state_dict(model, opt)
+    assert list(sd) == list(model.state_dict())
+    for k, v in sd.items():
+        assert v.device.type == device.type
+        if k == "bn.num_batches_tracked":
+            assert v.dtype == torch.int64
+            continue
+        assert v.dtype == torch.float32
+    for name, p in model.named_parameters():
+        code = opt.state[p].get("master_code")
+        if mwb is None or p.dtype == torch.float32:
+            assert code is None
+            assert torch.equal(sd[name], p.detach().float())
+        else:
+            want = master_codec({24: "ecc24", 32: "ecc32"}[mwb], p.dtype).decode(p.detach(), code)
+            assert same_bits(sd[name], want)
+            assert not torch.equal(sd[name], p.detach().float())  # the code carries bits
+    assert same_bits(sd["out.weight"], sd["embed.weight"])
+    # the method form is the same function
+    method = opt.get_fp32_model_state_dict(model)
+    assert all(same_bits(method[k], sd[k]) for k in sd)
+    # loads into an fp32 copy of the model
+    fp32_model = Model().to(device)
+    fp32_model.load_state_dict(sd)
+    assert same_bits(fp32_model.lin.weight, sd["lin.weight"])
+
+
+def test_ecc32_round_trips_bit_exactly(device):
+    model, opt = trained(device, mwb=32)
+    values = random_fp32_dict(model)
+    set_fp32_model_state_dict(model, opt, values)
+    got = get_fp32_model_state_dict(model, opt)
+    for k, v in values.items():
+        assert same_bits(got[k], v.to(got[k].dtype)), k
+    # the bf16 parameter is the nearest bf16 of the master (ties away, docs/formats.md)
+    assert torch.equal(model.lin.weight.detach(), values["lin.weight"].bfloat16())
+
+
+def test_ecc32_trains_exactly_like_fp32_after_set(device):
+    """bf16 + ECC-32 is an exact fp32 master: loaded weights and fed the same gradients, it follows
+    an fp32 model's training bit for bit."""
+    model, opt = trained(device, mwb=32, steps=0)
+    values = random_fp32_dict(model)
+    set_fp32_model_state_dict(model, opt, values)
+    ref = Model().to(device)
+    cast_model(ref, dtype=torch.float32)
+    ref.load_state_dict(values)
+    ref_opt = FlashAdamW(ref.parameters(), lr=1e-2)  # fp32 parameters: fp32 master
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            g = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+            p.grad, q.grad = g, g.float()  # the same values
+        opt.step()
+        ref_opt.step()
+    got = get_fp32_model_state_dict(model, opt)
+    for name, q in ref.named_parameters():
+        assert same_bits(got[name], q.detach()), name
+
+
+def test_ecc24_rounds_to_nearest_and_set_get_is_stable(device):
+    model, opt = trained(device, mwb=24)
+    values = random_fp32_dict(model)
+    set_fp32_model_state_dict(model, opt, values)
+    got = get_fp32_model_state_dict(model, opt)
+    codec = master_codec("ecc24", torch.bfloat16)
+    for name, p in model.named_parameters():
+        want = (
+            values[name] if p.dtype == torch.float32 else codec.decode(*codec.encode(values[name]))
+        )
+        assert same_bits(got[name], want), name
+    before = {
+        id(p): (p.detach().clone(), opt.state[p]["master_code"].clone())
+        for p in model.parameters()
+        if "master_code" in opt.state[p]
+    }
+    set_fp32_model_state_dict(model, opt, got)  # set(get()) changes nothing
+    for p in model.parameters():
+        if id(p) in before:
+            assert torch.equal(p.detach(), before[id(p)][0])
+            assert torch.equal(opt.state[p]["master_code"], before[id(p)][1])
+
+
+def test_set_before_the_first_step_creates_the_codes(device):
+    torch.manual_seed(0)
+    model = cast_model(Model().to(device))
+    opt = FlashAdamW(model.parameters(), master_weight_bits=32)
+    values = random_fp32_dict(model)
+    opt.set_fp32_model_state_dict(model, values)
+    assert all(
+        "master_code" in opt.state[p] for p in model.parameters() if p.dtype == torch.bfloat16
+    )
+    got = opt.get_fp32_model_state_dict(model)
+    assert same_bits(got["lin.weight"], values["lin.weight"])
+    assert all(int(s["step"]) == 0 for s in opt.state.values())
+
+
+def test_set_validates_before_changing_anything():
+    model, opt = trained("cpu", mwb=32)
+    snapshot = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    good = random_fp32_dict(model)
+    cases = {
+        "missing keys": {k: v for k, v in good.items() if k != "lin.bias"},
+        "unexpected keys": {**good, "extra.weight": torch.zeros(1)},
+        "is torch.bfloat16": {**good, "lin.weight": good["lin.weight"].bfloat16()},
+        "has shape": {**good, "lin.weight": torch.zeros(3, 3)},
+        "tied parameter but differ": {**good, "out.weight": good["out.weight"] + 1},
+    }
+    for match, sd in cases.items():
+        with pytest.raises(StateDictError, match=match):
+            set_fp32_model_state_dict(model, opt, sd)
+    assert all(same_bits(v, snapshot[0][k]) for k, v in model.state_dict().items())
+    # strict=False loads the keys it has
+    set_fp32_model_state_dict(model, opt, {"lin.weight": good["lin.weight"]}, strict=False)
+    assert same_bits(fp32_master(opt, model.lin.weight), good["lin.weight"])
+    assert same_bits(model.lin.bias, snapshot[0]["lin.bias"])
+    with pytest.raises(TypeError, match="memopt optimizer"):
+        get_fp32_model_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_fp32_master_without_state_is_the_parameter():
+    p = nn.Parameter(torch.randn(5).bfloat16())
+    opt = FlashAdamW([p])
+    assert same_bits(fp32_master(opt, p), p.detach().float())
+    q = nn.Parameter(torch.randn(5))
+    assert same_bits(fp32_master(opt, q), q.detach())  # not held: itself

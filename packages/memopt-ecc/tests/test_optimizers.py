@@ -1,0 +1,432 @@
+"""The Flash* classes: FlashOptim's constructor, the mapping onto core's formats (bit for bit equal
+to the mapped MemOptimizer), bytes per parameter, mixed dtypes, non-contiguous parameters,
+``fused``, ``compress_state_dict``, param-group keys, copies."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import pickle
+
+import pytest
+import torch
+from ecc_testutil import assert_same_state, same_bits
+
+from memopt_core import ConfigError, MemOptimizer, backends
+from memopt_core.torch_backend import TorchBackend
+from memopt_ecc import (
+    MASTER_WEIGHT_BITS,
+    FlashAdam,
+    FlashAdamW,
+    FlashLion,
+    FlashOptimizer,
+    FlashSGD,
+    FlashSGDW,
+)
+
+# FlashOptim 0.1.4's positional parameters and defaults (flashoptim/optimizers.py)
+_COMMON = dict(
+    quantize=True,
+    compress_state_dict=True,
+    master_weight_bits=24,
+    check_numerics=False,
+    fused=True,
+)
+FLASHOPTIM = {
+    FlashSGD: dict(
+        lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, **_COMMON
+    ),
+    FlashSGDW: dict(
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        decouple_lr=False,
+        **_COMMON,
+    ),
+    FlashAdam: dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, **_COMMON),
+    FlashAdamW: dict(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, decouple_lr=False, **_COMMON
+    ),
+    FlashLion: dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0, decouple_lr=False, **_COMMON),
+}
+RULE = {
+    FlashSGD: "sgd",
+    FlashSGDW: "sgdw",
+    FlashAdam: "adam",
+    FlashAdamW: "adamw",
+    FlashLion: "lion",
+}
+# per-class hyperparameters that exercise the rule (momentum, decay, decouple_lr)
+HYPER = {
+    FlashSGD: dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.1),
+    FlashSGDW: dict(lr=1e-2, momentum=0.8, dampening=0.1, weight_decay=0.1, decouple_lr=True),
+    FlashAdam: dict(lr=1e-2, weight_decay=0.1),
+    FlashAdamW: dict(lr=1e-2, weight_decay=0.1, decouple_lr=True),
+    FlashLion: dict(lr=1e-3, weight_decay=0.5),
+}
+
+
+def _noncontiguous(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    t = torch.empty_strided((rows, cols), (1, rows), dtype=torch.bfloat16)
+    t.copy_(torch.randn(rows, cols, generator=gen))
+    return t
+
+
+def make_params(device, seed=0):
+    """bf16 and fp32 parameters in one list, one of them non-contiguous (a transposed layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    ps = [
+        torch.randn(7, 9, generator=gen).bfloat16(),
+        torch.randn(33, generator=gen).bfloat16(),
+        torch.randn(5, 3, generator=gen),  # fp32: keeps its fp32 master
+        _noncontiguous(6, 4, gen),
+        torch.randn((), generator=gen).bfloat16(),
+    ]
+    return [p.to(device).requires_grad_() for p in ps]
+
+
+def set_grads(params, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
+
+
+def run(opt, params, steps=4):
+    for t in range(steps):
+        set_grads(params, t)
+        opt.step()
+        opt.zero_grad()
+
+
+def mapped(cls, params, mwb, quantize, **kw):
+    """The MemOptimizer a Flash* call stands for."""
+    hyper = {**FLASHOPTIM[cls], **kw}
+    for k in ("quantize", "compress_state_dict", "master_weight_bits", "check_numerics", "fused"):
+        hyper.pop(k)
+    return MemOptimizer(
+        params,
+        rule=RULE[cls],
+        master=MASTER_WEIGHT_BITS[mwb],
+        moments="q8" if quantize else "fp32",
+        stochastic_rounding=True,
+        seed=0,
+        **hyper,
+    )
+
+
+# ------------------------------------------------------------------------------ constructor
+@pytest.mark.parametrize("cls", list(FLASHOPTIM), ids=lambda c: c.__name__)
+def test_signature_matches_flashoptim(cls):
+    sig = inspect.signature(cls.__init__)
+    positional = [
+        (n, p.default)
+        for n, p in sig.parameters.items()
+        if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("self", "params")
+    ]
+    assert positional == list(FLASHOPTIM[cls].items())
+    keyword_only = {n: p.default for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert keyword_only == {"stochastic_rounding": True, "seed": 0}
+
+
+@pytest.mark.parametrize("cls", list(FLASHOPTIM), ids=lambda c: c.__name__)
+def test_defaults_map_to_ecc24_q8_sr(cls):
+    p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = cls([p])
+    assert isinstance(opt, FlashOptimizer)
+    assert isinstance(opt, MemOptimizer)
+    assert opt.rule == RULE[cls]
+    g = opt.param_groups[0]
+    assert (g["master"], g["moments"], g["stochastic_rounding"]) == ("ecc24", "q8", True)
+    assert g["lr"] == 1e-3
+    assert (opt.quantize, opt.master_weight_bits, opt.compress_state_dict, opt.fused) == (
+        True,
+        24,
+        True,
+        True,
+    )
+    assert opt.check_numerics is False
+    assert opt.seed == 0
+    assert opt.backend is None  # fused=True: the best registered backend
+    assert cls([p], fused=False).backend == "torch"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(master_weight_bits=16), "master_weight_bits must be 24"),
+        (dict(master_weight_bits=True), "master_weight_bits must be 24"),
+        (dict(master_weight_bits=24.0), "master_weight_bits must be 24"),
+        (dict(master_weight_bits="32"), "master_weight_bits must be 24"),
+        (dict(quantize=1), "quantize must be True or False"),
+        (dict(fused="yes"), "fused must be True or False"),
+        (dict(compress_state_dict=None), "compress_state_dict must be True or False"),
+        (dict(check_numerics=1), "check_numerics must be a bool"),
+        (dict(lr=-1.0), "invalid learning rate"),
+        (dict(betas=(1.0, 0.9)), "invalid beta1"),
+        (dict(eps=-1e-8), "invalid eps"),
+        (dict(weight_decay=-0.1), "invalid weight_decay"),
+        (dict(stochastic_rounding=None), "stochastic_rounding"),
+        (dict(seed=-1), "seed must be an int"),
+    ],
+)
+def test_validation_errors(kwargs, match):
+    p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ConfigError, match=match):
+        FlashAdamW([p], **kwargs)
+    with pytest.raises(ValueError, match=match):  # ConfigError is a ValueError
+        FlashAdamW([p], **kwargs)
+
+
+def test_validation_errors_sgd_and_dtypes():
+    p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ConfigError, match="nesterov=True"):
+        FlashSGD([p], nesterov=True)
+    half = torch.zeros(4, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ConfigError, match="cast them to bfloat16"):
+        FlashAdamW([half])  # ECC splits fp32 into bf16 + code; fp16 has no ECC
+    FlashAdamW([half], master_weight_bits=None)  # fp16 without a master is fine
+    with pytest.raises(ConfigError, match=r"dtype torch\.int64"):
+        FlashAdamW([torch.zeros(3, dtype=torch.int64)])
+
+
+# ------------------------------------------------------------------- equal to MemOptimizer
+@pytest.mark.parametrize("cls", list(FLASHOPTIM), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(("mwb", "quantize"), [(24, True), (32, False), (None, True)])
+def test_equals_mapped_memoptimizer(cls, mwb, quantize, device):
+    a, b = make_params(device), make_params(device)
+    flash = cls(a, master_weight_bits=mwb, quantize=quantize, **HYPER[cls])
+    core = mapped(cls, b, mwb, quantize, **HYPER[cls])
+    run(flash, a)
+    run(core, b)
+    assert_same_state(flash, a, core, b)
+    assert flash.state_bytes() == core.state_bytes()
+    # bf16 parameters carry the mapped master code; the fp32 one keeps no code
+    code = {24: torch.uint8, 32: torch.int16, None: None}[mwb]
+    for p in a:
+        got = flash.state[p].get("master_code")
+        if p.dtype == torch.float32 or code is None:
+            assert got is None
+        else:
+            assert got.dtype == code
+            assert got.shape == p.shape
+    assert a[3].stride() == (1, 6)  # the non-contiguous parameter kept its layout
+
+
+# ----------------------------------------------------------------------- bytes per parameter
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "dtype", "per_element"),
+    [
+        (FlashAdamW, dict(), torch.bfloat16, 1 + 2 * 1.03125),
+        (FlashAdamW, dict(master_weight_bits=32), torch.bfloat16, 2 + 2 * 1.03125),
+        (FlashAdamW, dict(master_weight_bits=None), torch.bfloat16, 2 * 1.03125),
+        (FlashAdamW, dict(quantize=False), torch.bfloat16, 1 + 8),
+        (FlashAdamW, dict(master_weight_bits=32, quantize=False), torch.bfloat16, 2 + 8),
+        (FlashAdamW, dict(), torch.float32, 2 * 1.03125),  # fp32 params: no code
+        (FlashAdam, dict(), torch.bfloat16, 1 + 2 * 1.03125),
+        (FlashLion, dict(), torch.bfloat16, 1 + 1.03125),
+        (FlashLion, dict(quantize=False, master_weight_bits=32), torch.bfloat16, 2 + 4),
+        (FlashSGD, dict(), torch.bfloat16, 1),  # no momentum: only the code
+        (FlashSGD, dict(momentum=0.9), torch.bfloat16, 1 + 1.03125),
+        (FlashSGDW, dict(momentum=0.9, master_weight_bits=None), torch.bfloat16, 1.03125),
+    ],
+)
+def test_state_bytes_per_parameter(cls, kwargs, dtype, per_element):
+    n = 32 * 40  # whole q8 blocks: no padding
+    p = torch.randn(n).to(dtype).requires_grad_()
+    opt = cls([p], **kwargs)
+    assert opt.state_bytes() == 0  # state appears with the first step
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state_bytes() == n * per_element
+
+
+def test_mixed_dtypes_in_one_group_bytes():
+    bf, fp = torch.randn(64).bfloat16().requires_grad_(), torch.randn(64).requires_grad_()
+    opt = FlashAdamW([bf, fp])
+    for p in (bf, fp):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state_bytes() == 64 * (1 + 2.0625) + 64 * 2.0625
+    assert bf.dtype == torch.bfloat16
+    assert fp.dtype == torch.float32
+    assert opt.state[bf]["master_code"].dtype == torch.uint8
+    assert "master_code" not in opt.state[fp]
+
+
+# ------------------------------------------------------------------------------- fused
+class _CountingBackend(TorchBackend):
+    """A stand-in kernel backend: the torch backend's bits, counting its calls."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def step(self, work) -> None:
+        self.calls += 1
+        super().step(work)
+
+
+def test_fused_uses_a_registered_kernel_backend(monkeypatch):
+    fake = _CountingBackend()
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+
+    def discover():
+        return {
+            "torch": backends._builtin(),
+            "cpu": backends.BackendStatus("cpu", True, "test stand-in", "tests", fake),
+        }
+
+    monkeypatch.setattr(backends, "_discover", discover)
+    backends._registry = None
+    try:
+        a, b = make_params("cpu"), make_params("cpu")
+        fused, plain = FlashAdamW(a), FlashAdamW(b, fused=False)
+        run(fused, a, steps=2)
+        assert fake.calls > 0  # fused=True: the registered backend ran the groups
+        calls = fake.calls
+        run(plain, b, steps=2)
+        assert fake.calls == calls  # fused=False: core's torch backend only
+        assert_same_state(fused, a, plain, b)  # same bits either way
+    finally:
+        backends._registry = None
+
+
+# --------------------------------------------------------------------- compress_state_dict
+def _train_pair(device, **kwargs):
+    params = make_params(device)
+    opt = FlashAdamW(params, **HYPER[FlashAdamW], **kwargs)
+    run(opt, params, steps=3)
+    return opt, params
+
+
+def test_compressed_state_dict_keeps_codes(device):
+    opt, _ = _train_pair(device)
+    st = opt.state_dict()["state"][0]
+    assert st["exp_avg"].dtype == torch.float8_e4m3fn
+    assert st["exp_avg_sq"].dtype == torch.uint8
+    assert "exp_avg_scale" in st
+    assert st["master_code"].dtype == torch.uint8
+
+
+def test_uncompressed_state_dict_resumes_bit_identically(device):
+    opt, params = _train_pair(device, compress_state_dict=False)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        st = sd["state"][i]
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_code"} - (
+            {"master_code"} if p.dtype == torch.float32 else set()
+        )
+        assert st["exp_avg"].dtype == torch.float32
+        assert st["exp_avg"].shape == p.shape
+        assert st["exp_avg_sq"].shape == p.shape
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+
+    # continue: the original, a copy loaded from the uncompressed dict, and (for reference)
+    # a copy loaded from the compressed dict of the same state
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = FlashAdamW(twin_params, **HYPER[FlashAdamW], compress_state_dict=False)
+    twin.load_state_dict(loaded)
+    other_params = [p.detach().clone().requires_grad_() for p in params]
+    other = FlashAdamW(other_params, **HYPER[FlashAdamW])
+    opt.compress_state_dict = True
+    other.load_state_dict(opt.state_dict())
+    for o, ps in ((opt, params), (twin, twin_params), (other, other_params)):
+        for t in range(3, 6):
+            set_grads(ps, t)
+            o.step()
+    assert_same_state(opt, params, twin, twin_params)
+    assert_same_state(opt, params, other, other_params)
+
+
+def test_uncompressed_without_quantize_is_the_same_dict():
+    params = make_params("cpu")
+    opt = FlashAdamW(params, quantize=False, compress_state_dict=False)
+    run(opt, params, steps=2)
+    st = opt.state_dict()["state"][0]
+    assert st["exp_avg"].dtype == torch.float32
+    assert "exp_avg_scale" not in st
+
+
+# ------------------------------------------------------------------------ param groups
+def test_param_groups_take_flashoptim_keys():
+    a = torch.randn(40).bfloat16().requires_grad_()
+    b = torch.randn(40).bfloat16().requires_grad_()
+    opt = FlashAdamW(
+        [{"params": [a], "master_weight_bits": 32, "quantize": False}, {"params": [b]}]
+    )
+    g0, g1 = opt.param_groups
+    assert (g0["master"], g0["moments"]) == ("ecc32", "fp32")
+    assert (g1["master"], g1["moments"]) == ("ecc24", "q8")
+    assert "master_weight_bits" not in g0
+    assert "quantize" not in g0
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.state[a]["master_code"].dtype == torch.int16
+    assert opt.state[b]["master_code"].dtype == torch.uint8
+    with pytest.raises(ConfigError, match="both master_weight_bits and master"):
+        opt.add_param_group(
+            {
+                "params": [torch.zeros(3, requires_grad=True)],
+                "master_weight_bits": 32,
+                "master": "ecc24",
+            }
+        )
+    with pytest.raises(ConfigError, match="master_weight_bits must be"):
+        opt.add_param_group(
+            {"params": [torch.zeros(3, requires_grad=True)], "master_weight_bits": 8}
+        )
+
+
+# ------------------------------------------------------------------ schedulers, closures
+def test_lr_scheduler_and_closure():
+    params = make_params("cpu")
+    opt = FlashAdamW(params, lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    losses = []
+
+    def closure():
+        opt.zero_grad()
+        loss = sum((p.float() ** 2).sum() for p in params)
+        loss.backward()
+        losses.append(loss.item())
+        return loss
+
+    for _ in range(3):
+        assert opt.step(closure) is not None
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 / 8)
+    assert losses[2] < losses[0]
+    assert all(int(opt.state[p]["step"]) == 3 for p in params)
+
+
+# ------------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_the_flash_configuration(how):
+    params = make_params("cpu")
+    opt = FlashLion(params, master_weight_bits=32, quantize=False, compress_state_dict=False)
+    run(opt, params, steps=2)
+    if how == "deepcopy":
+        twin_params, twin = copy.deepcopy((params, opt))
+    else:
+        twin_params, twin = pickle.loads(pickle.dumps((params, opt)))
+    assert isinstance(twin, FlashLion)
+    assert (twin.quantize, twin.master_weight_bits, twin.compress_state_dict, twin.fused) == (
+        False,
+        32,
+        False,
+        True,
+    )
+    for o, ps in ((opt, params), (twin, twin_params)):
+        for t in range(2, 4):
+            set_grads(ps, t)
+            o.step()
+    assert_same_state(opt, params, twin, twin_params)
+    assert same_bits(params[0], twin_params[0])
