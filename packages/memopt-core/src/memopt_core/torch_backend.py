@@ -1,12 +1,19 @@
 """The pure-torch backend: every rule x format, on any device torch runs on (CPU, CUDA).
 
-It is the executable form of the semantics every kernel reproduces bit for bit: for a group of
-tensors it gathers the parameters and gradients into flat fp32 vectors laid out like the state
-arena (padding elements zero), decodes the master weights and moments with the reference codecs,
-runs the reference rule (:mod:`memopt_core.reference`) once over the whole vector, encodes the
-results (stochastic rounding words from :mod:`memopt_core.rng` when the spec asks for it) and
-scatters the parameters back. Cost: one Python loop over the tensors for gather/scatter and a
-fixed number of vectorized torch ops per group, so it is slower than a fused kernel but has no
+It is the executable form of the semantics every kernel reproduces bit for bit. A group's step
+runs in *pieces* of at most :data:`MEMOPT_TORCH_PIECE` elements (default ``2**22``) of the
+arena's layout: large tensors are cut at block boundaries, small ones are packed many to a
+piece. For each piece it gathers the parameters and gradients into flat fp32 vectors laid out
+like the arena (padding elements zero), decodes the master weights and moments with the reference
+codecs, runs the reference rule (:mod:`memopt_core.reference`), encodes the results (stochastic
+rounding words from :mod:`memopt_core.rng`, keyed by each element's index within its own tensor
+and its tensor id, so the cut changes no bit) and writes the piece back before the next starts.
+
+Memory: every rule and format is elementwise within a quantization block, so a piece needs only
+its own elements. The transient memory is about 130-190 bytes per piece element at its peak (the
+codecs and the Philox generator work in int64), i.e. roughly 0.5-0.8 GB for the default piece,
+whatever the size of the group. Cost: a fixed number of vectorized torch ops per piece plus a
+few Python operations per tensor segment, so it is slower than a fused kernel but has no
 per-element Python work.
 
 State names by rule (the optimizer's convention): ``adam``: ``exp_avg`` (first-moment codec) and
@@ -16,6 +23,8 @@ momentum is non-zero.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +34,17 @@ from memopt_core import reference
 from memopt_core.backends import KERNEL_API, RULES, GroupStep
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MasterCodec, MomentCodec, StateSpec
-from memopt_core.plan import GroupPlan, Slot
+from memopt_core.plan import Slot
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND, stream_words
 
-__all__ = ["TorchBackend", "sr_counters"]
+__all__ = ["MEMOPT_TORCH_PIECE", "TorchBackend"]
+
+#: Elements per piece: the transient memory of a step is proportional to it, not to the group.
+#: The environment variable of the same name overrides it (read at every step; tests may also
+#: set this attribute). It must be a multiple of :data:`PIECE_UNIT`.
+MEMOPT_TORCH_PIECE = 2**22
+#: The largest block size of any format: pieces cut tensors only at multiples of it.
+PIECE_UNIT = 32
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Codecs whose encode ignores ``rand``: no need to draw words for them.
@@ -36,45 +52,262 @@ _EXACT_MOMENTS = ("fp32",)
 _EXACT_MASTERS = ("fp32", "ecc32")
 
 
-@dataclass
-class _Layout:
-    """The compact layout of the tensors taking part in one step (the arena's when all do)."""
+@dataclass(frozen=True)
+class _Segment:
+    """Elements ``start .. start + length`` of the padded slot of tensor ``pos`` of the step.
 
-    slots: list[Slot]
-    offsets: list[int]  # element offset of each slot in the compact vectors
-    total: int
-    index: Tensor | None = None  # element index within its own tensor (int64, device)
-    tensor_id: Tensor | None = None  # tensor id of each element (int64, device)
-
-
-def _layout(plan: GroupPlan, slots: list[int]) -> _Layout:
-    chosen = [plan.slots[i] for i in slots]
-    offsets, off = [], 0
-    for s in chosen:
-        offsets.append(off)
-        off += s.padded
-    return _Layout(chosen, offsets, off)
-
-
-def sr_counters(plan: GroupPlan, slots: list[int], tensor_ids: list[int]) -> tuple[Tensor, Tensor]:
-    """``(index, tensor_id)`` int64 vectors of the compact layout of ``slots``.
-
-    Cached on the plan when every tensor takes part (16 bytes per arena element, kept with the
-    plan); computed afresh for partial steps (gradient release steps one tensor at a time, and a
-    cache per subset would keep 16 bytes per element for every tensor).
+    ``pos`` indexes the step's ``slots``/``params``/``grads``/``tensor_ids``; ``start`` and
+    ``length`` are multiples of the plan's block size; the first ``real`` elements are the
+    tensor's, the rest padding.
     """
 
-    def build() -> tuple[Tensor, Tensor]:
-        lens = torch.tensor([plan.slots[i].padded for i in slots], dtype=torch.int64)
-        total = int(lens.sum())
-        starts = torch.cumsum(lens, 0) - lens
-        index = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, lens)
-        tid = torch.repeat_interleave(torch.tensor(tensor_ids, dtype=torch.int64), lens)
-        return index.to(plan.device), tid.to(plan.device)
+    pos: int
+    start: int
+    length: int
+    real: int
 
-    if len(slots) != len(plan.slots):
-        return build()
-    return plan.cache(("sr_index", tuple(tensor_ids)), build)
+
+@dataclass(frozen=True)
+class _Piece:
+    """Consecutive segments of the step's layout, processed together.
+
+    ``runs`` are the ``(arena offset, length)`` ranges the segments cover, adjacent ones merged:
+    one run when every tensor takes part, so arena fields are read as views and written in place.
+    """
+
+    segments: tuple[_Segment, ...]
+    runs: tuple[tuple[int, int], ...]
+    length: int
+
+
+def _piece_size(block_size: int) -> int:
+    """Elements per piece: ``MEMOPT_TORCH_PIECE`` from the environment, else the module's."""
+    piece = os.environ.get("MEMOPT_TORCH_PIECE") or MEMOPT_TORCH_PIECE
+    unit = math.lcm(PIECE_UNIT, block_size)
+    try:
+        n = int(piece)
+    except ValueError:
+        n = 0
+    if isinstance(piece, bool) or n <= 0 or n % unit:
+        raise ConfigError(
+            f"MEMOPT_TORCH_PIECE must be a positive multiple of {unit} elements (whole blocks), "
+            f"got {piece!r}"
+        )
+    return n
+
+
+def _cut(slots: list[Slot], piece: int) -> list[_Piece]:
+    """``slots`` (in step order) cut into pieces of at most ``piece`` elements of padded layout."""
+    pieces: list[_Piece] = []
+    segments: list[_Segment] = []
+    runs: list[tuple[int, int]] = []
+    used = 0
+    for pos, slot in enumerate(slots):
+        start = 0
+        while start < slot.padded:
+            # padded lengths and the piece size are multiples of the block size, so every cut
+            # falls on a block boundary
+            n = min(slot.padded - start, piece - used)
+            segments.append(_Segment(pos, start, n, max(0, min(n, slot.numel - start))))
+            at = slot.offset + start
+            if runs and runs[-1][0] + runs[-1][1] == at:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((at, n))
+            used += n
+            start += n
+            if used == piece:
+                pieces.append(_Piece(tuple(segments), tuple(runs), used))
+                segments, runs, used = [], [], 0
+    if segments:
+        pieces.append(_Piece(tuple(segments), tuple(runs), used))
+    return pieces
+
+
+def _pieces(work: GroupStep, piece: int) -> list[_Piece]:
+    """The pieces of ``work``; cached on the plan when every tensor takes part."""
+    plan = work.plan
+    if work.full:
+        return plan.cache(("torch_pieces", piece), lambda: _cut(plan.slots, piece))
+    return _cut([plan.slots[i] for i in work.slots], piece)
+
+
+def _flat_range(t: Tensor, a: int, b: int) -> list[Tensor]:
+    """Views of ``t`` that cover its elements ``a .. b`` in row-major order, in order.
+
+    One view for a contiguous tensor. A non-contiguous one (a transposed or channels-last
+    parameter) has no flat view, so the range is split along the leading dimension into a partial
+    row, whole rows and a partial row, recursively: at most ``2 * t.dim() - 1`` views.
+    """
+    if t.dim() <= 1 or t.is_contiguous():
+        return [t.reshape(-1)[a:b]]
+    row = t[0].numel()
+    first, last = a // row, b // row
+    if first == last:
+        return _flat_range(t[first], a - first * row, b - first * row)
+    views: list[Tensor] = []
+    if a % row:
+        views += _flat_range(t[first], a % row, row)
+        first += 1
+    if last > first:
+        views.append(t[first:last])
+    if b % row:
+        views += _flat_range(t[last], 0, b % row)
+    return views
+
+
+def _gather(tensors: list[Tensor], piece: _Piece, pad: Tensor) -> Tensor:
+    """The piece's elements of ``tensors`` as one flat vector, padding taken from ``pad``.
+
+    A piece within one contiguous tensor is returned as a view (no copy); readers never write it.
+    Mixed dtypes (fp32 and low-precision gradients) promote to the wider one, exactly.
+    """
+    parts: list[Tensor] = []
+    for seg in piece.segments:
+        t = tensors[seg.pos].detach()
+        parts += [v.reshape(-1) for v in _flat_range(t, seg.start, seg.start + seg.real)]
+        if seg.real < seg.length:
+            parts.append(pad[: seg.length - seg.real])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _scatter(tensors: list[Tensor], piece: _Piece, values: Tensor) -> None:
+    """Write the real (non-padding) elements of the piece vector ``values`` into ``tensors``."""
+    for seg, src in zip(
+        piece.segments, values.split([s.length for s in piece.segments]), strict=True
+    ):
+        at = 0
+        for view in _flat_range(tensors[seg.pos].detach(), seg.start, seg.start + seg.real):
+            view.copy_(src[at : at + view.numel()].view(view.shape))
+            at += view.numel()
+
+
+def _read(flat: Tensor, runs: tuple[tuple[int, int], ...], unit: int) -> Tensor:
+    """The piece's entries of an arena tensor (``unit`` elements per entry): a view for one run."""
+    parts = [flat[a // unit : (a + n) // unit] for a, n in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _write(flat: Tensor, runs: tuple[tuple[int, int], ...], unit: int, value: Tensor) -> None:
+    """Store the piece's entries ``value`` of an arena tensor (the inverse of :func:`_read`)."""
+    for (a, n), v in zip(runs, value.split([n // unit for _, n in runs]), strict=True):
+        flat[a // unit : (a + n) // unit].copy_(v)
+
+
+def _sr_words(work: GroupStep, piece: _Piece) -> dict[int, Tensor]:
+    """``{stream: words}`` of the piece's elements, keyed by each one's index in its own tensor."""
+    dev = work.plan.device
+    segs = piece.segments
+    if len(segs) == 1:
+        # a piece of one tensor (every piece of a large one): a scalar tensor id keeps the
+        # Philox key unbroadcast, which saves a third of its vector operations
+        seg = segs[0]
+        index = torch.arange(seg.start, seg.start + seg.length, dtype=torch.int64, device=dev)
+        words = stream_words(work.seed, work.tensor_ids[seg.pos], index, work.step)
+    else:
+        lengths = torch.tensor([s.length for s in segs], dtype=torch.int64, device=dev)
+        at, shift, ids = 0, [], []
+        for s in segs:
+            shift.append(s.start - at)
+            ids.append(work.tensor_ids[s.pos])
+            at += s.length
+
+        def per_element(values: list[int]) -> Tensor:
+            v = torch.tensor(values, dtype=torch.int64, device=dev)
+            return torch.repeat_interleave(v, lengths, output_size=piece.length)
+
+        index = torch.arange(piece.length, dtype=torch.int64, device=dev) + per_element(shift)
+        words = stream_words(work.seed, per_element(ids), index, work.step)
+    # the fourth word has no stream: let it go now
+    return {k: words[k] for k in (STREAM_MASTER, STREAM_FIRST, STREAM_SECOND)}
+
+
+def _states(work: GroupStep) -> tuple[str, ...]:
+    """The states the step's rule updates, which the arena must hold."""
+    if work.rule == "adam":
+        return ("exp_avg", "exp_avg_sq")
+    if work.rule == "lion":
+        return ("exp_avg",)
+    return ("momentum_buffer",) if work.scalars.momentum != 0.0 else ()
+
+
+def _apply_rule(
+    work: GroupStep, x: Tensor, g: Tensor, moments: dict[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The reference rule on one piece: the new master weights and ``{state: new value}``."""
+    s = work.scalars
+    if work.rule == "adam":
+        x, m, v = reference.adam(x, g, moments["exp_avg"], moments["exp_avg_sq"], s)
+        return x, {"exp_avg": m, "exp_avg_sq": v}
+    if work.rule == "lion":
+        x, m = reference.lion(x, g, moments["exp_avg"], s)
+        return x, {"exp_avg": m}
+    x, buf = reference.sgd(x, g, moments.get("momentum_buffer"), s, first_step=work.first_step)
+    return x, {} if buf is None else {"momentum_buffer": buf}
+
+
+def _field_unit(codec: MomentCodec, suffix: str) -> int:
+    """Arena elements per entry of field ``suffix``: the block size for per-block scales."""
+    return codec.block_size if codec.fields[suffix].per_block else 1
+
+
+def _updated(
+    work: GroupStep, piece: _Piece, mcodec: MasterCodec
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Gather and decode the piece and run the rule: its new master weights and states.
+
+    The inputs (parameters, gradients, decoded states) are freed on return, before encoding.
+    """
+    plan, arena = work.plan, work.arena
+    dev, bs = plan.device, plan.block_size
+    p_low = _gather(work.params, piece, torch.zeros(bs, dtype=plan.param_dtype, device=dev))
+    g = _gather(work.grads, piece, torch.zeros(bs, dtype=torch.float32, device=dev)).float()
+    code = _read(arena.master_code, piece.runs, 1) if arena.master_code is not None else None
+    x = mcodec.decode(p_low, code).float()
+    # SGD's first step starts the momentum buffer from the gradient: no need to decode it
+    names = () if work.rule == "sgd" and work.first_step else _states(work)
+    moments = {}
+    for name in names:
+        codec = arena.codecs[name]
+        fields = arena.fields[name]
+        moments[name] = codec.decode(
+            {f: _read(fields[f], piece.runs, _field_unit(codec, f)) for f in codec.fields}
+        )
+    return _apply_rule(work, x, g, moments)
+
+
+def _step_piece(work: GroupStep, piece: _Piece, mcodec: MasterCodec) -> None:
+    """Update, encode and write back one piece."""
+    arena = work.arena
+    x, new = _updated(work, piece, mcodec)
+
+    # encode everything before writing anything: an encoder error leaves the piece untouched.
+    # Each value and rounding word is dropped once encoded, so the encoders' own int64
+    # temporaries (the peak of the step) do not add to them.
+    words = _sr_words(work, piece) if work.spec.stochastic_rounding else {}
+
+    def rand(stream: int, exact: bool) -> Tensor | None:
+        word = words.pop(stream, None)
+        return None if exact else word
+
+    p_new, code_new = mcodec.encode(x, rand=rand(STREAM_MASTER, mcodec.name in _EXACT_MASTERS))
+    del x
+    if arena.master_code is not None and code_new is None:
+        raise FormatError(f"master format {mcodec.name!r} returned no code")
+    encoded: dict[str, dict[str, Tensor]] = {}
+    for name in list(new):
+        codec = arena.codecs[name]
+        stream = STREAM_SECOND if name == "exp_avg_sq" else STREAM_FIRST
+        exact = codec.name in _EXACT_MOMENTS
+        encoded[name] = codec.encode(new.pop(name), rand=rand(stream, exact))
+
+    for name, fields in encoded.items():
+        codec = arena.codecs[name]
+        for suffix, value in fields.items():
+            _write(arena.fields[name][suffix], piece.runs, _field_unit(codec, suffix), value)
+    if arena.master_code is not None:
+        _write(arena.master_code, piece.runs, 1, code_new)
+    _scatter(work.params, piece, p_new)
 
 
 class TorchBackend:
@@ -100,111 +333,16 @@ class TorchBackend:
     def __repr__(self) -> str:
         return "TorchBackend()"
 
-    # ------------------------------------------------------------------------------------ step
     def step(self, work: GroupStep) -> None:
-        plan, arena, spec = work.plan, work.arena, work.spec
         if work.rule not in RULES:
             raise ConfigError(f"the torch backend runs rules {RULES}, got {work.rule!r}")
-        full = len(work.slots) == len(plan.slots)
-        lay = (
-            plan.cache("layout", lambda: _layout(plan, work.slots))
-            if full
-            else _layout(plan, work.slots)
-        )
-        n = lay.total
-        if n == 0:
-            return
-        dev = plan.device
-        mcodec: MasterCodec = spec.master_for(plan.param_dtype)
-
-        # gather parameters and gradients (padding stays zero)
-        p_low = torch.zeros(n, dtype=plan.param_dtype, device=dev)
-        g = torch.zeros(n, dtype=torch.float32, device=dev)
-        for s, off, p, gr in zip(lay.slots, lay.offsets, work.params, work.grads, strict=True):
-            if s.numel:
-                p_low[off : off + s.numel].copy_(p.detach().reshape(-1))
-                g[off : off + s.numel].copy_(gr.detach().reshape(-1))
-
-        def gather_elems(flat: Tensor) -> Tensor:
-            if full:
-                return flat
-            return torch.cat([flat[s.offset : s.offset + s.padded] for s in lay.slots])
-
-        def gather_field(name: str, suffix: str) -> Tensor:
-            if full:
-                return arena.fields[name][suffix]
-            return torch.cat([arena.field_slice(name, suffix, s) for s in lay.slots])
-
-        code = gather_elems(arena.master_code) if arena.master_code is not None else None
-        x = mcodec.decode(p_low, code)
-        if x.dtype != torch.float32:
-            x = x.float()
-
-        def moment(name: str) -> Tensor:
-            if name not in arena.codecs:
-                raise FormatError(
-                    f"the state arena of {plan} has no {name!r} state (it has "
-                    f"{sorted(arena.codecs)}); the optimizer must allocate it"
-                )
-            codec = arena.codecs[name]
-            return codec.decode({f: gather_field(name, f) for f in codec.fields})
-
-        s = work.scalars
-        new: dict[str, Tensor] = {}
-        if work.rule == "adam":
-            x, new["exp_avg"], new["exp_avg_sq"] = reference.adam(
-                x, g, moment("exp_avg"), moment("exp_avg_sq"), s
+        # checked before the first piece: a missing state must not leave the group half updated
+        missing = [name for name in _states(work) if name not in work.arena.codecs]
+        if missing:
+            raise FormatError(
+                f"the state arena of {work.plan} has no {missing[0]!r} state (it has "
+                f"{sorted(work.arena.codecs)}); the optimizer must allocate it"
             )
-        elif work.rule == "lion":
-            x, new["exp_avg"] = reference.lion(x, g, moment("exp_avg"), s)
-        else:
-            buf = None
-            if s.momentum != 0.0:
-                current = moment("momentum_buffer")  # also raises when the arena lacks it
-                buf = None if work.first_step else current  # first step: buf = g
-            x, buf = reference.sgd(x, g, buf, s, first_step=work.first_step)
-            if buf is not None:
-                new["momentum_buffer"] = buf
-
-        # encode everything before writing anything
-        streams = None
-        if spec.stochastic_rounding:
-            index, tensor_id = sr_counters(plan, work.slots, work.tensor_ids)
-            streams = stream_words(work.seed, tensor_id, index, work.step)
-
-        def rand(stream: int, exact: bool) -> Tensor | None:
-            return None if streams is None or exact else streams[stream]
-
-        p_new, code_new = mcodec.encode(x, rand=rand(STREAM_MASTER, mcodec.name in _EXACT_MASTERS))
-        encoded: dict[str, dict[str, Tensor]] = {}
-        for name, value in new.items():
-            codec: MomentCodec = arena.codecs[name]
-            stream = STREAM_SECOND if name == "exp_avg_sq" else STREAM_FIRST
-            encoded[name] = codec.encode(value, rand=rand(stream, codec.name in _EXACT_MOMENTS))
-
-        # write back: arena fields, master codes, parameters
-        for name, fields in encoded.items():
-            codec = arena.codecs[name]
-            for suffix, value in fields.items():
-                if full:
-                    arena.fields[name][suffix].copy_(value)
-                    continue
-                per_block = codec.fields[suffix].per_block
-                bs = codec.block_size if per_block else 1
-                for sl, off in zip(lay.slots, lay.offsets, strict=True):
-                    arena.field_slice(name, suffix, sl).copy_(
-                        value[off // bs : (off + sl.padded) // bs]
-                    )
-        if arena.master_code is not None:
-            if code_new is None:
-                raise FormatError(f"master format {mcodec.name!r} returned no code")
-            if full:
-                arena.master_code.copy_(code_new)
-            else:
-                for sl, off in zip(lay.slots, lay.offsets, strict=True):
-                    arena.master_code[sl.offset : sl.offset + sl.padded].copy_(
-                        code_new[off : off + sl.padded]
-                    )
-        for sl, off, p in zip(lay.slots, lay.offsets, work.params, strict=True):
-            if sl.numel:
-                p.detach().copy_(p_new[off : off + sl.numel].view(p.shape))
+        mcodec = work.spec.master_for(work.plan.param_dtype)
+        for piece in _pieces(work, _piece_size(work.plan.block_size)):
+            _step_piece(work, piece, mcodec)
