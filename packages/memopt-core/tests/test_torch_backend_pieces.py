@@ -225,6 +225,6 @@ def test_cuda_peak_memory_follows_the_piece(piece_size):
     opt.step()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
-    # about 190 bytes per piece element (module doc); a whole-group step needs that per tensor
+    # about 280 bytes per piece element (module doc); a whole-group step needs that per tensor
     # element, 16x more here
-    assert extra <= 256 * piece
+    assert extra <= 384 * piece
