@@ -83,9 +83,10 @@ def check_versions(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's CPU tests together, plus the tools' tests (the CI command)."""
+    """Every package's CPU tests (Triton kernels in its interpreter) and the tools' tests: the CI command."""
     _install_torch(session)
-    session.install("pytest", *[str(d) for d in _package_dirs()])
+    # [test] extras: pytest, and numpy for Triton's CPU interpreter (the kernels' CPU tests)
+    session.install(*[f"{d}[test]" for d in _package_dirs()])
     for package in _package_dirs():
         _pytest(session, package)
     with session.chdir(ROOT / "tools"):
@@ -100,7 +101,7 @@ def isolated(session: nox.Session, package: str) -> None:
     pkg = PACKAGES / package
     # Siblings come from this checkout, not from PyPI, but only those the package declares.
     siblings = [str(PACKAGES / name) for name in _sibling_closure(package)]
-    session.install("pytest", *siblings, str(pkg))
+    session.install(*siblings, f"{pkg}[test]")
     _pytest(session, pkg)
 
 

@@ -1,0 +1,75 @@
+"""The ``triton`` backend object core's registry loads (entry point ``memopt.kernels``).
+
+``available()`` needs triton importable and a CUDA device, or ``TRITON_INTERPRET=1`` (Triton's
+CPU interpreter; then CPU tensors are accepted too, which is how CPU CI tests the kernels).
+``supports()`` covers every rule (sgd, adam, lion) x master (fp32, none, ecc24, ecc32) x moment
+preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stochastic rounding.
+``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`).
+Nothing here imports triton before it is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from memopt_core.backends import KERNEL_API, RULES, GroupStep
+from memopt_core.errors import ConfigError
+from memopt_core.formats import StateSpec
+
+__all__ = ["BACKEND", "TritonBackend"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+
+
+class TritonBackend:
+    """Fused Triton kernels: one launch per group for every rule x format."""
+
+    name = "triton"
+    KERNEL_API = KERNEL_API
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import triton
+        except ImportError as e:
+            if getattr(e, "name", None) == "triton":
+                return False, "triton is not installed (pip install triton, on a CUDA machine)"
+            return False, f"triton failed to import: {type(e).__name__}: {e}"
+        except Exception as e:  # a broken triton install must not break the registry
+            return False, f"triton failed to import: {type(e).__name__}: {e}"
+        if _interpreting():
+            return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, slow, for tests"
+        if not torch.cuda.is_available():
+            return False, "no CUDA device (torch.cuda.is_available() is False)"
+        return True, f"CUDA device {torch.cuda.get_device_name()} with triton {triton.__version__}"
+
+    def supports(
+        self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
+    ) -> bool:
+        device = torch.device(device)
+        if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+            return False
+        if rule not in RULES or param_dtype not in _PARAM_DTYPES:
+            return False
+        try:
+            spec.master_for(param_dtype)
+        except ConfigError:
+            return False
+        return spec.block_size in (1, 32)
+
+    def step(self, work: GroupStep) -> None:
+        from memopt_kernels_triton import ops
+
+        ops.fused_step(work)
+
+    def __repr__(self) -> str:
+        return "TritonBackend()"
+
+
+#: What the ``memopt.kernels`` entry point ``triton`` resolves to.
+BACKEND = TritonBackend()

@@ -1,0 +1,109 @@
+"""Fused Adam/AdamW step over a whole group (core's ``reference.adam``, bit for bit).
+
+Per element, in core's order with every operation individually rounded (launched with
+``enable_fp_fusion=False``: no FMA contraction)::
+
+    g = -g                              if MAXIMIZE
+    g = g + l2 * p                      if HAS_L2
+    p = p * decay                       if HAS_DECAY
+    m = m + one_minus_beta1 * (g - m)
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    d = sqrt_rn(v) / bc2_sqrt + eps     (div_rn)
+    p = p - step_size * (m / d)         (div_rn)
+
+States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``FMT2``);
+``q8_sqrt`` reuses ``sqrt_rn(v)`` for its encoding.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memopt_kernels_triton.kernels import codecs as C
+from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+
+
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+def adam_kernel(
+    chunk_ptr,
+    n_chunks,
+    slot_ptr,
+    code_ptr,
+    m_ptr,
+    ms_ptr,
+    v_ptr,
+    vs_ptr,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bc2_sqrt,
+    decay,
+    l2,
+    seed,
+    step,
+    MASTER: tl.constexpr,
+    FMT1: tl.constexpr,
+    FMT2: tl.constexpr,
+    SR: tl.constexpr,
+    NEED_RAND: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_L2: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    omb1 = one_minus_beta1
+    b2 = beta2
+    omb2 = one_minus_beta2
+    eps_ = eps
+    lr_t = step_size
+    bc2 = bc2_sqrt
+    dec = decay
+    l2_ = l2
+    r = tl.arange(0, ROWS)
+    lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for c in range(pid, n_chunks, nprog):
+        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+            chunk_ptr, slot_ptr, c, BS
+        )
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        mp = m_ptr + aoff
+        vp = v_ptr + aoff
+        msp = ms_ptr + aoff // 32
+        vsp = vs_ptr + aoff // 32
+        for t in range(0, padded, ROWS * 32):
+            offs, emask, amask = tile_masks(t, lofs, length, padded)
+            soffs, first = C.scale_offsets(t // 32, ROWS)
+            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
+            v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
+            if NEED_RAND:
+                w0, w1, w2, _w3 = stream_words(seed, tid, start + offs, step)
+                r0 = r24_of(w0)
+                r1 = r24_of(w1)
+                r2 = r24_of(w2)
+            else:
+                r0 = 0
+                r1 = 0
+                r2 = 0
+            if MAXIMIZE:
+                g = C.neg(g)
+            if HAS_L2:
+                g = g + l2_ * x
+            if HAS_DECAY:
+                x = x * dec
+            m = m + omb1 * (g - m)
+            v = b2 * v + omb2 * (g * g)
+            s = tl.sqrt_rn(v)
+            d = tl.div_rn(s, bc2) + eps_
+            x = x - lr_t * tl.div_rn(m, d)
+            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
+            C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)
+            C.store_moment(v, vp, vsp, offs, soffs, first, amask, r2, FMT2, SR, s)

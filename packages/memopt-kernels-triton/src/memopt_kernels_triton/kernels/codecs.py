@@ -1,0 +1,465 @@
+"""Inlined ``@triton.jit`` codecs: memopt-core's formats (``docs/formats.md``) bit for bit.
+
+Every function here mirrors one reference function of ``memopt_core.formats`` on int32 bit
+patterns: magnitudes are below ``2**31`` so int32 holds them, signs are handled separately, shift
+amounts are clamped below 32 (a shift by 32 or more is undefined on the GPU and differs in numpy),
+and the only float operations are exact ones (an int below ``2**23`` read back through an exact
+``2**23 + v - 2**23`` addition) or the single correctly rounded IEEE operations the formats define
+(``sqrt_rn``, ``div_rn``, one multiply). No float -> narrower float cast is used anywhere: the
+Triton interpreter truncates those while the GPU rounds them to nearest even.
+
+Moment formats are picked by a ``tl.constexpr`` format id (:data:`FMT_FP32` ...), master formats
+by a master id (:data:`MASTER_FP32` ...). Blocked formats work on 2-D tiles ``[ROWS, 32]``: one
+row per quantization block, so a block's scale is a reduction along axis 1.
+
+Stochastic rounding takes ``r24``: the element's 32-bit Philox word shifted right by 8 (int32 in
+``[0, 2**24)``); the magnitude rounds up iff ``r24 < frac24`` (core's ``sr_round_up``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------- format ids
+FMT_FP32: tl.constexpr = tl.constexpr(0)
+FMT_BF16: tl.constexpr = tl.constexpr(1)
+FMT_E4M3: tl.constexpr = tl.constexpr(2)  # fp8_e4m3 and q8_signed (identical)
+FMT_E5M2: tl.constexpr = tl.constexpr(3)
+FMT_Q8SQRT: tl.constexpr = tl.constexpr(4)
+FMT_NONE: tl.constexpr = tl.constexpr(5)  # no such state (SGD without momentum)
+
+MASTER_FP32: tl.constexpr = tl.constexpr(0)  # fp32 parameter is the master
+MASTER_BF16: tl.constexpr = tl.constexpr(1)  # 'none' with bf16 parameters
+MASTER_FP16: tl.constexpr = tl.constexpr(2)  # 'none' with fp16 parameters
+MASTER_ECC24: tl.constexpr = tl.constexpr(3)
+MASTER_ECC32: tl.constexpr = tl.constexpr(4)
+
+F32_INF: tl.constexpr = tl.constexpr(0x7F800000)
+F32_QNAN: tl.constexpr = tl.constexpr(0x7FC00000)
+SCALE_BIAS: tl.constexpr = tl.constexpr(127)
+
+# Python-side names (ops.py maps core's format names to these ids)
+MOMENT_IDS = {
+    "fp32": 0,
+    "bf16": 1,
+    "fp8_e4m3": 2,
+    "q8_signed": 2,
+    "fp8_e5m2": 3,
+    "q8_sqrt": 4,
+}
+BLOCKED_IDS = (2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------- bit views
+@triton.jit
+def f32_bits(x):
+    """fp32 -> its int32 bit pattern."""
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def bits_f32(u):
+    """int32 bit pattern -> fp32."""
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def neg(x):
+    """IEEE negation (flip the sign bit): Triton's ``-x`` is ``0 - x``, which turns ``+0`` into
+    ``+0`` where torch's ``-x`` gives ``-0``."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pow2(e):
+    """``2**e`` as fp32 for int32 ``e`` in [-127, 127] (``2**-127`` is subnormal): exact."""
+    return tl.where(e > -127, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+
+
+# ---------------------------------------------------------------------------------- rounding
+@triton.jit
+def round_drop_bits(mag, DROP: tl.constexpr, r24, SR: tl.constexpr):
+    """``mag >> DROP`` rounded to nearest even, or stochastically (core's ``round_drop_bits``)."""
+    kept = mag >> DROP
+    rem = mag & ((1 << DROP) - 1)
+    if SR:
+        up = r24 < (rem << (24 - DROP))
+    else:
+        half: tl.constexpr = 1 << (DROP - 1)
+        up = (rem > half) | ((rem == half) & ((kept & 1) == 1))
+    return kept + up.to(tl.int32)
+
+
+@triton.jit
+def bf16_round(u, r24, SR: tl.constexpr):
+    """16-bit bf16 pattern (int32 in [0, 2**16)) of fp32 pattern ``u`` (core's ``bf16_round``)."""
+    sign = (u >> 31) & 1
+    mag = u & 0x7FFFFFFF
+    top = round_drop_bits(mag, 16, r24, SR)
+    top = tl.where(mag > F32_INF, (mag >> 16) | 0x40, top)
+    return (sign << 15) | top
+
+
+@triton.jit
+def bf16_widen(p):
+    """fp32 value of 16-bit bf16 patterns ``p`` (int32, any upper bits)."""
+    return bits_f32((p & 0xFFFF) << 16)
+
+
+@triton.jit
+def mf_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr):
+    """Magnitude code of ``y`` on a minifloat grid (``MAN`` mantissa bits, smallest normal exponent
+    ``EMIN``, subnormals below it), before any saturation: core's ``minifloat_encode``.
+
+    ``yb`` is the pattern of a finite ``y >= 0`` that is either exact or below ``2**-126`` (every
+    grid here rounds those to code 0, stochastically too: their frac24 is 0), so ``y``'s own
+    exponent and 24-bit significand stand in for core's normalization. ``MODE``: 0 nearest even,
+    1 stochastic (``r24``), 2 truncate."""
+    ey = (yb >> 23) - 127
+    sig = (yb & 0x7FFFFF) | 0x800000
+    # dropped low bits of sig; at 48 and beyond both n and frac24 are 0
+    d = tl.minimum(tl.maximum(EMIN - ey, 0) + (23 - MAN), 48)
+    kept = sig >> tl.minimum(d, 31)
+    if MODE == 0:
+        d2 = tl.minimum(d, 25)  # (sig + 2**(d-1) - 1 + lsb) >> d is 0 for d >= 25 either way
+        n = (sig + ((1 << (d2 - 1)) - 1) + (kept & 1)) >> d2
+    elif MODE == 1:
+        rem = sig - (kept << tl.minimum(d, 31))
+        frac24 = tl.where(d <= 24, rem << tl.maximum(24 - d, 0), rem >> tl.maximum(d - 24, 0))
+        n = kept + (r24 < frac24).to(tl.int32)
+    else:
+        n = kept
+    return ((tl.maximum(ey, EMIN) - EMIN) << MAN) + n
+
+
+@triton.jit
+def mf_value(mag, MAN: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 value of magnitude codes ``mag`` (no specials): exact, an integer exponent placement
+    plus, for subnormal codes, the exact subtraction of the implicit one."""
+    e = mag >> MAN
+    m = mag & ((1 << MAN) - 1)
+    f = (((tl.maximum(e, 1) + (EMIN + 126)) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
+    one = tl.full([], (EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**EMIN
+    return tl.where(e == 0, f - one, f)
+
+
+@triton.jit
+def block_exponent(mmax, FMAX_BITS: tl.constexpr):
+    """Smallest ``k`` in [-127, 127] with ``value(mmax) * 2**-k <= fmax`` (``mmax`` the largest
+    finite magnitude pattern of a block; 0 gives -127): core's ``pow2_block_exponent``. On normal
+    patterns ``k = ceil((mmax - fmax) / 2**23)`` (exponent difference, plus one when the mantissa
+    is larger); a subnormal maximum is first normalized by an exact ``* 2**64``."""
+    sub = mmax < 0x800000
+    scaled = (mmax.to(tl.float32, bitcast=True) * 18446744073709551616.0).to(tl.int32, bitcast=True)
+    mn = tl.where(sub, scaled, mmax)
+    k = ((mn - FMAX_BITS + 0x7FFFFF) >> 23) - tl.where(sub, 64, 0)
+    k = tl.where(mmax == 0, -127, k)
+    return tl.minimum(tl.maximum(k, -127), 127)
+
+
+# ---------------------------------------------------------------------------------- fp16
+@triton.jit
+def fp16_round(u, r24, SR: tl.constexpr):
+    """16-bit fp16 pattern of fp32 pattern ``u``: nearest even or SR, overflow -> inf."""
+    sign = (u >> 31) & 1
+    mag = u & 0x7FFFFFFF
+    finite = mag < F32_INF
+    code = mf_round(tl.where(finite, mag, 0), 10, -14, r24, 1 if SR else 0)
+    code = tl.minimum(code, 0x7C00)
+    code = tl.where(finite, code, tl.where(mag == F32_INF, 0x7C00, 0x7E00))
+    return (sign << 15) | code
+
+
+@triton.jit
+def fp16_widen(p):
+    """fp32 value of 16-bit fp16 patterns ``p`` (exact; NaN quiet with its payload)."""
+    p = p & 0xFFFF
+    mag = p & 0x7FFF
+    out = f32_bits(mf_value(tl.minimum(mag, 0x7BFF), 10, -14))
+    out = tl.where(mag >= 0x7C00, F32_INF | ((mag & 0x3FF) << 13), out)
+    out = tl.where(mag > 0x7C00, out | 0x400000, out)
+    return bits_f32(out | ((p >> 15) << 31))
+
+
+# ---------------------------------------------------------------------------------- blocked
+@triton.jit
+def block_mf_encode(
+    x,
+    r24,
+    MAN: tl.constexpr,
+    EMIN: tl.constexpr,
+    FMAX: tl.constexpr,
+    MAXC: tl.constexpr,
+    NANC: tl.constexpr,
+    INFC: tl.constexpr,
+    SIGNED: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    """Codes (int32 ``[R, 32]``) and block exponents ``k`` (int32 ``[R, 1]``) of fp32 tile ``x``
+    (core's ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply (or
+    lands below ``2**-126``, which rounds to code 0 on every grid)."""
+    u = f32_bits(x)
+    mag = u & 0x7FFFFFFF
+    finite = mag < F32_INF
+    magf = tl.where(finite, mag, 0)
+    k = block_exponent(tl.max(magf, axis=1, keep_dims=True), FMAX)
+    y = magf.to(tl.float32, bitcast=True) * pow2(-k)
+    code = tl.minimum(mf_round(f32_bits(y), MAN, EMIN, r24, MODE), MAXC)
+    if INFC >= 0:
+        special = tl.where(mag == F32_INF, INFC, NANC)
+    else:
+        special = tl.full(mag.shape, NANC, tl.int32)
+    code = tl.where(finite, code, special)
+    if SIGNED:
+        code = code | (((u >> 31) & 1) << 7)
+    return code, k
+
+
+@triton.jit
+def block_mf_decode(
+    c,
+    sf,
+    MAN: tl.constexpr,
+    EMIN: tl.constexpr,
+    MAXC: tl.constexpr,
+    INFC: tl.constexpr,
+    SIGNED: tl.constexpr,
+):
+    """fp32 values of codes ``c`` (int32 in [0, 256)) with block scale factors ``sf = 2**k``
+    (fp32): one exact multiply (a product past the largest fp32 is inf, as in core)."""
+    if SIGNED:  # noqa: SIM108 (constexpr branch)
+        mag = c & 0x7F
+    else:
+        mag = c
+    out = f32_bits(mf_value(mag, MAN, EMIN) * sf)
+    if INFC >= 0:
+        out = tl.where(mag == INFC, F32_INF, out)
+        out = tl.where(mag > INFC, F32_QNAN, out)
+    else:
+        out = tl.where(mag > MAXC, F32_QNAN, out)
+    if SIGNED:
+        out = out | ((c >> 7) << 31)
+    return bits_f32(out)
+
+
+# Grid parameters (man_bits, emin, fmax pattern, max code, NaN code, inf code or -1, signed):
+#   e4m3fn  3, -6,  0x43E00000 (448),   0x7E, 0x7F, -1,   signed
+#   e5m2    2, -14, 0x47600000 (57344), 0x7B, 0x7E, 0x7C, signed
+#   e4m4    4, -14, 0x3FF00000 (1.875), 0xFE, 0xFF, -1,   unsigned (q8_sqrt's sqrt(v))
+@triton.jit
+def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
+    """``(codes [R, 32], k [R, 1])`` of tile ``x`` in blocked format ``FMT`` (RNE, or SR with
+    ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway); the
+    other formats ignore it."""
+    MODE: tl.constexpr = 1 if SR else 0
+    if FMT == FMT_E4M3:
+        code, k = block_mf_encode(x, r24, 3, -6, 0x43E00000, 0x7E, 0x7F, -1, True, MODE)
+    elif FMT == FMT_E5M2:
+        code, k = block_mf_encode(x, r24, 2, -14, 0x47600000, 0x7B, 0x7E, 0x7C, True, MODE)
+    elif not SR:
+        code, k = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFE, 0xFF, -1, False, 0)
+    else:
+        # v-unbiased SR between the neighbouring codes lo <= s <= hi (core's Q8SqrtCodec.encode)
+        lo_code, k = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFE, 0xFF, -1, False, 2)
+        finite = lo_code <= 0xFE
+        hi_code = tl.minimum(lo_code + 1, 0xFE)
+        sf = pow2(k)
+        lo = mf_value(lo_code, 4, -14) * sf
+        hi = mf_value(hi_code, 4, -14) * sf
+        lo2 = lo * lo
+        hi2 = hi * hi
+        num = x - lo2
+        den = hi2 - lo2
+        ok = finite & (den > 0) & (num > 0)
+        frac = tl.div_rn(num, tl.where(ok, den, 1.0))
+        frac = tl.where(ok, frac, 0.0)  # keeps NaN lanes out of the int conversion
+        frac24 = tl.floor(frac * 16777216.0).to(tl.int32)
+        frac24 = tl.where(ok, tl.minimum(tl.maximum(frac24, 0), 16777216), 0)
+        code = lo_code + (r24 < frac24).to(tl.int32)
+    return code, k
+
+
+@triton.jit
+def scale_factor(s):
+    """``2**(s - 127)`` as fp32 for E8M0 scale bytes ``s`` in [0, 254] (int32)."""
+    return tl.where(s > 0, s << 23, 0x00400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_blocked(c, s, FMT: tl.constexpr):
+    """fp32 tile held by codes ``c`` and scale bytes ``s`` (int32, broadcastable) of ``FMT``."""
+    sf = scale_factor(s)
+    if FMT == FMT_E4M3:
+        q = block_mf_decode(c, sf, 3, -6, 0x7E, -1, True)
+    elif FMT == FMT_E5M2:
+        q = block_mf_decode(c, sf, 2, -14, 0x7B, 0x7C, True)
+    else:
+        q = block_mf_decode(c, sf, 4, -14, 0xFE, -1, False)
+        q = tl.where(q != q, q, q * q)  # NaN codes keep the decoder's NaN pattern
+    return q
+
+
+# ---------------------------------------------------------------------------------- moments I/O
+@triton.jit
+def scale_offsets(b0, ROWS: tl.constexpr):
+    """Scale-byte offsets of a tile whose first block is ``b0`` (``[ROWS, 32]``; lane 0 of row
+    ``r`` addresses block ``b0 + r``) and the lane-0 mask. Only lane 0 touches memory; the other
+    lanes' offsets make the access contiguous along the row (and the row index is marked
+    non-contiguous), so Triton keeps the codes' row-major layout for the scale bytes instead of
+    laying the tile out column-major and converting every tensor through shared memory."""
+    r = tl.max_contiguous(tl.arange(0, ROWS), [1])
+    c = tl.arange(0, 32)
+    return b0 + r[:, None] + c[None, :], (c == 0)[None, :]
+
+
+@triton.jit
+def load_moment(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
+    """Decode the moment tile at element offsets ``offs`` ``[R, 32]`` (scale offsets ``soffs``
+    and lane-0 mask ``first`` from :func:`scale_offsets`).
+
+    ``ptr`` points at the field ``""`` (fp32, int16 for bf16, uint8 for the 8-bit codes) and
+    ``sptr`` at the per-block ``uint8`` scales, both already offset to the chunk. The first lane
+    of each block loads its scale byte; a row reduction hands it to the other 31."""
+    if FMT == FMT_FP32:
+        m = tl.load(ptr + offs, mask=amask, other=0.0)
+    elif FMT == FMT_BF16:
+        m = bf16_widen(tl.load(ptr + offs, mask=amask, other=0).to(tl.int32))
+    else:
+        c = tl.load(ptr + offs, mask=amask, other=0).to(tl.int32) & 0xFF
+        s = tl.load(sptr + soffs, mask=amask & first, other=0).to(tl.int32) & 0xFF
+        m = decode_blocked(c, tl.max(s, axis=1, keep_dims=True), FMT)  # the row's one byte
+    return m
+
+
+@triton.jit
+def store_moment(
+    m, ptr, sptr, offs, soffs, first, amask, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_m
+):
+    """Encode tile ``m`` in format ``FMT`` and store it (see :func:`load_moment`); the first
+    lane of each block stores its scale byte."""
+    if FMT == FMT_FP32:
+        tl.store(ptr + offs, m, mask=amask)
+    elif FMT == FMT_BF16:
+        tl.store(ptr + offs, bf16_round(f32_bits(m), r24, SR).to(tl.int16), mask=amask)
+    else:
+        code, k = encode_blocked(m, r24, FMT, SR, sqrt_m)
+        tl.store(ptr + offs, code.to(tl.uint8), mask=amask)
+        sbyte = tl.broadcast_to((k + SCALE_BIAS).to(tl.uint8), code.shape)
+        tl.store(sptr + soffs, sbyte, mask=amask & first)
+
+
+# ---------------------------------------------------------------------------------- masters
+@triton.jit
+def decode_master(p, c, MASTER: tl.constexpr):
+    """fp32 master from parameter bits ``p`` (fp32 values for MASTER_FP32, else int32 holding
+    16-bit patterns) and code ``c`` (int32 holding the uint8 / int16 code; unused without one)."""
+    if MASTER == MASTER_FP32:
+        x = p
+    elif MASTER == MASTER_BF16:
+        x = bf16_widen(p)
+    elif MASTER == MASTER_FP16:
+        x = fp16_widen(p)
+    elif MASTER == MASTER_ECC24:
+        cc = c & 0xFF
+        top = (p & 0xFFFF) - (cc >= 0x80).to(tl.int32)
+        x = bits_f32((top << 16) | (cc << 8))
+    else:
+        cc = c & 0xFFFF
+        top = (p & 0xFFFF) - (cc >= 0x8000).to(tl.int32)
+        x = bits_f32((top << 16) | cc)
+    return x
+
+
+@triton.jit
+def encode_master(x, r24, MASTER: tl.constexpr, SR: tl.constexpr):
+    """``(param, code)`` of fp32 master ``x``: param as fp32 (MASTER_FP32) or an int32 16-bit
+    pattern, code an int32 (uint8 / int16 range; 0 without a code)."""
+    if MASTER == MASTER_FP32:
+        p = x
+        code = 0
+    elif MASTER == MASTER_BF16:
+        p = bf16_round(f32_bits(x), r24, SR)
+        code = 0
+    elif MASTER == MASTER_FP16:
+        p = fp16_round(f32_bits(x), r24, SR)
+        code = 0
+    elif MASTER == MASTER_ECC24:
+        u = f32_bits(x)
+        sign = (u >> 31) & 1
+        mag = u & 0x7FFFFFFF
+        top24 = round_drop_bits(mag, 8, r24, SR)
+        top24 = tl.where(mag < F32_INF, tl.minimum(top24, 0x7F7FFF), mag >> 8)
+        top24 = tl.where(mag > F32_INF, (mag >> 8) | 0x4000, top24)  # NaN stays NaN
+        top24 = (sign << 23) | top24
+        top = top24 >> 8
+        mid = top24 & 0xFF
+        p = top + (mid >= 0x80).to(tl.int32)
+        p = tl.where(mag > F32_INF, top, p)
+        code = mid
+    else:
+        u = f32_bits(x)
+        top = (u >> 16) & 0xFFFF
+        low = u & 0xFFFF
+        p = top + (low >= 0x8000).to(tl.int32)
+        p = tl.where((u & 0x7FFFFFFF) > F32_INF, top | 0x40, p)
+        code = low
+    return p, code
+
+
+@triton.jit
+def load_master(pptr, cptr, offs, emask, amask, MASTER: tl.constexpr):
+    """Decode the master tile: parameters at ``pptr + offs`` (real elements; padding reads 0, as
+    the torch backend's zero padding), codes at ``cptr + offs`` (whole blocks)."""
+    if MASTER == MASTER_FP32:
+        x = tl.load(pptr + offs, mask=emask, other=0.0)
+    else:
+        p = tl.load(pptr + offs, mask=emask, other=0).to(tl.int32)
+        if MASTER == MASTER_ECC24 or MASTER == MASTER_ECC32:  # noqa: SIM109 (constexprs)
+            c = tl.load(cptr + offs, mask=amask, other=0).to(tl.int32)
+        else:
+            c = 0
+        x = decode_master(p, c, MASTER)
+    return x
+
+
+@triton.jit
+def store_master(x, pptr, cptr, offs, emask, amask, r24, MASTER: tl.constexpr, SR: tl.constexpr):
+    """Encode tile ``x`` and store the parameters (real elements) and codes (whole blocks)."""
+    p, code = encode_master(x, r24, MASTER, SR)
+    if MASTER == MASTER_FP32:
+        tl.store(pptr + offs, p, mask=emask)
+    else:
+        tl.store(pptr + offs, p.to(tl.int16), mask=emask)
+        if MASTER == MASTER_ECC24:
+            tl.store(cptr + offs, code.to(tl.uint8), mask=amask)
+        elif MASTER == MASTER_ECC32:
+            tl.store(cptr + offs, code.to(tl.int16), mask=amask)
+
+
+@triton.jit
+def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
+    """Gradient tile as fp32 from int64 address ``gptr`` (elements ``start + offs``): ``gkind`` 1 =
+    float32 gradient, 0 = the parameter's 16-bit dtype (widened exactly on the pattern). Padding
+    reads 0."""
+    if MASTER == MASTER_FP32:
+        g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+    else:
+        if gkind != 0:
+            g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+        else:
+            g16 = tl.load(gptr.to(tl.pointer_type(tl.int16)) + start + offs, mask=emask, other=0)
+            if MASTER == MASTER_FP16:
+                g = fp16_widen(g16.to(tl.int32))
+            else:
+                g = bf16_widen(g16.to(tl.int32))
+    return g
+
+
+@triton.jit
+def param_pointer(pptr, MASTER: tl.constexpr):
+    """The int64 parameter address as a typed pointer (fp32, else 16-bit patterns)."""
+    if MASTER == MASTER_FP32:
+        return pptr.to(tl.pointer_type(tl.float32))
+    else:
+        return pptr.to(tl.pointer_type(tl.int16))

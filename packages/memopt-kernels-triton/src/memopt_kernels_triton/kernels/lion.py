@@ -1,0 +1,84 @@
+"""Fused Lion step over a whole group (core's ``reference.lion``, bit for bit)::
+
+g = -g                              if MAXIMIZE
+p = p * decay                       if HAS_DECAY
+u = beta1 * m + one_minus_beta1 * g
+p = p - lr * sign(u)                (sign(±0) = sign(NaN) = +0, as torch.sign)
+m = beta2 * m + one_minus_beta2 * g
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memopt_kernels_triton.kernels import codecs as C
+from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+
+
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+def lion_kernel(
+    chunk_ptr,
+    n_chunks,
+    slot_ptr,
+    code_ptr,
+    m_ptr,
+    ms_ptr,
+    lr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    decay,
+    seed,
+    step,
+    MASTER: tl.constexpr,
+    FMT1: tl.constexpr,
+    SR: tl.constexpr,
+    NEED_RAND: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    lr_ = lr
+    b1 = beta1
+    omb1 = one_minus_beta1
+    b2 = beta2
+    omb2 = one_minus_beta2
+    dec = decay
+    r = tl.arange(0, ROWS)
+    lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for c in range(pid, n_chunks, nprog):
+        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+            chunk_ptr, slot_ptr, c, BS
+        )
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        mp = m_ptr + aoff
+        msp = ms_ptr + aoff // 32
+        for t in range(0, padded, ROWS * 32):
+            offs, emask, amask = tile_masks(t, lofs, length, padded)
+            soffs, first = C.scale_offsets(t // 32, ROWS)
+            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
+            if NEED_RAND:
+                w0, w1, _w2, _w3 = stream_words(seed, tid, start + offs, step)
+                r0 = r24_of(w0)
+                r1 = r24_of(w1)
+            else:
+                r0 = 0
+                r1 = 0
+            if MAXIMIZE:
+                g = C.neg(g)
+            if HAS_DECAY:
+                x = x * dec
+            u = b1 * m + omb1 * g
+            sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+            x = x - lr_ * sgn
+            m = b2 * m + omb2 * g
+            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
+            C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)

@@ -1,0 +1,100 @@
+"""Fused SGD/SGDW step (with or without momentum, Nesterov) over a whole group (core's
+``reference.sgd``, bit for bit; no FMA contraction)::
+
+    g = -g                              if MAXIMIZE
+    g = g + l2 * p                      if HAS_L2
+    p = p * decay                       if HAS_DECAY
+    buf = g                             on the first step (FIRST), with momentum
+    buf = momentum * buf + one_minus_dampening * g        afterwards
+    d = g + momentum * buf              if NESTEROV, else d = buf (g without momentum)
+    p = p - lr * d
+
+``FMT1 == FMT_NONE`` means no momentum buffer (momentum 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memopt_kernels_triton.kernels import codecs as C
+from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+
+
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+def sgd_kernel(
+    chunk_ptr,
+    n_chunks,
+    slot_ptr,
+    code_ptr,
+    b_ptr,
+    bs_ptr,
+    lr,
+    momentum,
+    one_minus_dampening,
+    decay,
+    l2,
+    seed,
+    step,
+    MASTER: tl.constexpr,
+    FMT1: tl.constexpr,
+    SR: tl.constexpr,
+    NEED_RAND: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_L2: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    FIRST: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    lr_ = lr
+    mom = momentum
+    omd = one_minus_dampening
+    dec = decay
+    l2_ = l2
+    r = tl.arange(0, ROWS)
+    lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for c in range(pid, n_chunks, nprog):
+        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+            chunk_ptr, slot_ptr, c, BS
+        )
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        bp = b_ptr + aoff
+        bsp = bs_ptr + aoff // 32
+        for t in range(0, padded, ROWS * 32):
+            offs, emask, amask = tile_masks(t, lofs, length, padded)
+            soffs, first = C.scale_offsets(t // 32, ROWS)
+            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if NEED_RAND:
+                w0, w1, _w2, _w3 = stream_words(seed, tid, start + offs, step)
+                r0 = r24_of(w0)
+                r1 = r24_of(w1)
+            else:
+                r0 = 0
+                r1 = 0
+            if MAXIMIZE:
+                g = C.neg(g)
+            if HAS_L2:
+                g = g + l2_ * x
+            if HAS_DECAY:
+                x = x * dec
+            if FMT1 != C.FMT_NONE:
+                if FIRST:
+                    buf = g
+                else:
+                    buf = C.load_moment(bp, bsp, offs, soffs, first, amask, FMT1)
+                    buf = mom * buf + omd * g
+                if NESTEROV:  # noqa: SIM108 (constexpr branch)
+                    d = g + mom * buf
+                else:
+                    d = buf
+                C.store_moment(buf, bp, bsp, offs, soffs, first, amask, r1, FMT1, SR, buf)
+            else:
+                d = g
+            x = x - lr_ * d
+            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)

@@ -1,0 +1,49 @@
+"""Chunk-table plumbing shared by the fused step kernels.
+
+A launch covers one group: program ``pid`` of a persistent grid walks chunks ``pid, pid + nprog,
+...`` of core's chunk table (int64 rows ``(slot, start, length, arena offset)``); a slot table
+(int64 rows ``(param address, grad address, grad is float32, tensor id)``, indexed by the plan's
+slot index) gives each chunk's tensors. A chunk is processed in tiles of ``[ROWS, 32]`` elements,
+one row per 32-element quantization block; ``BS`` is the arena's padding unit (32 for blocked
+moments, 1 otherwise) so a chunk's arena part ends at ``length`` rounded up to ``BS``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from memopt_kernels_triton.kernels import codecs as C
+
+
+@triton.jit
+def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
+    """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id)`` of
+    chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is below 2**31)."""
+    row = chunk_ptr + c * 4  # n_chunks < 2**29
+    slot = tl.load(row)
+    start = tl.load(row + 1)
+    length = tl.load(row + 2).to(tl.int32)
+    aoff = tl.load(row + 3)
+    srow = slot_ptr + slot * 4
+    paddr = tl.load(srow)
+    gaddr = tl.load(srow + 1)
+    gkind = tl.load(srow + 2)
+    tid = tl.load(srow + 3)
+    padded = (length + (BS - 1)) // BS * BS
+    return start, length, padded, aoff, paddr, gaddr, gkind, tid
+
+
+@triton.jit
+def tile_masks(t, lofs, length, padded):
+    """Offsets ``[ROWS, 32]`` of the tile starting at chunk element ``t``, with the real-element
+    and the arena (whole blocks) masks."""
+    offs = t + lofs
+    return offs, offs < length, offs < padded
+
+
+@triton.jit
+def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr):
+    """Typed parameter pointer at the chunk's first element and master-code pointer at its arena
+    offset."""
+    return C.param_pointer(paddr, MASTER) + start, code_ptr + aoff

@@ -1,0 +1,260 @@
+"""Helpers shared by the tests and the GPU sweep: build one group (plan, arena, parameters) the
+way ``MemOptimizer`` does, clone it, and step two copies through two backends.
+
+Importing this module does not import triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from memopt_core import reference
+from memopt_core.backends import GroupStep
+from memopt_core.formats import StateSpec
+from memopt_core.plan import GroupPlan, StateArena
+
+__all__ = [
+    "Group",
+    "diff_report",
+    "group_state",
+    "make_grads",
+    "make_group",
+    "rule_names",
+    "scalars_for",
+    "step_group",
+]
+
+#: optimizer rule -> (backend rule, decoupled)
+RULE_KINDS = {
+    "sgd": ("sgd", False),
+    "sgdw": ("sgd", True),
+    "adam": ("adam", False),
+    "adamw": ("adam", True),
+    "lion": ("lion", True),
+}
+
+
+def rule_names(kind: str, momentum: float = 0.9) -> tuple[str, ...]:
+    """State names of a backend rule (the optimizer's convention)."""
+    if kind == "adam":
+        return ("exp_avg", "exp_avg_sq")
+    if kind == "lion":
+        return ("exp_avg",)
+    return ("momentum_buffer",) if momentum != 0.0 else ()
+
+
+@dataclass
+class Group:
+    """One plan group with its arena and parameters (``params`` are the plan's tensors)."""
+
+    rule: str
+    kind: str
+    spec: StateSpec
+    plan: GroupPlan
+    arena: StateArena
+    hyper: dict
+    seed: int
+    tensor_ids: list[int]
+
+    @property
+    def params(self) -> list[Tensor]:
+        return self.plan.params
+
+    def clone(self) -> Group:
+        """An independent copy (new parameter tensors, new plan, arena fields copied)."""
+        params = [p.detach().clone() for p in self.params]
+        plan = GroupPlan(
+            params, self.spec, device=self.plan.device, param_dtype=self.plan.param_dtype
+        )
+        arena = StateArena(plan, self.arena.codecs, self.arena.master)
+        for name, fields in self.arena.fields.items():
+            for suffix, t in fields.items():
+                arena.fields[name][suffix].copy_(t)
+        if self.arena.master_code is not None:
+            assert arena.master_code is not None
+            arena.master_code.copy_(self.arena.master_code)
+        return Group(
+            self.rule, self.kind, self.spec, plan, arena, dict(self.hyper), self.seed,
+            list(self.tensor_ids),
+        )  # fmt: skip
+
+
+def make_group(
+    rule: str,
+    spec: StateSpec,
+    dtype: torch.dtype,
+    sizes: list[int],
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    gen_seed: int = 0,
+    **hyper,
+) -> Group:
+    """Parameters of ``sizes`` elements (shapes vary: 1-D, 2-D where the size factors) with
+    log-normal magnitudes, their arena as the optimizer builds it (master codes encoded from the
+    initial parameters) and ``hyper`` (lr, betas, eps, weight_decay, momentum, ...)."""
+    kind, _ = RULE_KINDS[rule]
+    device = torch.empty(0, device=device).device  # canonical ("cuda" -> "cuda:0")
+    g = torch.Generator().manual_seed(gen_seed)
+    params = []
+    for i, n in enumerate(sizes):
+        v = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+        shape = (n // 4, 4) if n % 4 == 0 and n and i % 2 else (n,)
+        params.append(v.to(dtype).to(device).view(shape))
+    plan = GroupPlan(params, spec, device=device, param_dtype=dtype)
+    master = spec.master_for(dtype)
+    names = rule_names(kind, hyper.get("momentum", 0.0))
+    codecs = {n: (spec.second if n == "exp_avg_sq" else spec.first) for n in names}
+    arena = StateArena(plan, codecs, master)
+    if arena.master_code is not None:
+        for slot, p in zip(plan.slots, params, strict=True):
+            _, code = master.encode(p.detach().float().reshape(-1))
+            assert code is not None
+            arena.master_code[slot.offset : slot.offset + slot.numel].copy_(code)
+    tensor_ids = [1000 + 7 * i for i in range(len(sizes))]
+    return Group(rule, kind, spec, plan, arena, hyper, seed, tensor_ids)
+
+
+def make_grads(
+    group: Group, step: int, *, grad_dtype: torch.dtype | None = None, scale: float = 1.0
+) -> list[Tensor]:
+    """Deterministic gradients for ``step`` (a few exact zeros, magnitudes over decades)."""
+    g = torch.Generator().manual_seed(10_000 + step)
+    out = []
+    for p in group.params:
+        n = p.numel()
+        v = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g)) * scale
+        if n > 3:
+            v[::7] = 0.0
+        dt = grad_dtype or p.dtype
+        out.append(v.to(dt).to(p.device).view(p.shape))
+    return out
+
+
+def scalars_for(group: Group, step: int):
+    """The rule's scalars (core's reference functions, in double) for ``step``."""
+    kind, decoupled = RULE_KINDS[group.rule]
+    h = group.hyper
+    lr = h.get("lr", 1e-2)
+    wd = h.get("weight_decay", 0.0)
+    maximize = h.get("maximize", False)
+    initial_lr = h.get("initial_lr")
+    if kind == "adam":
+        return reference.adam_scalars(
+            lr=lr,
+            betas=h.get("betas", (0.9, 0.999)),
+            eps=h.get("eps", 1e-8),
+            weight_decay=wd,
+            step=step,
+            decoupled=decoupled,
+            maximize=maximize,
+            initial_lr=initial_lr,
+        )
+    if kind == "lion":
+        return reference.lion_scalars(
+            lr=lr,
+            betas=h.get("betas", (0.9, 0.99)),
+            weight_decay=wd,
+            maximize=maximize,
+            initial_lr=initial_lr,
+        )
+    return reference.sgd_scalars(
+        lr=lr,
+        momentum=h.get("momentum", 0.0),
+        dampening=h.get("dampening", 0.0),
+        nesterov=h.get("nesterov", False),
+        weight_decay=wd,
+        decoupled=decoupled,
+        maximize=maximize,
+        initial_lr=initial_lr,
+    )
+
+
+def step_group(
+    backend, group: Group, grads: list[Tensor], step: int, slots: list[int] | None = None
+) -> None:
+    """One backend step of ``group`` (all tensors, or ``slots``)."""
+    slots = list(range(len(group.params))) if slots is None else slots
+    work = GroupStep(
+        rule=group.kind,
+        spec=group.spec,
+        plan=group.plan,
+        slots=slots,
+        params=[group.params[i] for i in slots],
+        grads=[grads[i] for i in slots],
+        arena=group.arena,
+        scalars=scalars_for(group, step),
+        step=step,
+        seed=group.seed,
+        tensor_ids=[group.tensor_ids[i] for i in slots],
+        first_step=step == 1,
+    )
+    backend.step(work)
+
+
+def group_state(group: Group) -> dict[str, Tensor]:
+    """Every tensor of the group's state as raw bits (parameters, codes, moment fields)."""
+    out: dict[str, Tensor] = {}
+    for i, p in enumerate(group.params):
+        out[f"param{i}"] = _bits(p)
+    if group.arena.master_code is not None:
+        out["master_code"] = _bits(group.arena.master_code)
+    for name, fields in group.arena.fields.items():
+        for suffix, t in fields.items():
+            out[f"{name}[{suffix}]"] = _bits(t)
+    return out
+
+
+def _bits(t: Tensor) -> Tensor:
+    t = t.detach().reshape(-1).contiguous()
+    size = t.element_size()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).cpu()
+
+
+def diff_report(a: Group, b: Group, *, nan_equal: bool = False) -> list[str]:
+    """Names of the state tensors whose bits differ, with the first few differing positions.
+
+    ``nan_equal``: floating tensors compare NaN == NaN whatever the payload (NaN payloads depend
+    on the device's arithmetic, so tests with non-finite gradients use this)."""
+    sa, sb = group_state(a), group_state(b)
+    bad = []
+    for key in sa:
+        x, y = sa[key], sb[key]
+        if torch.equal(x, y):
+            continue
+        diff = x != y
+        if nan_equal:
+            ta = _float_view(a, key)
+            tb = _float_view(b, key)
+            if ta is not None and tb is not None:
+                diff = diff & ~(torch.isnan(ta) & torch.isnan(tb))
+                if not bool(diff.any()):
+                    continue
+        where = diff.nonzero().flatten()[:5].tolist()
+        bad.append(
+            f"{key}: {int(diff.sum())} of {x.numel()} differ, e.g. at {where}: "
+            f"{x[where].tolist()} vs {y[where].tolist()}"
+        )
+    return bad
+
+
+def _float_view(group: Group, key: str) -> Tensor | None:
+    if key == "master_code":  # NaN masters: the code holds payload bits
+        parts = []
+        for slot, p in zip(group.plan.slots, group.params, strict=True):
+            code = group.arena.master_code[slot.offset : slot.offset + slot.padded]
+            low = torch.zeros(slot.padded, dtype=p.dtype, device=p.device)
+            low[: slot.numel] = p.detach().reshape(-1)
+            parts.append(group.arena.master.decode(low, code).cpu())
+        return torch.cat(parts) if parts else None
+    if key.startswith("param"):
+        p = group.params[int(key[5:])]
+        return p.detach().reshape(-1).float().cpu()
+    if key.endswith("[]"):
+        t = group.arena.fields[key[:-2]][""]
+        if t.dtype in (torch.float32, torch.bfloat16):
+            return t.reshape(-1).float().cpu()
+    return None

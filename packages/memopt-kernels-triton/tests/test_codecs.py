@@ -1,0 +1,277 @@
+"""Standalone codec kernels and the inlined codecs vs memopt-core's reference codecs, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memopt_core import rng
+from memopt_core.errors import ConfigError, FormatError
+from memopt_core.formats import master_codec, moment_codec
+
+MOMENTS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt"]
+MASTERS = [
+    ("fp32", torch.float32),
+    ("none", torch.bfloat16),
+    ("none", torch.float16),
+    ("ecc24", torch.bfloat16),
+    ("ecc32", torch.bfloat16),
+]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
+
+
+def values(n_blocks: int, device, *, seed: int = 0) -> torch.Tensor:
+    """Blocks of 32 covering the awkward cases: specials, subnormals, decades of range, ties."""
+    assert n_blocks >= 8
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_blocks * 32, generator=g) * torch.exp(
+        torch.randn(n_blocks * 32, generator=g) * 8
+    )
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0, 3e38])
+    x[32:64] = torch.randn(32, generator=g) * 1e-40  # subnormal block
+    x[64:96] = 0.0  # all-zero block
+    x[96:128] = torch.randn(32, generator=g) * 1e30
+    x[128:160] = torch.randn(32, generator=g) * 1e-30
+    x[160] = 1e6  # outlier next to small values
+    # exact ties of bf16 / the ECC-24 split / e4m3 grids
+    x[192:200] = torch.tensor(
+        [
+            0x3F808000,
+            0x3F818000,
+            0x3F800080,
+            0x3F800180,
+            0x3F880000,
+            0x3F980000,
+            0x7F7FFFFF,
+            0x00000001,
+        ],
+        dtype=torch.int32,
+    ).view(torch.float32)
+    return x.to(device)
+
+
+def rand_words(n: int, device, seed: int = 3) -> torch.Tensor:
+    return rng.uniform_bits(seed, 11, torch.arange(n), 5, 1).to(device)
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+@pytest.mark.parametrize("fmt", MOMENTS)
+def test_moment_encode_decode(ops, device, fmt, sr):
+    x = values(12, device)
+    if fmt == "q8_sqrt":
+        x = x.abs()
+        x[300] = -1.0  # a negative v: NaN code
+    codec = moment_codec(fmt)
+    r = rand_words(x.numel(), device) if sr else None
+    got = ops.encode_moment(fmt, x, rand=r)
+    want = codec.encode(x.cpu(), rand=None if r is None else r.cpu())
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype
+        assert got[k].shape == want[k].shape
+        assert torch.equal(bits(got[k]), bits(want[k])), k
+    dec = ops.decode_moment(fmt, {k: v.to(device) for k, v in want.items()})
+    assert torch.equal(bits(dec), bits(codec.decode(want)))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt", "bf16"])
+def test_moment_decode_every_code(ops, device, fmt):
+    codec = moment_codec(fmt)
+    if fmt == "bf16":
+        codes = torch.arange(-(2**15), 2**15, 7, dtype=torch.int32).to(torch.int16)
+        fields = {"": codes.view(torch.bfloat16)}
+    else:
+        codes = torch.arange(256, dtype=torch.int32).repeat(16).to(torch.uint8)
+        g = torch.Generator().manual_seed(1)
+        scales = torch.randint(0, 255, (codes.numel() // 32,), generator=g).to(torch.uint8)
+        scales[:4] = torch.tensor([0, 1, 254, 127], dtype=torch.uint8)
+        fields = {"": codes.view(codec.fields[""].dtype), "scale": scales}
+    want = codec.decode(fields)
+    got = ops.decode_moment(fmt, {k: v.to(device) for k, v in fields.items()})
+    assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+@pytest.mark.parametrize(("fmt", "dtype"), MASTERS, ids=[f"{m}-{str(d)[6:]}" for m, d in MASTERS])
+def test_master_encode_decode(ops, device, fmt, dtype, sr):
+    x = values(10, device, seed=2)
+    codec = master_codec(fmt, dtype)
+    r = rand_words(x.numel(), device) if sr else None
+    p, c = ops.encode_master(fmt, x, dtype, rand=r)
+    wp, wc = codec.encode(x.cpu(), rand=None if r is None else r.cpu())
+    assert p.dtype == wp.dtype
+    assert torch.equal(bits(p), bits(wp))
+    assert (c is None) == (wc is None)
+    if wc is not None:
+        assert c.dtype == wc.dtype
+        assert torch.equal(bits(c), bits(wc))
+    # decode arbitrary bit patterns (every parameter pattern class, every code)
+    g = torch.Generator().manual_seed(4)
+    n = 4096
+    pr = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    if dtype == torch.float32:
+        pr = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    param = pr.view(dtype)
+    code = None
+    if codec.code_dtype == torch.uint8:
+        code = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
+    elif codec.code_dtype == torch.int16:
+        code = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    want = codec.decode(param, code)
+    got = ops.decode_master(fmt, param.to(device), None if code is None else code.to(device))
+    assert torch.equal(bits(got), bits(want))
+
+
+def test_ecc_and_q8_shorthands(ops, device):
+    x = values(8, device, seed=5)
+    x32 = x.clone()
+    p, c = ops.ecc_encode(x32, 32)
+    back = ops.ecc_decode(p, c)
+    finite = ~torch.isnan(x32)
+    assert torch.equal(bits(back[finite]), bits(x32[finite]))  # ECC-32 is exact
+    p24, c24 = ops.ecc_encode(x, 24)
+    assert c24.dtype == torch.uint8
+    assert torch.equal(
+        bits(ops.ecc_decode(p24, c24)),
+        bits(master_codec("ecc24", torch.bfloat16).decode(p24.cpu(), c24.cpu())),
+    )
+    codes, scales = ops.q8_quantize(x)
+    assert torch.equal(
+        bits(ops.q8_dequantize(codes, scales)),
+        bits(moment_codec("q8_signed").decode({"": codes.cpu(), "scale": scales.cpu()})),
+    )
+    v = x.abs()
+    codes, scales = ops.q8_quantize(v, second_moment=True)
+    assert codes.dtype == torch.uint8
+    assert scales.numel() == v.numel() // 32
+    got = ops.q8_dequantize(codes, scales, second_moment=True)
+    assert torch.equal(
+        bits(got), bits(moment_codec("q8_sqrt").decode({"": codes.cpu(), "scale": scales.cpu()}))
+    )
+
+
+def test_ecc32_roundtrip_random_patterns(ops, device):
+    g = torch.Generator().manual_seed(9)
+    u = torch.randint(-(2**31), 2**31, (1 << 14,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = u.view(torch.float32).to(device)
+    finite = ~torch.isnan(x)
+    p, c = ops.ecc_encode(x, 32)
+    assert torch.equal(bits(ops.ecc_decode(p, c)[finite]), bits(x[finite]))
+
+
+def test_philox_words(ops, device):
+    idx = torch.tensor(
+        [0, 1, 2, 31, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 5, 123456789012, 2**62 + 9]
+    )
+    for seed, tid, step in [(0, 0, 0), (0xDEADBEEF, 2**32 + 7, 2**31 + 3), (12345, 3, 1)]:
+        got = ops.philox_words(seed, tid, idx.to(device), step)
+        want = rng.stream_words(seed, tid, idx, step)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q8_signed", "q8_sqrt", "fp8_e5m2"])
+def test_in_kernel_philox_rounding(ops, device, fmt):
+    x = values(8, device, seed=7).abs()
+    seed, tid, step, stream = 77, 2**31 + 5, 9, 2
+    got = ops.encode_moment(fmt, x, philox=(seed, tid, step, stream))
+    r = rng.uniform_bits(seed, tid, torch.arange(x.numel()), step, stream)
+    want = moment_codec(fmt).encode(x.cpu(), rand=r)
+    for k in want:
+        assert torch.equal(bits(got[k]), bits(want[k])), k
+    p, c = ops.encode_master("ecc24", x, torch.bfloat16, philox=(seed, tid, step, 0))
+    wp, wc = master_codec("ecc24", torch.bfloat16).encode(
+        x.cpu(), rand=rng.uniform_bits(seed, tid, torch.arange(x.numel()), step, 0)
+    )
+    assert torch.equal(bits(p), bits(wp))
+    assert torch.equal(bits(c), bits(wc))
+
+
+def test_empty_and_shapes(ops, device):
+    e = torch.zeros(0, device=device)
+    f = ops.encode_moment("q8_signed", e)
+    assert f[""].numel() == 0
+    assert f["scale"].numel() == 0
+    assert ops.decode_moment("q8_signed", f).numel() == 0
+    p, c = ops.encode_master("ecc24", e)
+    assert p.numel() == 0
+    assert c.numel() == 0
+    x = torch.randn(64, device=device).view(8, 8)
+    f = ops.encode_moment("bf16", x)
+    assert f[""].shape == (8, 8)
+    p, c = ops.encode_master("ecc32", x)
+    assert p.shape == (8, 8)
+    assert c.shape == (8, 8)
+
+
+def test_bad_inputs(ops, device):
+    with pytest.raises(FormatError, match="whole blocks of 32"):
+        ops.encode_moment("q8_signed", torch.ones(33, device=device))
+    with pytest.raises(FormatError, match="float32"):
+        ops.encode_moment("bf16", torch.ones(32, device=device, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="unknown moment format"):
+        ops.encode_moment("q4", torch.ones(32, device=device))
+    with pytest.raises(ConfigError, match="bfloat16"):
+        ops.encode_master("ecc24", torch.ones(32, device=device), torch.float16)
+    with pytest.raises(FormatError, match="code"):
+        ops.decode_master("ecc24", torch.ones(32, device=device, dtype=torch.bfloat16))
+    with pytest.raises(FormatError, match="int64"):
+        ops.encode_moment("bf16", torch.ones(32, device=device), rand=torch.ones(32, device=device))
+    with pytest.raises(ConfigError, match="24 or 32"):
+        ops.ecc_encode(torch.ones(32, device=device), 16)
+    with pytest.raises(ConfigError, match="either"):
+        ops.encode_moment(
+            "bf16",
+            torch.ones(32, device=device),
+            rand=torch.zeros(32, dtype=torch.int64, device=device),
+            philox=(0, 0, 0, 0),
+        )
+
+
+def pattern_soup(n_blocks: int, device, *, seed: int = 0) -> torch.Tensor:
+    """Random fp32 bit patterns (every exponent, subnormals, inf, NaN), and blocks whose elements
+    span up to 2**-200 of their maximum (underflow after the block scaling)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(-(2**31), 2**31, (n_blocks * 32,), generator=g, dtype=torch.int64)
+    x = u.to(torch.int32).view(torch.float32).clone()
+    half = n_blocks // 2 * 32
+    mant = torch.rand(half, generator=g) + 0.5
+    expo = torch.randint(-149, 128, (half // 32, 1), generator=g) - torch.randint(
+        0, 200, (half // 32, 32), generator=g
+    )
+    y = (mant.double() * torch.pow(2.0, expo.reshape(-1).double())).float()
+    y[::32] = torch.where(torch.rand(half // 32, generator=g) < 0.5, 3e38, 1e-40)
+    x[:half] = y * torch.where(torch.rand(half, generator=g) < 0.5, -1.0, 1.0)
+    return x.to(device)
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "fp8_e5m2", "q8_sqrt"])
+def test_moment_codecs_on_bit_pattern_soup(ops, device, fmt, sr):
+    x = pattern_soup(64, device, seed=11)
+    if fmt == "q8_sqrt":
+        x = x.abs()
+    codec = moment_codec(fmt)
+    r = rand_words(x.numel(), device, seed=5) if sr else None
+    got = ops.encode_moment(fmt, x, rand=r)
+    want = codec.encode(x.cpu(), rand=None if r is None else r.cpu())
+    for k in want:
+        assert torch.equal(bits(got[k]), bits(want[k])), k
+
+
+@pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
+@pytest.mark.parametrize(
+    ("fmt", "dtype"), MASTERS[1:], ids=[f"{m}-{str(d)[6:]}" for m, d in MASTERS[1:]]
+)
+def test_master_codecs_on_bit_pattern_soup(ops, device, fmt, dtype, sr):
+    x = pattern_soup(64, device, seed=12)
+    r = rand_words(x.numel(), device, seed=6) if sr else None
+    p, c = ops.encode_master(fmt, x, dtype, rand=r)
+    wp, wc = master_codec(fmt, dtype).encode(x.cpu(), rand=None if r is None else r.cpu())
+    assert torch.equal(bits(p), bits(wp))
+    if wc is not None:
+        assert torch.equal(bits(c), bits(wc))
