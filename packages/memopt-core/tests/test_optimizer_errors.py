@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 
 import pytest
 import torch
@@ -193,6 +194,13 @@ def test_format_cannot_change_after_state_exists():
 
 
 def test_forced_backend_that_is_missing(monkeypatch, fresh_backends):
+    # no kernel package registered, whatever this environment has installed
+    real = importlib.metadata.entry_points
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        lambda **kw: [] if kw == {"group": "memopt.kernels"} else real(**kw),
+    )
     monkeypatch.setenv("MEMOPT_BACKEND", "triton")
     with pytest.raises(
         BackendUnavailableError, match=r"'triton' is not installed.*memopt-kernels-triton"
