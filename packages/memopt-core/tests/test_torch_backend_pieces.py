@@ -215,7 +215,13 @@ def test_cuda_peak_memory_follows_the_piece(piece_size):
     n = 16 * piece
     p = torch.randn(n, device="cuda").to(torch.bfloat16).requires_grad_()
     opt = MemOptimizer(
-        [p], rule="adamw", master="ecc24", moments="q8", stochastic_rounding=True, backend="torch"
+        [p],
+        rule="adamw",
+        master="ecc24",
+        moments="q8",
+        stochastic_rounding=True,
+        backend="torch",
+        check_numerics=False,  # its isfinite pass over the gradient is not the backend's
     )
     p.grad = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     opt.step()

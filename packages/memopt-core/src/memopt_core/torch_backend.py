@@ -11,12 +11,13 @@ and its tensor id, so the cut changes no bit) and writes the piece back before t
 
 Memory: every rule and format is elementwise within a quantization block, so a piece needs only
 its own elements, and the transient memory of a step is proportional to the piece size, whatever
-the size of the group. Its peak, measured on CPU and CUDA, is about 280 bytes per piece element
-with stochastic rounding of q8 or fp8 moments (about 1.1 GiB for the default piece; the
-second-moment encoder's int64 temporaries and the Philox words dominate), about 140 bytes with
-round-to-nearest and about 120 bytes with fp32 moments. Cost: a fixed number of vectorized torch
-ops per piece plus a few Python operations per tensor segment, so it is slower than a fused kernel
-but has no per-element Python work.
+the size of the group. Its peak (measured on CPU and CUDA, which agree) is about 280 bytes per
+piece element with q8 moments and stochastic rounding, about 1.1 GiB for the default piece (the
+q8 second-moment encoder's int64 temporaries dominate), and 115-150 bytes for the other formats
+(the Philox generator works in int64 too).
+
+Cost: a fixed number of vectorized torch ops per piece plus a few Python operations per tensor
+segment, so it is slower than a fused kernel but has no per-element Python work.
 
 State names by rule (the optimizer's convention): ``adam``: ``exp_avg`` (first-moment codec) and
 ``exp_avg_sq`` (second); ``lion``: ``exp_avg``; ``sgd``: ``momentum_buffer`` (first), only when
@@ -90,7 +91,7 @@ def _piece_size(block_size: int) -> int:
         n = int(piece)
     except ValueError:
         n = 0
-    if isinstance(piece, bool) or n <= 0 or n % unit:
+    if n <= 0 or n % unit:
         raise ConfigError(
             f"MEMOPT_TORCH_PIECE must be a positive multiple of {unit} elements (whole blocks), "
             f"got {piece!r}"
@@ -202,7 +203,7 @@ def _sr_words(work: GroupStep, piece: _Piece) -> dict[int, Tensor]:
     segs = piece.segments
     if len(segs) == 1:
         # a piece of one tensor (every piece of a large one): a scalar tensor id keeps the
-        # Philox key unbroadcast, which saves a third of its vector operations
+        # Philox key a scalar, which saves its key's vector operations and 8 bytes per element
         seg = segs[0]
         index = torch.arange(seg.start, seg.start + seg.length, dtype=torch.int64, device=dev)
         words = stream_words(work.seed, work.tensor_ids[seg.pos], index, work.step)
