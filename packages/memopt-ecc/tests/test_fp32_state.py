@@ -158,6 +158,34 @@ def test_set_before_the_first_step_creates_the_codes(device):
     assert all(int(s["step"]) == 0 for s in opt.state.values())
 
 
+def test_set_before_the_first_step_creates_state_as_a_step_would(device):
+    """Trainable parameters get state (step 0, codes); a frozen one only its rounded value; the
+    first step afterwards equals one from a fresh optimizer fed the same fp32 weights."""
+    torch.manual_seed(0)
+    model = cast_model(Model().to(device))
+    model.lin.bias.requires_grad_(False)
+    opt = FlashAdamW(model.parameters(), lr=1e-2, master_weight_bits=32)
+    values = random_fp32_dict(model)
+    opt.set_fp32_model_state_dict(model, values)
+    assert model.lin.bias not in opt.state
+    assert same_bits(model.lin.bias.detach(), values["lin.bias"].bfloat16())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(int(opt.state[p]["step"]) == 0 for p in trainable)
+    # the same weights reached by a plain init_state() + set: identical state, identical step
+    twin = copy.deepcopy(model)
+    twin_opt = FlashAdamW(twin.parameters(), lr=1e-2, master_weight_bits=32)
+    twin_opt.init_state()
+    set_fp32_model_state_dict(twin, twin_opt, values)
+    idx = torch.arange(8, device=device) % 10
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(idx).float().pow(2).mean().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert same_bits(p, q)
+        for k in opt.state.get(p, {}):
+            assert same_bits(opt.state[p][k], twin_opt.state[q][k])
+
+
 def test_set_validates_before_changing_anything():
     model, opt = trained("cpu", mwb=32)
     snapshot = copy.deepcopy((model.state_dict(), opt.state_dict()))

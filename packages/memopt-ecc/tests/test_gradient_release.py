@@ -127,6 +127,52 @@ def test_step_and_zero_grad_warn_once_and_do_nothing():
     assert not again.active
 
 
+def test_warnings_name_the_callers_line_and_the_switch_lives_in_core():
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    assert not opt.gradient_release_active
+    handle = enable_gradient_release(model, opt)
+    assert opt.gradient_release_active
+    with pytest.warns(UserWarning, match=r"FlashAdamW\.step\(\) does nothing") as rec:
+        opt.step()
+    assert rec[0].filename == __file__  # this line, not torch's hook wrapper
+    assert "handle.remove()" in str(rec[0].message)
+    with pytest.warns(UserWarning, match=r"zero_grad\(\) does nothing") as rec:
+        opt.zero_grad()
+    assert rec[0].filename == __file__
+    # a copy does not inherit the hooks, so it is not in release mode
+    twin = copy.deepcopy(opt)
+    assert not twin.gradient_release_active
+    handle.remove()
+    assert not opt.gradient_release_active
+    # the optimizer's switch refuses a second owner while a handle holds it
+    handle = enable_gradient_release(model, opt)
+    with pytest.raises(ConfigError, match="already active"):
+        opt.begin_gradient_release(object())
+    handle.remove()
+
+
+def test_plain_memoptimizer_gets_the_same_no_op_step_and_zero_grad():
+    model = make_model("cpu")
+    opt = MemOptimizer(model.parameters(), rule="adamw", lr=1e-2, master="ecc24", moments="q8")
+    with enable_gradient_release(model, opt):
+        loss_fn(model, batches("cpu")[0]).backward()
+        p = model.mix.weight
+        p.grad = torch.ones_like(p)
+        before = p.detach().clone()
+        code = opt.state[p]["master_code"].clone()
+        with pytest.warns(UserWarning, match=r"MemOptimizer\.step\(\) does nothing"):
+            assert opt.step() is None
+        with pytest.warns(UserWarning, match=r"MemOptimizer\.zero_grad\(\) does nothing"):
+            opt.zero_grad()
+        assert torch.equal(p.detach(), before)
+        assert torch.equal(opt.state[p]["master_code"], code)
+        assert int(opt.state[p]["step"]) == 1
+        assert p.grad is not None
+    opt.step()  # released: the gradient set by hand is used now
+    assert int(opt.state[p]["step"]) == 2
+
+
 def test_activation_errors():
     model = make_model("cpu")
     opt = FlashAdamW(model.parameters())

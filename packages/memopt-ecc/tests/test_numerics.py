@@ -213,3 +213,20 @@ def test_check_numerics_allows_zero_lr_and_names_parameters(device):
     opt.param_groups[0]["lr"] = 1e-6
     with pytest.raises(NumericsError, match=r"'blocks.0.weight'.*resolution 3.05e-05"):
         opt.step()
+
+
+def test_check_numerics_also_guards_step_parameters(device):
+    """The release hooks update through step_parameters(): the same check runs there."""
+    p = near_one(device, n=64).requires_grad_()
+    q = near_one(device, n=64).requires_grad_()
+    opt = FlashAdamW([p, q], lr=1e-6, stochastic_rounding=False, check_numerics=True)
+    p.grad = torch.ones_like(p)
+    q.grad = torch.ones_like(q)
+    with pytest.raises(NumericsError, match="below the master format's resolution"):
+        opt.step_parameters([p])
+    assert torch.equal(p.detach(), near_one(device, n=64))
+    assert p not in opt.state or int(opt.state[p]["step"]) == 0
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step_parameters([p])
+    assert int(opt.state[p]["step"]) == 1
+    assert int(opt.state[q]["step"]) == 0

@@ -430,3 +430,33 @@ def test_copies_keep_the_flash_configuration(how):
             o.step()
     assert_same_state(opt, params, twin, twin_params)
     assert same_bits(params[0], twin_params[0])
+
+
+# --------------------------------------------------------------------------- step hooks
+def test_step_hooks_fire_once_per_step_call():
+    """torch wraps ``step`` of each class it is built as; FlashAdamW, and a subclass whose
+    ``step`` calls ``super().step()``, still fire each hook once per call."""
+
+    class Logged(FlashAdamW):
+        def step(self, closure=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().step(closure)
+
+    FlashAdamW([torch.zeros(2, requires_grad=True)])  # FlashAdamW.step is wrapped first
+    for cls in (FlashAdamW, Logged, MemOptimizer):
+        params = make_params("cpu")
+        opt = cls(params, lr=1e-2)
+        counts = {"pre": 0, "post": 0}
+
+        def bump(key, counts=counts):
+            return lambda *args: counts.__setitem__(key, counts[key] + 1)
+
+        pre = opt.register_step_pre_hook(bump("pre"))
+        post = opt.register_step_post_hook(bump("post"))
+        for t in range(3):
+            set_grads(params, t)
+            opt.step()
+        pre.remove()
+        post.remove()
+        assert counts == {"pre": 3, "post": 3}, cls.__name__
+        assert all(int(opt.state[p]["step"]) == 3 for p in params)

@@ -21,13 +21,25 @@ moments     first + second moment  master code
 =========== ====================== ======================
 
 Exact numbers for a configuration: :meth:`MemOptimizer.state_bytes` (arena bytes).
+
+Beyond torch's optimizer interface (advanced; see each method): :meth:`MemOptimizer.init_state`
+creates the state before the first step, :meth:`MemOptimizer.step_parameters` updates chosen
+parameters only, and :meth:`MemOptimizer.begin_gradient_release` /
+:meth:`MemOptimizer.end_gradient_release` / :attr:`MemOptimizer.gradient_release_active` are the
+switch that per-parameter update hooks (``memopt_ecc.enable_gradient_release``) set while they own
+the updates. ``step()`` fires torch's step pre/post hooks (``register_step_pre_hook``,
+``register_step_post_hook``, the global ones) and the profiler range exactly once per call, also
+in subclasses whose ``step`` calls ``super().step()``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
+import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +119,21 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a warning raised in this module that names the first frame outside it
+    and outside torch (step() runs under torch's hook wrapper, ``GradScaler.step``, LR
+    schedulers' wrappers), i.e. the user's line."""
+    frame = sys._getframe(1)  # the function calling warnings.warn
+    level = 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module != __name__ and module != "torch" and not module.startswith("torch."):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 class MemOptimizer(Optimizer):
     """A memory-lean SGD/SGDW/Adam/AdamW/Lion with compact states, the base of memopt's families.
 
@@ -133,7 +160,15 @@ class MemOptimizer(Optimizer):
     Every hyperparameter except ``rule``, ``seed``, ``check_numerics`` and ``backend`` may differ
     per param group. State lives in one arena per (param group, device, dtype); ``self.state[p]``
     holds views of it under named keys (``step``, ``exp_avg``, ``exp_avg_sq``,
-    ``momentum_buffer``, codec fields like ``exp_avg_scale``, ``master_code``).
+    ``momentum_buffer``, codec fields like ``exp_avg_scale``, ``master_code``). The first
+    :meth:`step` creates it, or :meth:`init_state` earlier.
+
+    While gradient release is active (:meth:`begin_gradient_release`, which
+    ``memopt_ecc.enable_gradient_release`` calls), :meth:`step` and :meth:`zero_grad` do nothing
+    and warn once per activation; :meth:`step_parameters` works as always.
+
+    Subclasses may override ``step`` and call ``super().step()``: torch's step hooks and profiler
+    range still run once per call of the outermost ``step`` (see :meth:`profile_hook_step`).
     """
 
     #: default betas per rule when the caller passes None
@@ -175,6 +210,7 @@ class MemOptimizer(Optimizer):
         self.check_numerics = check_numerics
         self.backend = backend
         self._reset_plans()
+        self._reset_release()
         forced = backends.forced_backend(backend)
         if forced is not None:
             backends.get_backend(forced)  # fail fast with the reason
@@ -211,6 +247,10 @@ class MemOptimizer(Optimizer):
         self._plans: dict[int, _GroupPlans] = {}
         self._where: dict[int, tuple[int, int, int]] = {}
         self._index: dict[int, int] | None = None
+
+    def _reset_release(self) -> None:
+        self._release_owner: object | None = None
+        self._release_warned: set[str] = set()
 
     @property
     def _kind(self) -> str:
@@ -505,8 +545,27 @@ class MemOptimizer(Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held now (arenas: moments, scales, master codes; not the
-        parameters, not the per-tensor step counters). State is created by the first step."""
+        parameters, not the per-tensor step counters). State is created by the first step, or
+        by :meth:`init_state`."""
         return sum(e.arena.nbytes() for gp in self._plans.values() for e in gp.entries)
+
+    def init_state(self) -> None:
+        """Create the optimizer state now instead of at the first :meth:`step` (advanced).
+
+        Allocates every param group's plans and arenas and fills ``self.state[p]`` of each
+        trainable parameter (``requires_grad``, holding a gradient, or already with state), as
+        the first step would: ``step`` 0, zero moments, master codes that encode the current
+        weights. Frozen parameters without state get none, as in a step. Parameters and gradients
+        are not touched, and a following :meth:`step` gives exactly the bits it gives without
+        this call. Idempotent: existing state is kept (states of parameters added or unfrozen
+        since are created). Returns None.
+
+        Uses: write master codes before training (``memopt_ecc.set_fp32_model_state_dict``),
+        measure :meth:`state_bytes` up front, or hand state views to other code. Cast and move the
+        model first: a parameter's dtype, device and shape are fixed once its state exists.
+        """
+        with torch.no_grad():
+            self._ensure_plans()
 
     # ------------------------------------------------------------------------------- stepping
     def _scalars(self, group: Mapping[str, Any], step: int):
@@ -677,8 +736,96 @@ class MemOptimizer(Optimizer):
                 "skip this step"
             )
 
+    # ----------------------------------------------------------------------- step hooks
+    @staticmethod
+    def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
+        """torch's ``step`` wrapper (profiler range, step pre/post hooks), made re-entrant.
+
+        ``torch.optim.Optimizer`` wraps ``step`` of every class it is instantiated as. A subclass
+        whose ``step`` calls ``super().step()`` then holds two wrapped layers, and torch alone
+        fires every hook twice per call once the parent class was also instantiated (and once
+        otherwise: it depends on which class was built first). Here only the outermost ``step``
+        of a call fires the hooks; nested ``step`` calls on the same optimizer run unwrapped.
+        """
+        hooked = Optimizer.profile_hook_step(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self = args[0]
+            if self.__dict__.get("_in_step", False):
+                return func(*args, **kwargs)
+            self._in_step = True
+            try:
+                return hooked(*args, **kwargs)
+            finally:
+                self._in_step = False
+
+        return wrapper
+
+    # --------------------------------------------------------------------- gradient release
+    @property
+    def gradient_release_active(self) -> bool:
+        """True between :meth:`begin_gradient_release` and :meth:`end_gradient_release`."""
+        return self._release_owner is not None
+
+    def begin_gradient_release(self, owner: object) -> None:
+        """Advanced: mark that per-parameter hooks (``owner``) now update this optimizer's
+        parameters during backward, through :meth:`step_parameters`.
+
+        ``memopt_ecc.enable_gradient_release`` calls it with its handle; call it yourself only
+        when you write such hooks. Until :meth:`end_gradient_release` with the same ``owner``,
+        :meth:`step` and :meth:`zero_grad` do nothing and warn (a ``UserWarning``, once each per
+        activation): an update in ``step()`` would apply gradients twice, a ``zero_grad()`` would
+        free gradients the hooks still need. Raises :class:`ConfigError` while already active.
+        A copy (``copy.deepcopy``, pickle) of the optimizer starts inactive.
+        """
+        if owner is None:
+            raise ConfigError("begin_gradient_release needs an owner object, got None")
+        if self._release_owner is not None:
+            raise ConfigError(
+                "gradient release is already active on this optimizer: call handle.remove() first"
+            )
+        self._release_owner = owner
+        self._release_warned = set()  # warn once per activation
+
+    def end_gradient_release(self, owner: object) -> None:
+        """Advanced: end the activation :meth:`begin_gradient_release` started with ``owner``;
+        :meth:`step` and :meth:`zero_grad` work again. Does nothing when ``owner`` is not the
+        active one (idempotent)."""
+        if owner is not None and self._release_owner is owner:
+            self._release_owner = None
+
+    def _warn_released(self, what: str) -> None:
+        if what in self._release_warned:
+            return
+        self._release_warned.add(what)
+        warnings.warn(
+            f"{type(self).__name__}.{what}() does nothing while enable_gradient_release() is "
+            "active: its hooks update each parameter during backward, as soon as its gradient is "
+            f"final, and then free that gradient. Drop the {what}() call from the training loop, "
+            "or call handle.remove() to go back to the ordinary zero_grad()/backward()/step() "
+            "loop (this warning is shown once per activation)",
+            UserWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+    # ------------------------------------------------------------------------ stepping (API)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch semantics; a no-op (warning once) while gradient release is active."""
+        if self._release_owner is not None:
+            self._warn_released("zero_grad")
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
     def step(self, closure=None):  # type: ignore[override]
-        """One optimizer step over every parameter with a gradient; returns the closure's loss."""
+        """One optimizer step over every parameter with a gradient; returns the closure's loss.
+
+        While gradient release is active: does nothing (the closure is not called), warns once
+        per activation and returns None; torch's step hooks still run once.
+        """
+        if self._release_owner is not None:
+            self._warn_released("step")
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -898,6 +1045,8 @@ class MemOptimizer(Optimizer):
         self.__dict__.setdefault("seed", 0)
         self.__dict__.setdefault("check_numerics", False)
         self.__dict__.setdefault("backend", None)
+        self._reset_release()  # the hooks belong to the original
+        self._in_step = False
         for st in self.state.values():  # a shallow copy.copy() gets the pickling wrappers
             for k, v in st.items():
                 if isinstance(v, _Picklable):

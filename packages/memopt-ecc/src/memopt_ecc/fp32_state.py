@@ -161,7 +161,7 @@ def set_fp32_model_state_dict(
             buffers.append((target, value))
     if any(id(t) in held for _, t, _ in chosen.values()):
         # the codes live in the optimizer's state: create it as the first step would
-        optimizer._ensure_plans()
+        optimizer.init_state()
     with torch.no_grad():
         for _, p, value in chosen.values():
             x = value.detach().to(device=p.device, dtype=torch.float32)

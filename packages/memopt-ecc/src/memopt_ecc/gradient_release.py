@@ -7,10 +7,13 @@ formats, same stochastic-rounding words, so the result equals the ordinary ``ste
 bit) and sets ``p.grad = None``, so at most the gradients still being produced are alive. The
 returned :class:`GradientReleaseHandle` undoes it with ``remove()`` (or as a context manager).
 
-While active, a Flash* optimizer's ``step()`` and ``zero_grad()`` do nothing and warn once per
-activation. Incompatible by construction: gradient accumulation over micro-batches, global
-gradient clipping (``clip_grad_norm_`` needs every gradient before any update), DDP and FSDP1
-(refused with ``TypeError``). ``check_numerics`` errors surface from inside ``backward``, for the
+While active, the optimizer's ``step()`` and ``zero_grad()`` do nothing and warn once per
+activation: the handle holds :class:`memopt_core.MemOptimizer`'s switch
+(``begin_gradient_release`` / ``end_gradient_release``, ``gradient_release_active``), so this
+holds for every memopt optimizer, Flash* or plain ``MemOptimizer``. Incompatible by
+construction: gradient accumulation over micro-batches, global gradient clipping
+(``clip_grad_norm_`` needs every gradient before any update), DDP and FSDP1 (refused with
+``TypeError``). ``check_numerics`` errors surface from inside ``backward``, for the
 parameter being updated (earlier parameters of the same backward are already updated).
 
 **GradScaler** (``grad_scaler=``, a ``torch.amp.GradScaler``; FlashOptim has none): each hook
@@ -44,8 +47,6 @@ from memopt_core.errors import ConfigError
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
-_ATTR = "_memopt_gradient_release"
-
 
 class GradientReleaseHandle:
     """Returned by :func:`enable_gradient_release`; :meth:`remove` restores the ordinary loop."""
@@ -70,8 +71,7 @@ class GradientReleaseHandle:
             h.remove()
         self._hooks = []
         self._active = False
-        if getattr(self._optimizer, _ATTR, None) is self:
-            delattr(self._optimizer, _ATTR)
+        self._optimizer.end_gradient_release(self)
 
     def __enter__(self) -> GradientReleaseHandle:
         return self
@@ -163,8 +163,8 @@ def enable_gradient_release(
 
     Args:
         model: the module whose parameters train (not wrapped in DDP or FSDP1: ``TypeError``).
-        optimizer: a memopt optimizer (the Flash* classes also turn ``step()``/``zero_grad()``
-            into warning no-ops while active; a plain ``MemOptimizer`` finds no gradients left).
+        optimizer: a memopt optimizer (``MemOptimizer`` or a subclass such as the Flash*
+            classes); its ``step()``/``zero_grad()`` become warning no-ops while active.
         grad_scaler: an enabled ``torch.amp.GradScaler`` whose scale the hooks undo and whose
             inf record they fill (module doc); None or a disabled scaler: no unscaling.
         pre_step: ``(param, group) -> bool`` called before each update; False skips it (the
@@ -183,8 +183,7 @@ def enable_gradient_release(
             f"{type(optimizer).__name__}"
         )
     _reject_wrappers(model)
-    old = getattr(optimizer, _ATTR, None)
-    if old is not None and old.active:
+    if optimizer.gradient_release_active:
         raise ConfigError(
             "gradient release is already active on this optimizer: call handle.remove() first"
         )
@@ -242,14 +241,14 @@ def enable_gradient_release(
 
         return hook
 
-    hooks = []
-    for p in model.parameters():  # deduplicated: a tied parameter gets one hook
-        group = groups.get(id(p))
-        if group is None or not p.requires_grad:
-            continue
-        hooks.append(p.register_post_accumulate_grad_hook(make_hook(group)))
-    handle._hooks = hooks
-    setattr(optimizer, _ATTR, handle)
-    if hasattr(optimizer, "_release_warned"):
-        optimizer._release_warned = set()  # warn once per activation
+    optimizer.begin_gradient_release(handle)  # step()/zero_grad() become warning no-ops
+    try:
+        for p in model.parameters():  # deduplicated: a tied parameter gets one hook
+            group = groups.get(id(p))
+            if group is None or not p.requires_grad:
+                continue
+            handle._hooks.append(p.register_post_accumulate_grad_hook(make_hook(group)))
+    except BaseException:
+        handle.remove()
+        raise
     return handle

@@ -33,8 +33,7 @@ runs"). memopt keeps them in fp32 (8 B/param for Adam), the debugging baseline t
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -130,7 +129,9 @@ class FlashOptimizer(MemOptimizer):
     dtypes in one optimizer are grouped internally; non-contiguous parameters are handled.
 
     While :func:`memopt_ecc.enable_gradient_release` is active, :meth:`step` and
-    :meth:`zero_grad` do nothing and warn once per activation.
+    :meth:`zero_grad` do nothing and warn once per activation (core's switch, shared by every
+    :class:`~memopt_core.MemOptimizer`). With ``check_numerics`` the resolution check runs before
+    every update, from :meth:`step` and :meth:`step_parameters` (the release hooks) alike.
     """
 
     def __init__(
@@ -165,7 +166,6 @@ class FlashOptimizer(MemOptimizer):
         self.master_weight_bits = master_weight_bits
         self.compress_state_dict = compress_state_dict
         self.fused = fused
-        self._release_warned: set[str] = set()
         super().__init__(
             params,
             rule=rule,
@@ -207,56 +207,14 @@ class FlashOptimizer(MemOptimizer):
             param_group = group
         super().add_param_group(param_group)
 
-    # ------------------------------------------------------------------- gradient release
-    def _release_active(self) -> bool:
-        handle = getattr(self, "_memopt_gradient_release", None)
-        return handle is not None and handle.active
-
-    def _warn_released(self, what: str) -> None:
-        if what in self._release_warned:
-            return
-        self._release_warned.add(what)
-        doing = "updates each parameter" if what == "step" else "frees each gradient"
-        warnings.warn(
-            f"optimizer.{what}() does nothing while enable_gradient_release() is active: a hook "
-            f"{doing} as soon as its gradient is final. Call handle.remove() to restore the "
-            "ordinary step()/zero_grad() loop (this warning is shown once per activation)",
-            UserWarning,
-            stacklevel=3,
-        )
-
     # ------------------------------------------------------------------------------ stepping
-    def step(self, closure: Callable[[], Any] | None = None):  # type: ignore[override]
-        """One step over every parameter with a gradient; returns the closure's loss.
-
-        A no-op (warning once) while gradient release is active; the closure is not called then.
-        """
-        if self._release_active():
-            self._warn_released("step")
-            return None
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # step_parameters over every parameter computes the same work as MemOptimizer.step (and
-        # does not re-enter torch's step hooks, which wrap this method already)
-        self.step_parameters([p for g in self.param_groups for p in g["params"]])
-        return loss
-
-    def step_parameters(self, params: Iterable[Tensor]) -> None:
-        """Update only ``params`` (those with a gradient); the gradient-release hooks call it."""
-        params = [params] if isinstance(params, Tensor) else list(params)
-        with torch.no_grad():
-            if self.check_numerics:
-                self._check_resolution(params)
-            super().step_parameters(params)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch semantics; a no-op (warning once) while gradient release is active."""
-        if self._release_active():
-            self._warn_released("zero_grad")
-            return
-        super().zero_grad(set_to_none=set_to_none)
+    def _update(self, only: list[Tensor] | None) -> None:
+        # core's single entry of step() (only=None: every parameter) and step_parameters(),
+        # under no_grad: the resolution check runs before anything changes
+        if self.check_numerics:
+            params = [p for g in self.param_groups for p in g["params"]] if only is None else only
+            self._check_resolution(params)
+        super()._update(only)
 
     # ---------------------------------------------------------------------- numerics check
     def _step_bound(self, group: Mapping[str, Any], gmax: float, mag: float) -> float:
@@ -468,8 +426,6 @@ class FlashOptimizer(MemOptimizer):
         self.__dict__.setdefault("master_weight_bits", 24)
         self.__dict__.setdefault("compress_state_dict", True)
         self.__dict__.setdefault("fused", True)
-        self._release_warned = set()
-        self.__dict__.pop("_memopt_gradient_release", None)  # hooks belong to the original
 
 
 # ------------------------------------------------------------------------------ the family
