@@ -96,6 +96,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("adamw", "torch AdamW fp32 fused", "torch", torch.float32, _torch_adamw("fused")),
     BenchConfig("adamw-foreach", "torch AdamW fp32 foreach", "torch", torch.float32, _torch_adamw("foreach")),
     BenchConfig("adamw-bf16", "torch AdamW pure bf16 fused", "torch", BF16, _torch_adamw("fused")),
+    BenchConfig("memopt-fp32", "memopt fp32 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "fp32")),
     BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8")),
     BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16")),
     BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8")),
@@ -119,6 +120,7 @@ class Row:
     gb_per_s: float | None = None
     copy_fraction: float | None = None
     time_vs_adamw: float | None = None
+    backend: str = "-"
     error: str | None = None
 
 
@@ -211,12 +213,34 @@ def measure(
     row = Row(profile, config.name, config.label, len(params), n)
     opt = config.build(module, params, device)
     row.ms, row.timed = timer.median(opt.step, args.warmup, args.iters, args.max_seconds)
+    row.backend = backend_of(opt, params, device)
     weight = params[0].element_size()
     row.state_bytes_per_param = state_bytes(opt) / n
     row.moved_bytes_per_param = 3 * weight + 2 * row.state_bytes_per_param
     row.gb_per_s = row.moved_bytes_per_param * n / row.ms / 1e6
     row.copy_fraction = row.gb_per_s / copy_gbs
     return row
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` CPU threads in torch and in memopt's C++ kernels (when installed)."""
+    torch.set_num_threads(n)
+    try:
+        import memopt_kernels_cpu
+    except ImportError:
+        return
+    memopt_kernels_cpu.set_num_threads(n)
+
+
+def backend_of(opt: torch.optim.Optimizer, params: list, device: torch.device) -> str:
+    """Which memopt kernel backend ran the step ("torch" is core's pure-torch fallback)."""
+    if not hasattr(opt, "rule"):
+        return "torch.optim"
+    from memopt_core import backends
+
+    spec = opt._spec(opt.param_groups[0], params[0].dtype)  # the group's formats
+    chosen = backends.select_backend(opt._kind, spec, device, params[0].dtype, opt.backend)
+    return str(getattr(chosen, "name", chosen))
 
 
 def _cpu_model() -> str:
@@ -226,6 +250,14 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def _cpu_kernels() -> str:
+    try:
+        import memopt_kernels_cpu as k
+    except ImportError:
+        return ", memopt-kernels-cpu not installed"
+    return f", memopt C++ kernels: {k.get_isa()} with {k.get_num_threads()} threads"
 
 
 def _last_level_cache() -> str | None:
@@ -246,6 +278,7 @@ def machine(device: torch.device) -> str:
     llc = _last_level_cache()
     return (
         f"{_cpu_model()}, {os.cpu_count()} CPUs, torch using {torch.get_num_threads()} threads"
+        + _cpu_kernels()
         + (f", last-level cache {llc}" if llc else "")
     )
 
@@ -261,8 +294,8 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     lines += [
         "",
         "| profile | optimizer | tensors | params | step ms | steps timed | moved B/param | GB/s "
-        "| of copy BW | state B/param | time / AdamW |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of copy BW | state B/param | time / AdamW | backend |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error is not None:
@@ -275,7 +308,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
             f"| {r.timed} "
             f"| {_fmt(r.moved_bytes_per_param, '.2f')} | {_fmt(r.gb_per_s, '.1f')} "
             f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.state_bytes_per_param, '.2f')} "
-            f"| {_fmt(r.time_vs_adamw, '.2f')} |"
+            f"| {_fmt(r.time_vs_adamw, '.2f')} | {r.backend} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -317,7 +350,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=Path("out/bench"), help="output folder (%(default)s)"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of params and grads (%(default)s)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch and memopt's C++ kernels alike (default: their defaults)",
+    )
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be at least 1")
     on_cuda = torch.device(args.device).type == "cuda"
     if args.scale is None:
         args.scale = 1 if on_cuda else CPU_SCALE
@@ -399,6 +439,8 @@ def report_header(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.threads is not None:
+        set_threads(args.threads)
     began = time.perf_counter()
     timer = Timer(torch.device(args.device))
     copy_gbs = copy_bandwidth(timer.device, args.copy_mib * 2**20, timer)

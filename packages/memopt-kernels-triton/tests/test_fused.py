@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from memopt_core.formats import StateSpec
+from memopt_core.testing import diff_report, make_grads, make_group, step_group
 from memopt_core.torch_backend import TorchBackend
 from memopt_kernels_triton.backend import BACKEND
-from memopt_kernels_triton.testing import diff_report, make_grads, make_group, step_group
 
 TORCH = TorchBackend()
 MASTERS = [

@@ -10,9 +10,9 @@ from memopt_core import reference, rng
 from memopt_core.backends import GroupStep
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
+from memopt_core.testing import diff_report, make_grads, make_group, step_group
 from memopt_core.torch_backend import TorchBackend
 from memopt_kernels_triton.backend import BACKEND
-from memopt_kernels_triton.testing import diff_report, make_grads, make_group, step_group
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,7 +1,8 @@
-"""Helpers shared by the tests and the GPU sweep: build one group (plan, arena, parameters) the
-way ``MemOptimizer`` does, clone it, and step two copies through two backends.
+"""Test helpers for kernel packages: build one group (plan, arena, parameters) the way
+``MemOptimizer`` does, clone it, step two copies through two backends and report differing bits.
 
-Importing this module does not import triton.
+Every kernel package checks its backend against core's torch backend with these (one copy of the
+group-building logic for the Triton and the C++ kernels, and for the GPU sweep).
 """
 
 from __future__ import annotations

@@ -1,0 +1,6 @@
+// The kernels compiled for the scalar instruction set: the one implementation in kernels_impl.hpp,
+// built in this translation unit with its own compiler flags (CMakeLists.txt), no fast-math and
+// -ffp-contract=off so every backend rounds exactly like memopt-core's reference.
+#define MEMOPT_ISA_NS scalar
+#define MEMOPT_ISA_TABLE kernels_scalar
+#include "kernels_impl.hpp"

@@ -1,0 +1,829 @@
+// The fused update kernels and standalone codecs, written once and compiled once per instruction
+// set: csrc/isa_<name>.cpp defines MEMOPT_ISA_NS / MEMOPT_ISA_TABLE and includes this file with
+// its own -m flags. Vector code comes from the compiler's auto-vectorizer over small L1-resident
+// tiles, so every instruction set executes the same IEEE operations in the same order:
+//  - float work is only + - * / and sqrt (all correctly rounded in scalar and SIMD forms),
+//    never contracted into FMAs (-ffp-contract=off) nor reassociated (no fast-math);
+//  - every format conversion is integer arithmetic on bit patterns, mirroring
+//    memopt_core.formats (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py) line by line;
+//  - stochastic rounding words are Philox4x32-10 as memopt_core.rng defines them.
+// So results are bit-identical to the reference on every instruction set and thread count.
+//
+// A step processes a slot range tile by tile: decode the master weights, gradients and moments of
+// TILE elements into fp32 arrays, draw the rounding words, run the rule, encode and store. Each
+// stage is a simple loop the compiler vectorizes; the tile stays in L1.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "memopt_cpu/kernel_api.hpp"
+
+namespace memopt_cpu {
+namespace MEMOPT_ISA_NS {
+namespace {
+
+constexpr int64_t TILE = 1024;  // elements per tile: a multiple of the 32-element block
+constexpr uint32_t F32_INF = 0x7F800000u;
+constexpr uint32_t F32_MAG = 0x7FFFFFFFu;
+constexpr uint32_t F32_QNAN = 0x7FC00000u;
+
+// By-value min/max: GCC 12 does not if-convert std::min/std::max (they return references) in
+// some of these loops, which then stay scalar.
+template <class T>
+inline T vmin(T a, T b) {
+  return b < a ? b : a;
+}
+template <class T>
+inline T vmax(T a, T b) {
+  return a < b ? b : a;
+}
+
+// ------------------------------------------------------------------------------ bit views
+inline uint32_t f2u(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+inline float u2f(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// floor(log2(v)) for integers 1 <= v < 2**24: the exponent of the exact int -> float conversion
+// (vectorizes everywhere, unlike count-leading-zeros).
+inline int32_t floor_log2(int32_t v) {
+  return static_cast<int32_t>((f2u(static_cast<float>(v)) >> 23) & 0xFF) - 127;
+}
+
+// bits.split_f32: value = sig * 2**(ea - 23), sig normalized to [2**23, 2**24) (0 for zero).
+inline void split_f32(uint32_t mag, int32_t& sig, int32_t& ea) {
+  const int32_t ef = static_cast<int32_t>(mag >> 23);
+  const int32_t frac = static_cast<int32_t>(mag & 0x7FFFFF);
+  const int32_t s = ef > 0 ? (frac | 0x800000) : frac;
+  const int32_t sh = 23 - floor_log2(vmax(s, 1));
+  sig = s << sh;
+  ea = vmax(ef, 1) - 127 - sh;
+}
+
+// bits.compose_f32: pattern of sig * 2**e (0 <= sig < 2**24), exact when representable.
+inline uint32_t compose_f32(int32_t sig, int32_t e) {
+  const int32_t s = vmax(sig, 1);
+  const int32_t msb = floor_log2(s);
+  const int32_t te = e + msb;
+  uint32_t normal = (static_cast<uint32_t>(te + 127) << 23) |
+                    ((static_cast<uint32_t>(s) << vmax(23 - msb, 0)) & 0x7FFFFFu);
+  const uint32_t subnormal = static_cast<uint32_t>(s) << vmin(vmax(e + 149, 0), 23);
+  normal = te > 127 ? F32_INF : normal;
+  const uint32_t out = te >= -126 ? normal : subnormal;
+  return sig > 0 ? out : 0u;
+}
+
+// bits.round_drop_bits: mag >> DROP rounded to nearest even, or stochastically with word r.
+template <int DROP, bool SR>
+inline uint32_t round_drop_bits(uint32_t mag, uint32_t r) {
+  const uint32_t kept = mag >> DROP;
+  const uint32_t rem = mag & ((1u << DROP) - 1u);
+  uint32_t up;
+  if constexpr (SR) {
+    up = (r >> 8) < (rem << (24 - DROP)) ? 1u : 0u;
+  } else {
+    constexpr uint32_t half = 1u << (DROP - 1);
+    up = (rem > half || (rem == half && (kept & 1u))) ? 1u : 0u;
+  }
+  return kept + up;
+}
+
+// bits.bf16_round: bf16 pattern of fp32 pattern u (NaN stays a quiet NaN).
+template <bool SR>
+inline uint32_t bf16_round(uint32_t u, uint32_t r) {
+  const uint32_t mag = u & F32_MAG;
+  uint32_t top = round_drop_bits<16, SR>(mag, r);
+  top = mag > F32_INF ? ((mag >> 16) | 0x40u) : top;
+  return ((u >> 31) << 15) | top;
+}
+
+// Rounding modes of minifloat_encode: nearest even, stochastic, truncation (SR with r = ~0).
+enum Mode { RNE = 0, STOCH = 1, TRUNC = 2 };
+
+// bits.minifloat_encode: magnitude code of value(mag) * 2**-k on a minifloat grid. The reference
+// computes in int64 with d <= 50 dropped bits; here sig < 2**24 lets 32-bit lanes give the same
+// integers (64-bit variable shifts do not vectorize): for d >= 25 both n and frac24 are 0 anyway.
+template <int MAN, int EMIN, int MODE>
+inline int32_t minifloat_encode(uint32_t mag, int32_t k, uint32_t r) {
+  int32_t sig, ea;
+  split_f32(mag, sig, ea);
+  const int32_t ey = ea - k;
+  const int32_t qexp = vmax(ey, EMIN) - MAN;
+  const int32_t d = vmin(qexp - ey + 23, 50);  // >= 23 - MAN
+  const int32_t kept = sig >> vmin(d, 31);
+  int32_t n;
+  if constexpr (MODE == RNE) {
+    const int32_t d2 = vmin(d, 25);
+    n = (sig + ((1 << (d2 - 1)) - 1) + (kept & 1)) >> d2;
+  } else if constexpr (MODE == STOCH) {
+    const int32_t rem = sig - (kept << vmin(d, 31));
+    const int32_t frac24 = d <= 24 ? (rem << vmax(24 - d, 0)) : (rem >> vmin(d - 24, 31));
+    n = kept + (static_cast<int32_t>(r >> 8) < frac24 ? 1 : 0);
+  } else {
+    n = kept;
+  }
+  const int32_t code = ((qexp - (EMIN - MAN)) << MAN) + n;
+  return sig > 0 ? code : 0;
+}
+
+// bits.minifloat_decode: fp32 pattern of magnitude code * 2**k (exact).
+template <int MAN, int EMIN>
+inline uint32_t minifloat_decode(int32_t code, int32_t k) {
+  const int32_t ef = code >> MAN;
+  const int32_t mant = code & ((1 << MAN) - 1);
+  const int32_t sig = ef > 0 ? (mant | (1 << MAN)) : mant;
+  const int32_t e = vmax(ef, 1) - 1 + EMIN - MAN + k;
+  return compose_f32(sig, e);
+}
+
+// bits.pow2_block_exponent: smallest k in [-127, 127] with value(mmax) * 2**-k <= fmax.
+inline int32_t pow2_block_exponent(uint32_t mmax, uint32_t fmax_bits) {
+  int32_t sig, ea;
+  split_f32(mmax, sig, ea);
+  const int32_t e_f = static_cast<int32_t>(fmax_bits >> 23) - 127;
+  int32_t k = ea - e_f + ((static_cast<uint32_t>(sig) & 0x7FFFFFu) > (fmax_bits & 0x7FFFFFu) ? 1 : 0);
+  k = sig > 0 ? k : -127;
+  return vmin(vmax(k, -127), 127);
+}
+
+// ------------------------------------------------------------------------------ fp16
+// ecc.LowPrecisionMaster (float16): IEEE binary16 rounding with overflow to inf.
+template <bool SR>
+inline uint32_t fp16_round(uint32_t u, uint32_t r) {
+  const uint32_t mag = u & F32_MAG;
+  const bool finite = mag < F32_INF;
+  int32_t code = minifloat_encode<10, -14, SR ? STOCH : RNE>(mag, 0, r);  // see block_encode
+  code = vmin(code, 0x7C00);
+  code = finite ? code : (mag == F32_INF ? 0x7C00 : 0x7E00);
+  return ((u >> 31) << 15) | static_cast<uint32_t>(code);
+}
+
+// ecc._fp16_widen: exact; inf stays inf; NaN quiet with its payload.
+inline uint32_t fp16_widen(uint32_t p) {
+  const uint32_t mag = p & 0x7FFFu;
+  uint32_t out = minifloat_decode<10, -14>(static_cast<int32_t>(vmin(mag, 0x7BFFu)), 0);
+  out = mag >= 0x7C00u ? (F32_INF | ((mag & 0x3FFu) << 13)) : out;
+  out = mag > 0x7C00u ? (out | 0x400000u) : out;
+  return out | ((p >> 15) << 31);
+}
+
+// ------------------------------------------------------------------------------ Philox
+constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
+constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
+
+// Philox4x32-10 of counter (c0, c1, c2, 0) and key (k0, k1) (memopt_core.rng.philox4x32).
+inline void philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t k0, uint32_t k1,
+                       uint32_t& o0, uint32_t& o1, uint32_t& o2, uint32_t& o3) {
+  uint32_t x0 = c0, x1 = c1, x2 = c2, x3 = 0;
+#define MEMOPT_PHILOX_ROUND                                                   \
+  {                                                                           \
+    const uint64_t p0 = static_cast<uint64_t>(x0) * PHILOX_M0;                \
+    const uint64_t p1 = static_cast<uint64_t>(x2) * PHILOX_M1;                \
+    const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ k0;            \
+    const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ k1;            \
+    x1 = static_cast<uint32_t>(p1);                                           \
+    x3 = static_cast<uint32_t>(p0);                                           \
+    x0 = y0;                                                                  \
+    x2 = y2;                                                                  \
+  }
+#define MEMOPT_PHILOX_BUMP \
+  k0 += PHILOX_W0;         \
+  k1 += PHILOX_W1;
+  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
+  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
+  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
+  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
+  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND
+#undef MEMOPT_PHILOX_ROUND
+#undef MEMOPT_PHILOX_BUMP
+  o0 = x0;
+  o1 = x1;
+  o2 = x2;
+  o3 = x3;
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of 32x32 -> 64-bit products: (hi, lo) words. mul_epu32 multiplies the even lanes;
+// the odd lanes are shifted down first and their results blended back into place.
+inline void mul_hilo(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
+  const __m512i pe = _mm512_mul_epu32(a, m);
+  const __m512i po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+  hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
+  lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
+}
+constexpr int64_t PHILOX_LANES = 16;
+#elif defined(__AVX2__)
+inline void mul_hilo(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  const __m256i pe = _mm256_mul_epu32(a, m);
+  const __m256i po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+  lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+}
+constexpr int64_t PHILOX_LANES = 8;
+#endif
+
+// The words of streams 0..2 (and 3 when w3 is given) of elements idx0 .. idx0+n of one tensor.
+// GCC's auto-vectorized form of philox4x32 widens to 64-bit lanes (5 ns/element on AVX-512);
+// the explicit form keeps 32-bit lanes and splits each product into even/odd halves, with the
+// same integer results.
+void philox_tile(uint32_t seed, uint32_t tid, uint32_t step, int64_t idx0, int64_t n,
+                 uint32_t* __restrict w0, uint32_t* __restrict w1, uint32_t* __restrict w2,
+                 uint32_t* __restrict w3 = nullptr) {
+  int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+  using V = __m512i;
+  const auto set1 = [](uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); };
+  const auto vxor = [](V a, V b) { return _mm512_xor_si512(a, b); };
+  const auto vadd = [](V a, V b) { return _mm512_add_epi32(a, b); };
+  const V lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const auto store = [](uint32_t* p, V v) { _mm512_storeu_si512(p, v); };
+#else
+  using V = __m256i;
+  const auto set1 = [](uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); };
+  const auto vxor = [](V a, V b) { return _mm256_xor_si256(a, b); };
+  const auto vadd = [](V a, V b) { return _mm256_add_epi32(a, b); };
+  const V lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const auto store = [](uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); };
+#endif
+  const V m0 = set1(PHILOX_M0), m1 = set1(PHILOX_M1), vstep = set1(step);
+  for (; i + PHILOX_LANES <= n; i += PHILOX_LANES) {
+    const uint64_t base = static_cast<uint64_t>(idx0 + i);
+    // the low index words of the lanes never wrap inside a vector unless base's low word is
+    // within 16 of 2**32: then the scalar loop below takes over for exactness
+    if (static_cast<uint32_t>(base) > 0xFFFFFFFFu - PHILOX_LANES) break;
+    V x0 = vadd(set1(static_cast<uint32_t>(base)), lane);
+    V x1 = set1(static_cast<uint32_t>(base >> 32));
+    V x2 = vstep;
+    V x3 = set1(0);
+    uint32_t k0 = seed, k1 = tid;
+    for (int r = 0; r < 10; ++r) {
+      if (r) {
+        k0 += PHILOX_W0;
+        k1 += PHILOX_W1;
+      }
+      V h0, l0, h1, l1;
+      mul_hilo(x0, m0, h0, l0);
+      mul_hilo(x2, m1, h1, l1);
+      const V y0 = vxor(vxor(h1, x1), set1(k0));
+      const V y2 = vxor(vxor(h0, x3), set1(k1));
+      x1 = l1;
+      x3 = l0;
+      x0 = y0;
+      x2 = y2;
+    }
+    store(w0 + i, x0);
+    store(w1 + i, x1);
+    store(w2 + i, x2);
+    if (w3) store(w3 + i, x3);
+  }
+#endif
+  for (; i < n; ++i) {
+    const uint64_t idx = static_cast<uint64_t>(idx0 + i);
+    uint32_t o3;
+    philox4x32(static_cast<uint32_t>(idx), static_cast<uint32_t>(idx >> 32), step, seed, tid,
+               w0[i], w1[i], w2[i], o3);
+    if (w3) w3[i] = o3;
+  }
+}
+
+// ------------------------------------------------------------------------------ moments
+// Parameters of the block-scaled 8-bit formats (block_fp8.py, q8.py).
+struct E4M3 {
+  static constexpr int MAN = 3, EMIN = -6;
+  static constexpr uint32_t FMAX = 0x43E00000u;
+  static constexpr int32_t MAXC = 0x7E, NANC = 0x7F, INFC = -1, SIGN = 0x80;
+};
+struct E5M2 {
+  static constexpr int MAN = 2, EMIN = -14;
+  static constexpr uint32_t FMAX = 0x47600000u;
+  static constexpr int32_t MAXC = 0x7B, NANC = 0x7E, INFC = 0x7C, SIGN = 0x80;
+};
+struct Q8Sqrt {
+  static constexpr int MAN = 4, EMIN = -14;
+  static constexpr uint32_t FMAX = 0x3FF00000u;
+  static constexpr int32_t MAXC = 0xFE, NANC = 0xFF, INFC = -1, SIGN = 0;
+};
+
+// BlockMinifloatCodec._encode_codes of one block of 32: codes (before the uint8 store) and k.
+template <class F, int MODE>
+inline int32_t block_encode(const float* __restrict x, const uint32_t* __restrict r,
+                            int32_t* __restrict code) {
+  int32_t mmax = 0;  // signed: GCC vectorizes signed max reductions, not unsigned ones
+  for (int i = 0; i < 32; ++i) {
+    const int32_t mag = static_cast<int32_t>(f2u(x[i]) & F32_MAG);
+    const int32_t magf = mag < static_cast<int32_t>(F32_INF) ? mag : 0;
+    mmax = mmax > magf ? mmax : magf;
+  }
+  const int32_t k = pow2_block_exponent(static_cast<uint32_t>(mmax), F::FMAX);
+  for (int i = 0; i < 32; ++i) {
+    const uint32_t u = f2u(x[i]);
+    const uint32_t mag = u & F32_MAG;
+    const bool finite = mag < F32_INF;
+    // the reference encodes 0 in place of a non-finite magnitude; its code is replaced below
+    // either way, and passing mag itself keeps GCC from branching on the zero case
+    int32_t c = minifloat_encode<F::MAN, F::EMIN, MODE>(mag, k, MODE == STOCH ? r[i] : 0u);
+    c = vmin(c, F::MAXC);
+    int32_t special = F::NANC;
+    if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
+    c = finite ? c : special;
+    if constexpr (F::SIGN != 0) c |= static_cast<int32_t>(u >> 31) * F::SIGN;
+    code[i] = c;
+  }
+  return k;
+}
+
+// BlockMinifloatCodec._decode_codes of one block: fp32 patterns (not squared for q8_sqrt).
+template <class F>
+inline void block_decode(const uint8_t* __restrict codes, int32_t k, uint32_t* __restrict out) {
+  for (int i = 0; i < 32; ++i) {
+    const int32_t c = codes[i];
+    const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
+    uint32_t o = minifloat_decode<F::MAN, F::EMIN>(vmin(mag, F::MAXC), k);
+    if constexpr (F::INFC >= 0) {
+      o = mag == F::INFC ? F32_INF : o;
+      o = mag > F::INFC ? F32_QNAN : o;
+    } else {
+      o = mag > F::MAXC ? F32_QNAN : o;
+    }
+    if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
+    out[i] = o;
+  }
+}
+
+template <class F, bool SR>
+void encode_blocked(const float* __restrict x, int64_t n, uint8_t* __restrict codes,
+                    uint8_t* __restrict scales, const uint32_t* __restrict r) {
+  alignas(64) int32_t c[32];
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const int32_t k = block_encode<F, SR ? STOCH : RNE>(x + 32 * b, SR ? r + 32 * b : nullptr, c);
+    for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(c[i]);
+    scales[b] = static_cast<uint8_t>(k + 127);
+  }
+}
+
+// Q8SqrtCodec.encode: s = sqrt(v) on the e4m4 grid; SR keeps v (not s) unbiased.
+template <bool SR>
+void encode_q8sqrt(const float* __restrict v, int64_t n, uint8_t* __restrict codes,
+                   uint8_t* __restrict scales, const uint32_t* __restrict r) {
+  alignas(64) float s[32];
+  alignas(64) int32_t lo[32];
+  alignas(64) uint32_t lo_v[32], hi_v[32];
+  alignas(64) uint8_t hi_c[32];
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const float* __restrict vb = v + 32 * b;
+    for (int i = 0; i < 32; ++i) s[i] = std::sqrt(vb[i]);  // correctly rounded
+    if constexpr (!SR) {
+      const int32_t k = block_encode<Q8Sqrt, RNE>(s, nullptr, lo);
+      for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
+      scales[b] = static_cast<uint8_t>(k + 127);
+      continue;
+    }
+    const int32_t k = block_encode<Q8Sqrt, TRUNC>(s, nullptr, lo);
+    alignas(64) uint8_t lo_c[32];
+    for (int i = 0; i < 32; ++i) {
+      lo_c[i] = static_cast<uint8_t>(lo[i]);
+      hi_c[i] = static_cast<uint8_t>(lo[i] <= Q8Sqrt::MAXC ? vmin(lo[i] + 1, Q8Sqrt::MAXC)
+                                                           : lo[i]);
+    }
+    block_decode<Q8Sqrt>(lo_c, k, lo_v);
+    block_decode<Q8Sqrt>(hi_c, k, hi_v);
+    const uint32_t* __restrict rb = r + 32 * b;
+    for (int i = 0; i < 32; ++i) {
+      const float l = u2f(lo_v[i]), h = u2f(hi_v[i]);
+      const float lo2 = l * l, hi2 = h * h;
+      const float num = vb[i] - lo2, den = hi2 - lo2;
+      const float frac = num / (den > 0.0f ? den : 1.0f);
+      const bool use = (lo[i] <= Q8Sqrt::MAXC) & (den > 0.0f) & (num > 0.0f);
+      // floor(frac * 2**24) clamped to [0, 2**24] (the product is exact: a power of two).
+      // Clamping first makes floor a truncation (floorf itself does not vectorize); NaN -> 0.
+      float f = frac * 16777216.0f;
+      f = f > 0.0f ? vmin(f, 16777216.0f) : 0.0f;
+      const int32_t frac24 = use ? static_cast<int32_t>(f) : 0;
+      const int32_t up = static_cast<int32_t>(rb[i] >> 8) < frac24 ? 1 : 0;
+      lo[i] += up;  // 32-bit lanes throughout: mixing in the uint8 store keeps GCC scalar
+    }
+    for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
+    scales[b] = static_cast<uint8_t>(k + 127);
+  }
+}
+
+// Moment codec encode over n elements (n a multiple of 32 for blocked formats).
+void enc_moment(int32_t fmt, const float* __restrict x, int64_t n, void* codes, uint8_t* scales,
+                const uint32_t* __restrict r) {
+  switch (fmt) {
+    case FMT_FP32:
+      std::memcpy(codes, x, static_cast<size_t>(n) * 4);
+      return;
+    case FMT_BF16: {
+      auto* out = static_cast<uint16_t*>(codes);
+      if (r) {
+        for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_round<true>(f2u(x[i]), r[i]));
+      } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(bf16_round<false>(f2u(x[i]), 0));
+      }
+      return;
+    }
+    case FMT_E4M3:
+      r ? encode_blocked<E4M3, true>(x, n, static_cast<uint8_t*>(codes), scales, r)
+        : encode_blocked<E4M3, false>(x, n, static_cast<uint8_t*>(codes), scales, r);
+      return;
+    case FMT_E5M2:
+      r ? encode_blocked<E5M2, true>(x, n, static_cast<uint8_t*>(codes), scales, r)
+        : encode_blocked<E5M2, false>(x, n, static_cast<uint8_t*>(codes), scales, r);
+      return;
+    case FMT_Q8SQRT:
+      r ? encode_q8sqrt<true>(x, n, static_cast<uint8_t*>(codes), scales, r)
+        : encode_q8sqrt<false>(x, n, static_cast<uint8_t*>(codes), scales, r);
+      return;
+    default:
+      return;
+  }
+}
+
+template <class F, bool SQUARE>
+void decode_blocked(const uint8_t* __restrict codes, const uint8_t* __restrict scales, int64_t n,
+                    float* __restrict out) {
+  alignas(64) uint32_t o[32];
+  for (int64_t b = 0; b < n / 32; ++b) {
+    block_decode<F>(codes + 32 * b, static_cast<int32_t>(scales[b]) - 127, o);
+    for (int i = 0; i < 32; ++i) {
+      const float q = u2f(o[i]);
+      // q8_sqrt squares q; a NaN keeps the decoder's pattern (Q8SqrtCodec.decode)
+      out[32 * b + i] = SQUARE ? (q != q ? q : q * q) : q;
+    }
+  }
+}
+
+// Moment codec decode over n elements.
+void dec_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_t n,
+                float* __restrict out) {
+  switch (fmt) {
+    case FMT_FP32:
+      std::memcpy(out, codes, static_cast<size_t>(n) * 4);
+      return;
+    case FMT_BF16: {
+      const auto* c = static_cast<const uint16_t*>(codes);
+      for (int64_t i = 0; i < n; ++i) out[i] = u2f(static_cast<uint32_t>(c[i]) << 16);
+      return;
+    }
+    case FMT_E4M3:
+      decode_blocked<E4M3, false>(static_cast<const uint8_t*>(codes), scales, n, out);
+      return;
+    case FMT_E5M2:
+      decode_blocked<E5M2, false>(static_cast<const uint8_t*>(codes), scales, n, out);
+      return;
+    case FMT_Q8SQRT:
+      decode_blocked<Q8Sqrt, true>(static_cast<const uint8_t*>(codes), scales, n, out);
+      return;
+    default:
+      return;
+  }
+}
+
+// ------------------------------------------------------------------------------ masters
+// Master decode of n elements; parameter entries at and after `real` read as 0 (padding),
+// codes are read for all n (the arena holds codes for the padding too).
+void dec_master(int32_t master, const void* param, const void* code, int64_t n, int64_t real,
+                float* __restrict x) {
+  switch (master) {
+    case MASTER_FP32: {
+      std::memcpy(x, param, static_cast<size_t>(real) * 4);
+      break;
+    }
+    case MASTER_BF16: {
+      const auto* p = static_cast<const uint16_t*>(param);
+      for (int64_t i = 0; i < real; ++i) x[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
+      break;
+    }
+    case MASTER_FP16: {
+      const auto* p = static_cast<const uint16_t*>(param);
+      for (int64_t i = 0; i < real; ++i) x[i] = u2f(fp16_widen(p[i]));
+      break;
+    }
+    case MASTER_ECC24: {
+      const auto* p = static_cast<const uint16_t*>(param);
+      const auto* c = static_cast<const uint8_t*>(code);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t pv = i < real ? p[i] : 0u;
+        const uint32_t top = pv - (c[i] >= 0x80 ? 1u : 0u);
+        x[i] = u2f((top << 16) | (static_cast<uint32_t>(c[i]) << 8));
+      }
+      return;
+    }
+    case MASTER_ECC32: {
+      const auto* p = static_cast<const uint16_t*>(param);
+      const auto* c = static_cast<const uint16_t*>(code);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t pv = i < real ? p[i] : 0u;
+        const uint32_t top = pv - (c[i] >= 0x8000 ? 1u : 0u);
+        x[i] = u2f((top << 16) | c[i]);
+      }
+      return;
+    }
+    default:
+      return;
+  }
+  for (int64_t i = real; i < n; ++i) x[i] = 0.0f;  // padding of code-less masters
+}
+
+// Master encode: parameter entries for i < real, codes for all n, optional bf16 staging copy of
+// the new weights for i < real. r: stream-0 words or nullptr (nearest even).
+template <bool SR>
+void enc_master_t(int32_t master, const float* __restrict x, int64_t n, int64_t real, void* param,
+                  void* code, uint16_t* __restrict staging, const uint32_t* __restrict r) {
+  switch (master) {
+    case MASTER_FP32: {
+      std::memcpy(param, x, static_cast<size_t>(real) * 4);
+      if (staging) {
+        for (int64_t i = 0; i < real; ++i) staging[i] = static_cast<uint16_t>(bf16_round<false>(f2u(x[i]), 0));
+      }
+      return;
+    }
+    case MASTER_BF16: {
+      auto* p = static_cast<uint16_t*>(param);
+      for (int64_t i = 0; i < real; ++i) p[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(x[i]), SR ? r[i] : 0u));
+      break;
+    }
+    case MASTER_FP16: {
+      auto* p = static_cast<uint16_t*>(param);
+      for (int64_t i = 0; i < real; ++i) p[i] = static_cast<uint16_t>(fp16_round<SR>(f2u(x[i]), SR ? r[i] : 0u));
+      return;  // staging is refused for fp16 parameters (ops.py)
+    }
+    case MASTER_ECC24: {
+      auto* p = static_cast<uint16_t*>(param);
+      auto* c = static_cast<uint8_t*>(code);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t u = f2u(x[i]);
+        const uint32_t mag = u & F32_MAG;
+        uint32_t top24 = round_drop_bits<8, SR>(mag, SR ? r[i] : 0u);
+        top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
+        top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
+        top24 |= (u >> 31) << 23;
+        const uint32_t top = top24 >> 8, mid = top24 & 0xFFu;
+        const uint32_t pv = mag > F32_INF ? top : top + (mid >= 0x80u ? 1u : 0u);
+        c[i] = static_cast<uint8_t>(mid);
+        if (i < real) p[i] = static_cast<uint16_t>(pv);
+      }
+      break;
+    }
+    case MASTER_ECC32: {
+      auto* p = static_cast<uint16_t*>(param);
+      auto* c = static_cast<uint16_t*>(code);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t u = f2u(x[i]);
+        const uint32_t top = u >> 16, low = u & 0xFFFFu;
+        uint32_t pv = top + (low >= 0x8000u ? 1u : 0u);
+        pv = (u & F32_MAG) > F32_INF ? (top | 0x40u) : pv;
+        c[i] = static_cast<uint16_t>(low);
+        if (i < real) p[i] = static_cast<uint16_t>(pv);
+      }
+      break;
+    }
+    default:
+      return;
+  }
+  if (staging) std::memcpy(staging, param, static_cast<size_t>(real) * 2);
+}
+
+void enc_master(int32_t master, const float* x, int64_t n, int64_t real, void* param, void* code,
+                uint16_t* staging, const uint32_t* r) {
+  if (r)
+    enc_master_t<true>(master, x, n, real, param, code, staging, r);
+  else
+    enc_master_t<false>(master, x, n, real, param, code, staging, nullptr);
+}
+
+// Gradients of the tile as fp32 (padding 0).
+void load_grad(int64_t kind, const void* grad, int64_t n, int64_t real, float* __restrict g) {
+  if (kind == GRAD_FP32) {
+    std::memcpy(g, grad, static_cast<size_t>(real) * 4);
+  } else if (kind == GRAD_BF16) {
+    const auto* p = static_cast<const uint16_t*>(grad);
+    for (int64_t i = 0; i < real; ++i) g[i] = u2f(static_cast<uint32_t>(p[i]) << 16);
+  } else {
+    const auto* p = static_cast<const uint16_t*>(grad);
+    for (int64_t i = 0; i < real; ++i) g[i] = u2f(fp16_widen(p[i]));
+  }
+  for (int64_t i = real; i < n; ++i) g[i] = 0.0f;
+}
+
+// ------------------------------------------------------------------------------ rules
+// reference.adam, in its order, every operation individually rounded.
+void adam_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
+               float* __restrict m, float* __restrict v) {
+  const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
+              bc2 = c.s[5], dec = c.s[6], l2 = c.s[7];
+  if (c.maximize)
+    for (int64_t i = 0; i < n; ++i) g[i] = -g[i];
+  if (c.has_l2)
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] + l2 * x[i];
+  if (c.has_decay)
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * dec;
+  for (int64_t i = 0; i < n; ++i) {
+    const float mi = m[i] + omb1 * (g[i] - m[i]);
+    const float vi = b2 * v[i] + omb2 * (g[i] * g[i]);
+    const float d = std::sqrt(vi) / bc2 + eps;
+    x[i] = x[i] - lr_t * (mi / d);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// reference.sgd. m holds the decoded momentum buffer (not read on the first step).
+void sgd_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
+              float* __restrict m) {
+  const float lr = c.s[0], mom = c.s[1], omd = c.s[2], dec = c.s[6], l2 = c.s[7];
+  if (c.maximize)
+    for (int64_t i = 0; i < n; ++i) g[i] = -g[i];
+  if (c.has_l2)
+    for (int64_t i = 0; i < n; ++i) g[i] = g[i] + l2 * x[i];
+  if (c.has_decay)
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * dec;
+  if (!c.has_momentum) {
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] - lr * g[i];
+    return;
+  }
+  if (c.first_step) {
+    for (int64_t i = 0; i < n; ++i) m[i] = g[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) m[i] = mom * m[i] + omd * g[i];
+  }
+  if (c.nesterov) {
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] - lr * (g[i] + mom * m[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] - lr * m[i];
+  }
+}
+
+// reference.lion (sign(0) = sign(NaN) = 0, as torch.sign on these devices).
+void lion_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
+               float* __restrict m) {
+  const float lr = c.s[0], b1 = c.s[1], omb1 = c.s[2], b2 = c.s[3], omb2 = c.s[4], dec = c.s[6];
+  if (c.maximize)
+    for (int64_t i = 0; i < n; ++i) g[i] = -g[i];
+  if (c.has_decay)
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * dec;
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = b1 * m[i] + omb1 * g[i];
+    const float sgn = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+    x[i] = x[i] - lr * sgn;
+    m[i] = b2 * m[i] + omb2 * g[i];
+  }
+}
+
+// ------------------------------------------------------------------------------ fused step
+inline bool master_rounds(int32_t master) {
+  return master == MASTER_BF16 || master == MASTER_FP16 || master == MASTER_ECC24;
+}
+inline bool moment_rounds(int32_t fmt) { return fmt != FMT_FP32 && fmt != FMT_NONE; }
+inline int64_t code_bytes(int32_t master) {
+  return master == MASTER_ECC24 ? 1 : (master == MASTER_ECC32 ? 2 : 0);
+}
+inline int64_t moment_bytes(int32_t fmt) {
+  return fmt == FMT_FP32 ? 4 : (fmt == FMT_BF16 ? 2 : 1);
+}
+template <class T>
+inline T* at(int64_t addr, int64_t byte_offset) {
+  return reinterpret_cast<T*>(addr + byte_offset);
+}
+
+// Copy the tile's bf16 weights to the staging buffer with non-temporal stores where the ISA has
+// them: the buffer is read next by a host-to-device copy, not by this core.
+void stream_store_u16(uint16_t* dst, const uint16_t* src, int64_t n) {
+#if defined(__AVX2__)
+  int64_t i = 0;
+  while (i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31u)) {
+    dst[i] = src[i];
+    ++i;
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), w);
+  }
+  for (; i < n; ++i) dst[i] = src[i];
+#else
+  std::memcpy(dst, src, static_cast<size_t>(n) * 2);
+#endif
+}
+
+void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t end) {
+  alignas(64) float x[TILE], g[TILE], m[TILE], v[TILE];
+  alignas(64) uint32_t w0[TILE], w1[TILE], w2[TILE];
+  alignas(64) uint16_t stage[TILE];
+  const bool adam = c.rule == RULE_ADAM, lion = c.rule == RULE_LION;
+  const bool has_m = adam || lion || c.has_momentum;
+  const bool read_m = has_m && !(c.rule == RULE_SGD && c.first_step);
+  const bool sr_master = c.sr && master_rounds(c.master);
+  const bool sr_m = c.sr && has_m && moment_rounds(c.fmt1);
+  const bool sr_v = c.sr && adam && moment_rounds(c.fmt2);
+  const int64_t pbytes = c.master == MASTER_FP32 ? 4 : 2;
+  const int64_t cbytes = code_bytes(c.master);
+  const int64_t mb = moment_bytes(c.fmt1), vb = moment_bytes(c.fmt2);
+  const bool staging = s.staging != 0 && c.master != MASTER_FP16;  // ops.py refuses fp16 staging
+  for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+    const int64_t n = vmin(TILE, end - t0);
+    const int64_t real = vmin(vmax(s.numel - t0, int64_t{0}), n);
+    const int64_t a = s.arena_offset + t0;  // arena element of the tile's first element
+    void* param = at<void>(s.param, t0 * pbytes);
+    void* code = cbytes ? at<void>(c.code, a * cbytes) : nullptr;
+    dec_master(c.master, param, code, n, real, x);
+    load_grad(s.grad_kind, at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2)), n, real, g);
+    if (read_m) dec_moment(c.fmt1, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), n, m);
+    if (adam) dec_moment(c.fmt2, at<void>(c.v, a * vb), at<uint8_t>(c.vs, a / 32), n, v);
+    if (sr_master || sr_m || sr_v) philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, t0, n, w0, w1, w2);
+    if (adam)
+      adam_rule(c, n, x, g, m, v);
+    else if (lion)
+      lion_rule(c, n, x, g, m);
+    else
+      sgd_rule(c, n, x, g, m);
+    enc_master(c.master, x, n, real, param, code, staging ? stage : nullptr,
+               sr_master ? w0 : nullptr);
+    if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, real);
+    if (has_m) enc_moment(c.fmt1, m, n, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), sr_m ? w1 : nullptr);
+    if (adam) enc_moment(c.fmt2, v, n, at<void>(c.v, a * vb), at<uint8_t>(c.vs, a / 32), sr_v ? w2 : nullptr);
+  }
+#if defined(__AVX2__)
+  if (staging) _mm_sfence();  // order the streaming stores before the caller signals the copy
+#endif
+}
+
+// ------------------------------------------------------------------------------ standalone
+void encode_moment(int32_t fmt, const float* x, int64_t n, void* codes, uint8_t* scales,
+                   const uint32_t* rand) {
+  const int64_t cb = moment_bytes(fmt);
+  for (int64_t t = 0; t < n; t += TILE) {
+    const int64_t k = vmin(TILE, n - t);
+    enc_moment(fmt, x + t, k, static_cast<uint8_t*>(codes) + t * cb, scales ? scales + t / 32 : nullptr,
+               rand ? rand + t : nullptr);
+  }
+}
+
+void decode_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_t n, float* out) {
+  const int64_t cb = moment_bytes(fmt);
+  for (int64_t t = 0; t < n; t += TILE) {
+    const int64_t k = vmin(TILE, n - t);
+    dec_moment(fmt, static_cast<const uint8_t*>(codes) + t * cb, scales ? scales + t / 32 : nullptr,
+               k, out + t);
+  }
+}
+
+void encode_master(int32_t master, const float* x, int64_t n, void* param, void* code,
+                   const uint32_t* rand) {
+  const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
+  for (int64_t t = 0; t < n; t += TILE) {
+    const int64_t k = vmin(TILE, n - t);
+    enc_master(master, x + t, k, k, static_cast<uint8_t*>(param) + t * pb,
+               cb ? static_cast<uint8_t*>(code) + t * cb : nullptr, nullptr,
+               rand ? rand + t : nullptr);
+  }
+}
+
+void decode_master(int32_t master, const void* param, const void* code, int64_t n, float* out) {
+  const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
+  for (int64_t t = 0; t < n; t += TILE) {
+    const int64_t k = vmin(TILE, n - t);
+    dec_master(master, static_cast<const uint8_t*>(param) + t * pb,
+               cb ? static_cast<const uint8_t*>(code) + t * cb : nullptr, k, k, out + t);
+  }
+}
+
+void philox(uint32_t seed, uint32_t tensor_id, uint32_t step, const int64_t* index, int64_t n,
+            uint32_t* out) {
+  // runs of consecutive indices go through the step's generator (philox_tile), so tests of this
+  // function cover the vector code; other indices one by one
+  int64_t i = 0;
+  while (i < n) {
+    int64_t j = i + 1;
+    while (j < n && j - i < TILE && index[j] == index[j - 1] + 1) ++j;
+    philox_tile(seed, tensor_id, step, index[i], j - i, out + i, out + n + i, out + 2 * n + i,
+                out + 3 * n + i);
+    i = j;
+  }
+}
+
+}  // namespace
+}  // namespace MEMOPT_ISA_NS
+
+#define MEMOPT_STR2(x) #x
+#define MEMOPT_STR(x) MEMOPT_STR2(x)
+extern const IsaKernels MEMOPT_ISA_TABLE;  // external linkage whatever kernel_api.hpp declared
+const IsaKernels MEMOPT_ISA_TABLE = {
+    MEMOPT_STR(MEMOPT_ISA_NS),          MEMOPT_ISA_NS::step_range,
+    MEMOPT_ISA_NS::encode_moment,       MEMOPT_ISA_NS::decode_moment,
+    MEMOPT_ISA_NS::encode_master,       MEMOPT_ISA_NS::decode_master,
+    MEMOPT_ISA_NS::philox};
+
+}  // namespace memopt_cpu

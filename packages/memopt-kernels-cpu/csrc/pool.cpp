@@ -1,0 +1,313 @@
+// Thread pool: persistent workers woken per run through a generation counter (see pool.hpp).
+#include "pool.hpp"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace memopt_cpu {
+namespace {
+
+constexpr int kMaxThreads = 4096;
+constexpr std::size_t kPage = 4096;
+
+thread_local bool t_in_worker = false;  // a part that starts another run runs it inline
+
+class Pool {
+ public:
+  explicit Pool(int n) : n_(n) {}
+
+  // Never called for a pool that lost its threads to fork() (see reset_after_fork).
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    start_cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  int size() const { return n_; }
+
+  void run(int n_parts, const std::function<void(int)>& fn) {
+    if (threads_.empty()) start();
+    std::unique_lock<std::mutex> lk(mu_);
+    fn_ = &fn;
+    n_parts_ = n_parts;
+    pending_ = n_parts;
+    error_ = nullptr;
+    ++generation_;
+    start_cv_.notify_all();
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+    std::exception_ptr err = error_;
+    error_ = nullptr;
+    lk.unlock();
+    if (err) std::rethrow_exception(err);
+  }
+
+ private:
+  void start() {
+    threads_.reserve(n_);
+    try {
+      for (int i = 0; i < n_; ++i) threads_.emplace_back([this, i] { work(i); });
+    } catch (...) {  // a thread could not start: stop the others, never wait for a missing one
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_ = true;
+      }
+      start_cv_.notify_all();
+      for (auto& t : threads_) t.join();
+      threads_.clear();
+      stop_ = false;
+      throw;
+    }
+  }
+
+  void work(int index) {
+    t_in_worker = true;
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      start_cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      if (index >= n_parts_) continue;
+      const std::function<void(int)>* fn = fn_;
+      lk.unlock();
+      std::exception_ptr err;
+      try {
+        (*fn)(index);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lk.lock();
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  const int n_;
+  std::mutex mu_;
+  std::condition_variable start_cv_, done_cv_;
+  std::vector<std::thread> threads_;
+  uint64_t generation_ = 0;
+  int n_parts_ = 0;
+  int pending_ = 0;
+  const std::function<void(int)>* fn_ = nullptr;
+  std::exception_ptr error_;
+  bool stop_ = false;
+};
+
+// run_mu serializes runs and reconfiguration (two Python threads may call in with the GIL
+// released). Everything is heap-allocated and never destroyed at exit, so interpreter shutdown
+// never waits for worker threads; after fork() the child starts over with fresh objects.
+struct State {
+  std::mutex run_mu;
+  Pool* pool = nullptr;  // created at the first parallel run
+  int n_threads = 0;     // 0: default_num_threads(), resolved lazily
+  int64_t chunk_size = 65536;
+};
+
+State* g_state = nullptr;
+std::once_flag g_once;
+
+void reset_after_fork() {
+  // The child has only the forking thread: forget (leak) the parent's pool and its mutex, which
+  // another thread may have held, and keep the configuration.
+  State* old = g_state;
+  State* fresh = new State();
+  if (old != nullptr) {
+    fresh->n_threads = old->n_threads;
+    fresh->chunk_size = old->chunk_size;
+  }
+  g_state = fresh;
+}
+
+State& state() {
+  std::call_once(g_once, [] {
+    g_state = new State();
+    pthread_atfork(nullptr, nullptr, reset_after_fork);
+  });
+  return *g_state;
+}
+
+int resolved_threads(State& s) {
+  if (s.n_threads <= 0) s.n_threads = default_num_threads();
+  return s.n_threads;
+}
+
+void run_locked(State& s, int n_parts, const std::function<void(int)>& fn) {
+  if (n_parts <= 0) return;
+  const int n = resolved_threads(s);
+  if (n_parts > n) throw std::logic_error("parallel_run: more parts than threads");
+  if (n_parts == 1 && n == 1) {
+    fn(0);
+    return;
+  }
+  if (s.pool == nullptr) s.pool = new Pool(n);
+  s.pool->run(n_parts, fn);
+}
+
+}  // namespace
+
+int default_num_threads() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return std::min(n, kMaxThreads);
+  }
+#endif
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw > 0 ? static_cast<int>(std::min<unsigned>(hw, kMaxThreads)) : 1;
+}
+
+void set_num_threads(int n) {
+  if (n < 1 || n > kMaxThreads)
+    throw std::invalid_argument("set_num_threads: n must be between 1 and " +
+                                std::to_string(kMaxThreads) + ", got " + std::to_string(n));
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  if (n == s.n_threads) return;
+  delete s.pool;  // joins the old threads; the next run starts n new ones
+  s.pool = nullptr;
+  s.n_threads = n;
+}
+
+int get_num_threads() {
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  return resolved_threads(s);
+}
+
+void set_chunk_size(int64_t n) {
+  if (n <= 0 || n % 32 != 0)
+    throw std::invalid_argument("set_chunk_size: the chunk size must be a positive multiple of 32 "
+                                "elements, got " + std::to_string(n));
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  s.chunk_size = n;
+}
+
+int64_t get_chunk_size() {
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  return s.chunk_size;
+}
+
+void parallel_run(int n_parts, const std::function<void(int)>& fn) {
+  if (t_in_worker) {  // nested: no second pool run from inside a part
+    for (int p = 0; p < n_parts; ++p) fn(p);
+    return;
+  }
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  run_locked(s, n_parts, fn);
+}
+
+void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  if (t_in_worker) {
+    fn(0, n);
+    return;
+  }
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  const int64_t chunk = s.chunk_size;
+  const int64_t by_size = (n + chunk - 1) / chunk;
+  const int parts = static_cast<int>(std::min<int64_t>(resolved_threads(s), by_size));
+  if (parts <= 1) {
+    fn(0, n);
+    return;
+  }
+  const int64_t blocks = (n + 31) / 32;
+  auto bound = [&](int p) -> int64_t {
+    if (p >= parts) return n;
+    return std::min(n, (blocks * p / parts) * 32);
+  };
+  run_locked(s, parts, [&](int p) {
+    const int64_t b = bound(p), e = bound(p + 1);
+    if (b < e) fn(b, e);
+  });
+}
+
+void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
+              int64_t n_rows) {
+  struct Chunk {
+    int64_t row, begin, end;
+  };
+  State& s = state();
+  std::unique_lock<std::mutex> lk(s.run_mu, std::defer_lock);
+  if (!t_in_worker) lk.lock();
+  const int64_t cs = s.chunk_size;
+  std::vector<Chunk> chunks;
+  int64_t total = 0;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t padded = rows[r].padded;
+    for (int64_t b = 0; b < padded; b += cs) chunks.push_back({r, b, std::min(b + cs, padded)});
+    total += padded;
+  }
+  if (chunks.empty()) return;
+  const int threads = t_in_worker ? 1 : resolved_threads(s);
+  const int parts = static_cast<int>(std::min<int64_t>(threads, chunks.size()));
+  // first[p]: index of the first chunk of part p (contiguous, balanced by element count)
+  std::vector<std::size_t> first(parts + 1, chunks.size());
+  {
+    int64_t before = 0;
+    int part = -1;
+    for (std::size_t i = 0; i < chunks.size(); ++i) {
+      const int64_t len = chunks[i].end - chunks[i].begin;
+      const int64_t mid2 = 2 * before + len;  // twice the chunk's midpoint
+      // part = floor(mid * parts / total), in 128-bit arithmetic
+      const int p = static_cast<int>(
+          std::min<__int128>(parts - 1, static_cast<__int128>(mid2) * parts / (2 * total)));
+      while (part < p) first[++part] = i;
+      before += len;
+    }
+    while (part < parts) first[++part] = chunks.size();
+  }
+  auto body = [&](int p) {
+    for (std::size_t i = first[p]; i < first[p + 1]; ++i)
+      kernels.step_range(cfg, rows[chunks[i].row], chunks[i].begin, chunks[i].end);
+  };
+  if (t_in_worker) {
+    body(0);
+    return;
+  }
+  run_locked(s, parts, body);
+}
+
+void first_touch(void* addr, std::size_t nbytes) {
+  if (nbytes == 0) return;
+  if (addr == nullptr) throw std::invalid_argument("first_touch: null address");
+  // Part boundaries fall on page boundaries of the address space, so no page is shared.
+  const std::uintptr_t lo = reinterpret_cast<std::uintptr_t>(addr);
+  const std::uintptr_t hi = lo + nbytes;
+  const std::uintptr_t page0 = lo & ~static_cast<std::uintptr_t>(kPage - 1);
+  const std::size_t pages = (hi - page0 + kPage - 1) / kPage;
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.run_mu);
+  const int parts = static_cast<int>(std::min<std::size_t>(resolved_threads(s), pages));
+  auto bound = [&](int p) -> std::uintptr_t {
+    if (p >= parts) return hi;
+    return std::min(hi, std::max(lo, page0 + pages * p / parts * kPage));
+  };
+  run_locked(s, parts, [&](int p) {
+    const std::uintptr_t b = bound(p), e = bound(p + 1);
+    if (b < e) std::memset(reinterpret_cast<void*>(b), 0, e - b);
+  });
+}
+
+}  // namespace memopt_cpu

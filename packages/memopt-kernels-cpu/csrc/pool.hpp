@@ -1,0 +1,48 @@
+// The persistent thread pool and the static work partition of memopt-kernels-cpu.
+//
+// Threads are std::threads created lazily at the first parallel run and kept until the thread
+// count changes. A run splits its work into at most get_num_threads() contiguous parts and
+// part p always runs on pool thread p: with the same tensors, chunk size and thread count, a
+// given range of memory is touched by the same thread at every step (and by first_touch, which
+// uses the same rule), so on a NUMA host its pages stay on that thread's node (first-touch
+// placement). The OS may still migrate threads; pin them (taskset, numactl) for strict locality.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#include "memopt_cpu/kernel_api.hpp"
+
+namespace memopt_cpu {
+
+// CPUs this process may run on (sched_getaffinity), at least 1.
+int default_num_threads();
+// Threads of the pool (1: everything runs in the caller's thread). n >= 1.
+void set_num_threads(int n);
+int get_num_threads();
+// Elements per chunk of a fused step (a positive multiple of 32); default 65536.
+void set_chunk_size(int64_t n);
+int64_t get_chunk_size();
+
+// Runs fn(part) for every part in [0, n_parts) (n_parts <= get_num_threads()) and waits. Part p
+// runs on pool thread p (in the caller when n_parts == 1 or the pool has one thread). The first
+// exception of any part is rethrown here after every part has finished.
+void parallel_run(int n_parts, const std::function<void(int)>& fn);
+
+// Splits [0, n) into contiguous ranges whose boundaries are multiples of 32 (the last one ends
+// at n), at most one per thread and none shorter than a chunk, and runs fn(begin, end) on each.
+void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
+
+// One fused step over a slot table: each slot's padded range [0, padded) is cut into chunks of
+// get_chunk_size() elements (never crossing a slot); the chunks, in table order, go to the
+// threads in a static contiguous partition balanced by element count (a chunk goes to the part
+// holding its midpoint), and each thread calls kernels.step_range on its chunks in order.
+void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
+              int64_t n_rows);
+
+// Zero-fills [addr, addr + nbytes) with the same static partition: nbytes split evenly over the
+// threads at page (4096-byte) boundaries, part p written by pool thread p.
+void first_touch(void* addr, std::size_t nbytes);
+
+}  // namespace memopt_cpu

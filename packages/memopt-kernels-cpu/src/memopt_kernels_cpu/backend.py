@@ -1,0 +1,63 @@
+"""The ``cpu`` backend object core's registry loads (entry point ``memopt.kernels``).
+
+``available()`` is always true once the compiled module imports; its reason names the
+instruction set and the thread count. ``supports()`` covers CPU tensors for every rule (sgd,
+adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8, q8) for
+fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
+call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memopt_core.backends import KERNEL_API, RULES, GroupStep
+from memopt_core.errors import ConfigError
+from memopt_core.formats import StateSpec
+from memopt_kernels_cpu import _core
+
+__all__ = ["BACKEND", "CpuBackend"]
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CpuBackend:
+    """Fused C++ kernels on a thread pool: one call per group for every rule x format."""
+
+    name = "cpu"
+    KERNEL_API = KERNEL_API
+
+    def available(self) -> tuple[bool, str]:
+        isa = _core.get_isa()
+        bf16 = _core.cpu_features().get("avx512bf16")
+        extra = " with avx512bf16" if isa == "avx512" and bf16 else ""
+        return True, (
+            f"C++ kernels, instruction set {isa}{extra} (supported here: "
+            f"{', '.join(_core.supported_isas())}), {_core.get_num_threads()} threads, chunks "
+            f"of {_core.get_chunk_size()} elements"
+        )
+
+    def supports(
+        self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
+    ) -> bool:
+        if torch.device(device).type != "cpu":
+            return False
+        if rule not in RULES or param_dtype not in _PARAM_DTYPES:
+            return False
+        try:
+            spec.master_for(param_dtype)
+        except ConfigError:
+            return False
+        return spec.block_size in (1, 32)
+
+    def step(self, work: GroupStep) -> None:
+        from memopt_kernels_cpu import ops
+
+        ops.fused_step(work)
+
+    def __repr__(self) -> str:
+        return "CpuBackend()"
+
+
+#: What the ``memopt.kernels`` entry point ``cpu`` resolves to.
+BACKEND = CpuBackend()

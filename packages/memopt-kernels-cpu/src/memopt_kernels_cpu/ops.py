@@ -1,0 +1,699 @@
+"""Python wrappers of the C++ kernels: validation, slot tables, calls into ``_core``.
+
+The fused optimizer step: :func:`fused_step` runs one :class:`memopt_core.backends.GroupStep`
+(every tensor of the group) in one call: decode master weight and moments, apply the rule,
+encode everything back, per element, on the thread pool. Bytes moved per parameter and step:
+the gradient (4 fp32, 2 bf16/fp16) plus, read and written, the parameter (4 fp32, 2 bf16/fp16),
+the master code (1 ECC-24, 2 ECC-32) and each moment (4 fp32, 2 bf16, 1 + 1/32 fp8/q8), plus
+2 for an optional bf16 staging copy: 28 B for fp32 AdamW, about 12.1 B for ECC-24 + q8.
+
+Standalone kernels (same bits as the ``memopt_core.formats`` codecs / ``memopt_core.rng``):
+:func:`encode_moment` / :func:`decode_moment` (every moment format), :func:`encode_master` /
+:func:`decode_master` (fp32, none, ECC-24/32 masters), :func:`philox_words`.
+
+Every function validates all its tensors before any kernel runs (CPU, dtype, sizes, contiguity
+where memory is written in place, aliasing) and raises :class:`~memopt_core.errors.ConfigError`
+or :class:`~memopt_core.errors.FormatError` naming the argument; the C++ code then runs with the
+GIL released. Strided inputs are copied; strided parameters are updated through contiguous
+copies that are written back (slower, never an error).
+
+Runtime settings of the compiled module, re-exported here: :func:`supported_isas`,
+:func:`get_isa`, :func:`set_isa`, :func:`cpu_features`, :func:`set_num_threads`,
+:func:`get_num_threads`, :func:`set_chunk_size`, :func:`get_chunk_size`; and
+:func:`first_touch` (zero-fill a host buffer with the pool's static partition).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from memopt_core.backends import RULES, GroupStep
+from memopt_core.errors import ConfigError, FormatError
+from memopt_core.formats import MomentCodec, moment_codec
+from memopt_core.formats.registry import MASTER_FORMATS, MOMENT_FORMATS, master_codec
+from memopt_kernels_cpu import _core
+
+__all__ = [
+    "GRAD_IDS",
+    "MOMENT_IDS",
+    "NONE_ID",
+    "SLOT_COLUMNS",
+    "cpu_features",
+    "decode_master",
+    "decode_moment",
+    "encode_master",
+    "encode_moment",
+    "first_touch",
+    "fused_step",
+    "get_chunk_size",
+    "get_isa",
+    "get_num_threads",
+    "grad_id",
+    "master_id",
+    "moment_id",
+    "philox_words",
+    "set_chunk_size",
+    "set_isa",
+    "set_num_threads",
+    "step_config",
+    "supported_isas",
+]
+
+# ----------------------------------------------------------------------------------- settings
+supported_isas = _core.supported_isas
+get_isa = _core.get_isa
+set_isa = _core.set_isa
+cpu_features = _core.cpu_features
+set_num_threads = _core.set_num_threads
+get_num_threads = _core.get_num_threads
+set_chunk_size = _core.set_chunk_size
+get_chunk_size = _core.get_chunk_size
+
+# ----------------------------------------------------------------------------------- ids
+#: Moment format name -> ``Moment`` id of ``kernel_api.hpp`` (fp8_e4m3 and q8_signed share one).
+MOMENT_IDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2, "q8_signed": 2, "fp8_e5m2": 3, "q8_sqrt": 4}
+#: ``FMT_NONE``: the rule keeps no such state.
+NONE_ID = 5
+#: Gradient dtype -> ``Grad`` id.
+GRAD_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: Columns of the int64 slot table (``SlotRow``), in order.
+SLOT_COLUMNS = (
+    "param",
+    "grad",
+    "grad_kind",
+    "tensor_id",
+    "numel",
+    "padded",
+    "arena_offset",
+    "staging",
+)
+_RULE_IDS = {"sgd": 0, "adam": 1, "lion": 2}
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_U32 = 0xFFFFFFFF
+
+
+def moment_id(name: str) -> int:
+    """Kernel id of moment format ``name`` (core's ``MOMENT_FORMATS``)."""
+    if name not in MOMENT_IDS:
+        raise ConfigError(f"unknown moment format {name!r}; choose one of {MOMENT_FORMATS}")
+    return MOMENT_IDS[name]
+
+
+def master_id(name: str, param_dtype: torch.dtype) -> int:
+    """Kernel id of master format ``name`` for ``param_dtype`` parameters."""
+    if name not in MASTER_FORMATS:
+        raise ConfigError(f"unknown master format {name!r}; choose one of {MASTER_FORMATS}")
+    master_codec(name, param_dtype)  # raises ConfigError for impossible pairs
+    if name == "fp32":
+        return 0
+    if name == "none":
+        return 1 if param_dtype == torch.bfloat16 else 2
+    return 3 if name == "ecc24" else 4
+
+
+def grad_id(dtype: torch.dtype) -> int:
+    """Kernel id of a gradient dtype (fp32 0, bf16 1, fp16 2)."""
+    if dtype not in GRAD_IDS:
+        raise ConfigError(f"gradients are float32, bfloat16 or float16, got {dtype}")
+    return GRAD_IDS[dtype]
+
+
+# ----------------------------------------------------------------------------------- checks
+def _check_tensor(t: object, what: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ConfigError(
+            f"the cpu backend runs on CPU tensors; {what} is on {t.device}: move it with "
+            ".cpu() or use the triton/torch backend"
+        )
+    if t.layout != torch.strided:
+        raise ConfigError(f"{what} is a {t.layout} tensor; the CPU kernels take dense tensors")
+    return t
+
+
+def _check_float32(x: object, what: str) -> Tensor:
+    x = _check_tensor(x, what)
+    if x.dtype != torch.float32:
+        raise FormatError(f"{what} must be float32, got {x.dtype}: convert it with .float()")
+    return x
+
+
+def _flat(t: Tensor) -> Tensor:
+    """``t`` as a flat contiguous tensor (a view when it already is contiguous)."""
+    return t.reshape(-1).contiguous()
+
+
+def _rand_words(rand: object, n: int) -> Tensor | None:
+    """``rand`` (int64 words, ``n`` of them) as int32 bit patterns the kernels read as uint32."""
+    if rand is None:
+        return None
+    rand = _check_tensor(rand, "rand")
+    if rand.dtype != torch.int64 or rand.numel() != n:
+        raise FormatError(
+            f"rand must be an int64 tensor of {n} uniform 32-bit words (one per element), got "
+            f"{rand.dtype}{tuple(rand.shape)}: use memopt_core.rng.uniform_bits"
+        )
+    r = rand.reshape(-1) & _U32
+    return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32)
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _label(t: Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}"
+
+
+def _extent(t: Tensor) -> tuple[int, int] | None:
+    """The byte range ``[start, end)`` ``t``'s elements lie in (None when empty)."""
+    if t.numel() == 0:
+        return None
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+_EXACT_OVERLAP_LIMIT = 1 << 22  # elements; beyond that a strided extent overlap counts as one
+
+
+def _byte_set(t: Tensor) -> Tensor:
+    """Addresses of every byte of ``t``'s elements (int64)."""
+    offs = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offs = offs.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    starts = t.data_ptr() + offs.reshape(-1) * t.element_size()
+    return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte, given that their extents overlap."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_LIMIT:
+        return True
+    return bool(torch.isin(_byte_set(a), _byte_set(b)).any())
+
+
+def _check_aliasing(written: list[tuple[Tensor, str]], read: list[tuple[Tensor, str]]) -> None:
+    """ConfigError when a written tensor shares memory with any other tensor of the call."""
+    items = []
+    for kind, group in ((True, written), (False, read)):
+        for t, what in group:
+            ext = _extent(t)
+            if ext is not None:
+                items.append((ext[0], ext[1], kind, t, what))
+    items.sort(key=lambda e: e[0])
+    active: list[tuple[int, int, bool, Tensor, str]] = []
+    for item in items:
+        start = item[0]
+        active = [a for a in active if a[1] > start]
+        for other in active:
+            if (item[2] or other[2]) and _overlap(item[3], other[3]):
+                raise ConfigError(
+                    f"{other[4]} and {item[4]} share memory; the kernel writes "
+                    f"{other[4] if other[2] else item[4]} in place, so they must not overlap "
+                    "(clone one of them)"
+                )
+        active.append(item)
+
+
+# ----------------------------------------------------------------------------------- standalone
+def encode_moment(fmt: str, x: Tensor, *, rand: Tensor | None = None) -> dict[str, Tensor]:
+    """Fields of fp32 ``x`` in moment format ``fmt`` (``{"": codes, "scale": uint8 per 32}``
+    for blocked formats): the same bits as ``moment_codec(fmt).encode(x, rand=rand)``.
+
+    ``rand``: int64 words (one per element) for stochastic rounding, None for nearest-even.
+    Blocked formats (fp8, q8: 1 B per element + 1/32 B of scale) need a multiple of 32 elements.
+    """
+    codec = moment_codec(fmt)
+    x = _check_float32(x, "x")
+    n = x.numel()
+    codec.check_length(n)
+    words = _rand_words(rand, n)
+    flat = _flat(x)
+    fields = _empty_fields(codec, n)
+    _core.encode_moment(
+        moment_id(fmt),
+        _ptr(flat),
+        n,
+        _ptr(fields[""]),
+        _ptr(fields.get("scale")),
+        _ptr(words),
+    )
+    fields[""] = fields[""].view(x.shape)
+    return fields
+
+
+def _empty_fields(codec: MomentCodec, n: int) -> dict[str, Tensor]:
+    return {
+        k: torch.empty(f.numel(n, codec.block_size), dtype=f.dtype) for k, f in codec.fields.items()
+    }
+
+
+def decode_moment(fmt: str, fields: Mapping[str, Tensor]) -> Tensor:
+    """fp32 values held by ``fields`` of moment format ``fmt`` (= ``moment_codec(fmt).decode``)."""
+    codec = moment_codec(fmt)
+    if not isinstance(fields, Mapping):
+        raise FormatError(
+            f"fields must be a mapping of field name to tensor, got {type(fields).__name__}"
+        )
+    missing = [k for k in codec.fields if k not in fields]
+    if missing:
+        raise FormatError(f"format {fmt!r} needs fields {list(codec.fields)}; missing {missing}")
+    for k, f in codec.fields.items():
+        t = _check_tensor(fields[k], f"field {k!r} of {fmt!r}")
+        if t.dtype != f.dtype:
+            raise FormatError(f"field {k!r} of {fmt!r} must be {f.dtype}, got {t.dtype}")
+    main = fields[""]
+    n = main.numel()
+    codec.check_length(n)
+    scale = fields.get("scale") if "scale" in codec.fields else None
+    if scale is not None and scale.numel() != n // codec.block_size:
+        raise FormatError(
+            f"field 'scale' of {fmt!r}: {n} codes need {n // codec.block_size} scales (one per "
+            f"{codec.block_size}), got {scale.numel()}"
+        )
+    codes = _flat(main)
+    scales = _flat(scale) if scale is not None else None
+    out = torch.empty(n, dtype=torch.float32)
+    _core.decode_moment(moment_id(fmt), _ptr(codes), _ptr(scales), n, _ptr(out))
+    return out.view(main.shape)
+
+
+def encode_master(
+    fmt: str,
+    x: Tensor,
+    param_dtype: torch.dtype = torch.bfloat16,
+    *,
+    rand: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """``(param, code)`` of fp32 master ``x`` in master format ``fmt`` for ``param_dtype``
+    parameters: the same bits as ``master_codec(fmt, param_dtype).encode(x, rand=rand)``.
+
+    Per element: fp32 4 B; none 2 B (bf16/fp16); ECC-24 2 + 1 B (uint8 code); ECC-32 2 + 2 B.
+    """
+    mid = master_id(fmt, param_dtype)
+    codec = master_codec(fmt, param_dtype)
+    x = _check_float32(x, "x")
+    n = x.numel()
+    words = _rand_words(rand, n)
+    flat = _flat(x)
+    param = torch.empty(n, dtype=param_dtype)
+    code = torch.empty(n, dtype=codec.code_dtype) if codec.code_dtype is not None else None
+    _core.encode_master(mid, _ptr(flat), n, _ptr(param), _ptr(code), _ptr(words))
+    return param.view(x.shape), (code.view(x.shape) if code is not None else None)
+
+
+def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor:
+    """fp32 master held by ``param`` (and ``code``): ``master_codec(fmt, param.dtype).decode``."""
+    param = _check_tensor(param, "param")
+    mid = master_id(fmt, param.dtype)
+    codec = master_codec(fmt, param.dtype)
+    n = param.numel()
+    codes = None
+    if codec.code_dtype is not None:
+        if code is None:
+            raise FormatError(
+                f"master format {fmt!r} decodes a parameter together with its code; got None"
+            )
+        code = _check_tensor(code, "code")
+        if code.dtype != codec.code_dtype or code.numel() != n:
+            raise FormatError(
+                f"master format {fmt!r} needs a {codec.code_dtype} code of {n} entries (one per "
+                f"parameter element), got code {code.dtype}{tuple(code.shape)}"
+            )
+        codes = _flat(code)
+    flat = _flat(param)
+    out = torch.empty(n, dtype=torch.float32)
+    _core.decode_master(mid, _ptr(flat), _ptr(codes), n, _ptr(out))
+    return out.view(param.shape)
+
+
+def philox_words(
+    seed: int, tensor_id: int, index: Tensor, step: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four stream words (int64 in ``[0, 2**32)``) of elements ``index`` (an integer
+    tensor): ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar ids."""
+    for what, v in (("seed", seed), ("tensor_id", tensor_id), ("step", step)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{what} must be an int, got {type(v).__name__}")
+    index = _check_tensor(index, "index")
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise FormatError(f"index must be an integer tensor, got {index.dtype}")
+    idx = index.reshape(-1).to(torch.int64).contiguous()
+    n = idx.numel()
+    out = torch.empty((4, n), dtype=torch.int32)
+    _core.philox(seed & _U32, tensor_id & _U32, step & _U32, _ptr(idx), n, _ptr(out))
+    words = out.to(torch.int64) & _U32
+    return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
+
+
+def first_touch(t: Tensor) -> Tensor:
+    """Zero-fill ``t`` (a contiguous CPU tensor) from the pool's threads with the static
+    partition fused steps use, so on a NUMA host each page lands on the node of the thread that
+    will update it; returns ``t``. Meant for freshly allocated (untouched) host buffers."""
+    t = _check_tensor(t, "t")
+    if not t.is_contiguous():
+        raise ConfigError(f"first_touch needs a contiguous tensor, got strides {t.stride()}")
+    _core.first_touch(_ptr(t), t.numel() * t.element_size())
+    return t
+
+
+# ----------------------------------------------------------------------------------- fused step
+def step_config(work: GroupStep) -> dict:
+    """The per-step keyword arguments of ``_core.fused_step`` that come from ``work.scalars``:
+    flags and the 8 floats of ``StepConfig::s`` (order in ``kernel_api.hpp``), each rounded once
+    from double to float32 as ``memopt_core.reference.to_compute`` does; seed and step masked to
+    32 bits."""
+    s = work.scalars
+    rule = work.rule
+    if rule == "adam":
+        vals = [s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.eps, s.step_size, s.bc2_sqrt]
+        vals += [s.decay, s.l2]
+        l2, momentum, nesterov = s.l2, 0.0, False
+    elif rule == "sgd":
+        vals = [s.lr, s.momentum, s.one_minus_dampening, 0.0, 0.0, 0.0, s.decay, s.l2]
+        l2, momentum, nesterov = s.l2, s.momentum, bool(s.nesterov)
+    elif rule == "lion":
+        vals = [s.lr, s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, 0.0, s.decay, 0.0]
+        l2, momentum, nesterov = 0.0, 0.0, False
+    else:
+        raise ConfigError(f"the cpu backend runs rules {RULES}, got {rule!r}")
+    has_momentum = rule == "sgd" and momentum != 0.0
+    return dict(
+        maximize=bool(s.maximize),
+        has_l2=l2 != 0.0,
+        has_decay=s.decay != 1.0,
+        nesterov=nesterov and has_momentum,
+        first_step=bool(work.first_step),
+        has_momentum=has_momentum,
+        # double -> float32 once, round to nearest even (like torch.tensor(v, dtype=float32))
+        scalars=torch.tensor([float(v) for v in vals], dtype=torch.float64)
+        .to(torch.float32)
+        .tolist(),
+        seed=int(work.seed) & _U32,
+        step=int(work.step) & _U32,
+    )
+
+
+@dataclass
+class _Prepared:
+    """What a validated call needs besides the per-step scalars: the slot table and the
+    static keyword arguments (ids, arena addresses)."""
+
+    table: Tensor
+    n: int
+    static: dict
+
+
+def _state_names(rule: str, has_momentum: bool) -> tuple[str | None, str | None]:
+    if rule == "adam":
+        return "exp_avg", "exp_avg_sq"
+    if rule == "lion":
+        return "exp_avg", None
+    return ("momentum_buffer" if has_momentum else None), None
+
+
+def _arena_args(work: GroupStep, has_momentum: bool) -> tuple[dict, list[tuple[Tensor, str]]]:
+    """Format ids and addresses of the arena's fields, validated; and the tensors, labelled."""
+    plan, arena = work.plan, work.arena
+    mcodec = work.spec.master_for(plan.param_dtype)
+    out = dict(code=0, m=0, ms=0, v=0, vs=0, fmt1=NONE_ID, fmt2=NONE_ID)
+    tensors: list[tuple[Tensor, str]] = []
+
+    def check(t: object, what: str, dtype: torch.dtype, numel: int) -> Tensor:
+        t = _check_tensor(t, what)
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+            raise FormatError(
+                f"{what} must be a contiguous {dtype} tensor of {numel} entries for the group's "
+                f"{plan.total} arena elements, got {t.dtype}{tuple(t.shape)}"
+                + ("" if t.is_contiguous() else " (not contiguous)")
+            )
+        tensors.append((t, what))
+        return t
+
+    if mcodec.code_dtype is not None:
+        if arena.master_code is None:
+            raise FormatError(
+                f"master format {mcodec.name!r} keeps a code per element but the arena has no "
+                "master_code; the optimizer must allocate it"
+            )
+        code = check(arena.master_code, "the arena's master_code", mcodec.code_dtype, plan.total)
+        out["code"] = code.data_ptr()
+    for slot, (name, key, scale_key) in enumerate(
+        zip(_state_names(work.rule, has_momentum), ("m", "v"), ("ms", "vs"), strict=True)
+    ):
+        if name is None:
+            continue
+        if name not in arena.codecs or name not in arena.fields:
+            raise FormatError(
+                f"the state arena of {plan} has no {name!r} state (it has "
+                f"{sorted(arena.codecs)}); the optimizer must allocate it"
+            )
+        codec = arena.codecs[name]
+        fid = moment_id(codec.name)
+        if codec.block_size not in (1, plan.block_size):
+            raise FormatError(
+                f"state {name!r} uses blocks of {codec.block_size}, the plan pads to "
+                f"{plan.block_size}"
+            )
+        fields = arena.fields[name]
+        for suffix, f in codec.fields.items():
+            what = f"the arena's {name}[{suffix!r}]"
+            if suffix not in fields:
+                raise FormatError(f"{what} is missing; format {codec.name!r} stores it")
+            t = check(fields[suffix], what, f.dtype, f.numel(plan.total, codec.block_size))
+            out[key if suffix == "" else scale_key] = t.data_ptr()
+        out["fmt1" if slot == 0 else "fmt2"] = fid
+    return out, tensors
+
+
+def _staging_list(staging: object, work: GroupStep) -> list[Tensor | None]:
+    if staging is None:
+        return [None] * len(work.slots)
+    if isinstance(staging, Mapping):
+        unknown = sorted(set(staging) - set(work.slots))
+        if unknown:
+            raise ConfigError(
+                f"staging has entries for slots {unknown[:8]} that do not take part in this step "
+                f"(slots {work.slots[:8]}{'...' if len(work.slots) > 8 else ''})"
+            )
+        return [staging.get(si) for si in work.slots]
+    if isinstance(staging, Sequence) and not isinstance(staging, (str, bytes)):
+        if len(staging) != len(work.slots):
+            raise ConfigError(
+                f"staging holds {len(staging)} entries for the {len(work.slots)} parameters of "
+                "the step; pass one per parameter (None for none) or a {slot: tensor} mapping"
+            )
+        return list(staging)
+    raise ConfigError(
+        f"staging must be None, a {{slot: tensor}} mapping or a sequence, got "
+        f"{type(staging).__name__}"
+    )
+
+
+def _prepare(
+    work: GroupStep,
+    params: list[Tensor],
+    grads: list[Tensor],
+    stage: list[Tensor | None],
+    originals: list[Tensor],
+) -> _Prepared:
+    """Validate everything (before any kernel runs) and build the slot table."""
+    plan = work.plan
+    n = len(work.slots)
+    if not (len(work.params) == len(work.grads) == len(work.tensor_ids) == n):
+        raise ConfigError(
+            f"a step of {n} slots got {len(work.params)} parameters, {len(work.grads)} "
+            f"gradients and {len(work.tensor_ids)} tensor ids"
+        )
+    if any(b <= a for a, b in zip(work.slots, work.slots[1:], strict=False)) or (
+        n and not 0 <= work.slots[0] <= work.slots[-1] < len(plan.slots)
+    ):
+        raise ConfigError(
+            f"slots must be ascending, distinct indices into the plan's {len(plan.slots)} "
+            f"tensors, got {work.slots[:16]}"
+        )
+    has_momentum = work.rule == "sgd" and work.scalars.momentum != 0.0
+    arena_kw, arena_tensors = _arena_args(work, has_momentum)
+    written: list[tuple[Tensor, str]] = list(arena_tensors)
+    read: list[tuple[Tensor, str]] = []
+    rows = []
+    for k, (si, p0, p, g, st, tid) in enumerate(
+        zip(work.slots, originals, params, grads, stage, work.tensor_ids, strict=True)
+    ):
+        what = f"parameter {k} (slot {si}"
+        _check_tensor(p0, f"{what})")
+        what += f", {_label(p0)})"
+        slot = plan.slots[si]
+        if p0.dtype != plan.param_dtype:
+            raise ConfigError(f"{what}: the group holds {plan.param_dtype} parameters")
+        if p0.numel() != slot.numel:
+            raise ConfigError(
+                f"{what} has {p0.numel()} elements but the plan's slot {si} has {slot.numel} "
+                f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
+            )
+        _check_tensor(g, f"the gradient of {what}")
+        if g.dtype not in (p0.dtype, torch.float32):
+            raise ConfigError(
+                f"the gradient of {what} is {g.dtype}; gradients have the parameter's dtype or "
+                "float32"
+            )
+        if g.shape != p0.shape:
+            raise ConfigError(
+                f"the gradient of {what} has shape {tuple(g.shape)}; it must match the parameter"
+            )
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            raise ConfigError(f"tensor id of {what} must be an int, got {type(tid).__name__}")
+        written.append((p0, what))
+        read.append((g, f"the gradient of {what}"))
+        if st is not None:
+            _check_tensor(st, f"staging of {what}")
+            if plan.param_dtype == torch.float16:
+                raise ConfigError(
+                    f"staging of {what}: bf16 staging copies are for float32 and bfloat16 "
+                    "parameters; float16 parameters have none"
+                )
+            if st.dtype != torch.bfloat16 or st.numel() != slot.numel or not st.is_contiguous():
+                raise ConfigError(
+                    f"staging of {what} must be a contiguous bfloat16 tensor of {slot.numel} "
+                    f"elements, got {st.dtype}{tuple(st.shape)}"
+                    + ("" if st.is_contiguous() else " (not contiguous)")
+                )
+            written.append((st, f"staging of {what}"))
+        rows.append(
+            [
+                p.data_ptr(),
+                g.data_ptr(),
+                GRAD_IDS[g.dtype],
+                tid & _U32,
+                slot.numel,
+                slot.padded,
+                slot.offset,
+                _ptr(st),
+            ]
+        )
+    _check_aliasing(written, read)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(SLOT_COLUMNS))
+    mcodec = work.spec.master_for(plan.param_dtype)
+    static = dict(
+        rule=_RULE_IDS[work.rule],
+        master=master_id(mcodec.name, plan.param_dtype),
+        block=plan.block_size,
+        sr=bool(work.spec.stochastic_rounding),
+        arena_elements=plan.total,
+        **arena_kw,
+    )
+    return _Prepared(table, n, static)
+
+
+def _check_group(work: GroupStep) -> None:
+    plan = work.plan
+    if work.rule not in RULES:
+        raise ConfigError(f"the cpu backend runs rules {RULES}, got {work.rule!r}")
+    if plan.device.type != "cpu":
+        raise ConfigError(
+            f"the cpu backend runs on CPU tensors; the group {plan} is on {plan.device}"
+        )
+    if plan.param_dtype not in _PARAM_DTYPES:
+        raise ConfigError(
+            f"the cpu backend updates float32, bfloat16 or float16 parameters, got "
+            f"{plan.param_dtype}"
+        )
+    if plan.block_size not in (1, 32):
+        raise ConfigError(
+            f"the CPU kernels pad to blocks of 1 or 32 elements, got {plan.block_size}"
+        )
+
+
+_CACHE_SIZE = 8
+
+
+def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
+    """What a validated slot table depends on: the tensors' addresses, dtypes and sizes."""
+    return (
+        tuple(work.slots),
+        tuple(map(Tensor.data_ptr, params)),
+        tuple(map(Tensor.data_ptr, grads)),
+        tuple(g.dtype for g in grads),
+        tuple(map(Tensor.numel, grads)),
+        tuple(work.tensor_ids),
+        tuple(map(_ptr, stage)),
+        tuple(map(Tensor.data_ptr, work.arena.tensors())),
+        work.rule,
+        work.rule == "sgd" and work.scalars.momentum != 0.0,
+    )
+
+
+def fused_step(
+    work: GroupStep, staging: Mapping[int, Tensor | None] | Sequence[Tensor | None] | None = None
+) -> None:
+    """One optimizer step of every tensor of ``work`` in one call into C++ (see module doc).
+
+    ``staging`` (for memopt-offload): a contiguous bfloat16 CPU tensor per parameter that
+    receives the updated weights rounded to bf16 (2 more bytes per parameter; float32 and
+    bfloat16 parameters only), as a
+    ``{plan slot index: tensor}`` mapping or a sequence aligned with ``work.params`` (None:
+    no copy for that tensor). Parameters are updated in place; strided ones through contiguous
+    copies written back afterwards. The slot table is cached on the plan, keyed by the tensors'
+    addresses, so a repeated step validates nothing again."""
+    _check_group(work)
+    try:
+        config = step_config(work)
+    except AttributeError as e:
+        raise ConfigError(
+            f"work.scalars ({type(work.scalars).__name__}) lacks {e.name!r}: rule {work.rule!r} "
+            "takes memopt_core.reference's AdamScalars / SGDScalars / LionScalars"
+        ) from None
+    if not work.slots:
+        return
+    stage = _staging_list(staging, work)
+    originals = list(work.params)
+    params, grads = originals, list(work.grads)
+    copies: list[tuple[Tensor, Tensor]] = []
+    try:
+        strided = not (
+            all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))
+        )
+        key: tuple | None = None if strided else _cache_key(work, params, grads, stage)
+    except (TypeError, RuntimeError, AttributeError):  # not tensors: validation says why
+        _prepare(work, params, grads, stage, originals)
+        raise  # pragma: no cover - _prepare raises a clearer error first
+    if strided:
+        for i, (p, g) in enumerate(zip(originals, grads, strict=True)):
+            # checked before anything is copied, so a copy never hides a bad argument
+            _check_tensor(p, f"parameter {i} (slot {work.slots[i]})")
+            _check_tensor(g, f"the gradient of parameter {i} (slot {work.slots[i]})")
+        params = list(params)
+        for i, (p, g) in enumerate(zip(originals, grads, strict=True)):
+            if not p.is_contiguous():
+                tmp = p.detach().contiguous()
+                copies.append((p, tmp))
+                params[i] = tmp
+            if not g.is_contiguous():
+                grads[i] = g.contiguous()
+    lru: OrderedDict = work.plan.cache("cpu_tables", OrderedDict)
+    prepared = lru.get(key) if key is not None else None
+    if prepared is None:
+        prepared = _prepare(work, params, grads, stage, originals)
+        if key is not None:
+            lru[key] = prepared
+            while len(lru) > _CACHE_SIZE:
+                lru.popitem(last=False)
+    else:
+        lru.move_to_end(key)
+    _core.fused_step(
+        prepared.table.data_ptr(),
+        prepared.n,
+        **prepared.static,
+        **config,
+    )
+    for dst, tmp in copies:
+        dst.detach().copy_(tmp)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The host-CPU sweep of memopt-kernels-cpu in one command (run from the repository root on a
+# machine with torch, pybind11, scikit-build-core, cmake and ninja; no network needed): build the
+# extension into a private target, run its tests, then the CPU step benchmark side by side with
+# torch's fused AdamW at several thread counts. Logs and the reports (bench_t<threads>.md) go to
+# ${OUT:-/tmp/memopt-cpu-sweep}.
+set -o pipefail
+OUT=${OUT:-/tmp/memopt-cpu-sweep}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+SITE=${SITE:-/tmp/memopt-cpu-site}
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+python3 -m pip install -q --no-build-isolation --no-deps --no-index --target "$SITE" \
+  "$ROOT/packages/memopt-kernels-cpu" 2>&1 | tail -5 | tee "$OUT/build.log"
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
+export PYTHONPATH=$SITE:$ROOT/packages/memopt-core/src:$ROOT/packages/memopt-ecc/src${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import memopt_kernels_cpu as k, torch; print('isa', k.get_isa(), 'of', k.supported_isas(), 'threads', k.get_num_threads(), 'features', k.cpu_features(), 'torch', torch.__version__)" | tee "$OUT/env.log"
+lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3" | tee -a "$OUT/env.log"
+(cd packages/memopt-kernels-cpu && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
+  -n "${WORKERS:-8}" --durations=8 2>&1 | tail -25) | tee "$OUT/tests.log"
+echo "pytest exit: $?"
+for t in ${THREADS:-16 4 1}; do
+  timeout "${BENCH_TIMEOUT:-150}" python3 tools/bench/step_bench.py --device cpu --threads "$t" \
+    --scale "${SCALE:-4}" --optimizers adamw,adamw-bf16,memopt-fp32,memopt-q8,memopt-bf16,memopt-ecc32-q8,flash-adamw \
+    --profiles "${PROFILES:-8x64M,4096x32K,qwen2.5-0.5b}" --iters 10 --max-seconds 6 \
+    --out "/tmp/memopt-cpu-bench-t$t" 2>&1 | tail -30
+  cp "/tmp/memopt-cpu-bench-t$t/step_bench.md" "$OUT/bench_t$t.md"
+done
+echo "sweep: $(( $(date +%s) - start )) s"
