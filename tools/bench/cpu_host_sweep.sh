@@ -18,16 +18,18 @@ export PYTHONPATH=$SITE:$ROOT/packages/memopt-core/src:$ROOT/packages/memopt-ecc
 python3 -c "import memopt_kernels_cpu as k, torch; print('isa', k.get_isa(), 'of', k.supported_isas(), 'threads', k.get_num_threads(), 'features', k.cpu_features(), 'torch', torch.__version__)" | tee "$OUT/env.log"
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3" | tee -a "$OUT/env.log"
 (cd packages/memopt-kernels-cpu && timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
-  -n "${WORKERS:-8}" --durations=8 2>&1 | tail -25) | tee "$OUT/tests.log"
+  -n "${WORKERS:-8}" -p no:benchmark --durations=8 2>&1 | tail -25) | tee "$OUT/tests.log"
 echo "pytest exit: $?"
-# all profiles at the full thread count; the large-tensor profile alone at fewer threads
-bench() {  # threads profiles
-  timeout "${BENCH_TIMEOUT:-200}" python3 tools/bench/step_bench.py --device cpu --threads "$1" \
-    --scale "${SCALE:-4}" --profiles "$2" --iters 10 --max-seconds 6 \
-    --optimizers adamw,adamw-bf16,memopt-fp32,memopt-q8,memopt-bf16,memopt-ecc32-q8,flash-adamw \
-    --out "/tmp/memopt-cpu-bench-t$1" 2>&1 | tail -30
-  cp "/tmp/memopt-cpu-bench-t$1/step_bench.md" "$OUT/bench_t$1.md"
+# the sizes (64M, 256M) and the many-small and Qwen profiles at the full thread count;
+# 64M alone at fewer threads
+bench() {  # threads profiles scale
+  timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench/step_bench.py --device cpu --threads "$1" \
+    --profiles "$2" --scale "$3" --iters 5 --max-seconds 4 \
+    --optimizers adamw,adamw-foreach,adamw-bf16,memopt-fp32,memopt-q8,memopt-bf16,memopt-ecc32-q8,flash-adamw \
+    --out "/tmp/memopt-cpu-bench-t$1-s$3" 2>&1 | tail -40
+  cp "/tmp/memopt-cpu-bench-t$1-s$3/step_bench.md" "$OUT/bench_t$1_s$3.md"
 }
-bench "${THREADS:-16}" "${PROFILES:-8x64M,4096x32K,qwen2.5-0.5b}"
-for t in ${FEW_THREADS:-4 1}; do bench "$t" 8x64M; done
+bench "${THREADS:-16}" "${PROFILES:-64M,256M,qwen2.5-0.5b}" 1
+bench "${THREADS:-16}" 4096x32K 4
+for t in ${FEW_THREADS:-4 1}; do bench "$t" 64M 1; done
 echo "sweep: $(( $(date +%s) - start )) s"

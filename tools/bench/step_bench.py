@@ -48,6 +48,8 @@ def qwen25_05b_shapes() -> list[Shape]:
 
 
 PROFILES: dict[str, list[Shape]] = {
+    "64M": [(64 * 2**20,)],  # the CPU kernels' sizes (issue "Fused SIMD CPU kernels")
+    "256M": [(64 * 2**20,)] * 4,
     "8x64M": [(64 * 2**20,)] * 8,
     "4096x32K": [(32 * 2**10,)] * 4096,
     "qwen2.5-0.5b": qwen25_05b_shapes(),
@@ -119,6 +121,7 @@ class Row:
     moved_bytes_per_param: float | None = None
     gb_per_s: float | None = None
     copy_fraction: float | None = None
+    triad_fraction: float | None = None
     time_vs_adamw: float | None = None
     backend: str = "-"
     error: str | None = None
@@ -171,6 +174,18 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def triad_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> float:
+    """GB/s of a STREAM-style triad ``a = b + s * c`` over ``nbytes`` arrays (two read, one
+    written), in torch's own threads: the streaming rate a memory-bound optimizer can reach."""
+    b = torch.ones(nbytes // 4, device=device)
+    c = torch.ones_like(b)
+    a = torch.empty_like(b)
+    ms, _ = timer.median(
+        lambda: torch.add(b, c, alpha=3.0, out=a), warmup=2, iters=10, budget_s=5.0
+    )
+    return 3 * nbytes / ms / 1e6
+
+
 def make_params(
     shapes: list[Shape], dtype: torch.dtype, device: torch.device, seed: int
 ) -> list[torch.nn.Parameter]:
@@ -205,6 +220,7 @@ def measure(
     args: argparse.Namespace,
     timer: Timer,
     copy_gbs: float,
+    triad_gbs: float,
 ) -> Row:
     """Time one configuration on one profile."""
     device = torch.device(args.device)
@@ -219,6 +235,7 @@ def measure(
     row.moved_bytes_per_param = 3 * weight + 2 * row.state_bytes_per_param
     row.gb_per_s = row.moved_bytes_per_param * n / row.ms / 1e6
     row.copy_fraction = row.gb_per_s / copy_gbs
+    row.triad_fraction = row.gb_per_s / triad_gbs
     return row
 
 
@@ -294,8 +311,8 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     lines += [
         "",
         "| profile | optimizer | tensors | params | step ms | steps timed | moved B/param | GB/s "
-        "| of copy BW | state B/param | time / AdamW | backend |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of copy BW | of triad BW | state B/param | time / AdamW | backend |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error is not None:
@@ -307,7 +324,8 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
             f"| {r.profile} | {r.label} | {r.tensors} | {r.params:,} | {_fmt(r.ms, '.3f')} "
             f"| {r.timed} "
             f"| {_fmt(r.moved_bytes_per_param, '.2f')} | {_fmt(r.gb_per_s, '.1f')} "
-            f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.state_bytes_per_param, '.2f')} "
+            f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.triad_fraction, '.0%')} "
+            f"| {_fmt(r.state_bytes_per_param, '.2f')} "
             f"| {_fmt(r.time_vs_adamw, '.2f')} | {r.backend} |"
         )
     return "\n".join(lines) + "\n"
@@ -386,7 +404,12 @@ def importable(names: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def run_profile(
-    profile: str, modules: dict[str, Any], args: argparse.Namespace, timer: Timer, copy_gbs: float
+    profile: str,
+    modules: dict[str, Any],
+    args: argparse.Namespace,
+    timer: Timer,
+    copy_gbs: float,
+    triad_gbs: float,
 ) -> list[Row]:
     """Measure every importable configuration on one profile, then relate them to AdamW's time."""
     shapes = scaled(PROFILES[profile], args.scale)
@@ -394,7 +417,9 @@ def run_profile(
     rows: list[Row] = []
     for config in (c for c in CONFIGS if c.name in modules):
         try:
-            row = measure(name, shapes, config, modules[config.name], args, timer, copy_gbs)
+            row = measure(
+                name, shapes, config, modules[config.name], args, timer, copy_gbs, triad_gbs
+            )
         except Exception as exc:  # one broken configuration must not hide the others
             n = sum(math.prod(s) for s in shapes)
             error = " ".join(f"{type(exc).__name__}: {exc}".replace("|", "/").split())
@@ -444,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     timer = Timer(torch.device(args.device))
     copy_gbs = copy_bandwidth(timer.device, args.copy_mib * 2**20, timer)
-    print(f"copy bandwidth {copy_gbs:.1f} GB/s (read + write)", file=sys.stderr)
+    triad_gbs = triad_bandwidth(timer.device, args.copy_mib * 2**20, timer)
+    print(f"copy {copy_gbs:.1f} GB/s, triad {triad_gbs:.1f} GB/s (read + write)", file=sys.stderr)
     modules, skipped = importable(set(args.optimizers.split(",")))
     for name, reason in skipped.items():
         print(f"skipping {name}: {reason}", file=sys.stderr)
@@ -452,9 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         row
         for profile in args.profiles.split(",")
-        for row in run_profile(profile, modules, args, timer, copy_gbs)
+        for row in run_profile(profile, modules, args, timer, copy_gbs, triad_gbs)
     ]
     header = report_header(args, argv, copy_gbs, skipped)
+    header["triad bandwidth"] = (
+        f"{triad_gbs:.1f} GB/s (a = b + 3 c over {args.copy_mib} MiB arrays, 2 read + 1 written)"
+    )
     header["seconds"] = f"{time.perf_counter() - began:.0f}"
     report = markdown(rows, header)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -620,25 +620,33 @@ void load_grad(int64_t kind, const void* grad, int64_t n, int64_t real, float* _
 }
 
 // ------------------------------------------------------------------------------ rules
-// reference.adam, in its order, every operation individually rounded.
+// reference.adam after its gradient lines: p = p * decay, then the moments and the update, every
+// operation individually rounded. Reads g only, so it also runs on the tensors themselves.
+void adam_update(const StepConfig& c, int64_t n, float* __restrict x, const float* __restrict g,
+                 float* __restrict m, float* __restrict v) {
+  const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
+              bc2 = c.s[5], dec = c.s[6];
+  const bool decay = c.has_decay != 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = decay ? x[i] * dec : x[i];
+    const float mi = m[i] + omb1 * (g[i] - m[i]);
+    const float vi = b2 * v[i] + omb2 * (g[i] * g[i]);
+    const float d = std::sqrt(vi) / bc2 + eps;
+    x[i] = xi - lr_t * (mi / d);
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+// reference.adam, in its order (maximize, L2 on the gradient, then adam_update).
 void adam_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
                float* __restrict m, float* __restrict v) {
-  const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
-              bc2 = c.s[5], dec = c.s[6], l2 = c.s[7];
+  const float l2 = c.s[7];
   if (c.maximize)
     for (int64_t i = 0; i < n; ++i) g[i] = -g[i];
   if (c.has_l2)
     for (int64_t i = 0; i < n; ++i) g[i] = g[i] + l2 * x[i];
-  if (c.has_decay)
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] * dec;
-  for (int64_t i = 0; i < n; ++i) {
-    const float mi = m[i] + omb1 * (g[i] - m[i]);
-    const float vi = b2 * v[i] + omb2 * (g[i] * g[i]);
-    const float d = std::sqrt(vi) / bc2 + eps;
-    x[i] = x[i] - lr_t * (mi / d);
-    m[i] = mi;
-    v[i] = vi;
-  }
+  adam_update(c, n, x, g, m, v);
 }
 
 // reference.sgd. m holds the decoded momentum buffer (not read on the first step).
@@ -732,6 +740,15 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
   const int64_t cbytes = code_bytes(c.master);
   const int64_t mb = moment_bytes(c.fmt1), vb = moment_bytes(c.fmt2);
   const bool staging = s.staging != 0 && c.master != MASTER_FP16;  // ops.py refuses fp16 staging
+  if (adam && c.master == MASTER_FP32 && c.fmt1 == FMT_FP32 && c.fmt2 == FMT_FP32 &&
+      s.grad_kind == GRAD_FP32 && !c.maximize && !c.has_l2 && !staging && s.padded == s.numel) {
+    // Plain fp32 AdamW: nothing to decode and the gradient is only read, so one pass over the
+    // tensors themselves (no tile copies), as torch's fused kernel does.
+    const int64_t a = s.arena_offset;
+    adam_update(c, end - begin, at<float>(s.param, begin * 4), at<const float>(s.grad, begin * 4),
+                at<float>(c.m, (a + begin) * 4), at<float>(c.v, (a + begin) * 4));
+    return;
+  }
   for (int64_t t0 = begin; t0 < end; t0 += TILE) {
     const int64_t n = vmin(TILE, end - t0);
     const int64_t real = vmin(vmax(s.numel - t0, int64_t{0}), n);

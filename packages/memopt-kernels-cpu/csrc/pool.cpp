@@ -150,7 +150,15 @@ int resolved_threads(State& s) {
 void run_locked(State& s, int n_parts, const std::function<void(int)>& fn) {
   if (n_parts <= 0) return;
   const int n = resolved_threads(s);
-  if (n_parts > n) throw std::logic_error("parallel_run: more parts than threads");
+  if (n_parts > n) {
+    // The caller split its work for more threads than the pool has now (another thread called
+    // set_num_threads in between): thread t runs parts t, t + n, ... The parts are independent
+    // ranges, so the results are the same.
+    run_locked(s, n, [&](int t) {
+      for (int p = t; p < n_parts; p += n) fn(p);
+    });
+    return;
+  }
   if (n_parts == 1 && n == 1) {
     fn(0);
     return;

@@ -25,9 +25,10 @@ int get_num_threads();
 void set_chunk_size(int64_t n);
 int64_t get_chunk_size();
 
-// Runs fn(part) for every part in [0, n_parts) (n_parts <= get_num_threads()) and waits. Part p
-// runs on pool thread p (in the caller when n_parts == 1 or the pool has one thread). The first
-// exception of any part is rethrown here after every part has finished.
+// Runs fn(part) for every part in [0, n_parts) and waits. Part p runs on pool thread p (in the
+// caller when n_parts == 1 or the pool has one thread); parts beyond the thread count, possible
+// when another thread resized the pool meanwhile, stride over the threads. The first exception
+// of any part is rethrown here after every part has finished.
 void parallel_run(int n_parts, const std::function<void(int)>& fn);
 
 // Splits [0, n) into contiguous ranges whose boundaries are multiples of 32 (the last one ends
