@@ -13,21 +13,10 @@ import torch
 from memopt_core.formats import master_codec, moment_codec
 from memopt_core.formats.registry import MOMENT_FORMATS
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, stream_words
+from memopt_core.testing import MASTER_IDS, MASTERS, bits
 from memopt_kernels_cpu import ops, set_isa, supported_isas
 
 ISAS = supported_isas()
-MASTERS = [
-    ("fp32", torch.float32),
-    ("none", torch.bfloat16),
-    ("none", torch.float16),
-    ("ecc24", torch.bfloat16),
-    ("ecc32", torch.bfloat16),
-]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1).contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def sample(n: int, seed: int) -> torch.Tensor:
@@ -68,7 +57,7 @@ def test_moment_codecs(fmt, sr, isa, n):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
-@pytest.mark.parametrize(("fmt", "dtype"), MASTERS, ids=[f"{m}-{str(d)[6:]}" for m, d in MASTERS])
+@pytest.mark.parametrize(("fmt", "dtype"), MASTERS, ids=MASTER_IDS)
 @pytest.mark.parametrize("n", [0, 1, 31, 33, 4097])
 def test_master_codecs(fmt, dtype, sr, isa, n):
     set_isa(isa)

@@ -8,15 +8,9 @@ import torch
 from memopt_core import rng
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import master_codec, moment_codec
+from memopt_core.testing import MASTERS
 
 MOMENTS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt"]
-MASTERS = [
-    ("fp32", torch.float32),
-    ("none", torch.bfloat16),
-    ("none", torch.float16),
-    ("ecc24", torch.bfloat16),
-    ("ecc32", torch.bfloat16),
-]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -14,30 +14,20 @@ import pytest
 import torch
 
 from memopt_core.formats import StateSpec
-from memopt_core.testing import diff_report, make_grads, make_group, step_group
+from memopt_core.testing import (
+    MASTER_IDS,
+    MASTERS,
+    PRESETS,
+    VARIANTS,
+    diff_report,
+    make_grads,
+    make_group,
+    step_group,
+)
 from memopt_core.torch_backend import TorchBackend
 from memopt_kernels_triton.backend import BACKEND
 
 TORCH = TorchBackend()
-MASTERS = [
-    ("fp32", torch.float32),
-    ("none", torch.bfloat16),
-    ("none", torch.float16),
-    ("ecc24", torch.bfloat16),
-    ("ecc32", torch.bfloat16),
-]
-MASTER_IDS = [f"{m}-{str(d)[6:]}" for m, d in MASTERS]
-PRESETS = ["fp32", "bf16", "fp8", "q8"]
-#: rule variants: (optimizer rule, hyperparameters)
-VARIANTS = {
-    "adamw": ("adamw", dict(lr=1e-2, weight_decay=0.1)),
-    "adam-l2-max": ("adam", dict(lr=3e-3, weight_decay=0.05, maximize=True, betas=(0.8, 0.99))),
-    "sgd": ("sgd", dict(lr=0.05)),
-    "sgd-mom-damp-l2": ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    "sgd-nesterov": ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True)),
-    "sgdw-mom": ("sgdw", dict(lr=0.05, momentum=0.8, weight_decay=0.1, maximize=True)),
-    "lion": ("lion", dict(lr=1e-3, weight_decay=0.1, initial_lr=2e-3)),
-}
 CPU_SIZES = [0, 1, 33, 65]
 GPU_SIZES = [0, 1, 31, 33, 1023, 1025, 4095, 65537, 2**20 + 1, 3 * 2**20 - 1]
 

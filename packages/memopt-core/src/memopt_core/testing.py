@@ -18,15 +18,43 @@ from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
 
 __all__ = [
+    "MASTERS",
+    "MASTER_IDS",
+    "PRESETS",
+    "VARIANTS",
     "Group",
+    "bits",
     "diff_report",
     "group_state",
+    "group_step",
     "make_grads",
     "make_group",
     "rule_names",
     "scalars_for",
     "step_group",
 ]
+
+#: (master format, parameter dtype) pairs every backend supports, and their test ids
+MASTERS = [
+    ("fp32", torch.float32),
+    ("none", torch.bfloat16),
+    ("none", torch.float16),
+    ("ecc24", torch.bfloat16),
+    ("ecc32", torch.bfloat16),
+]
+MASTER_IDS = [f"{m}-{str(d)[6:]}" for m, d in MASTERS]
+#: moment presets (memopt_core.formats.MOMENT_PRESETS)
+PRESETS = ["fp32", "bf16", "fp8", "q8"]
+#: rule variants the exactness tests cover: name -> (optimizer rule, hyperparameters)
+VARIANTS = {
+    "adamw": ("adamw", dict(lr=1e-2, weight_decay=0.1)),
+    "adam-l2-max": ("adam", dict(lr=3e-3, weight_decay=0.05, maximize=True, betas=(0.8, 0.99))),
+    "sgd": ("sgd", dict(lr=0.05)),
+    "sgd-mom-damp-l2": ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "sgd-nesterov": ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "sgdw-mom": ("sgdw", dict(lr=0.05, momentum=0.8, weight_decay=0.1, maximize=True)),
+    "lion": ("lion", dict(lr=1e-3, weight_decay=0.1, initial_lr=2e-3)),
+}
 
 #: optimizer rule -> (backend rule, decoupled)
 RULE_KINDS = {
@@ -174,12 +202,12 @@ def scalars_for(group: Group, step: int):
     )
 
 
-def step_group(
-    backend, group: Group, grads: list[Tensor], step: int, slots: list[int] | None = None
-) -> None:
-    """One backend step of ``group`` (all tensors, or ``slots``)."""
+def group_step(
+    group: Group, grads: list[Tensor], step: int, slots: list[int] | None = None
+) -> GroupStep:
+    """The :class:`GroupStep` of one step of ``group`` (all tensors, or ``slots``)."""
     slots = list(range(len(group.params))) if slots is None else slots
-    work = GroupStep(
+    return GroupStep(
         rule=group.kind,
         spec=group.spec,
         plan=group.plan,
@@ -193,23 +221,30 @@ def step_group(
         tensor_ids=[group.tensor_ids[i] for i in slots],
         first_step=step == 1,
     )
-    backend.step(work)
+
+
+def step_group(
+    backend, group: Group, grads: list[Tensor], step: int, slots: list[int] | None = None
+) -> None:
+    """One backend step of ``group`` (all tensors, or ``slots``)."""
+    backend.step(group_step(group, grads, step, slots))
 
 
 def group_state(group: Group) -> dict[str, Tensor]:
     """Every tensor of the group's state as raw bits (parameters, codes, moment fields)."""
     out: dict[str, Tensor] = {}
     for i, p in enumerate(group.params):
-        out[f"param{i}"] = _bits(p)
+        out[f"param{i}"] = bits(p)
     if group.arena.master_code is not None:
-        out["master_code"] = _bits(group.arena.master_code)
+        out["master_code"] = bits(group.arena.master_code)
     for name, fields in group.arena.fields.items():
         for suffix, t in fields.items():
-            out[f"{name}[{suffix}]"] = _bits(t)
+            out[f"{name}[{suffix}]"] = bits(t)
     return out
 
 
-def _bits(t: Tensor) -> Tensor:
+def bits(t: Tensor) -> Tensor:
+    """The raw bit patterns of ``t`` (flat, on the CPU) as a same-width integer tensor."""
     t = t.detach().reshape(-1).contiguous()
     size = t.element_size()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).cpu()
