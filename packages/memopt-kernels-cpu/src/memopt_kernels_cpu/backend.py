@@ -28,11 +28,8 @@ class CpuBackend:
     KERNEL_API = KERNEL_API
 
     def available(self) -> tuple[bool, str]:
-        isa = _core.get_isa()
-        bf16 = _core.cpu_features().get("avx512bf16")
-        extra = " with avx512bf16" if isa == "avx512" and bf16 else ""
         return True, (
-            f"C++ kernels, instruction set {isa}{extra} (supported here: "
+            f"C++ kernels, instruction set {_core.get_isa()} (supported here: "
             f"{', '.join(_core.supported_isas())}), {_core.get_num_threads()} threads, chunks "
             f"of {_core.get_chunk_size()} elements"
         )
