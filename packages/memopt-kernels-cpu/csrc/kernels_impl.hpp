@@ -19,6 +19,8 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
 #endif
 
 #include "memopt_cpu/kernel_api.hpp"
@@ -42,6 +44,20 @@ template <class T>
 inline T vmax(T a, T b) {
   return a < b ? b : a;
 }
+
+// IEEE arithmetic for the duration of a kernel call: the caller's thread may have flush-to-zero
+// or denormals-are-zero set (torch.set_flush_denormal(True) does), which would change subnormal
+// results and make them depend on which thread ran a part. Restored on exit.
+class IeeeMode {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  IeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(0x8000u | 0x0040u)); }  // FTZ, DAZ
+  ~IeeeMode() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 // ------------------------------------------------------------------------------ bit views
 inline uint32_t f2u(float x) {
@@ -213,80 +229,101 @@ inline void philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t k0, uint3
   o3 = x3;
 }
 
-#if defined(__AVX512F__)
-// 16 lanes of 32x32 -> 64-bit products: (hi, lo) words. mul_epu32 multiplies the even lanes;
-// the odd lanes are shifted down first and their results blended back into place.
-inline void mul_hilo(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
-  const __m512i pe = _mm512_mul_epu32(a, m);
-  const __m512i po = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
-  hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(pe, 32), po);
-  lo = _mm512_mask_blend_epi32(0xAAAA, pe, _mm512_slli_epi64(po, 32));
-}
-constexpr int64_t PHILOX_LANES = 16;
-#elif defined(__AVX2__)
-inline void mul_hilo(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
-  const __m256i pe = _mm256_mul_epu32(a, m);
-  const __m256i po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
-  hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-  lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
-}
-constexpr int64_t PHILOX_LANES = 8;
-#endif
-
 // The words of streams 0..2 (and 3 when w3 is given) of elements idx0 .. idx0+n of one tensor.
-// GCC's auto-vectorized form of philox4x32 widens to 64-bit lanes (5 ns/element on AVX-512);
-// the explicit form keeps 32-bit lanes and splits each product into even/odd halves, with the
-// same integer results.
+// GCC's auto-vectorized form of philox4x32 is slow (about 5 ns/element on AVX-512), so the
+// vector sets have explicit code with the same integer results:
+//  - AVX-512: 8 elements per register in 64-bit lanes. vpmuludq gives the whole 64-bit product
+//    of the low halves, its high half moves down with a shuffle, the three-way XORs are one
+//    vpternlogq;
+//    the high halves of the other words carry garbage that vpmuludq and the final narrowing
+//    ignore. The 64-bit index splits into counter words without any carry handling.
+//  - AVX2: 8 elements in 32-bit lanes; products of the even and odd lanes are blended.
 void philox_tile(uint32_t seed, uint32_t tid, uint32_t step, int64_t idx0, int64_t n,
                  uint32_t* __restrict w0, uint32_t* __restrict w1, uint32_t* __restrict w2,
                  uint32_t* __restrict w3 = nullptr) {
   int64_t i = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
-  using V = __m512i;
-  const auto set1 = [](uint32_t v) { return _mm512_set1_epi32(static_cast<int>(v)); };
-  const auto vxor = [](V a, V b) { return _mm512_xor_si512(a, b); };
-  const auto vadd = [](V a, V b) { return _mm512_add_epi32(a, b); };
-  const V lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const auto store = [](uint32_t* p, V v) { _mm512_storeu_si512(p, v); };
-#else
-  using V = __m256i;
+  const __m512i m0 = _mm512_set1_epi64(PHILOX_M0), m1 = _mm512_set1_epi64(PHILOX_M1);
+  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFFLL);
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  __m512i keys0[10], keys1[10];
+  for (int r = 0; r < 10; ++r) {
+    keys0[r] = _mm512_set1_epi64(static_cast<uint32_t>(seed + static_cast<uint32_t>(r) * PHILOX_W0));
+    keys1[r] = _mm512_set1_epi64(static_cast<uint32_t>(tid + static_cast<uint32_t>(r) * PHILOX_W1));
+  }
+  // two independent vectors per iteration: each round is a chain of multiply (5 cycles), shuffle
+  // and XOR, so a second chain fills the multiplier's idle cycles
+  constexpr int U = 2;
+  for (; i + 8 * U <= n; i += 8 * U) {
+    __m512i x0[U], x1[U], x2[U], x3[U];
+    for (int u = 0; u < U; ++u) {
+      const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(idx0 + i + 8 * u), lane);
+      x0[u] = _mm512_and_si512(idx, low32);
+      x1[u] = _mm512_srli_epi64(idx, 32);
+      x2[u] = _mm512_set1_epi64(step);
+      x3[u] = _mm512_setzero_si512();
+    }
+    for (int r = 0; r < 10; ++r) {
+      for (int u = 0; u < U; ++u) {
+        const __m512i p0 = _mm512_mul_epu32(x0[u], m0);
+        const __m512i p1 = _mm512_mul_epu32(x2[u], m1);
+        // swapping the 32-bit halves (vpshufd) brings the high word down like a shift would,
+        // off the port the multiplies use; the low word moves up, where it is ignored
+        x0[u] = _mm512_ternarylogic_epi64(_mm512_shuffle_epi32(p1, _MM_PERM_CDAB), x1[u],
+                                          keys0[r], 0x96);
+        x2[u] = _mm512_ternarylogic_epi64(_mm512_shuffle_epi32(p0, _MM_PERM_CDAB), x3[u],
+                                          keys1[r], 0x96);
+        x1[u] = p1;
+        x3[u] = p0;
+      }
+    }
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = i + 8 * u;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w0 + j), _mm512_cvtepi64_epi32(x0[u]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w1 + j), _mm512_cvtepi64_epi32(x1[u]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w2 + j), _mm512_cvtepi64_epi32(x2[u]));
+      if (w3) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w3 + j), _mm512_cvtepi64_epi32(x3[u]));
+    }
+  }
+#elif defined(__AVX2__)
   const auto set1 = [](uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); };
-  const auto vxor = [](V a, V b) { return _mm256_xor_si256(a, b); };
-  const auto vadd = [](V a, V b) { return _mm256_add_epi32(a, b); };
-  const V lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const auto store = [](uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); };
-#endif
-  const V m0 = set1(PHILOX_M0), m1 = set1(PHILOX_M1), vstep = set1(step);
-  for (; i + PHILOX_LANES <= n; i += PHILOX_LANES) {
+  const auto mul_hilo = [](__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+    const __m256i pe = _mm256_mul_epu32(a, m);
+    const __m256i po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
+    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
+  };
+  const __m256i m0 = set1(PHILOX_M0), m1 = set1(PHILOX_M1), vstep = set1(step);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; i + 8 <= n; i += 8) {
     const uint64_t base = static_cast<uint64_t>(idx0 + i);
-    // the low index words of the lanes never wrap inside a vector unless base's low word is
-    // within 16 of 2**32: then the scalar loop below takes over for exactness
-    if (static_cast<uint32_t>(base) > 0xFFFFFFFFu - PHILOX_LANES) break;
-    V x0 = vadd(set1(static_cast<uint32_t>(base)), lane);
-    V x1 = set1(static_cast<uint32_t>(base >> 32));
-    V x2 = vstep;
-    V x3 = set1(0);
+    // the low index words of the lanes wrap inside the vector only when base's low word is
+    // within 8 of 2**32: then the scalar loop below takes over
+    if (static_cast<uint32_t>(base) > 0xFFFFFFFFu - 8) break;
+    __m256i x0 = _mm256_add_epi32(set1(static_cast<uint32_t>(base)), lane);
+    __m256i x1 = set1(static_cast<uint32_t>(base >> 32));
+    __m256i x2 = vstep;
+    __m256i x3 = _mm256_setzero_si256();
     uint32_t k0 = seed, k1 = tid;
     for (int r = 0; r < 10; ++r) {
       if (r) {
         k0 += PHILOX_W0;
         k1 += PHILOX_W1;
       }
-      V h0, l0, h1, l1;
+      __m256i h0, l0, h1, l1;
       mul_hilo(x0, m0, h0, l0);
       mul_hilo(x2, m1, h1, l1);
-      const V y0 = vxor(vxor(h1, x1), set1(k0));
-      const V y2 = vxor(vxor(h0, x3), set1(k1));
+      const __m256i y0 = _mm256_xor_si256(_mm256_xor_si256(h1, x1), set1(k0));
+      const __m256i y2 = _mm256_xor_si256(_mm256_xor_si256(h0, x3), set1(k1));
       x1 = l1;
       x3 = l0;
       x0 = y0;
       x2 = y2;
     }
-    store(w0 + i, x0);
-    store(w1 + i, x1);
-    store(w2 + i, x2);
-    if (w3) store(w3 + i, x3);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w0 + i), x0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w1 + i), x1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w2 + i), x2);
+    if (w3) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w3 + i), x3);
   }
 #endif
   for (; i < n; ++i) {
@@ -344,21 +381,49 @@ inline int32_t block_encode(const float* __restrict x, const uint32_t* __restric
   return k;
 }
 
+// fp32 value of every 8-bit code at scale 2**0 (specials and the sign included): the decoder's
+// table. A block's values are then table * 2**k, one multiply that is exact because every value
+// the formats decode to is representable (the smallest is 2**-145), and that overflows to inf
+// exactly where bits.compose_f32 does.
+template <class F>
+struct DecodeTable {
+  float v[256];
+  DecodeTable() {
+    for (int32_t c = 0; c < 256; ++c) {
+      const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
+      uint32_t o = minifloat_decode<F::MAN, F::EMIN>(vmin(mag, F::MAXC), 0);
+      if constexpr (F::INFC >= 0) {
+        o = mag == F::INFC ? F32_INF : o;
+        o = mag > F::INFC ? F32_QNAN : o;
+      } else {
+        o = mag > F::MAXC ? F32_QNAN : o;
+      }
+      if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
+      v[c] = u2f(o);
+    }
+  }
+};
+
+template <class F>
+const float* decode_table() {
+  static const DecodeTable<F> table;  // built once, thread-safe
+  return table.v;
+}
+
+// 2**k as fp32 for k in [-127, 127] (2**-127 is subnormal): exact.
+inline float pow2f(int32_t k) {
+  return u2f(k > -127 ? static_cast<uint32_t>(k + 127) << 23 : 0x00400000u);
+}
+
 // BlockMinifloatCodec._decode_codes of one block: fp32 patterns (not squared for q8_sqrt).
 template <class F>
 inline void block_decode(const uint8_t* __restrict codes, int32_t k, uint32_t* __restrict out) {
+  const float* __restrict table = decode_table<F>();
+  const float scale = pow2f(k);
   for (int i = 0; i < 32; ++i) {
-    const int32_t c = codes[i];
-    const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
-    uint32_t o = minifloat_decode<F::MAN, F::EMIN>(vmin(mag, F::MAXC), k);
-    if constexpr (F::INFC >= 0) {
-      o = mag == F::INFC ? F32_INF : o;
-      o = mag > F::INFC ? F32_QNAN : o;
-    } else {
-      o = mag > F::MAXC ? F32_QNAN : o;
-    }
-    if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
-    out[i] = o;
+    const float t = table[codes[i]];
+    // NaN codes keep the table's pattern (a product's NaN bits are the platform's business)
+    out[i] = t != t ? f2u(t) : f2u(t * scale);
   }
 }
 
@@ -727,6 +792,7 @@ void stream_store_u16(uint16_t* dst, const uint16_t* src, int64_t n) {
 }
 
 void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t end) {
+  const IeeeMode ieee;
   alignas(64) float x[TILE], g[TILE], m[TILE], v[TILE];
   alignas(64) uint32_t w0[TILE], w1[TILE], w2[TILE];
   alignas(64) uint16_t stage[TILE];
@@ -780,6 +846,7 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
 // ------------------------------------------------------------------------------ standalone
 void encode_moment(int32_t fmt, const float* x, int64_t n, void* codes, uint8_t* scales,
                    const uint32_t* rand) {
+  const IeeeMode ieee;
   const int64_t cb = moment_bytes(fmt);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -789,6 +856,7 @@ void encode_moment(int32_t fmt, const float* x, int64_t n, void* codes, uint8_t*
 }
 
 void decode_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_t n, float* out) {
+  const IeeeMode ieee;
   const int64_t cb = moment_bytes(fmt);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -799,6 +867,7 @@ void decode_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_
 
 void encode_master(int32_t master, const float* x, int64_t n, void* param, void* code,
                    const uint32_t* rand) {
+  const IeeeMode ieee;
   const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -809,6 +878,7 @@ void encode_master(int32_t master, const float* x, int64_t n, void* param, void*
 }
 
 void decode_master(int32_t master, const void* param, const void* code, int64_t n, float* out) {
+  const IeeeMode ieee;
   const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);

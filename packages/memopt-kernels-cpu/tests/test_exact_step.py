@@ -175,3 +175,25 @@ def test_non_finite_gradients_match_the_reference():
 def test_empty_and_tiny_groups(isa, n):
     set_isa(isa)
     run_compare("adamw", "q8", "ecc24", torch.bfloat16, True, sizes=[n], isas=[isa])
+
+
+def test_callers_flush_to_zero_mode_does_not_change_bits():
+    # torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread, which runs one part of
+    # every step; the kernels compute in IEEE mode whatever the caller's mode is
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero control")
+    spec = StateSpec(master="fp32", moments="q8", stochastic_rounding=True)
+    ref = make_group("adamw", spec, torch.float32, [64, 4099], "cpu", lr=1e-2)
+    group = ref.clone()
+    for p in ref.params + group.params:
+        p.view(-1)[:32] *= 1e-38  # subnormal weights and, after a step, tiny moments
+    set_num_threads(1)  # everything in the caller's thread
+    for step in (1, 2):
+        grads = make_grads(ref, step, scale=1e-36)
+        step_group(TORCH, ref, grads, step)
+        torch.set_flush_denormal(True)
+        try:
+            step_group(BACKEND, group, grads, step)
+        finally:
+            torch.set_flush_denormal(False)
+    assert not diff_report(ref, group)
