@@ -21,12 +21,20 @@ from memopt_core.testing import (
     PRESETS,
     VARIANTS,
     diff_report,
+    group_step,
     make_grads,
     make_group,
     step_group,
 )
 from memopt_core.torch_backend import TorchBackend
-from memopt_kernels_cpu import BACKEND, set_chunk_size, set_isa, set_num_threads, supported_isas
+from memopt_kernels_cpu import (
+    BACKEND,
+    ops,
+    set_chunk_size,
+    set_isa,
+    set_num_threads,
+    supported_isas,
+)
 
 TORCH = TorchBackend()
 ISAS = supported_isas()
@@ -197,3 +205,31 @@ def test_callers_flush_to_zero_mode_does_not_change_bits():
         finally:
             torch.set_flush_denormal(False)
     assert not diff_report(ref, group)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("master", "dtype", "preset"),
+    [("fp32", torch.float32, "fp32"), ("fp32", torch.float32, "q8"), ("ecc24", torch.bfloat16, "q8"),
+     ("none", torch.bfloat16, "bf16")],
+)  # fmt: skip
+def test_bf16_staging_copy_of_the_updated_weights(isa, master, dtype, preset):
+    # memopt-offload's output: the new weights as bf16 (nearest even), written in the same pass
+    # with streaming stores; buffers start at odd offsets so the aligned middle has a head and a tail
+    set_isa(isa)
+    set_num_threads(2)
+    set_chunk_size(64)
+    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
+    ref = make_group("adamw", spec, dtype, [1, 31, 33, 1000], "cpu", lr=1e-2)
+    group = ref.clone()
+    for step in (1, 2):
+        grads = make_grads(ref, step)
+        step_group(TORCH, ref, grads, step)
+        staging = [
+            torch.full((p.numel() + 1,), 7.0, dtype=torch.bfloat16)[1:] for p in group.params
+        ]
+        ops.fused_step(group_step(group, grads, step), staging=staging)
+        assert not diff_report(ref, group)
+        for p, st in zip(group.params, staging, strict=True):
+            want = p.detach().reshape(-1).to(torch.bfloat16)  # exact for bf16, RNE from fp32
+            assert torch.equal(st.view(torch.int16), want.view(torch.int16))
