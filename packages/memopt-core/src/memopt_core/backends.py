@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from memopt_core.errors import BackendUnavailableError
+from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
 
@@ -42,6 +42,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
     "KERNEL_API",
+    "PARAM_DTYPES",
     "RULES",
     "Backend",
     "BackendStatus",
@@ -53,6 +54,7 @@ __all__ = [
     "get_backend",
     "refresh_backends",
     "select_backend",
+    "supports_formats",
 ]
 
 #: The interface level between core and kernel packages; a backend must declare the same.
@@ -61,6 +63,8 @@ ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
 RULES = ("sgd", "adam", "lion")
+#: Parameter dtypes every rule and format is defined for.
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INSTALL_HINT = {
     "cpu": "pip install memopt-kernels-cpu",
     "triton": "pip install memopt-kernels-triton (and triton, on a CUDA machine)",
@@ -116,6 +120,19 @@ class Backend(Protocol):
     ) -> bool: ...
 
     def step(self, work: GroupStep) -> None: ...
+
+
+def supports_formats(rule: str, spec: StateSpec, param_dtype: torch.dtype) -> bool:
+    """True when ``rule`` with ``spec`` is defined for ``param_dtype`` parameters: a known rule,
+    one of :data:`PARAM_DTYPES`, and a master format that exists for that dtype. Backends add their
+    own device (and block size) conditions in ``supports()``."""
+    if rule not in RULES or param_dtype not in PARAM_DTYPES:
+        return False
+    try:
+        spec.master_for(param_dtype)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

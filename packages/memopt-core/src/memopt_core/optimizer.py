@@ -70,7 +70,6 @@ RULES: dict[str, tuple[str, bool]] = {
     "adamw": ("adam", True),
     "lion": ("lion", True),
 }
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HYPER = (
     "lr",
     "betas",
@@ -375,7 +374,7 @@ class MemOptimizer(Optimizer):
                     f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
                     "the leaf it comes from, or pass t.detach().requires_grad_()"
                 )
-            if p.dtype not in _PARAM_DTYPES:
+            if p.dtype not in backends.PARAM_DTYPES:
                 raise ConfigError(
                     f"{desc} has dtype {p.dtype}; memopt optimizes float32, bfloat16 and "
                     "float16 parameters: cast it (e.g. to float32) or leave it out"

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from memopt_core import reference
-from memopt_core.backends import KERNEL_API, RULES, GroupStep
+from memopt_core.backends import KERNEL_API, RULES, GroupStep, supports_formats
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MasterCodec, MomentCodec, StateSpec
 from memopt_core.plan import Slot
@@ -49,7 +49,6 @@ MEMOPT_TORCH_PIECE = 2**22
 #: The largest block size of any format: pieces cut tensors only at multiples of it.
 PIECE_UNIT = 32
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Codecs whose encode ignores ``rand``: no need to draw words for them.
 _EXACT_MOMENTS = ("fp32",)
 _EXACT_MASTERS = ("fp32", "ecc32")
@@ -325,13 +324,7 @@ class TorchBackend:
     def supports(
         self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
     ) -> bool:
-        if rule not in RULES or param_dtype not in _PARAM_DTYPES:
-            return False
-        try:
-            spec.master_for(param_dtype)
-        except ConfigError:
-            return False
-        return True
+        return supports_formats(rule, spec, param_dtype)
 
     def __repr__(self) -> str:
         return "TorchBackend()"

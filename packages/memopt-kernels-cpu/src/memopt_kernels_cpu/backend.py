@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from memopt_core.backends import KERNEL_API, RULES, GroupStep
-from memopt_core.errors import ConfigError
+from memopt_core.backends import KERNEL_API, GroupStep, supports_formats
 from memopt_core.formats import StateSpec
 from memopt_kernels_cpu import _core
 
 __all__ = ["BACKEND", "CpuBackend"]
-
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuBackend:
@@ -39,13 +36,7 @@ class CpuBackend:
     ) -> bool:
         if torch.device(device).type != "cpu":
             return False
-        if rule not in RULES or param_dtype not in _PARAM_DTYPES:
-            return False
-        try:
-            spec.master_for(param_dtype)
-        except ConfigError:
-            return False
-        return spec.block_size in (1, 32)
+        return supports_formats(rule, spec, param_dtype) and spec.block_size in (1, 32)
 
     def step(self, work: GroupStep) -> None:
         from memopt_kernels_cpu import ops

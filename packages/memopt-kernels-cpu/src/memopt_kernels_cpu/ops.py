@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from memopt_core.backends import RULES, GroupStep
+from memopt_core.backends import PARAM_DTYPES, RULES, GroupStep
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, MOMENT_FORMATS, master_codec
@@ -93,7 +93,6 @@ SLOT_COLUMNS = (
     "staging",
 )
 _RULE_IDS = {"sgd": 0, "adam": 1, "lion": 2}
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _U32 = 0xFFFFFFFF
 
 
@@ -602,7 +601,7 @@ def _check_group(work: GroupStep) -> None:
         raise ConfigError(
             f"the cpu backend runs on CPU tensors; the group {plan} is on {plan.device}"
         )
-    if plan.param_dtype not in _PARAM_DTYPES:
+    if plan.param_dtype not in PARAM_DTYPES:
         raise ConfigError(
             f"the cpu backend updates float32, bfloat16 or float16 parameters, got "
             f"{plan.param_dtype}"

@@ -14,13 +14,10 @@ import os
 
 import torch
 
-from memopt_core.backends import KERNEL_API, RULES, GroupStep
-from memopt_core.errors import ConfigError
+from memopt_core.backends import KERNEL_API, GroupStep, supports_formats
 from memopt_core.formats import StateSpec
 
 __all__ = ["BACKEND", "TritonBackend"]
-
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _interpreting() -> bool:
@@ -54,13 +51,7 @@ class TritonBackend:
         device = torch.device(device)
         if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
             return False
-        if rule not in RULES or param_dtype not in _PARAM_DTYPES:
-            return False
-        try:
-            spec.master_for(param_dtype)
-        except ConfigError:
-            return False
-        return spec.block_size in (1, 32)
+        return supports_formats(rule, spec, param_dtype) and spec.block_size in (1, 32)
 
     def step(self, work: GroupStep) -> None:
         from memopt_kernels_triton import ops
