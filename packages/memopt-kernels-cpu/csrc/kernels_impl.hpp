@@ -4,8 +4,9 @@
 // tiles, so every instruction set executes the same IEEE operations in the same order:
 //  - float work is only + - * / and sqrt (all correctly rounded in scalar and SIMD forms),
 //    never contracted into FMAs (-ffp-contract=off) nor reassociated (no fast-math);
-//  - every format conversion is integer arithmetic on bit patterns, mirroring
-//    memopt_core.formats (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py) line by line;
+//  - every format conversion is integer arithmetic on bit patterns mirroring memopt_core.formats
+//    (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py), or an exact float operation (the
+//    8-bit decoder's table value times the block's power of two);
 //  - stochastic rounding words are Philox4x32-10 as memopt_core.rng defines them.
 // So results are bit-identical to the reference on every instruction set and thread count.
 //
