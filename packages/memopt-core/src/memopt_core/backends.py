@@ -42,6 +42,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
     "KERNEL_API",
+    "KERNEL_MOMENT_IDS",
     "PARAM_DTYPES",
     "RULES",
     "Backend",
@@ -52,6 +53,8 @@ __all__ = [
     "default_order",
     "forced_backend",
     "get_backend",
+    "kernel_master_id",
+    "kernel_moment_id",
     "refresh_backends",
     "select_backend",
     "supports_formats",
@@ -120,6 +123,40 @@ class Backend(Protocol):
     ) -> bool: ...
 
     def step(self, work: GroupStep) -> None: ...
+
+
+#: Moment format -> the integer id the kernel packages' kernels switch on (fp8_e4m3 and q8_signed
+#: share one layout); 5 stands for "no such state". Part of the kernel interface, like KERNEL_API.
+KERNEL_MOMENT_IDS = {
+    "fp32": 0,
+    "bf16": 1,
+    "fp8_e4m3": 2,
+    "q8_signed": 2,
+    "fp8_e5m2": 3,
+    "q8_sqrt": 4,
+}
+
+
+def kernel_moment_id(name: str) -> int:
+    """Kernel id of moment format ``name`` (:data:`KERNEL_MOMENT_IDS`)."""
+    if name not in KERNEL_MOMENT_IDS:
+        from memopt_core.formats.registry import MOMENT_FORMATS
+
+        raise ConfigError(f"unknown moment format {name!r}; choose one of {MOMENT_FORMATS}")
+    return KERNEL_MOMENT_IDS[name]
+
+
+def kernel_master_id(name: str, param_dtype: torch.dtype) -> int:
+    """Kernel id of master format ``name`` for ``param_dtype`` parameters: fp32 0, none with
+    bf16 1, none with fp16 2, ecc24 3, ecc32 4 (ConfigError for an impossible pair)."""
+    from memopt_core.formats import master_codec
+
+    master_codec(name, param_dtype)  # raises ConfigError for unknown names and impossible pairs
+    if name == "fp32":
+        return 0
+    if name == "none":
+        return 1 if param_dtype == torch.bfloat16 else 2
+    return 3 if name == "ecc24" else 4
 
 
 def supports_formats(rule: str, spec: StateSpec, param_dtype: torch.dtype) -> bool:

@@ -32,10 +32,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from memopt_core.backends import PARAM_DTYPES, RULES, GroupStep
+from memopt_core.backends import (
+    KERNEL_MOMENT_IDS,
+    PARAM_DTYPES,
+    RULES,
+    GroupStep,
+    kernel_master_id,
+    kernel_moment_id,
+)
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
-from memopt_core.formats.registry import MASTER_FORMATS, MOMENT_FORMATS, master_codec
+from memopt_core.formats.registry import master_codec
 from memopt_kernels_cpu import _core
 
 __all__ = [
@@ -76,7 +83,7 @@ get_chunk_size = _core.get_chunk_size
 
 # ----------------------------------------------------------------------------------- ids
 #: Moment format name -> ``Moment`` id of ``kernel_api.hpp`` (fp8_e4m3 and q8_signed share one).
-MOMENT_IDS = {"fp32": 0, "bf16": 1, "fp8_e4m3": 2, "q8_signed": 2, "fp8_e5m2": 3, "q8_sqrt": 4}
+MOMENT_IDS = KERNEL_MOMENT_IDS
 #: ``FMT_NONE``: the rule keeps no such state.
 NONE_ID = 5
 #: Gradient dtype -> ``Grad`` id.
@@ -96,23 +103,8 @@ _RULE_IDS = {"sgd": 0, "adam": 1, "lion": 2}
 _U32 = 0xFFFFFFFF
 
 
-def moment_id(name: str) -> int:
-    """Kernel id of moment format ``name`` (core's ``MOMENT_FORMATS``)."""
-    if name not in MOMENT_IDS:
-        raise ConfigError(f"unknown moment format {name!r}; choose one of {MOMENT_FORMATS}")
-    return MOMENT_IDS[name]
-
-
-def master_id(name: str, param_dtype: torch.dtype) -> int:
-    """Kernel id of master format ``name`` for ``param_dtype`` parameters."""
-    if name not in MASTER_FORMATS:
-        raise ConfigError(f"unknown master format {name!r}; choose one of {MASTER_FORMATS}")
-    master_codec(name, param_dtype)  # raises ConfigError for impossible pairs
-    if name == "fp32":
-        return 0
-    if name == "none":
-        return 1 if param_dtype == torch.bfloat16 else 2
-    return 3 if name == "ecc24" else 4
+moment_id = kernel_moment_id
+master_id = kernel_master_id
 
 
 def grad_id(dtype: torch.dtype) -> int:

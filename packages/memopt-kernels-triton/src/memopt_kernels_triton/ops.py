@@ -24,13 +24,12 @@ from operator import attrgetter
 import torch
 from torch import Tensor
 
-from memopt_core.backends import RULES, GroupStep
+from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_moment_id
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
-from memopt_core.formats.registry import MASTER_FORMATS, MOMENT_FORMATS, master_codec
+from memopt_core.formats.registry import MASTER_FORMATS, master_codec
 from memopt_core.reference import to_compute
 from memopt_kernels_triton.kernels import adam as _adam
-from memopt_kernels_triton.kernels import codecs as _codecs
 from memopt_kernels_triton.kernels import convert as _convert
 from memopt_kernels_triton.kernels import lion as _lion
 from memopt_kernels_triton.kernels import sgd as _sgd
@@ -122,21 +121,8 @@ def _rows() -> int:
 
 
 # ----------------------------------------------------------------------------------- ids
-def moment_id(name: str) -> int:
-    """Kernel format id of moment format ``name`` (core's ``MOMENT_FORMATS``)."""
-    if name not in _codecs.MOMENT_IDS:
-        raise ConfigError(f"unknown moment format {name!r}; choose one of {MOMENT_FORMATS}")
-    return _codecs.MOMENT_IDS[name]
-
-
-def master_id(name: str, param_dtype: torch.dtype) -> int:
-    """Kernel master id of master format ``name`` for ``param_dtype`` parameters."""
-    master_codec(name, param_dtype)  # raises ConfigError for impossible pairs
-    if name == "fp32":
-        return 0
-    if name == "none":
-        return 1 if param_dtype == torch.bfloat16 else 2
-    return 3 if name == "ecc24" else 4
+moment_id = kernel_moment_id
+master_id = kernel_master_id
 
 
 def _kernel_view(t: Tensor) -> Tensor:

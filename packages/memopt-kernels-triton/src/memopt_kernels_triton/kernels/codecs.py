@@ -39,16 +39,7 @@ F32_INF: tl.constexpr = tl.constexpr(0x7F800000)
 F32_QNAN: tl.constexpr = tl.constexpr(0x7FC00000)
 SCALE_BIAS: tl.constexpr = tl.constexpr(127)
 
-# Python-side names (ops.py maps core's format names to these ids)
-MOMENT_IDS = {
-    "fp32": 0,
-    "bf16": 1,
-    "fp8_e4m3": 2,
-    "q8_signed": 2,
-    "fp8_e5m2": 3,
-    "q8_sqrt": 4,
-}
-BLOCKED_IDS = (2, 3, 4)
+# memopt_core.backends.KERNEL_MOMENT_IDS maps core's format names to these ids.
 
 
 # ---------------------------------------------------------------------------------- bit views
