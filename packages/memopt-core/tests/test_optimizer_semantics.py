@@ -379,6 +379,47 @@ def test_step_parameters_updates_only_those():
     assert equal_all(params, full)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_step_parameters_with_explicit_grads_and_staging(grad_dtype):
+    # memopt-offload's call: fp32 host masters, bf16 gradients passed by mapping (torch cannot
+    # store them as .grad), bf16 copies of the new weights into staging buffers
+    params = make_params()
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    opt, ropt = MemOptimizer(params, moments="bf16"), MemOptimizer(ref, moments="bf16")
+    for step in range(3):
+        grads = [g.to(grad_dtype) for g in grads_for(params, step)]
+        set_grads(ref, [g.float() for g in grads])  # widening is exact: the same update
+        staging = {p: torch.full((p.numel(),), 3.0, dtype=torch.bfloat16) for p in params[:3]}
+        opt.step_parameters(params, grads=dict(zip(params, grads, strict=True)), staging=staging)
+        ropt.step()
+        assert equal_all(params, ref)
+        assert all(p.grad is None for p in params)
+        for p, st in staging.items():
+            assert torch.equal(st, p.detach().reshape(-1).to(torch.bfloat16))
+
+
+def test_step_parameters_staging_errors():
+    params = make_params()
+    opt = MemOptimizer(params)
+    set_grads(params, grads_for(params, 0))
+    with pytest.raises(ValueError, match="staging must be a"):
+        opt.step_parameters(params, staging=[torch.zeros(63, dtype=torch.bfloat16)])
+    with pytest.raises(
+        ValueError, match=r"staging of parameter #0 .* contiguous bfloat16 tensor of 63"
+    ):
+        opt.step_parameters(params, staging={params[0]: torch.zeros(63)})
+    with pytest.raises(ValueError, match="not among the parameters being stepped"):
+        opt.step_parameters(params[1:], staging={params[0]: torch.zeros(63, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="grads must be a"):
+        opt.step_parameters(params, grads=[torch.zeros(63)])
+    half = make_params(torch.float16)
+    hopt = MemOptimizer(half)
+    set_grads(half, grads_for(half, 0))
+    with pytest.raises(ValueError, match="bf16 copies are for float32 and bfloat16"):
+        hopt.step_parameters(half, staging={half[0]: torch.zeros(63, dtype=torch.bfloat16)})
+    assert not opt.state  # validation ran before any state was created
+
+
 def test_check_numerics_raises_before_touching_anything():
     params = make_params(torch.bfloat16)
     named = [(f"layer{i}.weight", p) for i, p in enumerate(params)]

@@ -26,6 +26,7 @@ from memopt_core.errors import (
     FormatError,
     MemoptError,
     NumericsError,
+    OffloadError,
     StateDictError,
 )
 from memopt_core.formats import StateSpec
@@ -47,6 +48,7 @@ __all__ = [
     "MemOptimizer",
     "MemoptError",
     "NumericsError",
+    "OffloadError",
     "Slot",
     "StateArena",
     "StateDictError",

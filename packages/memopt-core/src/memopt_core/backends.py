@@ -11,7 +11,8 @@ packages register theirs through the ``memopt.kernels`` entry-point group, e.g. 
 The entry point's name is the backend's name (``MEMOPT_BACKEND=cpu`` picks it). It resolves to a
 backend object, or to a class / zero-argument factory returning one, with an integer
 ``KERNEL_API`` equal to :data:`KERNEL_API`, ``available() -> (bool, reason)``,
-``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None``. A backend that
+``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None`` (optionally
+``fused_staging = True`` when ``step`` writes :attr:`GroupStep.staging` itself). A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 
@@ -58,6 +59,7 @@ __all__ = [
     "refresh_backends",
     "select_backend",
     "supports_formats",
+    "writes_staging",
 ]
 
 #: The interface level between core and kernel packages; a backend must declare the same.
@@ -87,6 +89,11 @@ class GroupStep:
     ``spec.stochastic_rounding``) draws ``memopt_core.rng.uniform_bits(seed, tensor_id, index,
     step, stream)`` with ``index`` the element's position in its own tensor (padding continues it).
     A backend updates ``params`` and the arena in place.
+
+    ``staging`` (None, or aligned with ``params``): contiguous bfloat16 tensors (or None) that
+    receive each updated parameter rounded to nearest-even bf16, e.g. the copy memopt-offload
+    sends back to the GPU. A backend whose ``fused_staging`` attribute is true writes them in the
+    same pass as the update; for any other backend the optimizer copies after ``step()``.
     """
 
     rule: str
@@ -101,6 +108,7 @@ class GroupStep:
     seed: int
     tensor_ids: list[int]
     first_step: bool
+    staging: list[Tensor | None] | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -123,6 +131,12 @@ class Backend(Protocol):
     ) -> bool: ...
 
     def step(self, work: GroupStep) -> None: ...
+
+
+def writes_staging(backend: object) -> bool:
+    """Whether ``backend.step`` fills :attr:`GroupStep.staging` itself (its optional
+    ``fused_staging`` attribute); otherwise the caller copies the updated parameters."""
+    return bool(getattr(backend, "fused_staging", False))
 
 
 #: Moment format -> the integer id the kernel packages' kernels switch on (fp8_e4m3 and q8_signed

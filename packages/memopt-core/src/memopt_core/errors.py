@@ -13,6 +13,7 @@ __all__ = [
     "FormatError",
     "MemoptError",
     "NumericsError",
+    "OffloadError",
     "StateDictError",
 ]
 
@@ -39,3 +40,8 @@ class BackendUnavailableError(MemoptError, RuntimeError):
 
 class StateDictError(MemoptError, ValueError):
     """An optimizer state dict that does not match this optimizer (keys, shapes, formats)."""
+
+
+class OffloadError(MemoptError, RuntimeError):
+    """Host offload that cannot proceed: host memory short, pinning refused, or a pipeline used
+    out of order (a forward before ``step_sync()``, a gradient arriving twice)."""

@@ -114,6 +114,15 @@ def _as_float(value: Any, what: str, where: str) -> float:
     return value
 
 
+def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
+    """Gradients have the parameter's dtype or float32; a float32 parameter (its own master)
+    also takes a bfloat16/float16 gradient, widened exactly (the triton backend refuses that
+    pair with its own error)."""
+    return grad in (param, torch.float32) or (
+        param == torch.float32 and grad in (torch.bfloat16, torch.float16)
+    )
+
+
 def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
@@ -505,7 +514,7 @@ class MemOptimizer(Optimizer):
         new_states: dict[Tensor, dict[str, Any]] = {}
         for plan in make_plans(members, lambda dt: self._spec(group, dt), group_index=gi):
             master = plan.spec.master_for(plan.param_dtype)
-            arena = StateArena(plan, {n: self._codec_of(n, plan.spec) for n in names}, master)
+            arena = self._new_arena(plan, {n: self._codec_of(n, plan.spec) for n in names}, master)
             for slot, p in zip(plan.slots, plan.params, strict=True):
                 prev = self.state.get(p) or {}
                 views = arena.views(slot)
@@ -541,6 +550,13 @@ class MemOptimizer(Optimizer):
             for si, p in enumerate(entry.plan.params):
                 self._where[id(p)] = (gi, ei, si)
         self._plans[gi] = _GroupPlans(signature, formats, names, entries)
+
+    def _new_arena(
+        self, plan: GroupPlan, codecs: dict[str, MomentCodec], master: Any
+    ) -> StateArena:
+        """The zeroed state arena of ``plan`` (extension point: a subclass may allocate it
+        elsewhere, e.g. memopt-offload first-touches host pages from its update threads)."""
+        return StateArena(plan, codecs, master)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held now (arenas: moments, scales, master codes; not the
@@ -620,10 +636,10 @@ class MemOptimizer(Optimizer):
                 f"{self._param_label(p)} has a gradient of shape {tuple(g.shape)} on {g.device}; "
                 "it must match the parameter"
             )
-        if g.dtype not in (p.dtype, torch.float32):
+        if not _grad_dtype_ok(p.dtype, g.dtype):
             raise ConfigError(
                 f"{self._param_label(p)} has a {g.dtype} gradient; memopt takes gradients in the "
-                "parameter's dtype or float32"
+                "parameter's dtype or float32 (float32 parameters also bfloat16 or float16)"
             )
         slot = plan.slots[si]
         if p.device != plan.device or p.dtype != plan.param_dtype or p.shape != slot.shape:
@@ -634,7 +650,7 @@ class MemOptimizer(Optimizer):
             )
 
     def _collect(
-        self, only: list[Tensor] | None
+        self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
     ) -> list[tuple[int, int, list[tuple[int, Tensor, Tensor]]]]:
         tasks: dict[tuple[int, int], list[tuple[int, Tensor, Tensor]]] = {}
         if only is None:
@@ -661,17 +677,25 @@ class MemOptimizer(Optimizer):
                     raise ConfigError(
                         f"step_parameters got a tensor ({what}) that this optimizer does not hold"
                     )
-                if p.grad is None:
+                g = grads.get(p) if grads is not None else None
+                if g is None:
+                    g = p.grad
+                if g is None:
                     continue
                 gi, ei, si = loc
-                tasks.setdefault((gi, ei), []).append((si, p, p.grad))
+                tasks.setdefault((gi, ei), []).append((si, p, g))
             for part in tasks.values():
                 part.sort(key=lambda t: t[0])
         return [(gi, ei, part) for (gi, ei), part in sorted(tasks.items())]
 
-    def _update(self, only: list[Tensor] | None) -> None:
+    def _update(
+        self,
+        only: list[Tensor] | None,
+        staging: Mapping[Tensor, Tensor] | None = None,
+        grads: Mapping[Tensor, Tensor] | None = None,
+    ) -> None:
         self._ensure_plans(only)
-        tasks = self._collect(only)
+        tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
@@ -706,6 +730,9 @@ class MemOptimizer(Optimizer):
                             seed=self.seed,
                             tensor_ids=[entry.tensor_ids[si] for si, _, _ in items],
                             first_step=step == 1,
+                            staging=(
+                                None if staging is None else [staging.get(p) for _, p, _ in items]
+                            ),
                         ),
                     )
                 )
@@ -713,6 +740,10 @@ class MemOptimizer(Optimizer):
             self._check_finite(works)
         for backend, work in works:
             backend.step(work)
+            if work.staging is not None and not backends.writes_staging(backend):
+                for p, st in zip(work.params, work.staging, strict=True):
+                    if st is not None:
+                        st.copy_(p.reshape(st.shape))
             for p in work.params:
                 self.state[p]["step"] += 1
 
@@ -833,12 +864,68 @@ class MemOptimizer(Optimizer):
             self._update(None)
         return loss
 
-    def step_parameters(self, params: Iterable[Tensor]) -> None:
-        """Update only ``params`` (those with a gradient), e.g. from a gradient-release hook."""
+    def step_parameters(
+        self,
+        params: Iterable[Tensor],
+        *,
+        grads: Mapping[Tensor, Tensor] | None = None,
+        staging: Mapping[Tensor, Tensor] | None = None,
+    ) -> None:
+        """Update only ``params`` (those with a gradient), e.g. from a gradient-release hook.
+
+        ``grads``: ``{parameter: gradient}`` used instead of ``parameter.grad`` where given
+        (torch cannot store a bfloat16 gradient as the ``.grad`` of a float32 tensor;
+        memopt-offload passes its host gradient buffers this way).
+        ``staging``: ``{parameter: tensor}`` for float32/bfloat16 parameters: a contiguous
+        bfloat16 tensor of the parameter's size and device that receives the updated weights
+        rounded to nearest-even bf16 (fused into the update by the cpu backend; a copy after the
+        update elsewhere). memopt-offload uses it for the copy it sends back to the GPU."""
         if isinstance(params, Tensor):
             params = [params]
+        params = list(params)
+        if staging is not None:
+            self._check_staging(params, staging)
+        if grads is not None and not isinstance(grads, Mapping):
+            raise ConfigError(
+                f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
+            )
         with torch.no_grad():
-            self._update(list(params))
+            self._update(params, staging, grads)
+
+    def _check_staging(self, params: list[Tensor], staging: Mapping[Tensor, Tensor]) -> None:
+        if not isinstance(staging, Mapping):
+            raise ConfigError(
+                f"staging must be a {{parameter: bf16 tensor}} mapping, got {type(staging).__name__}"
+            )
+        wanted = {id(p) for p in params}
+        for p, st in staging.items():
+            if id(p) not in wanted:
+                raise ConfigError(
+                    f"staging names {self._param_label(p)}, which is not among the parameters "
+                    "being stepped"
+                )
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise ConfigError(
+                    f"staging of {self._param_label(p)}: bf16 copies are for float32 and bfloat16 "
+                    "parameters"
+                )
+            if (
+                not isinstance(st, Tensor)
+                or st.dtype != torch.bfloat16
+                or st.numel() != p.numel()
+                or st.device != p.device
+                or not st.is_contiguous()
+            ):
+                got = (
+                    f"{st.dtype}, {st.numel()} elements on {st.device}"
+                    + ("" if st.is_contiguous() else ", not contiguous")
+                    if isinstance(st, Tensor)
+                    else type(st).__name__
+                )
+                raise ConfigError(
+                    f"staging of {self._param_label(p)} must be a contiguous bfloat16 tensor of "
+                    f"{p.numel()} elements on {p.device}, got {got}"
+                )
 
     # ---------------------------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:

@@ -224,6 +224,9 @@ class StateArena:
     ``master_code`` is the flat int code tensor of an ECC master (``total`` entries) or None.
     :meth:`views` gives one tensor's entries under the optimizer's state keys: unblocked fields
     (codec block 1) and master codes shaped like the parameter, blocked fields as flat padded views.
+    ``zeros(numel, dtype, device)`` allocates each zero-filled flat field (default
+    ``torch.zeros``; memopt-offload passes one that first-touches host pages from the threads
+    that update them).
     """
 
     def __init__(
@@ -231,6 +234,7 @@ class StateArena:
         plan: GroupPlan,
         moments: Mapping[str, MomentCodec],
         master: MasterCodec | None = None,
+        zeros: Callable[[int, torch.dtype, torch.device], Tensor] | None = None,
     ) -> None:
         self.plan = plan
         self.codecs: dict[str, MomentCodec] = dict(moments)
@@ -242,12 +246,11 @@ class StateArena:
                     f"codec {codec.name!r} has block size {codec.block_size}, which does not divide "
                     f"the plan's padding unit {plan.block_size}"
                 )
-            self.fields[name] = codec.allocate(plan.total, plan.device)
+            self.fields[name] = codec.allocate(plan.total, plan.device, zeros)
         code_dtype = master.code_dtype if master is not None else None
+        zeros = zeros or (lambda n, dtype, device: torch.zeros(n, dtype=dtype, device=device))
         self.master_code: Tensor | None = (
-            torch.zeros(plan.total, dtype=code_dtype, device=plan.device)
-            if code_dtype is not None
-            else None
+            zeros(plan.total, code_dtype, plan.device) if code_dtype is not None else None
         )
 
     def field_slice(self, name: str, suffix: str, slot: Slot) -> Tensor:

@@ -19,6 +19,7 @@ magnitude rounds up to ``hi`` iff ``(r >> 8) < frac24``; the sign is kept.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,11 +56,22 @@ class MomentCodec(ABC):
             for f in self.fields.values()
         )
 
-    def allocate(self, n: int, device: torch.device | str = "cpu") -> dict[str, Tensor]:
-        """Zeroed fields for ``n`` elements (``n`` a multiple of ``block_size``); they decode to 0."""
+    def allocate(
+        self,
+        n: int,
+        device: torch.device | str = "cpu",
+        zeros: Callable[[int, torch.dtype, torch.device], Tensor] | None = None,
+    ) -> dict[str, Tensor]:
+        """Zeroed fields for ``n`` elements (``n`` a multiple of ``block_size``); they decode to 0.
+        ``zeros(numel, dtype, device)`` allocates each field (default ``torch.zeros``)."""
         self.check_length(n)
+        device = torch.device(device)
         return {
-            k: torch.zeros(f.numel(n, self.block_size), dtype=f.dtype, device=device)
+            k: (
+                torch.zeros(f.numel(n, self.block_size), dtype=f.dtype, device=device)
+                if zeros is None
+                else zeros(f.numel(n, self.block_size), f.dtype, device)
+            )
             for k, f in self.fields.items()
         }
 
