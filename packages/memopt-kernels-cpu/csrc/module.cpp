@@ -214,9 +214,11 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
       bad(at + "arena_offset " + std::to_string(r.arena_offset) + " (+ padded " +
           std::to_string(r.padded) + ") is not a block-aligned range of the arena of " +
           std::to_string(arena_elements) + " elements");
-    if (r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind)
+    // an fp32 master takes every gradient kind (widening is exact); others fp32 or their own
+    if (r.grad_kind < GRAD_FP32 || r.grad_kind > GRAD_FP16 ||
+        (master != MASTER_FP32 && r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind))
       bad(at + "grad_kind " + std::to_string(r.grad_kind) +
-          " must be GRAD_FP32 or the parameter's own dtype");
+          " must be GRAD_FP32 or the parameter's own dtype (fp32 parameters: any Grad)");
     check_addr((at + "param").c_str(), r.param, r.numel > 0);
     check_addr((at + "grad").c_str(), r.grad, r.numel > 0);
     check_addr((at + "staging").c_str(), r.staging, false);

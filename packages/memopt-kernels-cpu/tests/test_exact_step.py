@@ -89,6 +89,16 @@ def test_fp32_gradients_of_low_precision_parameters(variant, master, dtype):
     run_compare(variant, "q8", master, dtype, True, sizes=SMALL_SIZES, grad_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", ["fp32", "bf16", "fp8", "q8"])
+@pytest.mark.parametrize("variant", ["adamw", "sgd-nesterov", "lion"])
+def test_low_precision_gradients_of_fp32_parameters(variant, preset, grad_dtype):
+    # memopt-offload's case: an fp32 host master updated from the bf16 gradient copied off the GPU
+    run_compare(
+        variant, preset, "fp32", torch.float32, True, sizes=SMALL_SIZES, grad_dtype=grad_dtype
+    )
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
     ("variant", "preset", "master", "dtype"),

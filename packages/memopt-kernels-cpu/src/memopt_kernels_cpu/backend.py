@@ -4,7 +4,7 @@
 instruction set and the thread count. ``supports()`` covers CPU tensors for every rule (sgd,
 adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8, q8) for
 fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
-call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`).
+call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ class CpuBackend:
 
     name = "cpu"
     KERNEL_API = KERNEL_API
+    #: ``step`` writes ``work.staging`` (the bf16 copies) in the update's own pass
+    fused_staging = True
 
     def available(self) -> tuple[bool, str]:
         return True, (
@@ -41,7 +43,7 @@ class CpuBackend:
     def step(self, work: GroupStep) -> None:
         from memopt_kernels_cpu import ops
 
-        ops.fused_step(work)
+        ops.fused_step(work, staging=work.staging)
 
     def __repr__(self) -> str:
         return "CpuBackend()"

@@ -532,10 +532,12 @@ def _prepare(
                 f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
             )
         _check_tensor(g, f"the gradient of {what}")
-        if g.dtype not in (p0.dtype, torch.float32):
+        if g.dtype not in GRAD_IDS or not (
+            g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
+        ):
             raise ConfigError(
                 f"the gradient of {what} is {g.dtype}; gradients have the parameter's dtype or "
-                "float32"
+                "float32 (float32 parameters also bfloat16 or float16)"
             )
         if g.shape != p0.shape:
             raise ConfigError(
