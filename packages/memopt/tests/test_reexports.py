@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 from importlib.metadata import version
 
 import pytest
@@ -13,7 +14,11 @@ def test_every_export_resolves_to_the_component_object():
     for name in memopt.__all__:
         if name == "__version__":
             continue
-        module, _ = memopt._EXPORTS[name]
+        module, dist = memopt._EXPORTS[name]
+        if importlib.util.find_spec(module.split(".")[0]) is None:  # an extra not installed
+            with pytest.raises(ImportError, match=f"pip install {dist}"):
+                getattr(memopt, name)
+            continue
         assert getattr(memopt, name) is getattr(__import__(module, fromlist=[name]), name)
 
 

@@ -606,7 +606,9 @@ def _check_group(work: GroupStep) -> None:
         )
 
 
-_CACHE_SIZE = 8
+# validated slot tables kept per plan: memopt-offload steps each plan in a few dozen buckets
+# (different slot subsets) per optimizer step; a table is 64 B per tensor
+_CACHE_SIZE = 128
 
 
 def _cache_key(work: GroupStep, params, grads, stage) -> tuple:

@@ -30,6 +30,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "enable_gradient_release": ("memopt_ecc", "memopt-ecc"),
     "get_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
     "set_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
+    "AdamBridge": ("memopt_offload", "memopt-offload"),
+    "OffloadError": ("memopt_core.errors", "memopt-core"),
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,744 @@
+"""``AdamBridge``: AdamW with its master weights and moments in host RAM, pipelined into backward.
+
+Only the model's weights (bfloat16, or float32) stay on the GPU. For each trainable parameter the
+host holds, in a few exact-size slabs (:mod:`memopt_offload.host_memory`):
+
+=========== ================================= =============================================
+precision   host state per parameter          host bytes moved per update
+=========== ================================= =============================================
+``fp32``    fp32 master + fp32 m, v: 12 B     master 4 r+w, m 4 r+w, v 4 r+w, bf16 gradient
+                                              2 r, bf16 staging copy 2 w: 28 B
+``bf16``    fp32 master + bf16 m, v: 8 B      20 B
+``fp8``     fp32 master + fp8 m, v: ~6.1 B    ~16.1 B
+``compact`` bf16 weight + ECC-24 code + q8    weight 2 r+w, code 1 r+w, m, v ~1 r+w each,
+            m, v: ~5.1 B                      gradient 2 r (no staging copy): ~12.1 B
+=========== ================================= =============================================
+
+plus the pinned bf16 gradient buffer (2 B) and, except for ``"compact"`` (whose bf16 host
+parameter is itself the copy sent back), a pinned bf16 staging copy (2 B). The link carries 2 B
+per parameter down (the bf16 gradient) and 2 B up (the updated bf16 weight); float32 parameters
+4 B each way. Low-precision moments and the ECC master round stochastically (core's
+counter-based generator), so they do not stall; every update is bit-exact with
+``memopt_core``'s reference AdamW on the same host tensors.
+
+The pipeline (:meth:`AdamBridge.attach_hooks`): a post-accumulate-grad hook on each parameter
+copies its final gradient to the pinned host buffer on a side stream and frees the GPU gradient;
+gradients are grouped into buckets of about ``bucket_mb``; a dispatcher thread waits for each
+bucket's copy, runs the fused C++ AdamW kernel (memopt-kernels-cpu, GIL released, its own thread
+pool) over the bucket, which writes the bf16 staging copy in the same pass, and queues the
+host-to-device copy of the new weights on another stream, all while backward continues.
+:meth:`AdamBridge.step_sync` waits until every update has landed and makes the current stream wait
+for the uploads, so the next forward never reads a half-updated weight. Without hooks,
+:meth:`AdamBridge.step` runs the same pipeline over all gradients at once. With the model on the
+CPU the same pipeline runs with plain copies (this is what CPU CI tests).
+
+A weight is written back while backward still runs. That is safe because a parameter's
+post-accumulate-grad hook fires after every backward node that produces its gradient has run
+(and the dispatcher waits for the GPU work queued before the hook), and no standard backward
+node reads a weight after producing its gradient. A graph that reads a *detached* copy of a
+weight in backward after the weight's gradient is final (rare) should use :meth:`step` without
+hooks; the in-place upload bumps the weight's version counter, so autograd reports such a read
+instead of using a changed value where it can.
+
+Gradient clipping by global norm (``max_grad_norm``) cannot use ``clip_grad_norm_`` with hooks
+(the gradients have left the GPU when backward returns). ``clip_mode="wait"`` (the default)
+computes each gradient's fp32 norm on the device as it arrives (the total is the L2 norm of
+those norms stacked in parameter order, so it does not depend on backward's order), starts no update before backward
+ends, then scales the host gradients by ``min(1, max_grad_norm / (total_norm + 1e-6))`` (the
+formula of ``torch.nn.utils.clip_grad_norm_``) and updates: exact clipping, transfers still
+overlap backward, updates do not. ``clip_mode="overlap"`` updates during backward with the
+coefficient of the *previous* step's total norm (one step stale; the first step waits), so
+updates overlap backward but a gradient spike is clipped one step late. ``last_grad_norm``
+holds the total norm of the latest step either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from memopt_core.errors import ConfigError, OffloadError, StateDictError
+from memopt_core.optimizer import MemOptimizer
+from memopt_core.plan import StateArena
+from memopt_kernels_cpu import ops as cpu_ops
+from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
+
+__all__ = ["PRECISIONS", "AdamBridge"]
+
+#: precision -> (moment preset, master format of bf16 parameters)
+PRECISIONS: dict[str, tuple[str, str]] = {
+    "fp32": ("fp32", "none"),
+    "bf16": ("bf16", "none"),
+    "fp8": ("fp8", "none"),
+    "compact": ("q8", "ecc24"),
+}
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+_CLIP_MODES = ("wait", "overlap")
+_STATE_DICT_VERSION = 1
+
+
+def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeroed host tensor whose pages the CPU kernels' threads touch first (NUMA locality)."""
+    t = torch.empty(n, dtype=dtype, device=device)
+    if t.device.type == "cpu":
+        cpu_ops.first_touch(t)
+    else:  # pragma: no cover - the host optimizer only holds CPU tensors
+        t.zero_()
+    return t
+
+
+class _HostAdamW(MemOptimizer):
+    """The host half of AdamBridge: AdamW over host tensors, state first-touched."""
+
+    def _new_arena(self, plan, codecs, master) -> StateArena:
+        return StateArena(plan, codecs, master, zeros=_first_touched_zeros)
+
+
+@dataclass
+class _Slot:
+    """One trainable parameter: the model's tensor and its host tensors."""
+
+    param: Tensor
+    group: int
+    master: Tensor  # host master the kernel updates (fp32, or bf16 for "compact")
+    grad: Tensor  # pinned host gradient buffer (the parameter's dtype and shape)
+    upload: Tensor  # host tensor copied back to the parameter (staging or master)
+    staging: Tensor | None  # bf16 copy the kernel writes, when the master is fp32
+    label: str
+    index: int  # position among all parameters of the optimizer (orders the norm's sum)
+
+
+class _Dispatcher:
+    """The thread that runs host updates in submission order. It holds no reference to the
+    optimizer (only to the callables queued), so an unused AdamBridge is collected, and the
+    first error of a step is kept for :meth:`wait` (later updates of that step are skipped)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=_dispatch_loop, args=(self,), name="memopt-offload-dispatcher", daemon=True
+            )
+            self._thread.start()
+        with self._cond:
+            self._submitted += 1
+        self._queue.put((fn, args))
+
+    def run(self, fn: Any, args: tuple) -> None:
+        """Run one item (skipped after an earlier error of the same step) and record it."""
+        with self._cond:
+            failed = self._error is not None
+        error = None
+        if not failed:
+            try:
+                fn(*args)
+            except BaseException as e:  # handed to step_sync()
+                error = e
+        with self._cond:
+            if error is not None and self._error is None:
+                self._error = error
+            self._done += 1
+            self._cond.notify_all()
+
+    def wait(self) -> BaseException | None:
+        """Block until every submitted item ran; returns (and clears) the first error."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done == self._submitted)
+            err, self._error = self._error, None
+        return err
+
+    def stop(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+
+
+def _dispatch_loop(dispatcher: _Dispatcher) -> None:
+    q = dispatcher._queue
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        dispatcher.run(*item)
+        del item  # drop the optimizer reference before blocking again
+
+
+@dataclass
+class _Bucket:
+    slots: list[_Slot] = field(default_factory=list)
+    nbytes: int = 0
+    event: Any = None  # torch.cuda.Event after the bucket's device-to-host copies
+
+
+class AdamBridge(Optimizer):
+    """AdamW whose fp32 master weights and moments live in host RAM (see the module doc).
+
+    Args:
+        params: the model's parameters (bfloat16 or float32, all on one device: a GPU, or the
+            CPU), or param-group dicts; frozen parameters get no host memory.
+        lr, betas, eps, weight_decay: AdamW's (decoupled decay ``lr * weight_decay``), per group.
+        precision: host state format: ``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"compact"`` (bf16
+            parameters: ECC-24 master + q8 moments; float32 parameters keep an fp32 master).
+        max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
+        clip_mode: ``"wait"`` (exact) or ``"overlap"`` (previous step's norm), see module doc.
+        bucket_mb: gradient megabytes per host update call (latency vs. call overhead).
+        pin_memory: page-lock the host gradient and upload buffers (GPU parameters only).
+        seed: key of the stochastic-rounding generator.
+        autotune: an :class:`memopt_offload.autotune.AutoTuneConfig` to apply (kernel threads
+            and chunk size), True to load or measure one, None to leave the settings as they are.
+        backend: host kernel backend (``"cpu"``: the C++ kernels; ``"torch"``: core's reference).
+
+    Host memory is allocated when a param group is added (at construction), with an
+    :class:`~memopt_core.errors.OffloadError` before anything is allocated when the host lacks it.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        precision: str = "bf16",
+        max_grad_norm: float | None = None,
+        clip_mode: str = "wait",
+        bucket_mb: float = 32.0,
+        pin_memory: bool = True,
+        seed: int = 0,
+        autotune: Any = None,
+        backend: str = "cpu",
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ConfigError(f"unknown precision {precision!r}; choose one of {tuple(PRECISIONS)}")
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise ConfigError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ConfigError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
+        if clip_mode not in _CLIP_MODES:
+            raise ConfigError(f"clip_mode must be one of {_CLIP_MODES}, got {clip_mode!r}")
+        if (
+            isinstance(bucket_mb, bool)
+            or not isinstance(bucket_mb, (int, float))
+            or not (bucket_mb > 0)
+        ):
+            raise ConfigError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+        if autotune is True:
+            from memopt_offload.autotune import AutoTuneConfig
+
+            AutoTuneConfig.load_or_measure().apply()
+        elif autotune not in (None, False):
+            if not hasattr(autotune, "apply"):
+                raise ConfigError(
+                    f"autotune must be None, True or an AutoTuneConfig, got {autotune!r}"
+                )
+            autotune.apply()
+        self.precision = precision
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.clip_mode = clip_mode
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.pin_memory = bool(pin_memory)
+        self.last_grad_norm: float | None = None
+        self._device: torch.device | None = None
+        self._slots: dict[int, _Slot] = {}
+        self._slabs: list[HostSlab] = []
+        self._host: _HostAdamW | None = None
+        self._host_args = dict(seed=seed, backend=backend)
+        self._hooks: list[Any] = []
+        self._model_ref: Any = None
+        self._accumulating = False
+        self._reset_pipeline()
+        if isinstance(params, Tensor):
+            raise ConfigError(
+                "params must be an iterable of tensors or param groups: wrap it in a list"
+            )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------------- host memory
+    @property
+    def _cuda(self) -> bool:
+        return self._device is not None and self._device.type == "cuda"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (torch semantics) and allocate its host memory now."""
+        if self._hooks:
+            raise ConfigError("add_param_group while hooks are attached: call detach_hooks() first")
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise ConfigError("a param group must be a dict with a 'params' entry")
+        raw = param_group["params"]
+        raw = [raw] if isinstance(raw, Tensor) else list(raw)
+        params = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in raw]
+        gi = len(self.param_groups)
+        for i, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
+            if p.dtype not in (torch.bfloat16, torch.float32):
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) is {p.dtype}; "
+                    "AdamBridge keeps bfloat16 (or float32) weights on the device: cast the "
+                    "model, e.g. model.to(torch.bfloat16)"
+                )
+            if self._device is None:
+                self._device = p.device
+            if p.device != self._device:
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} is on {p.device}, the others on "
+                    f"{self._device}: AdamBridge runs one device per optimizer (one per process)"
+                )
+            if p.layout != torch.strided:
+                raise ConfigError(f"parameter #{i} of param group {gi} is a {p.layout} tensor")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._allocate_group(len(self.param_groups) - 1, group, raw)
+
+    def _allocate_group(self, gi: int, group: dict[str, Any], raw: list[Any]) -> None:
+        train = [p for p in group["params"] if p.requires_grad]
+        names = [item[0] if isinstance(item, tuple) else None for item in raw]
+        moments, master = PRECISIONS[self.precision]
+        pin = self.pin_memory and self._cuda
+        pinned, plain = SlabLayout(), SlabLayout()
+        layout: list[tuple[int, int, int, int | None]] = []  # master, grad, upload, staging
+        for p in train:
+            compact_bf16 = self.precision == "compact" and p.dtype == torch.bfloat16
+            if p.dtype == torch.float32 or compact_bf16:
+                # the master itself is what goes back to the device: it must be pinned
+                m = pinned.add(p.shape, p.dtype)
+                g = pinned.add(p.shape, p.dtype)
+                layout.append((m, g, m, None))
+            else:
+                m = plain.add(p.shape, torch.float32)
+                g = pinned.add(p.shape, p.dtype)
+                s = pinned.add(p.shape, torch.bfloat16)
+                layout.append((m, g, s, s))
+        # the moment arena, estimated from the format (the exact count comes with init_state)
+        per = {"fp32": 8.0, "bf16": 4.0, "fp8": 2.0 + 2 / 32, "q8": 2.0 + 2 / 32}[moments]
+        code = 1 if master == "ecc24" else 0
+        numel = sum(p.numel() for p in train)
+        needed = pinned.nbytes + plain.nbytes + int(numel * (per + code)) + 64 * len(train)
+        check_host_memory(needed, pinned.nbytes if pin else 0, f"AdamBridge param group {gi}")
+        pslab = HostSlab(pinned, pin=pin, what=f"AdamBridge param group {gi}")
+        uslab = HostSlab(plain, pin=False, what=f"AdamBridge param group {gi}")
+        self._slabs += [pslab, uslab]
+        masters = []
+        with torch.no_grad():
+            for p, (m, g, u, s) in zip(train, layout, strict=True):
+                slab_m = pslab if p.dtype == torch.float32 or s is None else uslab
+                mt = slab_m.view(m)
+                mt.copy_(p.detach())  # the device weight (bf16 widens exactly)
+                mt.requires_grad_(True)
+                idx = next(i for i, q in enumerate(group["params"]) if q is p)
+                label = names[idx] if idx < len(names) and names[idx] else f"#{idx}"
+                slot = _Slot(
+                    param=p,
+                    group=gi,
+                    master=mt,
+                    grad=pslab.view(g),
+                    upload=mt if s is None else pslab.view(u),
+                    staging=None if s is None else pslab.view(s),
+                    label=f"parameter {label} of param group {gi} (shape {tuple(p.shape)})",
+                    index=sum(len(g["params"]) for g in self.param_groups[:gi]) + idx,
+                )
+                self._slots[id(p)] = slot
+                masters.append(mt)
+        host_group = {k: group[k] for k in _HYPER}
+        host_group["params"] = masters
+        if self._host is None:
+            self._host = _HostAdamW(
+                [host_group],
+                rule="adamw",
+                moments=moments,
+                master=master,
+                stochastic_rounding=True,
+                **self._host_args,
+            )
+        else:
+            self._host.add_param_group(host_group)
+        self._host.init_state()
+
+    def host_bytes(self) -> int:
+        """Host RAM held: the slabs (gradient, staging and master buffers) plus the moments."""
+        assert self._host is not None
+        return sum(s.nbytes for s in self._slabs) + self._host.state_bytes()
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes (0 on a CPU model or with ``pin_memory=False``)."""
+        return sum(s.nbytes for s in self._slabs if s.pinned)
+
+    def master_weight(self, p: Tensor) -> Tensor:
+        """The host fp32 master of parameter ``p`` (a copy, decoded for ``"compact"``)."""
+        slot = self._slot(p)
+        with torch.no_grad():
+            if self.precision == "compact" and slot.master.dtype == torch.bfloat16:
+                code = self._host.state[slot.master]["master_code"]
+                return cpu_ops.decode_master("ecc24", slot.master.detach(), code)
+            return slot.master.detach().clone()
+
+    def _slot(self, p: Tensor) -> _Slot:
+        slot = self._slots.get(id(p))
+        if slot is None or slot.param is not p:
+            raise ConfigError(
+                f"a tensor of shape {tuple(p.shape)} that this AdamBridge does not train (not in "
+                "its param groups, or frozen when the group was added)"
+            )
+        return slot
+
+    # ------------------------------------------------------------------------------ hooks
+    def attach_hooks(self, model: torch.nn.Module) -> None:
+        """Update each parameter of ``model`` from a post-accumulate-grad hook as soon as its
+        gradient is final (see the module doc); a forward pre-hook on ``model`` raises
+        :class:`~memopt_core.errors.OffloadError` when a forward starts before
+        :meth:`step_sync` collected the updates of the last backward."""
+        if self._hooks:
+            raise ConfigError("hooks are already attached: call detach_hooks() first")
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
+        hooked = 0
+        for p in model.parameters():
+            slot = self._slots.get(id(p))
+            if slot is None or slot.param is not p:
+                continue
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            hooked += 1
+        if not hooked:
+            raise ConfigError(
+                "attach_hooks found none of this optimizer's trainable parameters in the model"
+            )
+        self._hooks.append(model.register_forward_pre_hook(self._check_synced))
+
+    def detach_hooks(self) -> None:
+        """Remove the hooks (waits for in-flight updates first); idempotent."""
+        if self._pending:
+            self._finish()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def hooks_attached(self) -> bool:
+        return bool(self._hooks)
+
+    @contextlib.contextmanager
+    def no_update(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside leave their gradients on the device to
+        accumulate (like DDP's ``no_sync``); the next backward outside sends the sum."""
+        prev, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = prev
+
+    def _check_synced(self, module: torch.nn.Module, args: Any) -> None:
+        if self._pending:
+            raise OffloadError(
+                f"a forward of {type(module).__name__} started while {len(self._pending)} "
+                "parameter update(s) of the last backward are not collected: call "
+                "optimizer.step_sync() (or step()) after backward and before the next forward, "
+                "or the forward could read half-updated weights"
+            )
+
+    def _on_grad(self, p: Tensor) -> None:
+        if self._accumulating:
+            return
+        self._offload(self._slots[id(p)], free=True)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._close_bucket()
+
+    # --------------------------------------------------------------------------- pipeline
+    def _reset_pipeline(self) -> None:
+        self._pending: dict[int, _Slot] = {}
+        self._bucket = _Bucket()
+        self._held: list[_Bucket] = []
+        self._norms: dict[int, Tensor] = {}
+        self._callback_queued = False
+        self._dispatcher = _Dispatcher()
+        # stops the thread when the optimizer is collected (the thread holds no reference to it)
+        weakref.finalize(self, self._dispatcher.stop)
+        self._streams: tuple[Any, Any] | None = None
+        self._prev_coef: float | None = None
+
+    def _stream_pair(self) -> tuple[Any, Any]:
+        if self._streams is None:
+            self._streams = (
+                torch.cuda.Stream(self._device),
+                torch.cuda.Stream(self._device),
+            )
+        return self._streams
+
+    def _offload(self, slot: _Slot, *, free: bool) -> None:
+        """Start the gradient's trip to the host and add it to the open bucket."""
+        p = slot.param
+        if id(p) in self._pending:
+            raise OffloadError(
+                f"the gradient of {slot.label} arrived twice before step_sync(): accumulate "
+                "micro-batches inside `with optimizer.no_update():`, and call step_sync() "
+                "after each optimizer step's last backward"
+            )
+        g = p.grad
+        if g.shape != p.shape or g.dtype != p.dtype or g.layout != torch.strided:
+            raise OffloadError(
+                f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
+                f"AdamBridge takes dense gradients of the parameter's dtype and shape"
+            )
+        self._pending[id(p)] = slot
+        clip = self.max_grad_norm is not None
+        if self._cuda:
+            d2h, _ = self._stream_pair()
+            d2h.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(d2h):
+                if clip:
+                    self._norms[slot.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
+                slot.grad.copy_(g, non_blocking=True)
+            g.record_stream(d2h)
+        else:
+            if clip:
+                self._norms[slot.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
+            slot.grad.copy_(g)
+        if free:
+            p.grad = None
+        self._bucket.slots.append(slot)
+        self._bucket.nbytes += g.numel() * g.element_size()
+        if self._bucket.nbytes >= self.bucket_bytes:
+            self._close_bucket()
+
+    def _close_bucket(self) -> None:
+        bucket = self._bucket
+        if not bucket.slots:
+            return
+        self._bucket = _Bucket()
+        if self._cuda:
+            bucket.event = torch.cuda.Event()
+            bucket.event.record(self._stream_pair()[0])
+        if self.max_grad_norm is not None and (self.clip_mode == "wait" or self._prev_coef is None):
+            self._held.append(bucket)  # needs this step's norm: updates wait for backward's end
+        else:
+            self._submit(bucket, self._prev_coef)
+
+    def _submit(self, bucket: _Bucket, coef: float | None) -> None:
+        self._dispatcher.submit(self._update, bucket, coef)
+
+    def _update(self, bucket: _Bucket, coef: float | None) -> None:
+        """Dispatcher thread: one host update of a bucket, then its upload."""
+        if bucket.event is not None:
+            bucket.event.synchronize()  # the gradients are in host memory
+        host = self._host
+        for gi in {s.group for s in bucket.slots}:  # LR schedulers change the outer groups
+            outer, inner = self.param_groups[gi], host.param_groups[gi]
+            for k in _HYPER:
+                inner[k] = outer[k]
+        with torch.no_grad():
+            if coef is not None and coef < 1.0:
+                for s in bucket.slots:
+                    s.grad.mul_(coef)
+            host.step_parameters(
+                [s.master for s in bucket.slots],
+                grads={s.master: s.grad for s in bucket.slots},
+                staging={s.master: s.staging for s in bucket.slots if s.staging is not None},
+            )
+            if self._cuda:
+                with torch.cuda.stream(self._stream_pair()[1]):
+                    for s in bucket.slots:
+                        s.param.detach().copy_(s.upload, non_blocking=True)
+            else:
+                for s in bucket.slots:
+                    s.param.detach().copy_(s.upload)
+
+    def _wait_all(self) -> None:
+        err = self._dispatcher.wait()
+        if err is not None:
+            self._pending.clear()
+            self._held.clear()
+            raise OffloadError(
+                f"a host update failed ({type(err).__name__}: {err}); the parameters of that "
+                "step are in an undefined state: reload the last checkpoint"
+            ) from err
+
+    def _finish(self) -> None:
+        """Collect the step: clip (when waiting for the norm), run held buckets, wait for every
+        update and order the uploads before the current stream's next work."""
+        self._close_bucket()
+        if self.max_grad_norm is not None and self._norms:
+            # summed in parameter order, whatever order backward produced the gradients in
+            norms = [self._norms[i] for i in sorted(self._norms)]
+            total = torch.linalg.vector_norm(torch.stack(norms)).item()
+            self._norms = {}
+            self.last_grad_norm = total
+            coef = min(1.0, self.max_grad_norm / (total + 1e-6))
+            held, self._held = self._held, []
+            for bucket in held:
+                self._submit(bucket, coef)
+            if self.clip_mode == "overlap":
+                self._prev_coef = coef
+        self._wait_all()
+        if self._cuda and self._streams is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
+        self._pending.clear()
+
+    # --------------------------------------------------------------------------- stepping
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One step. With hooks attached: collect the updates the hooks started (this is what
+        :meth:`step_sync` calls). Any parameter holding a gradient the hooks did not take (no
+        hooks, or a parameter outside the hooked model) is offloaded and updated now; its
+        gradient is left in place, as torch's ``step`` does. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for slot in self._slots.values():
+            p = slot.param
+            if p.grad is not None and id(p) not in self._pending:
+                self._offload(slot, free=False)
+        self._finish()
+        return loss
+
+    def step_sync(self) -> float | None:
+        """Wait until every update of the last backward has landed and the new weights are
+        back on the device (ordered before the current stream's next kernel). Calls
+        :meth:`step` (so LR schedulers and step hooks see a step); a second call without new
+        gradients does nothing. Returns the total gradient norm when clipping, else None."""
+        self.step()
+        return self.last_grad_norm if self.max_grad_norm is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch semantics (with hooks, gradients are already freed after their copy)."""
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------------ state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``state`` by parameter index with the host optimizer's named state
+        (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
+        host master: fp32, or the bf16 weight of ``"compact"``), ``param_groups`` as torch
+        saves them, and ``memopt`` (precision, seed, version). Tensors are live host views;
+        ``torch.save`` writes them without a trip through the device."""
+        if self._pending:
+            self._finish()
+        sd = super().state_dict()
+        host_sd = self._host.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        host_index = {
+            id(m): i for i, m in enumerate(m for g in self._host.param_groups for m in g["params"])
+        }
+        state: dict[int, dict[str, Any]] = {}
+        for slot in self._slots.values():
+            entry = dict(host_sd["state"].get(host_index[id(slot.master)], {}))
+            entry["master"] = slot.master.detach()
+            state[index[id(slot.param)]] = entry
+        sd["state"] = state
+        sd["memopt"] = {
+            "family": "AdamBridge",
+            "precision": self.precision,
+            "seed": self._host.seed,
+            "version": _STATE_DICT_VERSION,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output (validated before anything changes); the host
+        masters, moments and step counts are restored and the device weights rewritten from
+        the masters, so training continues bit-identically."""
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise StateDictError("expected the dict AdamBridge.state_dict() returns")
+        meta = state_dict.get("memopt")
+        if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
+            raise StateDictError(
+                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"
+            )
+        if meta.get("precision") != self.precision:
+            raise StateDictError(
+                f"the state dict holds precision={meta.get('precision')!r} state; this "
+                f"AdamBridge uses precision={self.precision!r}"
+            )
+        if self._pending:
+            self._finish()
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise StateDictError(
+                f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        host_params = [m for g in self._host.param_groups for m in g["params"]]
+        host_index = {id(m): i for i, m in enumerate(host_params)}
+        host_state: dict[int, Any] = {}
+        masters: list[tuple[_Slot, Tensor]] = []
+        pos = {}
+        for g in saved_groups:
+            for k in g["params"]:
+                pos[k] = len(pos)
+        for key, entry in state_dict["state"].items():
+            if key not in pos or pos[key] >= len(params):
+                raise StateDictError(f"the state dict holds state for unknown parameter {key!r}")
+            p = params[pos[key]]
+            slot = self._slots.get(id(p))
+            if slot is None:
+                raise StateDictError(
+                    f"the state dict holds state for parameter index {key!r}, which is frozen here"
+                )
+            if not isinstance(entry, Mapping) or "master" not in entry:
+                raise StateDictError(f"the state of parameter index {key!r} lacks 'master'")
+            m = entry["master"]
+            if (
+                not isinstance(m, Tensor)
+                or m.dtype != slot.master.dtype
+                or m.shape != (slot.master.shape)
+            ):
+                raise StateDictError(
+                    f"'master' of parameter index {key!r} must be {slot.master.dtype} of shape "
+                    f"{tuple(slot.master.shape)}"
+                )
+            masters.append((slot, m))
+            host_state[host_index[id(slot.master)]] = {
+                k: v for k, v in entry.items() if k != "master"
+            }
+        host_groups = []
+        for hg, saved in zip(self._host.state_dict()["param_groups"], saved_groups, strict=True):
+            merged = dict(hg)
+            merged.update({k: deepcopy(saved[k]) for k in _HYPER if k in saved})
+            host_groups.append(merged)
+        self._host.load_state_dict(
+            {
+                "state": host_state,
+                "param_groups": host_groups,
+                "memopt": {"rule": "adamw", "seed": meta.get("seed", self._host.seed)},
+            }
+        )
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        with torch.no_grad():
+            for slot, m in masters:
+                slot.master.copy_(m)
+                if slot.staging is not None:
+                    slot.staging.copy_(slot.master)
+                slot.param.copy_(slot.upload)
+        self.last_grad_norm = None
+        self._prev_coef = None
+
+    # ------------------------------------------------------------------------ lifetime
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "AdamBridge holds pinned host buffers and a worker thread and cannot be pickled or "
+            "deep-copied: save optimizer.state_dict() instead"
+        )

@@ -1,0 +1,99 @@
+"""Twin training for AdamBridge's tests: the same model trained by AdamBridge and by a reference.
+
+The reference is core's ``MemOptimizer`` on its pure-torch backend over host copies of the
+masters (fp32, or bf16 + ECC-24 code for ``"compact"``), fed the same bf16 gradients, with the
+device weights rewritten from the masters after each step exactly as AdamBridge's upload does
+(round to nearest even). Both models compute the same forward and backward, so every step's
+gradients, masters and weights must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from memopt_core.optimizer import MemOptimizer
+from memopt_offload import PRECISIONS
+
+
+def make_model(device, *, width: int = 48, dtype=torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(33, width),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(width),
+        torch.nn.Linear(width, 31),
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def batch(step: int, device, dtype=torch.bfloat16, n: int = 8, d: int = 33) -> Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, d, generator=g).to(device=device, dtype=dtype)
+
+
+def loss_of(model: torch.nn.Module, x: Tensor) -> Tensor:
+    return model(x).float().pow(2).mean()
+
+
+class Reference:
+    """Reference AdamW over host masters of ``model``'s trainable parameters."""
+
+    def __init__(self, model: torch.nn.Module, precision: str, groups=None, seed: int = 0, **kw):
+        moments, master = PRECISIONS[precision]
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters: dict[int, Tensor] = {}
+        for p in self.params:
+            keep_bf16 = precision == "compact" and p.dtype == torch.bfloat16
+            m = p.detach().to("cpu", torch.bfloat16 if keep_bf16 else torch.float32).clone()
+            self.masters[id(p)] = m.requires_grad_(True)
+        if groups is None:
+            host_groups = [{"params": [self.masters[id(p)] for p in self.params]}]
+        else:
+            host_groups = [
+                {**{k: v for k, v in g.items() if k != "params"},
+                 "params": [self.masters[id(p)] for p in g["params"] if p.requires_grad]}
+                for g in groups
+            ]  # fmt: skip
+        kw.setdefault("weight_decay", 0.01)  # AdamBridge's default, as torch.optim.AdamW's
+        self.opt = MemOptimizer(
+            host_groups,
+            rule="adamw",
+            moments=moments,
+            master=master,
+            stochastic_rounding=True,
+            seed=seed,
+            backend="torch",
+            **kw,
+        )
+
+    def step(self, coef: float | None = None) -> None:
+        """One update from the model's current gradients (scaled by ``coef`` like AdamBridge's
+        clipping: the host bf16 gradient multiplied in place), then the weights from the masters."""
+        grads = {}
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad.detach().to("cpu").clone()
+            if coef is not None and coef < 1.0:
+                g.mul_(coef)
+            grads[self.masters[id(p)]] = g
+        with torch.no_grad():
+            self.opt.step_parameters(list(grads), grads=grads)
+            for p in self.params:
+                p.copy_(self.masters[id(p)])
+
+
+def clone_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, what: str = "") -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        if not torch.equal(p.detach().cpu().view(torch.int16 if p.dtype != torch.float32 else torch.int32),
+                           q.detach().cpu().view(torch.int16 if q.dtype != torch.float32 else torch.int32)):  # fmt: skip
+            diff = (p.detach().float() - q.detach().float()).abs().max().item()
+            raise AssertionError(f"{what}: parameter {name} differs (max abs diff {diff})")

@@ -1,0 +1,254 @@
+"""AdamBridge's contract around the pipeline: misuse gives clear errors (never a stale weight),
+attach/detach cycles, host memory accounting, bad arguments, long runs without stalls."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from offload_testutil import Reference, assert_same_params, batch, loss_of, make_model
+
+import memopt_offload.host_memory as host_memory
+from memopt_core.errors import ConfigError, OffloadError, StateDictError
+from memopt_offload import AdamBridge
+
+
+def test_step_sync_twice_is_a_no_op(device):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    after = [p.detach().clone() for p in model.parameters()]
+    opt.step_sync()
+    opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters(), strict=True))
+
+
+def test_forward_before_step_sync_is_an_error(device):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    with pytest.raises(OffloadError, match=r"step_sync\(\)"):
+        model(batch(1, device))
+    opt.step_sync()  # recovers: the updates land, the next forward runs
+    loss_of(model, batch(1, device)).backward()
+    opt.step_sync()
+
+
+class Scale(torch.nn.Module):
+    """Backward of ``x * w`` saves only ``x``: a second backward of the same graph can run."""
+
+    def __init__(self, device) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8, device=device, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return (x * self.w).sum()
+
+
+def test_gradient_arriving_twice_is_an_error(device):
+    model = Scale(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    opt.attach_hooks(model)
+    loss = model(torch.randn(8, device=device, dtype=torch.bfloat16))
+    loss.backward(retain_graph=True)
+    with pytest.raises(OffloadError, match="arrived twice"):
+        loss.backward()
+
+
+def test_backward_reading_an_updated_weight_is_loud(device):
+    """A second backward through a graph that saved a weight the hooks already updated: the
+    upload bumps the weight's version, so autograd refuses instead of using the new value."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    opt.attach_hooks(model)
+    loss = loss_of(model, batch(0, device))
+    loss.backward(retain_graph=True)
+    opt.step_sync()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_repeated_attach_detach_matches_reference(device):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=2e-3, precision="bf16")
+    ref = Reference(ref_model, "bf16", lr=2e-3)
+    for t in range(8):
+        hooks = t % 2 == 0
+        if hooks:
+            opt.attach_hooks(model)
+        x = batch(t, device)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        opt.step_sync()
+        if hooks:
+            opt.detach_hooks()
+            opt.detach_hooks()  # idempotent
+        else:
+            opt.zero_grad()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+
+
+def test_detach_collects_in_flight_updates(device):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=2e-3)
+    ref = Reference(ref_model, "bf16", lr=2e-3)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.detach_hooks()  # without step_sync: detaching waits for the updates
+    loss_of(ref_model, batch(0, device)).backward()
+    ref.step()
+    assert_same_params(model, ref_model)
+    model(batch(1, device))  # no hooks, no error
+
+
+def test_attach_errors(device):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-3)
+    opt.attach_hooks(model)
+    with pytest.raises(ConfigError, match="already attached"):
+        opt.attach_hooks(model)
+    with pytest.raises(ConfigError, match="detach_hooks"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
+    opt.detach_hooks()
+    with pytest.raises(ConfigError, match="none of this optimizer's"):
+        opt.attach_hooks(make_model(device))
+    with pytest.raises(ConfigError, match=r"torch\.nn\.Module"):
+        opt.attach_hooks([model])
+
+
+def test_add_param_group_allocates_and_trains(device):
+    model = make_model(device)
+    extra = torch.nn.Parameter(torch.ones(5, device=device, dtype=torch.bfloat16))
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    before = opt.host_bytes()
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    assert opt.host_bytes() > before
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    assert torch.all(extra < 1)
+
+
+def test_bad_arguments(device):
+    model = make_model(device)
+    params = list(model.parameters())
+    with pytest.raises(ConfigError, match="unknown precision 'int8'"):
+        AdamBridge(params, precision="int8")
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ConfigError, match="max_grad_norm"):
+            AdamBridge(params, max_grad_norm=bad)
+    with pytest.raises(ConfigError, match="clip_mode"):
+        AdamBridge(params, max_grad_norm=1.0, clip_mode="late")
+    with pytest.raises(ConfigError, match="bucket_mb"):
+        AdamBridge(params, bucket_mb=0)
+    with pytest.raises(ConfigError, match="autotune"):
+        AdamBridge(params, autotune="yes")
+    with pytest.raises(ConfigError, match="float16; AdamBridge keeps bfloat16"):
+        AdamBridge([torch.nn.Parameter(torch.zeros(4, device=device, dtype=torch.float16))])
+    with pytest.raises(ConfigError, match="one device per optimizer"):
+        AdamBridge([params[0], torch.nn.Parameter(torch.zeros(4, device="meta"))])
+    with pytest.raises(ConfigError, match="wrap it in a list"):
+        AdamBridge(params[0])
+    with pytest.raises(ValueError, match="learning rate"):
+        AdamBridge(params, lr=-1.0)
+
+
+def test_failed_host_update_surfaces_in_step_sync(device):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-3)
+    opt.attach_hooks(model)
+    opt.param_groups[0]["lr"] = -1.0
+    loss_of(model, batch(0, device)).backward()
+    with pytest.raises(OffloadError, match=r"host update failed.*learning rate"):
+        opt.step_sync()
+    opt.param_groups[0]["lr"] = 1e-3
+    loss_of(model, batch(1, device)).backward()
+    opt.step_sync()  # usable again
+
+
+def test_short_host_memory_is_refused_before_allocating(device, monkeypatch):
+    model = make_model(device)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
+    with pytest.raises(OffloadError, match=r"needs 0\.\d\d GiB of host RAM .* only 0\.00 GiB"):
+        AdamBridge(model.parameters())
+
+
+def test_host_bytes_are_exact(device):
+    model = make_model(device)
+    n = sum(p.numel() for p in model.parameters())
+    fp32 = AdamBridge(model.parameters(), precision="fp32")
+    compact = AdamBridge(model.parameters(), precision="compact")
+    # fp32: master 4 + grad 2 + staging 2 + m 4 + v 4; compact: bf16 2 + grad 2 + code 1 + q8
+    assert 16 * n <= fp32.host_bytes() <= 16 * n + 6 * 3 * 64 + 64
+    assert 5 * n + 2 * n / 32 * 0 < compact.host_bytes() <= 7.2 * n + 6 * 64 * 3
+
+
+def test_not_picklable(device):
+    opt = AdamBridge(make_model(device).parameters())
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt)
+
+
+def test_load_state_dict_errors(device):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), precision="bf16")
+    other = AdamBridge(make_model(device).parameters(), precision="fp8")
+    with pytest.raises(StateDictError, match="precision='fp8'"):
+        opt.load_state_dict(other.state_dict())
+    with pytest.raises(StateDictError, match="not saved by AdamBridge"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    sd = opt.state_dict()
+    sd["state"][0]["master"] = sd["state"][0]["master"][:1]
+    with pytest.raises(StateDictError, match="'master' of parameter index 0"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "compact"])
+def test_long_run_tracks_fp32(device, precision):
+    """1500 steps on a fixed regression task with a small learning rate: compact host states
+    (stochastic rounding) must keep decreasing the loss like fp32 does, not stall."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 33).to(device, torch.bfloat16)
+    target = torch.randn(64, 31).to(device, torch.bfloat16)
+    losses = {}
+    for prec in ("fp32", precision):
+        model = make_model(device, width=16)
+        opt = AdamBridge(model.parameters(), lr=3e-4, weight_decay=0.0, precision=prec)
+        opt.attach_hooks(model)
+        curve = []
+        for _ in range(1500):
+            loss = (model(x).float() - target.float()).pow(2).mean()
+            loss.backward()
+            opt.step_sync()
+            curve.append(loss.item())
+        losses[prec] = curve
+    ref, got = losses["fp32"], losses[precision]
+    assert got[-1] < 0.8 * got[0]  # it trained
+    assert abs(got[-1] - ref[-1]) < 0.02 * ref[-1]
+    assert abs(got[750] - ref[750]) < 0.02 * ref[750]
+
+
+def test_a_dropped_optimizer_is_freed(device):
+    import gc
+    import weakref
+
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-3)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    opt.detach_hooks()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None  # the dispatcher thread holds no reference to it

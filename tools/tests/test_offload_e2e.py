@@ -1,0 +1,206 @@
+"""The offload end-to-end benchmark at toy size on a CPU, and the Qwen2 replica's shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import types
+import warnings
+
+import offload_e2e
+import pytest
+import qwen2_shape
+import step_bench
+import torch
+
+TINY = ["--device", "cpu", "--tiny", "--warmup", "1", "--iters", "2", "--bw-mib", "4"]
+TINY += ["--threads", "1"]  # tiny ops on a shared 2-CPU machine: threads only add waiting
+BRIDGE_ROWS = [s.name for s in offload_e2e.ROWS if s.kind == "bridge"]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+class StandInBridge(torch.optim.AdamW):
+    """AdamBridge's API over torch AdamW, so the bridge rows' plumbing runs without the package."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, precision):
+        assert precision in offload_e2e.BYTE_MODEL
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.hooked = 0
+        self.handles = []
+
+    def attach_hooks(self, model):
+        def hook(_):
+            self.hooked += 1
+
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in model.parameters()]
+
+    def detach_hooks(self):
+        for h in self.handles:
+            h.remove()
+
+    def step_sync(self):
+        assert self.hooked  # the hooks ran during backward
+        self.step()
+        self.zero_grad(set_to_none=True)
+
+    def host_bytes(self):
+        return 3 * 2**20
+
+
+def _run(tmp_path, rows: list[str], *extra: str) -> dict:
+    out = tmp_path / "e2e.json"
+    argv = [*TINY, *extra, "--rows", ",".join(rows), "--json", str(out)]
+    assert offload_e2e.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_full_shape_is_qwen25_05b() -> None:
+    with torch.device("meta"):
+        model = qwen2_shape.Qwen2ForCausalLM(qwen2_shape.QWEN25_05B)
+    params = list(model.parameters())
+    assert len(params) == 290
+    assert sum(p.numel() for p in params) == 494_032_768
+    assert [tuple(p.shape) for p in params] == step_bench.qwen25_05b_shapes()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_byte_model_table() -> None:
+    host = {k: (v.kernel, v.host, v.link) for k, v in offload_e2e.BYTE_MODEL.items()}
+    assert host == {
+        "fp32": (28, 32, 4),
+        "bf16": (20, 24, 4),
+        "fp8": (16, 20, 4),
+        "compact": (12, 16, 4),
+    }
+
+
+def test_lower_bound_exposes_the_last_gradient() -> None:
+    bw = offload_e2e.Bandwidth(d2h_gbs=50.0, h2d_gbs=50.0, both_gbs=100.0, host_gbs=100.0, mib=4)
+    base = offload_e2e.Row("fwd-bwd-bf16", "", median_ms=100.0, fwd_ms=40.0, bwd_ms=60.0)
+    ready = [
+        {"name": "late", "numel": 10**6, "ms": 10.0},
+        {"name": "embed", "numel": 10**8, "ms": 60.0},
+        {"name": "<backward end>", "numel": 0, "ms": 60.0},
+    ]
+    n = 10**8 + 10**6
+    hooked = offload_e2e.Row("bridge-bf16", "", precision="bf16", hooks=True, median_ms=150.0)
+    b = offload_e2e.lower_bound(hooked, n, bw, base, ready)
+    assert b["host_ms"] == pytest.approx(24 * n / 100e9 * 1e3)  # 24 B/param at 100 GB/s
+    assert b["link_ms"] == pytest.approx(2 * n / 50e9 * 1e3)
+    assert b["bound_by"] == "host memory"
+    assert b["tail_ms"] == pytest.approx(24 * 10**8 / 100e9 * 1e3)  # the embedding, after bwd
+    assert b["step_ms"] == pytest.approx(100.0 + b["tail_ms"])
+    assert "from embed on" in b["exposed"]
+    plain = offload_e2e.Row("bridge-bf16-nohooks", "", precision="bf16", median_ms=150.0)
+    b = offload_e2e.lower_bound(plain, n, bw, base, ready)
+    assert b["step_ms"] == pytest.approx(100.0 + b["host_ms"])
+
+
+def test_tiny_run_times_torch_adamw_and_the_floor(tmp_path, capsys) -> None:
+    data = _run(tmp_path, ["torch-adamw", "fwd-bwd-bf16"])
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["torch-adamw", "fwd-bwd-bf16"]
+    for r in rows.values():
+        assert r["error"] is None
+        assert r["skipped"] is None
+        assert len(r["step_ms"]) == 2
+        assert 0 < r["min_ms"] <= r["median_ms"]
+        assert r["peak_gib"] is None  # no CUDA
+        assert math.isfinite(r["final_loss"])
+        assert len(r["losses"]) == 3
+    assert rows["torch-adamw"]["vs_torch_adamw"] == pytest.approx(1.0)
+    # the same data and init in every row: the first losses agree to bf16 accuracy
+    assert rows["torch-adamw"]["losses"][0] == pytest.approx(
+        rows["fwd-bwd-bf16"]["losses"][0], rel=0.01
+    )
+    assert data["model"]["impl"] in ("plain", "transformers")
+    assert data["model"]["tensors"] == 26
+    assert len(data["grad_ready"]) == 27  # every tensor, then backward's end
+    assert data["machine"]["cpu_count"] >= 1
+    assert data["bandwidth"]["host_gbs"] > 0
+    assert data["argv"][1:4] == TINY[:3]
+    out = capsys.readouterr().out
+    assert "| optimizer | median step ms | min | peak VRAM GiB |" in out
+    assert "| torch AdamW fp32 fused + bf16 autocast |" in out
+
+
+def test_bridge_rows_skip_without_the_package(tmp_path, capsys, monkeypatch) -> None:
+    if importlib.util.find_spec("memopt_offload") is not None:
+        monkeypatch.setitem(sys.modules, "memopt_offload", None)  # import raises ImportError
+    data = _run(tmp_path, [*BRIDGE_ROWS, "torchao-offload"])
+    for r in data["rows"]:
+        assert r["median_ms"] is None
+        assert r["skipped"]
+    assert all("memopt_offload" in r["skipped"] for r in data["rows"][:-1])
+    assert "CUDA" in data["rows"][-1]["skipped"] or "torchao" in data["rows"][-1]["skipped"]
+    captured = capsys.readouterr()
+    assert "skipping bridge-bf16: memopt_offload cannot be imported" in captured.err
+    assert "| AdamBridge bf16 | skipped: memopt_offload cannot be imported" in captured.out
+
+
+def test_bridge_rows_with_a_stand_in(tmp_path, monkeypatch) -> None:
+    fake = types.ModuleType("memopt_offload")
+    fake.AdamBridge = StandInBridge
+    monkeypatch.setitem(sys.modules, "memopt_offload", fake)
+    data = _run(tmp_path, ["bridge-bf16", "bridge-compact", "bridge-bf16-nohooks", "fwd-bwd-bf16"])
+    rows = {r["name"]: r for r in data["rows"]}
+    for name in ("bridge-bf16", "bridge-compact", "bridge-bf16-nohooks"):
+        r = rows[name]
+        assert r["error"] is None
+        assert r["median_ms"] > 0
+        assert r["host_gib"] == pytest.approx(3 / 1024)
+        b = r["bound"]
+        assert b["compute_from"] == "fwd-bwd-bf16"
+        assert b["link_ms"] == 0.0  # no GPU: nothing crosses a link
+        assert b["step_ms"] >= b["fwd_ms"] + b["bwd_ms"]
+    assert rows["bridge-bf16"]["bound"]["host_bytes_per_param"] == 24
+    assert rows["bridge-compact"]["bound"]["host_bytes_per_param"] == 16
+    assert rows["bridge-bf16"]["hooks"]
+    assert not rows["bridge-bf16-nohooks"]["hooks"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("memopt_offload") is None, reason="memopt_offload is not installed"
+)
+def test_the_real_bridge_runs_its_rows(tmp_path) -> None:
+    data = _run(tmp_path, ["bridge-bf16", "bridge-bf16-nohooks"])
+    for r in data["rows"]:
+        assert r["error"] is None
+        assert r["median_ms"] > 0
+        assert r["host_gib"] > 0
+        assert math.isfinite(r["final_loss"])
+
+
+def test_isolated_row_runs_in_its_own_process(tmp_path) -> None:
+    data = _run(tmp_path, ["torch-adamw"], "--isolate")
+    (row,) = data["rows"]
+    assert row["error"] is None
+    assert len(row["step_ms"]) == 2
+    assert data["header"]["isolation"] == "each row in its own process"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_replica_matches_transformers() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers = importlib.import_module("transformers")
+    shape = qwen2_shape.TINY
+    torch.manual_seed(0)
+    theirs = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**shape.config_kwargs(), attn_implementation="sdpa")
+    )
+    ours = qwen2_shape.Qwen2ForCausalLM(shape)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    ours.load_state_dict(theirs.state_dict())
+    ids = torch.randint(0, shape.vocab_size, (2, 16))
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = theirs.to(dtype)(input_ids=ids, use_cache=False).logits
+        assert torch.equal(ours.to(dtype)(ids), expected)
