@@ -808,12 +808,34 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
   const int64_t mb = moment_bytes(c.fmt1), vb = moment_bytes(c.fmt2);
   const bool staging = s.staging != 0 && c.master != MASTER_FP16;  // ops.py refuses fp16 staging
   if (adam && c.master == MASTER_FP32 && c.fmt1 == FMT_FP32 && c.fmt2 == FMT_FP32 &&
-      s.grad_kind == GRAD_FP32 && !c.maximize && !c.has_l2 && !staging && s.padded == s.numel) {
-    // Plain fp32 AdamW: nothing to decode and the gradient is only read, so one pass over the
-    // tensors themselves (no tile copies), as torch's fused kernel does.
+      !c.maximize && !c.has_l2 && s.padded == s.numel) {
+    // Plain fp32 AdamW: nothing to decode and the gradient is only read, so the update runs on
+    // the tensors themselves (no tile copies), as torch's fused kernel does; a bf16/fp16
+    // gradient is widened tile by tile and the staging copy is rounded from the updated tile
+    // while it is in L1 (memopt-offload's fp32 case).
     const int64_t a = s.arena_offset;
-    adam_update(c, end - begin, at<float>(s.param, begin * 4), at<const float>(s.grad, begin * 4),
-                at<float>(c.m, (a + begin) * 4), at<float>(c.v, (a + begin) * 4));
+    if (s.grad_kind == GRAD_FP32 && !staging) {
+      adam_update(c, end - begin, at<float>(s.param, begin * 4), at<const float>(s.grad, begin * 4),
+                  at<float>(c.m, (a + begin) * 4), at<float>(c.v, (a + begin) * 4));
+      return;
+    }
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+      const int64_t n = vmin(TILE, end - t0);
+      float* xp = at<float>(s.param, t0 * 4);
+      const float* gp = at<const float>(s.grad, t0 * 4);
+      if (s.grad_kind != GRAD_FP32) {
+        load_grad(s.grad_kind, at<void>(s.grad, t0 * 2), n, n, g);
+        gp = g;
+      }
+      adam_update(c, n, xp, gp, at<float>(c.m, (a + t0) * 4), at<float>(c.v, (a + t0) * 4));
+      if (staging) {
+        for (int64_t i = 0; i < n; ++i) stage[i] = static_cast<uint16_t>(bf16_round<false>(f2u(xp[i]), 0));
+        stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
+      }
+    }
+#if defined(__AVX2__)
+    if (staging) _mm_sfence();
+#endif
     return;
   }
   for (int64_t t0 = begin; t0 < end; t0 += TILE) {
