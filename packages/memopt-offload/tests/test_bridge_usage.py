@@ -252,3 +252,31 @@ def test_a_dropped_optimizer_is_freed(device):
     del opt
     gc.collect()
     assert ref() is None  # the dispatcher thread holds no reference to it
+
+
+def test_refused_pinning_is_a_clear_error(monkeypatch):
+    class Cudart:
+        @staticmethod
+        def cudaHostRegister(ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart)
+    layout = host_memory.SlabLayout()
+    layout.add((1000,), torch.bfloat16)
+    with pytest.raises(
+        OffloadError, match=r"pinning 0\.00 GiB .* failed \(CUDA error 2.*ulimit -l"
+    ):
+        host_memory.HostSlab(layout, pin=True, what="a test")
+
+
+def test_slab_views_are_aligned_and_exact():
+    layout = host_memory.SlabLayout()
+    a = layout.add((3,), torch.bfloat16)
+    b = layout.add((5, 7), torch.float32)
+    c = layout.add((0,), torch.uint8)
+    assert layout.nbytes == 64 + 5 * 7 * 4 + 0  # b starts at the next 64-byte boundary
+    slab = host_memory.HostSlab(layout, pin=False, what="a test")
+    views = [slab.view(i) for i in (a, b, c)]
+    assert [tuple(v.shape) for v in views] == [(3,), (5, 7), (0,)]
+    assert all(v.data_ptr() % 64 == 0 for v in views[:2])
+    assert all(not v.any() for v in views)  # zero-filled by the kernels' threads

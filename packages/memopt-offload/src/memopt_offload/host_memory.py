@@ -74,6 +74,9 @@ class SlabLayout:
         numel = 1
         for s in shape:
             numel *= s
+        if numel == 0:  # no bytes, no padding
+            self.entries.append(_Entry(self.nbytes, 0, dtype, shape))
+            return len(self.entries) - 1
         offset = -(-self.nbytes // ALIGN) * ALIGN
         self.entries.append(_Entry(offset, numel, dtype, shape))
         self.nbytes = offset + numel * dtype.itemsize
