@@ -22,6 +22,7 @@ from memopt_core.backends import (
 )
 from memopt_core.errors import (
     BackendUnavailableError,
+    CheckpointError,
     ConfigError,
     FormatError,
     MemoptError,
@@ -41,6 +42,7 @@ __all__ = [
     "Backend",
     "BackendStatus",
     "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "FormatError",
     "GroupPlan",

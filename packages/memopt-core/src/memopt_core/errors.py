@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "FormatError",
     "MemoptError",
@@ -45,3 +46,8 @@ class StateDictError(MemoptError, ValueError):
 class OffloadError(MemoptError, RuntimeError):
     """Host offload that cannot proceed: host memory short, pinning refused, or a pipeline used
     out of order (a forward before ``step_sync()``, a gradient arriving twice)."""
+
+
+class CheckpointError(MemoptError, ValueError):
+    """A checkpoint file that cannot be read as written: truncated, corrupted (checksum), of a
+    newer format version, or not a memopt checkpoint. Nothing is loaded from such a file."""
