@@ -1,0 +1,278 @@
+"""``save`` / ``load``: a model and its optimizer in one checksummed file, keyed by parameter name.
+
+What is stored (one :mod:`memopt_checkpoint.container` file, written atomically and streamed
+one tensor at a time):
+
+- ``model/<name>`` for every entry of ``model.state_dict()`` in its own dtype (a bf16 model stays
+  2 B per weight). Tied weights, which ``state_dict()`` lists under every name, are stored once;
+  the other names are recorded as aliases.
+- ``optim/<parameter name>/<state key>`` for every tensor of ``optimizer.state_dict()["state"]``
+  in its stored format: q8 and fp8 moments stay 1 B per element with their block scales, the
+  ECC-24 code stays 1 B per element (FlashOptim writes 2), AdamBridge's host masters their own
+  dtype. An ECC-24 FlashAdamW checkpoint (weights and optimizer) is therefore about
+  2 + 1 + 2 x (1 + 1/32) = 5.06 B per parameter.
+- The index's JSON ``meta``: format versions, the optimizer's class and its state dict's non-tensor
+  parts (param groups with parameter *names* instead of positions, the ``memopt`` entry), the
+  model's keys and aliases, and ``extra`` (JSON values; tensors at its top level are stored as
+  ``extra/<key>``).
+
+Parameters are matched by name (``model.named_parameters()``), not by position, so a model whose
+parameters were reordered or whose optimizer groups list them differently still loads, and a
+missing or extra name is reported by name. :func:`load` validates everything first, then reads
+and checks every tensor it needs (checksums), and only then changes the model and the optimizer.
+The optimizer's own ``load_state_dict`` checks formats, shapes and dtypes. So a bad file, a
+foreign optimizer or a shape mismatch raises (:class:`~memopt_core.errors.CheckpointError`,
+:class:`~memopt_core.errors.StateDictError`) with nothing changed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memopt_checkpoint.container import CheckpointReader, CheckpointWriter
+from memopt_core.errors import CheckpointError, ConfigError, StateDictError
+
+__all__ = ["CHECKPOINT_SCHEMA", "load", "save"]
+
+#: Version of the key/meta layout below (the container has its own format version).
+CHECKPOINT_SCHEMA = 1
+
+
+def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each optimizer parameter, in ``state_dict()`` index order."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if model is None:
+        return [f"#{i}" for i in range(len(params))]
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    out = []
+    for i, p in enumerate(params):
+        if id(p) not in names:
+            raise ConfigError(
+                f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not a parameter of the "
+                "model: pass the model the optimizer trains (or model=None to key by position)"
+            )
+        out.append(names[id(p)])
+    return out
+
+
+def _json_value(v: Any, where: str) -> Any:
+    if isinstance(v, Tensor):
+        if v.numel() != 1:
+            raise ConfigError(f"{where} is a tensor of shape {tuple(v.shape)}; only scalars fit")
+        v = v.item()
+    if isinstance(v, tuple):
+        return [_json_value(x, where) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{where} is {v}, which JSON cannot hold")
+    try:
+        json.dumps(v)
+    except TypeError:
+        raise ConfigError(f"{where} ({type(v).__name__}) is not JSON-serializable") from None
+    return v
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Write ``model`` and ``optimizer`` (either may be None) and ``extra`` to ``path``
+    atomically: the previous file at ``path`` stays intact until the new one is complete and on
+    disk. AdamBridge's pending updates are collected first (its ``state_dict()`` does that)."""
+    if model is None and optimizer is None:
+        raise ConfigError("save needs a model, an optimizer or both")
+    meta: dict[str, Any] = {"schema": CHECKPOINT_SCHEMA}
+    tensors: list[tuple[str, Tensor]] = []
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        seen: dict[tuple, str] = {}
+        aliases: dict[str, str] = {}
+        keys = []
+        for name, t in model.state_dict().items():
+            ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if t.numel() and ident in seen:
+                aliases[name] = seen[ident]
+                continue
+            seen[ident] = name
+            keys.append(name)
+            tensors.append((f"model/{name}", t))
+        meta["model"] = {"keys": keys, "aliases": aliases}
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        names = _param_names(model, optimizer)
+        sd = optimizer.state_dict()
+        groups = []
+        for gi, g in enumerate(sd["param_groups"]):
+            out = {
+                k: _json_value(v, f"param group {gi}'s {k!r}")
+                for k, v in g.items()
+                if k not in ("params", "param_names")
+            }
+            out["params"] = [names[i] for i in g["params"]]
+            groups.append(out)
+        state_meta: dict[str, dict[str, Any]] = {}
+        for idx, entry in sd["state"].items():
+            name = names[idx]
+            values = {}
+            for k, v in entry.items():
+                if isinstance(v, Tensor):
+                    tensors.append((f"optim/{name}/{k}", v))
+                    values[k] = None
+                else:
+                    values[k] = _json_value(v, f"state {k!r} of {name!r}")
+            state_meta[name] = values
+        meta["optimizer"] = {
+            "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "param_groups": groups,
+            "state": state_meta,
+            "memopt": _json_value(sd.get("memopt"), "the state dict's 'memopt' entry"),
+            "keyed_by": "position" if model is None else "name",
+        }
+    extra_json: dict[str, Any] = {}
+    for k, v in (extra or {}).items():
+        if isinstance(v, Tensor):
+            tensors.append((f"extra/{k}", v))
+            extra_json[k] = None
+        else:
+            extra_json[k] = _json_value(v, f"extra[{k!r}]")
+    meta["extra"] = extra_json
+    meta["extra_tensors"] = [k for k, v in (extra or {}).items() if isinstance(v, Tensor)]
+    with CheckpointWriter(path, meta=meta) as writer:
+        for key, t in tensors:
+            writer.add(key, t.detach())
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load what :func:`save` wrote into ``model`` and/or ``optimizer`` (built as when saving)
+    and return ``extra``. Validates the whole file and every name and shape before changing
+    anything; ``strict=False`` tolerates model entries missing on either side (never a shape or
+    dtype mismatch)."""
+    with CheckpointReader(path) as reader:
+        meta = reader.meta
+        if not isinstance(meta, Mapping) or "schema" not in meta:
+            raise CheckpointError(f"{os.fspath(path)} is not a memopt_checkpoint.save file")
+        if meta["schema"] > CHECKPOINT_SCHEMA:
+            raise CheckpointError(
+                f"{os.fspath(path)} uses checkpoint schema {meta['schema']}; this memopt-checkpoint "
+                f"reads up to {CHECKPOINT_SCHEMA}: upgrade memopt-checkpoint"
+            )
+        model_plan = _plan_model(reader, meta, model, strict) if model is not None else None
+        optim_sd = (
+            _plan_optimizer(reader, meta, model, optimizer) if optimizer is not None else None
+        )
+        extra = dict(meta.get("extra", {}))
+        for k in meta.get("extra_tensors", []):
+            extra[k] = reader.load(f"extra/{k}")
+        # every tensor read and checked: now change things
+        if optim_sd is not None:
+            optimizer.load_state_dict(optim_sd)
+        if model_plan is not None:
+            with torch.no_grad():
+                for target, src in model_plan:
+                    target.copy_(src)
+    return extra
+
+
+def _plan_model(reader, meta, model, strict) -> list[tuple[Tensor, Tensor]]:
+    info = meta.get("model")
+    if info is None:
+        raise StateDictError("the checkpoint holds no model (it was saved with model=None)")
+    stored = {name: name for name in info["keys"]}
+    stored.update(info.get("aliases", {}))
+    current = model.state_dict()
+    missing = [k for k in current if k not in stored]
+    unexpected = [k for k in stored if k not in current]
+    if strict and (missing or unexpected):
+        raise StateDictError(
+            f"the checkpoint's model does not match: missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+            f"{'...' if len(unexpected) > 8 else ''} (load(..., strict=False) skips them)"
+        )
+    plan = []
+    cache: dict[str, Tensor] = {}
+    for name, target in current.items():
+        if name not in stored:
+            continue
+        key = f"model/{stored[name]}"
+        dtype, shape, _ = reader.entry(key)
+        if tuple(shape) != tuple(target.shape) or dtype != target.dtype:
+            raise StateDictError(
+                f"model entry {name!r} is {dtype} of shape {tuple(shape)} in the checkpoint, "
+                f"{target.dtype} of shape {tuple(target.shape)} in the model"
+            )
+        if key not in cache:
+            cache[key] = reader.load(key)
+        plan.append((target, cache[key]))
+    return plan
+
+
+def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
+    info = meta.get("optimizer")
+    if info is None:
+        raise StateDictError("the checkpoint holds no optimizer (it was saved with optimizer=None)")
+    cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if info["class"] != cls:
+        raise StateDictError(
+            f"the checkpoint holds the state of a {info['class']}; this optimizer is a {cls} "
+            "(memopt_checkpoint.interop converts between memopt and torch optimizers)"
+        )
+    if info["keyed_by"] == "name" and model is None:
+        # (a file keyed by position was saved with model=None, so it has no model to load)
+        raise ConfigError("this checkpoint keys the optimizer state by parameter name: pass model=")
+    names = _param_names(model, optimizer)
+    index = {name: i for i, name in enumerate(names)}
+    saved_groups = info["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise StateDictError(
+            f"the checkpoint has {len(saved_groups)} param group(s), the optimizer "
+            f"{len(optimizer.param_groups)}"
+        )
+    groups = []
+    pos = 0
+    for gi, (saved, group) in enumerate(zip(saved_groups, optimizer.param_groups, strict=True)):
+        mine = names[pos : pos + len(group["params"])]
+        pos += len(group["params"])
+        if sorted(saved["params"]) != sorted(mine):
+            missing = sorted(set(mine) - set(saved["params"]))
+            extra = sorted(set(saved["params"]) - set(mine))
+            raise StateDictError(
+                f"param group {gi} differs: the checkpoint lacks {missing[:8]} and has "
+                f"{extra[:8]} that the optimizer's group does not"
+            )
+        g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in saved.items()}
+        g["params"] = [index[n] for n in mine]  # torch maps saved ids to params by position
+        groups.append(g)
+    state: dict[int, dict[str, Any]] = {}
+    for name, values in info["state"].items():
+        if name not in index:
+            raise StateDictError(f"the checkpoint holds optimizer state for {name!r}, unknown here")
+        entry = {}
+        for k, v in values.items():
+            entry[k] = reader.load(f"optim/{name}/{k}") if v is None else v
+        state[index[name]] = entry
+    sd: dict[str, Any] = {"state": state, "param_groups": groups}
+    if info.get("memopt") is not None:
+        memo = dict(info["memopt"])
+        sd["memopt"] = memo
+    return sd

@@ -1,0 +1,94 @@
+"""Atomic replacement of a file: write a temporary file beside it, fsync, rename, fsync the folder.
+
+Until :meth:`AtomicFile.commit` has renamed the file, the file at ``path`` is the previous one
+(or absent); afterwards it is the new one, complete and on disk. A failure before the rename
+(disk full, permission, a crash) leaves the previous file untouched, and :meth:`AtomicFile.abort`
+(or leaving an :func:`atomic_file` block with an exception) removes the temporary file. An error
+fsyncing the folder after the rename propagates with the new file already in place (file
+systems that cannot fsync a folder, ``EINVAL``/``ENOTSUP``, are tolerated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+__all__ = ["AtomicFile", "atomic_file", "fsync_directory"]
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened)."""
+    if not hasattr(os, "O_DIRECTORY"):  # Windows: no fsync of directories
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # file systems that do not support it say EINVAL
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """An unbuffered binary temporary file ``.<name>.tmp-<12 hex>`` in ``path``'s folder that
+    :meth:`commit` renames over ``path``. ``state`` is ``"open"``, ``"committed"`` or
+    ``"aborted"``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(os.fspath(path))
+        self.state = "unopened"
+        directory = self.path.parent
+        for _ in range(100):
+            tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(6)}"
+            try:
+                # closed by commit() or abort(); mode 0o666 less the umask, as open() does
+                self.file: Any = open(tmp, "xb", buffering=0)  # noqa: SIM115
+            except FileExistsError:
+                continue
+            break
+        else:  # pragma: no cover - 100 collisions of 48 random bits
+            raise FileExistsError(errno.EEXIST, "no free temporary file name", str(directory))
+        self.temp_path = tmp
+        self.state = "open"
+
+    def commit(self) -> None:
+        """fsync and close the file, rename it over ``path``, fsync the folder."""
+        try:
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.temp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self.state = "committed"
+        fsync_directory(self.path.parent)
+
+    def abort(self) -> None:
+        """Close and remove the temporary file; ``path`` is untouched. No-op unless open."""
+        if self.state != "open":
+            return
+        self.state = "aborted"
+        try:
+            self.file.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temp_path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """``with atomic_file(p) as f: f.write(...)``: ``p`` is replaced when the block ends
+    normally, untouched when it raises."""
+    af = AtomicFile(path)
+    try:
+        yield af.file
+    except BaseException:
+        af.abort()
+        raise
+    af.commit()

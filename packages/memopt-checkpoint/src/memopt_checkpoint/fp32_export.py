@@ -1,0 +1,76 @@
+"""fp32 export: the full-precision weights as an ordinary torch state dict (no memopt to load it).
+
+``fp32_model_state_dict(model, optimizer)`` is ``model.state_dict()`` with every floating entry
+in fp32 and the true master weight where the optimizer keeps one beyond the parameter:
+
+- memopt optimizers with an ECC master (``MemOptimizer``, the ``memopt_ecc`` Flash* family):
+  bf16 parameter + ECC code decoded (exactly fp32 for ECC-32), through
+  :func:`memopt_ecc.get_fp32_model_state_dict` (memopt-ecc must be installed);
+- ``memopt_offload.AdamBridge``: its host fp32 masters (:meth:`AdamBridge.master_weight`);
+- anything else (or no optimizer): the parameters widened to fp32.
+
+:func:`export_fp32` writes that dict with ``torch.save`` atomically (temporary file, fsync,
+rename), so a crash never leaves a half-written export. To go back, load the file with
+``torch.load`` and use ``memopt_ecc.set_fp32_model_state_dict`` (ECC models) or
+``model.load_state_dict`` (others).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from memopt_checkpoint.atomic_write import atomic_file
+from memopt_core.errors import ConfigError
+from memopt_core.optimizer import MemOptimizer
+
+__all__ = ["export_fp32", "fp32_model_state_dict"]
+
+
+def fp32_model_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """``model.state_dict()`` in fp32 with master weights where ``optimizer`` keeps them (see
+    the module doc); new CPU tensors."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, MemOptimizer):
+        try:
+            from memopt_ecc import get_fp32_model_state_dict
+        except ImportError as e:
+            raise ConfigError(
+                "the fp32 export of a memopt optimizer's ECC masters needs memopt-ecc: "
+                "pip install memopt-ecc"
+            ) from e
+        sd = get_fp32_model_state_dict(model, optimizer)
+        return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}
+    masters: dict[int, torch.Tensor] = {}
+    master_weight = getattr(optimizer, "master_weight", None)
+    if callable(master_weight):  # memopt_offload.AdamBridge
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    masters[id(p)] = master_weight(p)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            p = params.get(name)
+            if p is not None and id(p) in masters:
+                out[name] = masters[id(p)].detach().cpu().reshape(t.shape).clone()
+            elif t.is_floating_point():
+                out[name] = t.detach().to("cpu", torch.float32).clone()
+            else:
+                out[name] = t.detach().cpu().clone()
+    return out
+
+
+def export_fp32(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Write :func:`fp32_model_state_dict` to ``path`` with ``torch.save``, atomically."""
+    sd = fp32_model_state_dict(model, optimizer)
+    with atomic_file(path) as f:
+        torch.save(sd, f)

@@ -1,0 +1,243 @@
+"""save/load: bit-identical resume for every optimizer family, name keying, size, and errors
+that change nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from memopt_checkpoint import export_fp32, fp32_model_state_dict, load, save
+from memopt_core import MemOptimizer
+from memopt_core.errors import CheckpointError, ConfigError, StateDictError
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int = 40) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, width)
+        self.mid = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, 64, bias=False)
+        self.head.weight = self.emb.weight  # tied: stored once
+
+    def forward(self, ids):
+        return self.head(self.norm(torch.tanh(self.mid(self.emb(ids)))))
+
+
+def batch(t: int):
+    return torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(t))
+
+
+def train(model, opt, steps, start=0, sync=False):
+    for t in range(start, start + steps):
+        ids = batch(t)
+        loss = torch.nn.functional.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        loss.backward()
+        if sync:
+            opt.step_sync()
+        else:
+            opt.step()
+            opt.zero_grad()
+
+
+def _memopt_q8(model):
+    return MemOptimizer(model.parameters(), rule="adamw", lr=1e-2, moments="q8", seed=3)
+
+
+def _flash(name, **kw):
+    def build(model):
+        ecc = pytest.importorskip("memopt_ecc")
+        return getattr(ecc, name)(model.parameters(), lr=1e-2, **kw)
+
+    return build
+
+
+def _bridge(model):
+    offload = pytest.importorskip("memopt_offload")
+    opt = offload.AdamBridge(model.parameters(), lr=1e-2, precision="compact")
+    opt.attach_hooks(model)
+    return opt
+
+
+FAMILIES = {
+    "memopt-q8-fp32": (_memopt_q8, torch.float32),
+    "flash-adamw-ecc24": (_flash("FlashAdamW"), torch.bfloat16),
+    "flash-adamw-ecc32": (_flash("FlashAdamW", master_weight_bits=32), torch.bfloat16),
+    "flash-lion": (_flash("FlashLion"), torch.bfloat16),
+    "flash-sgd-momentum": (_flash("FlashSGD", momentum=0.9), torch.bfloat16),
+    "adambridge-compact": (_bridge, torch.bfloat16),
+}
+
+
+def build(family, seed=0):
+    make, dtype = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = Net().to(dtype)
+    return model, make(model)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_resume_is_bit_identical(family, tmp_path):
+    sync = family.startswith("adambridge")
+    straight, sopt = build(family)
+    train(straight, sopt, 9, sync=sync)
+
+    first, fopt = build(family)
+    train(first, fopt, 5, sync=sync)
+    save(tmp_path / "ck.mopt", model=first, optimizer=fopt, extra={"epoch": 3, "note": "x"})
+
+    resumed, ropt = build(family, seed=123)  # another init: everything must come from the file
+    extra = load(tmp_path / "ck.mopt", model=resumed, optimizer=ropt)
+    assert extra == {"epoch": 3, "note": "x"}
+    train(resumed, ropt, 4, start=5, sync=sync)
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p.detach().view(torch.int16 if p.dtype != torch.float32 else torch.int32),
+                           q.detach().view(torch.int16 if q.dtype != torch.float32 else torch.int32)), name  # fmt: skip
+
+
+def test_ecc24_checkpoint_size_per_parameter(tmp_path):
+    ecc = pytest.importorskip("memopt_ecc")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(torch.bfloat16)
+    opt = ecc.FlashAdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 512, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    n = sum(p.numel() for p in model.parameters())
+    per_param = (tmp_path / "ck.mopt").stat().st_size / n
+    # bf16 weight 2 + ECC-24 code 1 + q8 m and v 2 x (1 + 1/32): 5.06 B; the issue's target 5.2
+    print(f"ECC-24 FlashAdamW checkpoint: {per_param:.3f} B per parameter")
+    assert 5.06 <= per_param <= 5.2, per_param
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    model, _ = build("memopt-q8-fp32")
+    save(tmp_path / "ck.mopt", model=model)
+    from memopt_checkpoint.container import CheckpointReader
+
+    with CheckpointReader(tmp_path / "ck.mopt") as r:
+        assert [k for k in r if "emb" in k or "head" in k] == ["model/emb.weight"]
+        assert r.meta["model"]["aliases"] == {"head.weight": "emb.weight"}
+
+
+def test_names_not_positions(tmp_path):
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 2)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    # the same parameters listed in another order and split into two groups
+    twin = copy.deepcopy(model)
+    params = dict(twin.named_parameters())
+    groups = [
+        {"params": [params["norm.bias"], params["mid.weight"]]},
+        {"params": [params["emb.weight"], params["norm.weight"], params["mid.bias"]]},
+    ]
+    other = MemOptimizer(groups, rule="adamw", lr=1e-2, moments="q8", seed=3)
+    with pytest.raises(StateDictError, match="param group"):
+        load(tmp_path / "ck.mopt", model=twin, optimizer=other)
+    reordered = MemOptimizer(
+        [{"params": [params[n] for n in reversed(list(params))]}],
+        rule="adamw", lr=1e-2, moments="q8", seed=3,
+    )  # fmt: skip
+    load(tmp_path / "ck.mopt", model=twin, optimizer=reordered)
+    for name, p in params.items():
+        src = opt.state[dict(model.named_parameters())[name]]
+        for k, v in reordered.state[p].items():
+            assert torch.equal(v, src[k]), (name, k)
+
+
+def _snapshot(model, opt):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()},
+    )
+
+
+def _unchanged(model, opt, snap):
+    msd, ost = snap
+    assert all(torch.equal(v, msd[k]) for k, v in model.state_dict().items())
+    assert {id(p) for p in opt.state} == set(ost)
+    for p, s in opt.state.items():
+        assert all(torch.equal(v, ost[id(p)][k]) for k, v in s.items())
+
+
+def test_mismatches_change_nothing(tmp_path):
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 2)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    target, topt = build("memopt-q8-fp32", seed=5)
+    train(target, topt, 1)
+    snap = _snapshot(target, topt)
+
+    wider = Net(width=48)
+    with pytest.raises(StateDictError, match=r"model entry 'emb\.weight' .* shape"):
+        load(tmp_path / "ck.mopt", model=wider)
+    torch_opt = torch.optim.AdamW(target.parameters())
+    with pytest.raises(StateDictError, match=r"state of a memopt_core\.optimizer\.MemOptimizer"):
+        load(tmp_path / "ck.mopt", model=target, optimizer=torch_opt)
+    bf16 = MemOptimizer(target.parameters(), rule="adamw", lr=1e-2, moments="bf16", seed=3)
+    with pytest.raises(StateDictError, match="moments='q8'"):
+        load(tmp_path / "ck.mopt", model=target, optimizer=bf16)
+    _unchanged(target, topt, snap)
+
+    class Extra(Net):
+        def __init__(self):
+            super().__init__()
+            self.more = torch.nn.Linear(2, 2)
+
+    with pytest.raises(StateDictError, match=r"missing \['more.weight', 'more.bias'\]"):
+        load(tmp_path / "ck.mopt", model=Extra())
+    # a flipped byte in an optimizer tensor: found before anything is written
+    data = bytearray((tmp_path / "ck.mopt").read_bytes())
+    data[200] ^= 0x40
+    (tmp_path / "bad.mopt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        load(tmp_path / "bad.mopt", model=target, optimizer=topt)
+    _unchanged(target, topt, snap)
+
+
+def test_keying_must_match(tmp_path):
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 1)
+    save(tmp_path / "by_name.mopt", model=model, optimizer=opt)
+    save(tmp_path / "by_pos.mopt", optimizer=opt)
+    with pytest.raises(ConfigError, match="by parameter name: pass model="):
+        load(tmp_path / "by_name.mopt", optimizer=opt)
+    with pytest.raises(StateDictError, match="holds no model"):
+        load(tmp_path / "by_pos.mopt", model=model, optimizer=opt)
+    _, topt = build("memopt-q8-fp32", seed=9)
+    load(tmp_path / "by_pos.mopt", optimizer=topt)  # positions: the same construction order
+    for p, q in zip(opt.param_groups[0]["params"], topt.param_groups[0]["params"], strict=True):
+        assert all(torch.equal(v, topt.state[q][k]) for k, v in opt.state[p].items())
+
+
+def test_bad_arguments(tmp_path):
+    model, opt = build("memopt-q8-fp32")
+    with pytest.raises(ConfigError, match="needs a model, an optimizer or both"):
+        save(tmp_path / "x")
+    with pytest.raises(ConfigError, match="not a parameter of the model"):
+        save(tmp_path / "x", model=torch.nn.Linear(2, 2), optimizer=opt)
+    with pytest.raises(ConfigError, match="JSON"):
+        save(tmp_path / "x", model=model, extra={"bad": object()})
+    assert not (tmp_path / "x").exists()
+
+
+def test_fp32_export_is_a_plain_torch_file(tmp_path):
+    ecc = pytest.importorskip("memopt_ecc")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)).to(torch.bfloat16)
+    opt = ecc.FlashAdamW(model.parameters(), lr=1e-2, master_weight_bits=32)
+    model(torch.randn(3, 16, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    export_fp32(tmp_path / "fp32.pt", model, opt)
+    sd = torch.load(tmp_path / "fp32.pt", weights_only=True)
+    want = fp32_model_state_dict(model, opt)
+    assert sd.keys() == want.keys()
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    assert all(torch.equal(sd[k], want[k]) for k in sd)
+    # ECC-32 is exactly fp32: the export differs from the bf16 weights below bf16 resolution
+    w = sd["0.weight"]
+    assert not torch.equal(w, model[0].weight.float())
+    assert torch.equal(w.to(torch.bfloat16), model[0].weight.detach())
