@@ -39,3 +39,11 @@ def test_installed_metadata_matches_the_modules():
     assert version("memopt-core") == memopt_core.__version__
     assert version("memopt-ecc") == memopt_ecc.__version__
     assert "MemOptimizer" in dir(memopt)
+
+
+def test_checkpoint_submodule():
+    import memopt_checkpoint
+    from memopt.checkpoint import export_fp32, load, save
+
+    assert save is memopt_checkpoint.save and load is memopt_checkpoint.load
+    assert export_fp32 is memopt_checkpoint.export_fp32

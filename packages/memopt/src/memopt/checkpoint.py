@@ -1,0 +1,8 @@
+"""``memopt.checkpoint``: memopt-checkpoint's API under the meta-package
+(``from memopt.checkpoint import save, load``); see :mod:`memopt_checkpoint`."""
+
+from __future__ import annotations
+
+from memopt_checkpoint import export_fp32, fp32_model_state_dict, load, save
+
+__all__ = ["export_fp32", "fp32_model_state_dict", "load", "save"]
