@@ -45,5 +45,6 @@ def test_checkpoint_submodule():
     import memopt_checkpoint
     from memopt.checkpoint import export_fp32, load, save
 
-    assert save is memopt_checkpoint.save and load is memopt_checkpoint.load
+    assert save is memopt_checkpoint.save
+    assert load is memopt_checkpoint.load
     assert export_fp32 is memopt_checkpoint.export_fp32

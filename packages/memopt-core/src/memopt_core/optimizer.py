@@ -60,7 +60,7 @@ from memopt_core.plan import (
     round_up,
 )
 
-__all__ = ["RULES", "MemOptimizer"]
+__all__ = ["RULES", "MemOptimizer", "is_dtensor"]
 
 #: rule -> (backend rule, decoupled weight decay)
 RULES: dict[str, tuple[str, bool]] = {
@@ -121,6 +121,13 @@ def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
     return grad in (param, torch.float32) or (
         param == torch.float32 and grad in (torch.bfloat16, torch.float16)
     )
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel), without
+    importing torch.distributed where nothing else did."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _describe_tensor(t: Tensor) -> str:
@@ -382,6 +389,13 @@ class MemOptimizer(Optimizer):
                 raise ConfigError(
                     f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
                     "the leaf it comes from, or pass t.detach().requires_grad_()"
+                )
+            if is_dtensor(p):
+                raise ConfigError(
+                    f"{desc} is a DTensor (FSDP2's fully_shard or tensor parallelism): memopt "
+                    "optimizers do not support sharded parameters yet (their quantization blocks "
+                    "and stochastic-rounding indices are per whole tensor); use DDP, or "
+                    "torch.optim for the sharded model"
                 )
             if p.dtype not in backends.PARAM_DTYPES:
                 raise ConfigError(

@@ -69,7 +69,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
-from memopt_core.optimizer import MemOptimizer
+from memopt_core.optimizer import MemOptimizer, is_dtensor
 from memopt_core.plan import StateArena
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
@@ -291,6 +291,12 @@ class AdamBridge(Optimizer):
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
+            if is_dtensor(p):
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} is a DTensor (FSDP2 / tensor parallel): "
+                    "AdamBridge takes whole parameters; under FSDP2 run one AdamBridge per "
+                    "process on unsharded (DDP or single-device) models"
+                )
             if p.dtype not in (torch.bfloat16, torch.float32):
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) is {p.dtype}; "

@@ -1,0 +1,55 @@
+"""The worker process of test_ddp_gloo.py (importable by name, so multiprocessing's spawn finds it).
+
+Each rank trains the same bf16 model under DistributedDataParallel over gloo on its own half of
+every batch and saves its final weights; the test compares them with a one-process reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import memopt_ecc
+
+OPTIMIZERS = {
+    "FlashAdamW": dict(lr=1e-2, weight_decay=0.01),
+    "FlashLion": dict(lr=1e-3, weight_decay=0.01),
+    "FlashSGDW": dict(lr=1e-2, momentum=0.9, weight_decay=0.01),
+}
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 7)).to(
+        torch.bfloat16
+    )
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    return getattr(memopt_ecc, name)(params, **OPTIMIZERS[name])
+
+
+def shard(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s half of step ``step``'s batch."""
+    g = torch.Generator().manual_seed(100 + step)
+    full = torch.randn(8, 24, generator=g).to(torch.bfloat16)
+    return full[4 * rank : 4 * rank + 4]
+
+
+def loss_of(model, x) -> torch.Tensor:
+    return model(x).float().pow(2).mean()
+
+
+def train(rank: int, world: int, init_file: str, name: str, steps: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = make_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = make_optimizer(name, ddp.parameters())
+        for t in range(steps):
+            loss_of(ddp, shard(t, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

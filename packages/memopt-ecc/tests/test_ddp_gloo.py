@@ -1,0 +1,55 @@
+"""The Flash* family under DistributedDataParallel: 2 processes over gloo on the CPU.
+
+DDP divides each gradient by the world size and sums it across ranks (both exact or rounded the
+same way in a one-process replay: halving is exact, and the sum of two bf16 values rounds once),
+so every rank's weights must equal, bit for bit, a single process that steps on
+``g_rank0 / 2 + g_rank1 / 2``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, shard, train
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+STEPS = 6
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    for t in range(STEPS):
+        grads = []
+        for rank in (0, 1):
+            model.zero_grad()
+            loss_of(model, shard(t, rank)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = g0 / 2 + g1 / 2
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_ddp_two_ranks_equal_one_process(name, tmp_path):
+    mp.spawn(
+        train,
+        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    want = reference(name)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k, v in want.items():
+            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
+    assert not all(  # the steps moved the weights
+        torch.equal(v, w)
+        for v, w in zip(want.values(), make_model().state_dict().values(), strict=True)
+    )
