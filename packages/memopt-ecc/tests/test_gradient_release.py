@@ -328,5 +328,5 @@ def test_fsdp1_is_refused(process_group):
         warnings.simplefilter("ignore")  # world size 1: FSDP1 warns it falls back to NO_SHARD
         fsdp = FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"))
     opt = FlashAdamW(fsdp.parameters())
-    with pytest.raises(TypeError, match=r"FSDP1.*fully_shard"):
+    with pytest.raises(TypeError, match=r"FSDP1.*DDP with the ordinary"):
         enable_gradient_release(fsdp, opt)

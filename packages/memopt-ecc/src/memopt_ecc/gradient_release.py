@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from memopt_core import MemOptimizer
 from memopt_core.errors import ConfigError
+from memopt_core.hook_wrappers import reject_hook_wrappers
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
@@ -81,36 +82,6 @@ class GradientReleaseHandle:
 
     def __repr__(self) -> str:
         return f"GradientReleaseHandle(active={self.active}, hooks={len(self._hooks)})"
-
-
-def _reject_wrappers(model: nn.Module) -> None:
-    ddp = nn.parallel.DistributedDataParallel
-    fsdp1: type | None = None
-    if torch.distributed.is_available():
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel as fsdp1
-        except ImportError:  # pragma: no cover - builds without FSDP
-            fsdp1 = None
-    for name, m in model.named_modules():
-        where = f"the model's submodule {name!r}" if name else "the model"
-        if isinstance(m, ddp):
-            raise TypeError(
-                f"enable_gradient_release() cannot work with DistributedDataParallel ({where} is "
-                "one): DDP all-reduces gradients in buckets and writes the averaged bucket back "
-                "into p.grad after the per-parameter hooks have run, so a hook would update with "
-                "the local, un-averaged gradient and free the tensor DDP writes into. Use FSDP2 "
-                "(torch.distributed.fsdp.fully_shard), or DDP with the ordinary step()/zero_grad() "
-                "loop"
-            )
-        if fsdp1 is not None and isinstance(m, fsdp1):
-            raise TypeError(
-                f"enable_gradient_release() cannot work with FSDP1 FullyShardedDataParallel "
-                f"({where} is one): FSDP1 flattens parameters into FlatParameters and "
-                "reduce-scatters their gradients after backward, so per-parameter hooks never see "
-                "a final gradient of the tensors the optimizer holds. Use FSDP2 "
-                "(torch.distributed.fsdp.fully_shard), whose per-parameter DTensors work with "
-                "gradient release"
-            )
 
 
 #: (device type, dtype) pairs torch's unscale kernel does not implement (bf16 on CUDA)
@@ -182,7 +153,7 @@ def enable_gradient_release(
             f"memopt_core.MemOptimizer), which can update one parameter at a time; got "
             f"{type(optimizer).__name__}"
         )
-    _reject_wrappers(model)
+    reject_hook_wrappers(model, "enable_gradient_release()")
     if optimizer.gradient_release_active:
         raise ConfigError(
             "gradient release is already active on this optimizer: call handle.remove() first"

@@ -69,6 +69,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
+from memopt_core.hook_wrappers import reject_hook_wrappers
 from memopt_core.optimizer import MemOptimizer, is_dtensor
 from memopt_core.plan import StateArena
 from memopt_kernels_cpu import ops as cpu_ops
@@ -412,11 +413,14 @@ class AdamBridge(Optimizer):
         """Update each parameter of ``model`` from a post-accumulate-grad hook as soon as its
         gradient is final (see the module doc); a forward pre-hook on ``model`` raises
         :class:`~memopt_core.errors.OffloadError` when a forward starts before
-        :meth:`step_sync` collected the updates of the last backward."""
+        :meth:`step_sync` collected the updates of the last backward. DDP and FSDP1 models
+        are refused (``TypeError``: their hooks see un-reduced gradients); with DDP, call
+        :meth:`step` after backward instead, one AdamBridge per process."""
         if self._hooks:
             raise ConfigError("hooks are already attached: call detach_hooks() first")
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
+        reject_hook_wrappers(model, "AdamBridge.attach_hooks()")
         hooked = 0
         for p in model.parameters():
             slot = self._slots.get(id(p))

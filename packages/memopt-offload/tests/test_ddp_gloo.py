@@ -1,0 +1,52 @@
+"""AdamBridge with DDP: one optimizer per process (2 gloo processes on the CPU), step() after
+backward, equal bit for bit to one process stepping on ``g_rank0 / 2 + g_rank1 / 2``; the
+pipelined hooks are refused under DDP with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_bridge_worker import shard, train
+from offload_testutil import Reference, loss_of, make_model
+
+from memopt_offload import AdamBridge
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+STEPS = 5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "compact"])
+def test_ddp_step_equals_one_process(precision, tmp_path):
+    mp.spawn(train, args=(2, str(tmp_path / "init"), precision, STEPS, str(tmp_path)), nprocs=2)
+    model = make_model("cpu")
+    ref = Reference(model, precision, lr=2e-3)
+    for t in range(STEPS):
+        grads = []
+        for rank in (0, 1):
+            model.zero_grad()
+            loss_of(model, shard(t, rank)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = g0 / 2 + g1 / 2
+        ref.step()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k, v in model.state_dict().items():
+            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
+
+
+def test_hooks_refuse_ddp(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'i'}", rank=0, world_size=1)
+    try:
+        model = make_model("cpu")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = AdamBridge(model.parameters())
+        with pytest.raises(TypeError, match=r"AdamBridge\.attach_hooks\(\) cannot work with Dis"):
+            opt.attach_hooks(ddp)
+        assert not opt.hooks_attached
+    finally:
+        dist.destroy_process_group()
