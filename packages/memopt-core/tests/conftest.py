@@ -1,30 +1,13 @@
-"""Shared fixtures of memopt-core's tests.
-
-``device``: every test that takes it runs once per device: ``cpu`` always, ``cuda`` marked
-``gpu`` and skipped (with the reason) where CUDA is absent, so a GPU test never turns into a
-silent pass on a CPU machine (nox -s gpu_tests selects ``-m gpu`` and fails without a GPU).
-"""
+"""Shared fixtures of memopt-core's tests: ``device`` (cpu, and cuda marked ``gpu``; see
+:mod:`memopt_core.device_fixture`) and ``fresh_backends``."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-_NO_CUDA = not torch.cuda.is_available()
+from memopt_core.device_fixture import device
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(_NO_CUDA, reason="needs a CUDA device")],
-    ),
-]
-
-
-@pytest.fixture(params=DEVICES)
-def device(request) -> torch.device:
-    """The device a test runs on (parametrized: cpu, cuda)."""
-    return torch.device(request.param)
+__all__ = ["device", "fresh_backends"]
 
 
 @pytest.fixture
