@@ -73,6 +73,21 @@ def _flash_adamw(mod: Any, params: Params, h: Hyper) -> torch.optim.Optimizer:
     )
 
 
+def _adambridge(precision: str) -> Callable[[Any, Params, Hyper], torch.optim.Optimizer]:
+    def build(mod: Any, params: Params, h: Hyper) -> torch.optim.Optimizer:
+        return mod.AdamBridge(
+            params,
+            lr=h.lr,
+            betas=h.betas,
+            eps=h.eps,
+            weight_decay=h.weight_decay,
+            precision=precision,
+            seed=h.seed,
+        )
+
+    return build
+
+
 CONFIGS: tuple[OptimizerConfig, ...] = (
     OptimizerConfig(
         "adamw", "torch AdamW fp32", "torch", _torch_adamw, description="the reference"
@@ -98,6 +113,22 @@ CONFIGS: tuple[OptimizerConfig, ...] = (
         _flash_adamw,
         param_dtype=torch.bfloat16,
         description="bf16 params + 8-bit error correction (ECC-24, SR) + q8 moments",
+    ),
+    OptimizerConfig(
+        "adambridge-bf16",
+        "memopt_offload AdamBridge bf16",
+        "memopt_offload",
+        _adambridge("bf16"),
+        param_dtype=torch.bfloat16,
+        description="bf16 params; host fp32 master + bf16 moments (SR), step() without hooks",
+    ),
+    OptimizerConfig(
+        "adambridge-compact",
+        "memopt_offload AdamBridge compact",
+        "memopt_offload",
+        _adambridge("compact"),
+        param_dtype=torch.bfloat16,
+        description="bf16 params; host ECC-24 master + q8 moments (SR), step() without hooks",
     ),
 )
 

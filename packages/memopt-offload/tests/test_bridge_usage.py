@@ -280,3 +280,12 @@ def test_slab_views_are_aligned_and_exact():
     assert [tuple(v.shape) for v in views] == [(3,), (5, 7), (0,)]
     assert all(v.data_ptr() % 64 == 0 for v in views[:2])
     assert all(not v.any() for v in views)  # zero-filled by the kernels' threads
+
+
+def test_state_bytes_counts_masters_and_moments(device):
+    model = make_model(device)
+    n = sum(p.numel() for p in model.parameters())
+    assert AdamBridge(model.parameters(), precision="fp32").state_bytes() == 12 * n
+    bf16 = AdamBridge(model.parameters(), precision="bf16")
+    assert bf16.state_bytes() == 8 * n
+    assert bf16.host_bytes() > bf16.state_bytes()  # plus the transfer buffers

@@ -386,6 +386,13 @@ class AdamBridge(Optimizer):
         assert self._host is not None
         return sum(s.nbytes for s in self._slabs) + self._host.state_bytes()
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on the host: the masters (fp32, or the bf16 copy of
+        ``"compact"``) plus moments, scales and ECC codes; not the transfer buffers."""
+        assert self._host is not None
+        masters = sum(s.master.numel() * s.master.element_size() for s in self._slots.values())
+        return masters + self._host.state_bytes()
+
     def pinned_bytes(self) -> int:
         """Page-locked host bytes (0 on a CPU model or with ``pin_memory=False``)."""
         return sum(s.nbytes for s in self._slabs if s.pinned)
