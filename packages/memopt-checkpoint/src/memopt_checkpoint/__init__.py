@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from memopt_checkpoint.api import load, save
 from memopt_checkpoint.fp32_export import export_fp32, fp32_model_state_dict
+from memopt_checkpoint.interop import load_torch_state_dict, to_torch_state_dict
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "export_fp32", "fp32_model_state_dict", "load", "save"]
+__all__ = [
+    "__version__",
+    "export_fp32",
+    "fp32_model_state_dict",
+    "load",
+    "load_torch_state_dict",
+    "save",
+    "to_torch_state_dict",
+]

@@ -3,6 +3,20 @@
 
 from __future__ import annotations
 
-from memopt_checkpoint import export_fp32, fp32_model_state_dict, load, save
+from memopt_checkpoint import (
+    export_fp32,
+    fp32_model_state_dict,
+    load,
+    load_torch_state_dict,
+    save,
+    to_torch_state_dict,
+)
 
-__all__ = ["export_fp32", "fp32_model_state_dict", "load", "save"]
+__all__ = [
+    "export_fp32",
+    "fp32_model_state_dict",
+    "load",
+    "load_torch_state_dict",
+    "save",
+    "to_torch_state_dict",
+]
