@@ -704,6 +704,32 @@ void adam_update(const StepConfig& c, int64_t n, float* __restrict x, const floa
   }
 }
 
+// adam_update over an fp32 master with bf16 moments, decoded and encoded in the same loop
+// (bf16 widening; bf16_round, stochastic with words r1/r2 when SR), and the bf16 staging copy of
+// the new weights (nearest even) when st is given.
+template <bool SR>
+void adam_bf16_moments(const StepConfig& c, int64_t n, float* __restrict x,
+                       const float* __restrict g, uint16_t* __restrict m, uint16_t* __restrict v,
+                       const uint32_t* __restrict r1, const uint32_t* __restrict r2,
+                       uint16_t* __restrict st) {
+  const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
+              bc2 = c.s[5], dec = c.s[6];
+  const bool decay = c.has_decay != 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float m0 = u2f(static_cast<uint32_t>(m[i]) << 16);
+    const float v0 = u2f(static_cast<uint32_t>(v[i]) << 16);
+    const float xi = decay ? x[i] * dec : x[i];
+    const float mi = m0 + omb1 * (g[i] - m0);
+    const float vi = b2 * v0 + omb2 * (g[i] * g[i]);
+    const float d = std::sqrt(vi) / bc2 + eps;
+    const float xn = xi - lr_t * (mi / d);
+    x[i] = xn;
+    m[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(mi), SR ? r1[i] : 0u));
+    v[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(vi), SR ? r2[i] : 0u));
+    if (st) st[i] = static_cast<uint16_t>(bf16_round<false>(f2u(xn), 0u));
+  }
+}
+
 // reference.adam, in its order (maximize, L2 on the gradient, then adam_update).
 void adam_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
                float* __restrict m, float* __restrict v) {
@@ -832,6 +858,32 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
         for (int64_t i = 0; i < n; ++i) stage[i] = static_cast<uint16_t>(bf16_round<false>(f2u(xp[i]), 0));
         stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
       }
+    }
+#if defined(__AVX2__)
+    if (staging) _mm_sfence();
+#endif
+    return;
+  }
+  if (adam && c.master == MASTER_FP32 && c.fmt1 == FMT_BF16 && c.fmt2 == FMT_BF16 &&
+      !c.maximize && !c.has_l2 && s.padded == s.numel) {
+    // fp32 master with bf16 moments (memopt-offload's "bf16" precision): decode, update and
+    // encode in one loop per tile instead of one pass per stage; the same operations as the
+    // staged path below (adam_update, bf16 widening, bf16_round), so the same bits.
+    const int64_t a = s.arena_offset;
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+      const int64_t n = vmin(TILE, end - t0);
+      float* xp = at<float>(s.param, t0 * 4);
+      const float* gp = at<const float>(s.grad, t0 * 4);
+      if (s.grad_kind != GRAD_FP32) {
+        load_grad(s.grad_kind, at<void>(s.grad, t0 * 2), n, n, g);
+        gp = g;
+      }
+      auto* mp = at<uint16_t>(c.m, (a + t0) * 2);
+      auto* vp = at<uint16_t>(c.v, (a + t0) * 2);
+      if (c.sr) philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, t0, n, w0, w1, w2);
+      c.sr ? adam_bf16_moments<true>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr)
+           : adam_bf16_moments<false>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr);
+      if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
     }
 #if defined(__AVX2__)
     if (staging) _mm_sfence();

@@ -221,7 +221,7 @@ def test_callers_flush_to_zero_mode_does_not_change_bits():
 @pytest.mark.parametrize(
     ("master", "dtype", "preset"),
     [("fp32", torch.float32, "fp32"), ("fp32", torch.float32, "q8"), ("ecc24", torch.bfloat16, "q8"),
-     ("none", torch.bfloat16, "bf16")],
+     ("none", torch.bfloat16, "bf16"), ("fp32", torch.float32, "bf16")],
 )  # fmt: skip
 def test_bf16_staging_copy_of_the_updated_weights(isa, master, dtype, preset):
     # memopt-offload's output: the new weights as bf16 (nearest even), written in the same pass
