@@ -69,6 +69,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
+from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.hook_wrappers import reject_hook_wrappers
 from memopt_core.optimizer import MemOptimizer, is_dtensor
 from memopt_core.plan import StateArena
@@ -336,11 +337,15 @@ class AdamBridge(Optimizer):
                 g = pinned.add(p.shape, p.dtype)
                 s = pinned.add(p.shape, torch.bfloat16)
                 layout.append((m, g, s, s))
-        # the moment arena, estimated from the format (the exact count comes with init_state)
-        per = {"fp32": 8.0, "bf16": 4.0, "fp8": 2.0 + 2 / 32, "q8": 2.0 + 2 / 32}[moments]
-        code = 1 if master == "ecc24" else 0
-        numel = sum(p.numel() for p in train)
-        needed = pinned.nbytes + plain.nbytes + int(numel * (per + code)) + 64 * len(train)
+        # the state arena from the formats' own byte counts, plus block padding per tensor
+        first, second = MOMENT_PRESETS[moments]
+        per = moment_codec(first).bytes_per_element() + moment_codec(second).bytes_per_element()
+        arena = 0.0
+        for p in train:
+            codec = master_codec("fp32" if p.dtype == torch.float32 else master, p.dtype)
+            code = codec.code_dtype.itemsize if codec.code_dtype is not None else 0
+            arena += p.numel() * (per + code)
+        needed = pinned.nbytes + plain.nbytes + int(arena) + 64 * len(train)
         check_host_memory(needed, pinned.nbytes if pin else 0, f"AdamBridge param group {gi}")
         pslab = HostSlab(pinned, pin=pin, what=f"AdamBridge param group {gi}")
         uslab = HostSlab(plain, pin=False, what=f"AdamBridge param group {gi}")
