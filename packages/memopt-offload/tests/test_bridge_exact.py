@@ -295,3 +295,41 @@ def test_state_dict_resume_is_bit_identical(device, tmp_path):
         loss_of(resumed, batch(t, device)).backward()
         ropt.step_sync()
     assert_same_params(straight, resumed, "resumed")
+
+
+class OddSizes(torch.nn.Module):
+    """0-d, empty, 1-element and 33-element parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(()))
+        self.b = torch.nn.Parameter(torch.zeros(0, 3))
+        self.c = torch.nn.Parameter(torch.randn(1))
+        self.d = torch.nn.Parameter(torch.randn(33))
+
+    def forward(self, x):
+        return (self.a * x).sum() + (self.c * x[:1]).sum() + (self.d * x).sum() ** 2 + self.b.sum()
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_odd_sizes(device, precision, hooks):
+    torch.manual_seed(0)
+    model = OddSizes().to(device=device, dtype=torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision)
+    ref = Reference(ref_model, precision, lr=1e-2)
+    if hooks:
+        opt.attach_hooks(model)
+    for t in range(5):
+        x = batch(t, device, n=1, d=33).reshape(-1)
+        model(x).float().backward()
+        ref_model(x).float().backward()
+        if hooks:
+            opt.step_sync()
+        else:
+            opt.step()
+            opt.zero_grad()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
