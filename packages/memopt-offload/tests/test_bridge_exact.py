@@ -36,6 +36,22 @@ def train_pair(model, ref_model, opt, ref, steps, device, *, hooks, start=0, dty
         opt.detach_hooks()
 
 
+def step_pair(model, ref_model, opt, ref, xs, *, hooks=True):
+    """One step of AdamBridge and the reference per input (loss: the model's output summed);
+    the weights must agree bit for bit after each."""
+    for t, x in enumerate(xs):
+        model(x).float().sum().backward()
+        ref_model(x).float().sum().backward()
+        if hooks:
+            opt.step_sync()
+        else:
+            opt.step()
+            opt.zero_grad()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+
+
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_matches_reference_120_steps(device, precision, hooks):
@@ -95,14 +111,9 @@ def test_many_tiny_tensors(device):
     opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16", bucket_mb=0.0005)
     ref = Reference(ref_model, "bf16", lr=1e-3)
     opt.attach_hooks(model)
-    for t in range(6):
-        x = batch(t, device, n=1, d=41).reshape(-1)
-        model(x).float().sum().backward()
-        ref_model(x).float().sum().backward()
-        opt.step_sync()
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
+    step_pair(
+        model, ref_model, opt, ref, [batch(t, device, n=1, d=41).reshape(-1) for t in range(6)]
+    )
 
 
 class TransferHeavy(torch.nn.Module):
@@ -127,14 +138,9 @@ def test_transfers_far_larger_than_compute(device):
     opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16", bucket_mb=0.5)
     ref = Reference(ref_model, "bf16", lr=1e-3)
     opt.attach_hooks(model)
-    for t in range(5):
-        x = batch(t, device, n=1, d=4).reshape(-1)
-        model(x).float().backward()
-        ref_model(x).float().backward()
-        opt.step_sync()
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
+    step_pair(
+        model, ref_model, opt, ref, [batch(t, device, n=1, d=4).reshape(-1) for t in range(5)]
+    )
 
 
 def test_gradient_accumulation(device):
@@ -321,15 +327,5 @@ def test_odd_sizes(device, precision, hooks):
     ref = Reference(ref_model, precision, lr=1e-2)
     if hooks:
         opt.attach_hooks(model)
-    for t in range(5):
-        x = batch(t, device, n=1, d=33).reshape(-1)
-        model(x).float().backward()
-        ref_model(x).float().backward()
-        if hooks:
-            opt.step_sync()
-        else:
-            opt.step()
-            opt.zero_grad()
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
+    xs = [batch(t, device, n=1, d=33).reshape(-1) for t in range(5)]
+    step_pair(model, ref_model, opt, ref, xs, hooks=hooks)
