@@ -707,7 +707,9 @@ class MemOptimizer(Optimizer):
         only: list[Tensor] | None,
         staging: Mapping[Tensor, Tensor] | None = None,
         grads: Mapping[Tensor, Tensor] | None = None,
-    ) -> None:
+    ) -> list[tuple[Any, backends.GroupStep]]:
+        """One update of ``only`` (None: every parameter with a gradient); returns the
+        (backend, work) pairs it ran, in order (memopt_apexw caches them)."""
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
@@ -760,6 +762,7 @@ class MemOptimizer(Optimizer):
                         st.copy_(p.reshape(st.shape))
             for p in work.params:
                 self.state[p]["step"] += 1
+        return works
 
     def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
