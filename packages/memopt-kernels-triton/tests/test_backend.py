@@ -112,3 +112,15 @@ def test_registry_sees_the_backend():
         assert (
             backends.select_backend("adam", spec, "cuda", torch.bfloat16, "auto") is status.backend
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_groups_route_to_triton_through_the_registry():
+    # fails when the package is importable but its entry point is not registered (a source
+    # folder on PYTHONPATH without .dist-info): optimizers would silently run core's torch backend
+    reg = backends.refresh_backends()
+    assert reg["triton"].usable, reg["triton"].reason
+    spec = StateSpec(master="ecc24", moments="q8")
+    chosen = backends.select_backend("adam", spec, "cuda", torch.bfloat16, "auto")
+    assert chosen.name == "triton"

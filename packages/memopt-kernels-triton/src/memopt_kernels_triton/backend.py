@@ -4,7 +4,9 @@
 CPU interpreter; then CPU tensors are accepted too, which is how CPU CI tests the kernels).
 ``supports()`` covers every rule (sgd, adam, lion) x master (fp32, none, ecc24, ecc32) x moment
 preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stochastic rounding.
-``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`).
+``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`);
+``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
+device tensor (CUDA-graph capture).
 Nothing here imports triton before it is needed.
 """
 
@@ -57,6 +59,13 @@ class TritonBackend:
         from memopt_kernels_triton import ops
 
         ops.fused_step(work)
+
+    def prepare(self, work: GroupStep):
+        """``work`` resolved for repeated launches (:func:`memopt_kernels_triton.ops.prepare_step`);
+        memopt_apexw's cached step uses it."""
+        from memopt_kernels_triton import ops
+
+        return ops.prepare_step(work)
 
     def __repr__(self) -> str:
         return "TritonBackend()"

@@ -18,6 +18,7 @@ which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is cont
 from __future__ import annotations
 
 import os
+import struct
 from collections import OrderedDict
 from operator import attrgetter
 
@@ -35,7 +36,10 @@ from memopt_kernels_triton.kernels import lion as _lion
 from memopt_kernels_triton.kernels import sgd as _sgd
 
 __all__ = [
+    "ADAM_HYPER_FIELDS",
     "KernelConfig",
+    "PreparedStep",
+    "adam_hyper_words",
     "decode_master",
     "decode_moment",
     "ecc_decode",
@@ -48,6 +52,7 @@ __all__ = [
     "master_id",
     "moment_id",
     "philox_words",
+    "prepare_step",
     "q8_dequantize",
     "q8_quantize",
 ]
@@ -98,10 +103,15 @@ def _check_device(t: Tensor, what: str) -> None:
     )
 
 
-def _launch(kernel, grid, *args, num_warps: int | None = None, **constexprs) -> None:
+def _launch(
+    kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **constexprs
+) -> None:
     opts = {"enable_fp_fusion": False}
-    if num_warps is not None and not interpreting():
-        opts["num_warps"] = num_warps
+    if not interpreting():
+        if num_warps is not None:
+            opts["num_warps"] = num_warps
+        if num_stages is not None:
+            opts["num_stages"] = num_stages
     kernel[grid](*args, **constexprs, **opts)
 
 
@@ -382,8 +392,9 @@ def triton_cdiv(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------------- fused step
 class KernelConfig:
     """Launch geometry of the fused step: tile ``rows`` (x32 elements), ``chunk_size`` (elements
-    per chunk-table row; None: chosen from the group size), ``num_warps``, and ``programs``
-    (persistent grid size; None: a multiple of the SM count)."""
+    per chunk-table row; None: chosen from the group size), ``num_warps``, ``programs``
+    (persistent grid size; None: a multiple of the SM count) and ``num_stages`` (Triton's
+    software pipelining depth; None: Triton's default)."""
 
     def __init__(
         self,
@@ -393,17 +404,19 @@ class KernelConfig:
         programs: int | None = None,
         max_chunk: int = 16384,
         waves: int = 64,
+        num_stages: int | None = None,
     ) -> None:
         if rows <= 0 or rows & (rows - 1):
             raise ConfigError(f"rows must be a power of two, got {rows}")
         self.rows, self.chunk_size, self.num_warps = rows, chunk_size, num_warps
         self.programs, self.max_chunk, self.waves = programs, max_chunk, waves
+        self.num_stages = num_stages
 
     def __repr__(self) -> str:
         return (
             f"KernelConfig(rows={self.rows}, chunk_size={self.chunk_size}, num_warps="
             f"{self.num_warps}, programs={self.programs}, max_chunk={self.max_chunk}, "
-            f"waves={self.waves})"
+            f"waves={self.waves}, num_stages={self.num_stages})"
         )
 
 
@@ -529,20 +542,171 @@ def _validate(work: GroupStep, plan) -> None:
             )
 
 
-def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
-    """One optimizer step of every tensor of ``work`` in one kernel launch (see module doc).
+#: Order of the int32 words a ``HYPER`` Adam launch reads (:func:`adam_hyper_words`): eight fp32
+#: scalars stored as their bits, then the stochastic-rounding seed and the step (1-based).
+ADAM_HYPER_FIELDS = (
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "eps",
+    "step_size",
+    "bc2_sqrt",
+    "decay",
+    "l2",
+    "seed",
+    "step",
+)
 
-    Host work per call is a few passes over the tensors (addresses, dtypes, contiguity: about
-    0.4 ms per 1000 tensors); the device tables are cached on those addresses."""
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", _f32(v)))[0]
+
+
+def adam_hyper_words(scalars, seed: int, step: int) -> list[int]:
+    """The :data:`ADAM_HYPER_FIELDS` words of one Adam step: each scalar rounded to fp32 exactly
+    as the argument-passing launch rounds it, seed and step as int32 (bit-cast 32-bit values)."""
+    return [_f32_bits(getattr(scalars, name)) for name in ADAM_HYPER_FIELDS[:8]] + [
+        _i32(seed),
+        _i32(step),
+    ]
+
+
+class PreparedStep:
+    """One group's fused step with everything but the scalars resolved: tables on the device,
+    state and code pointers, launch geometry (:func:`prepare_step`).
+
+    :meth:`launch` runs it with host scalars; :meth:`launch_hyper` (Adam) reads them from a
+    device tensor, which is what a captured CUDA graph replays. Reusing a prepared step is valid
+    while every parameter and gradient keeps its storage (the caller checks; ``memopt_apexw``
+    compares tensor identities and addresses). ``reusable`` is False when strided tensors ran
+    through contiguous copies: such a step must be prepared again each time.
+    """
+
+    __slots__ = ("_args", "_copies", "_grid", "_head", "_kw", "device", "reusable", "rule")
+
+    def __init__(self, rule, grid, head, kw, copies, device) -> None:
+        self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
+        self._copies = copies
+        self.reusable = not copies
+        self.device = device
+
+    def _finish(self) -> None:
+        for dst, tmp in self._copies:
+            dst.copy_(tmp)
+
+    def launch(self, scalars, step: int, seed: int, first_step: bool) -> None:
+        """Run the step with host ``scalars`` (core's ``adam_scalars``/``lion_scalars``/
+        ``sgd_scalars``) for 1-based ``step``."""
+        if self._grid is None:
+            return
+        s, kw = scalars, dict(self._kw)
+        seed_, step_ = _i32(seed), _i32(step)
+        if self.rule == "adam":
+            args = (
+                _f32(s.one_minus_beta1),
+                _f32(s.beta2),
+                _f32(s.one_minus_beta2),
+                _f32(s.eps),
+                _f32(s.step_size),
+                _f32(s.bc2_sqrt),
+                _f32(s.decay),
+                _f32(s.l2),
+                seed_,
+                step_,
+                _dummy(self.device, torch.int32),
+            )
+            kw.update(
+                MAXIMIZE=bool(s.maximize),
+                HAS_L2=s.l2 != 0.0,
+                HAS_DECAY=s.decay != 1.0,
+                HYPER=False,
+            )
+            kernel = _adam.adam_kernel
+        elif self.rule == "lion":
+            args = (
+                _f32(s.lr),
+                _f32(s.beta1),
+                _f32(s.one_minus_beta1),
+                _f32(s.beta2),
+                _f32(s.one_minus_beta2),
+                _f32(s.decay),
+                seed_,
+                step_,
+            )
+            kw.update(MAXIMIZE=bool(s.maximize), HAS_DECAY=s.decay != 1.0)
+            kernel = _lion.lion_kernel
+        else:
+            has_momentum = kw.pop("_HAS_MOMENTUM")
+            args = (
+                _f32(s.lr),
+                _f32(s.momentum),
+                _f32(s.one_minus_dampening),
+                _f32(s.decay),
+                _f32(s.l2),
+                seed_,
+                step_,
+            )
+            kw.update(
+                MAXIMIZE=bool(s.maximize),
+                HAS_L2=s.l2 != 0.0,
+                HAS_DECAY=s.decay != 1.0,
+                NESTEROV=bool(s.nesterov) and has_momentum,
+                FIRST=bool(first_step),
+            )
+            kernel = _sgd.sgd_kernel
+        _launch(kernel, self._grid, *self._head, *args, **kw)
+        self._finish()
+
+    def launch_hyper(self, hyper: Tensor, *, maximize: bool, has_l2: bool, has_decay: bool) -> None:
+        """Run an Adam step reading its scalars, seed and step from ``hyper`` (int32 on the
+        parameters' device, the :data:`ADAM_HYPER_FIELDS` words). The flags choose the compiled
+        variant: ``has_decay`` must be True whenever the decay factor may differ from 1 (a
+        factor of exactly 1 is harmless in it), ``has_l2`` likewise for the L2 coefficient."""
+        if self.rule != "adam":
+            raise ConfigError(f"device-resident scalars exist for the adam rule, not {self.rule!r}")
+        if hyper.dtype != torch.int32 or hyper.numel() < len(ADAM_HYPER_FIELDS):
+            raise ConfigError(
+                f"hyper must be an int32 tensor of {len(ADAM_HYPER_FIELDS)} words, got "
+                f"{hyper.dtype}{tuple(hyper.shape)}"
+            )
+        if hyper.device != self.device:
+            raise ConfigError(f"hyper is on {hyper.device}; the group is on {self.device}")
+        if self._grid is None:
+            return
+        kw = dict(self._kw)
+        kw.update(
+            MAXIMIZE=bool(maximize), HAS_L2=bool(has_l2), HAS_DECAY=bool(has_decay), HYPER=True
+        )
+        zero = 0.0
+        _launch(
+            _adam.adam_kernel,
+            self._grid,
+            *self._head,
+            *(zero,) * 8,
+            0,
+            0,
+            hyper,
+            **kw,
+        )
+        self._finish()
+
+
+def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> PreparedStep:
+    """Resolve ``work`` (every tensor of its group) into a :class:`PreparedStep`: validation,
+    the chunk and slot tables (cached on the tensors' addresses), state pointers, geometry.
+
+    Host work is a few passes over the tensors (addresses, dtypes, contiguity: about 0.4 ms per
+    1000 tensors); launching a prepared step is O(1)."""
     plan, arena, spec = work.plan, work.arena, work.spec
     if work.rule not in RULES:
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
-    if not work.slots:
-        return
     dev = plan.device
+    cfg = config or kernel_config()
+    empty = PreparedStep(work.rule, None, (), {}, [], dev)
+    if not work.slots:
+        return empty
     mcodec = spec.master_for(plan.param_dtype)
     mid = master_id(mcodec.name, plan.param_dtype)
-    cfg = config or kernel_config()
     full = len(work.slots) == len(plan.slots)
 
     params, grads = work.params, work.grads
@@ -560,7 +724,7 @@ def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
     gd = tuple(map(_DTYPE, grads))
     total = plan.total if full else sum(plan.slots[i].padded for i in work.slots)
     if total == 0:
-        return
+        return empty
     cs = _chunk_size(cfg, plan, total)
     key = (None if full else tuple(work.slots), cs, pp, gp, gd, tuple(work.tensor_ids))
     lru: OrderedDict = plan.cache("triton_tables", OrderedDict)
@@ -579,108 +743,39 @@ def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
     code = arena.master_code if arena.master_code is not None else _dummy(dev, torch.uint8)
     chunks, n_chunks, slots = tables.chunks, tables.n_chunks, tables.slots
     if n_chunks == 0:
-        return
+        return empty
     programs = cfg.programs or _sm_count(dev) * cfg.waves
     grid = (min(n_chunks, programs),)
-    s = work.scalars
     sr = bool(spec.stochastic_rounding)
     bs = plan.block_size
     if bs not in (1, 32):
         raise ConfigError(f"the triton kernels handle blocks of 32 elements, got {bs}")
     rand_master = mid in (1, 2, 3)
-    common = dict(MASTER=mid, SR=sr, BS=bs, ROWS=cfg.rows)
-    seed, step = _i32(work.seed), _i32(work.step)
-
+    kw: dict = dict(
+        MASTER=mid, SR=sr, BS=bs, ROWS=cfg.rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
+    head: tuple = (chunks, n_chunks, slots, _kernel_view(code))
     if work.rule == "adam":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         f2, v, vs = _moment_args(arena, "exp_avg_sq", dev)
-        need = sr and (rand_master or f1 != 0 or f2 != 0)
-        _launch(
-            _adam.adam_kernel,
-            grid,
-            chunks,
-            n_chunks,
-            slots,
-            _kernel_view(code),
-            m,
-            ms,
-            v,
-            vs,
-            _f32(s.one_minus_beta1),
-            _f32(s.beta2),
-            _f32(s.one_minus_beta2),
-            _f32(s.eps),
-            _f32(s.step_size),
-            _f32(s.bc2_sqrt),
-            _f32(s.decay),
-            _f32(s.l2),
-            seed,
-            step,
-            num_warps=cfg.num_warps,
-            FMT1=f1,
-            FMT2=f2,
-            NEED_RAND=need,
-            MAXIMIZE=bool(s.maximize),
-            HAS_L2=s.l2 != 0.0,
-            HAS_DECAY=s.decay != 1.0,
-            **common,
-        )
+        head += (m, ms, v, vs)
+        kw.update(FMT1=f1, FMT2=f2, NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0))
     elif work.rule == "lion":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
-        need = sr and (rand_master or f1 != 0)
-        _launch(
-            _lion.lion_kernel,
-            grid,
-            chunks,
-            n_chunks,
-            slots,
-            _kernel_view(code),
-            m,
-            ms,
-            _f32(s.lr),
-            _f32(s.beta1),
-            _f32(s.one_minus_beta1),
-            _f32(s.beta2),
-            _f32(s.one_minus_beta2),
-            _f32(s.decay),
-            seed,
-            step,
-            num_warps=cfg.num_warps,
-            FMT1=f1,
-            NEED_RAND=need,
-            MAXIMIZE=bool(s.maximize),
-            HAS_DECAY=s.decay != 1.0,
-            **common,
-        )
+        head += (m, ms)
+        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0))
     else:
-        has_momentum = s.momentum != 0.0
+        has_momentum = work.scalars.momentum != 0.0
         f1, b, bsc = _moment_args(arena, "momentum_buffer" if has_momentum else None, dev)
-        need = sr and (rand_master or (has_momentum and f1 != 0))
-        _launch(
-            _sgd.sgd_kernel,
-            grid,
-            chunks,
-            n_chunks,
-            slots,
-            _kernel_view(code),
-            b,
-            bsc,
-            _f32(s.lr),
-            _f32(s.momentum),
-            _f32(s.one_minus_dampening),
-            _f32(s.decay),
-            _f32(s.l2),
-            seed,
-            step,
-            num_warps=cfg.num_warps,
+        head += (b, bsc)
+        kw.update(
             FMT1=f1,
-            NEED_RAND=need,
-            MAXIMIZE=bool(s.maximize),
-            HAS_L2=s.l2 != 0.0,
-            HAS_DECAY=s.decay != 1.0,
-            NESTEROV=bool(s.nesterov) and has_momentum,
-            FIRST=bool(work.first_step),
-            **common,
+            NEED_RAND=sr and (rand_master or (has_momentum and f1 != 0)),
+            _HAS_MOMENTUM=has_momentum,
         )
-    for dst, tmp in copies:
-        dst.copy_(tmp)
+    return PreparedStep(work.rule, grid, head, kw, copies, dev)
+
+
+def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
+    """One optimizer step of every tensor of ``work`` in one kernel launch (see module doc)."""
+    prepare_step(work, config).launch(work.scalars, work.step, work.seed, work.first_step)

@@ -13,6 +13,10 @@ Per element, in core's order with every operation individually rounded (launched
 
 States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``FMT2``);
 ``q8_sqrt`` reuses ``sqrt_rn(v)`` for its encoding.
+
+``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
+:data:`memopt_kernels_triton.ops.ADAM_HYPER_FIELDS`) instead of the arguments, so a launch
+captured in a CUDA graph picks up each step's learning rate and step count from device memory.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def adam_kernel(
     l2,
     seed,
     step,
+    hyper_ptr,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     FMT2: tl.constexpr,
@@ -55,15 +60,30 @@ def adam_kernel(
     HAS_DECAY: tl.constexpr,
     BS: tl.constexpr,
     ROWS: tl.constexpr,
+    HYPER: tl.constexpr,
 ):
-    omb1 = one_minus_beta1
-    b2 = beta2
-    omb2 = one_minus_beta2
-    eps_ = eps
-    lr_t = step_size
-    bc2 = bc2_sqrt
-    dec = decay
-    l2_ = l2
+    if HYPER:
+        omb1 = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
+        b2 = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
+        omb2 = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
+        eps_ = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
+        lr_t = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
+        bc2 = tl.load(hyper_ptr + 5).to(tl.float32, bitcast=True)
+        dec = tl.load(hyper_ptr + 6).to(tl.float32, bitcast=True)
+        l2_ = tl.load(hyper_ptr + 7).to(tl.float32, bitcast=True)
+        seed_ = tl.load(hyper_ptr + 8)
+        step_ = tl.load(hyper_ptr + 9)
+    else:
+        omb1 = one_minus_beta1
+        b2 = beta2
+        omb2 = one_minus_beta2
+        eps_ = eps
+        lr_t = step_size
+        bc2 = bc2_sqrt
+        dec = decay
+        l2_ = l2
+        seed_ = seed
+        step_ = step
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
@@ -85,7 +105,7 @@ def adam_kernel(
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if NEED_RAND:
-                w0, w1, w2, _w3 = stream_words(seed, tid, start + offs, step)
+                w0, w1, w2, _w3 = stream_words(seed_, tid, start + offs, step_)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
                 r2 = r24_of(w2)
