@@ -123,31 +123,27 @@ def isolated(session: nox.Session, package: str) -> None:
 def gpu_tests(session: nox.Session) -> None:
     """GPU tests in the current interpreter (no downloads); fails without a CUDA device.
 
-    Pure packages run from their source folders (``PYTHONPATH``), so an offline host needs no
-    build backend for them. A compiled package (one with a ``CMakeLists.txt``:
-    memopt-kernels-cpu) cannot run from its sources: it is built here, offline, into a fresh
-    folder under ``.nox/`` with ``pip install --no-build-isolation --no-deps --no-index
-    --target`` (the host's pybind11, scikit-build-core, cmake and ninja; no network) and that
-    folder goes first on ``PYTHONPATH``; its ``.dist-info`` registers the entry point. A
-    package without GPU tests (pytest exit code 5: nothing selected) is not a failure.
+    Every package is installed here, offline, into a fresh folder under ``.nox/`` with ``pip
+    install --no-build-isolation --no-deps --no-index --target`` (the host's setuptools,
+    pybind11, scikit-build-core, cmake and ninja; no network), and that folder goes first on
+    ``PYTHONPATH``. Installing matters for pure packages too: their ``.dist-info`` registers the
+    kernel backends' entry points, without which memopt optimizers would silently take core's
+    torch backend on the GPU. A package without GPU tests (pytest exit code 5: nothing
+    selected) is not a failure.
     """
     probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     try:
         session.run(sys.executable, "-c", probe, silent=True)
     except nox.command.CommandFailed:
         session.error("gpu_tests needs a CUDA device and a CUDA build of torch in this interpreter")
-    compiled = [d for d in _package_dirs() if _is_compiled(d)]
-    paths = [str(d / "src") for d in _package_dirs() if d not in compiled]
-    if compiled:
-        target = Path(session.create_tmp()).resolve() / "compiled"
-        shutil.rmtree(target, ignore_errors=True)
-        session.run(
-            sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-            "--no-index", "--disable-pip-version-check", "--target", str(target),
-            *[str(d) for d in compiled],
-        )  # fmt: skip
-        paths.insert(0, str(target))
-    env = {"PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    target = Path(session.create_tmp()).resolve() / "installed"
+    shutil.rmtree(target, ignore_errors=True)
+    session.run(
+        sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+        "--no-index", "--disable-pip-version-check", "--target", str(target),
+        *[str(d) for d in _package_dirs()],
+    )  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
     for package in _package_dirs():
         _pytest(session, package, "-m", "gpu", python=sys.executable, env=env, success_codes=[0, 5])
 
