@@ -61,6 +61,14 @@ def _bridge(model):
     return opt
 
 
+def _apexw(state):
+    def build(model):
+        apexw = pytest.importorskip("memopt_apexw")
+        return apexw.ApexW(model.parameters(), lr=1e-2, state=state, mode_cache=None)
+
+    return build
+
+
 FAMILIES = {
     "memopt-q8-fp32": (_memopt_q8, torch.float32),
     "flash-adamw-ecc24": (_flash("FlashAdamW"), torch.bfloat16),
@@ -68,6 +76,8 @@ FAMILIES = {
     "flash-lion": (_flash("FlashLion"), torch.bfloat16),
     "flash-sgd-momentum": (_flash("FlashSGD", momentum=0.9), torch.bfloat16),
     "adambridge-compact": (_bridge, torch.bfloat16),
+    "apexw-bf16-fp32": (_apexw("bf16"), torch.float32),
+    "apexw-q8-ecc24": (_apexw("q8"), torch.bfloat16),
 }
 
 

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "get_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
     "set_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
     "AdamBridge": ("memopt_offload", "memopt-offload"),
+    "ApexW": ("memopt_apexw", "memopt-apexw"),
     "OffloadError": ("memopt_core.errors", "memopt-core"),
 }
 

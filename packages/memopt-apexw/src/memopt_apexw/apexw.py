@@ -1,0 +1,495 @@
+"""``ApexW``: AdamW with compact state whose step costs O(1) host work per group after the first.
+
+State bytes per parameter element (next to the parameter itself):
+
+================== ============================= ===================================
+parameters         ``state="bf16"``              ``state="q8"``
+================== ============================= ===================================
+float32            4 (bf16 m, v; SR)             2.0625 (q8 m, v with E8M0 scales)
+bfloat16 (ECC-24)  5 (+1 B master code)          3.0625
+bfloat16 (ECC-32)  6 (+2 B, an exact fp32 master) 4.0625
+================== ============================= ===================================
+
+torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half. Moments round
+stochastically (core's counter-based generator), so a bf16 second moment decays like fp32's
+instead of stalling. Semantics are core's ``reference.adamw`` bit for bit (torch's AdamW within a
+few ulps per step, DESIGN "Exactness in practice"), on every backend and mode.
+
+The step: the first step (and any step after something changed) is an ordinary ``MemOptimizer``
+step, whose per-group launches are then kept (:mod:`memopt_apexw.cached_step`). While every
+parameter and gradient keeps its address, later steps replay them: per group, the scalars are
+computed from the group's current lr/betas/eps/weight_decay (schedulers work) and one fused
+launch runs (Triton on CUDA, memopt-kernels-cpu on CPU). ``capturable=True`` (CUDA) captures the
+launches in a CUDA graph that reads lr and step from device memory
+(:mod:`memopt_apexw.graph_step`). ``mode="auto"`` times the fused and the pure-torch step on the
+first steps and keeps the faster, cached per model signature (:mod:`memopt_apexw.auto_mode`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memopt_apexw import auto_mode
+from memopt_apexw.auto_mode import ModeDecision, Trial
+from memopt_apexw.cached_step import CachedEntry, CachedStep
+from memopt_apexw.graph_step import GraphStep
+from memopt_core import MemOptimizer, backends
+from memopt_core.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
+
+#: ``state=`` values: moment format presets of memopt-core
+STATES = ("bf16", "q8")
+#: ``mode=`` values
+MODES = ("auto", "fused", "torch")
+_MASTERS = ("ecc24", "ecc32")
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_DEFAULT_CACHE = "default"
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+class ApexW(MemOptimizer):
+    """AdamW with bf16 or q8 moments and a cached, optionally graph-captured fused step.
+
+    Args:
+        params, lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
+        amsgrad: must be False (a compact max-of-second-moments state does not exist yet; use
+            ``torch.optim.AdamW(amsgrad=True)``).
+        state: ``"bf16"`` (2 B per moment, stochastic rounding) or ``"q8"`` (about 1 B).
+        master: master format of bfloat16 parameters, ``"ecc24"`` (bf16 + 8-bit correction, the
+            ECC family's default) or ``"ecc32"`` (exact fp32 master); float32 parameters are
+            their own master. float16 parameters are refused.
+        capturable: on CUDA, replay the step as a CUDA graph reading lr and step from device
+            memory. Needs contiguous tensors on CUDA and gradients that stay in their buffers
+            (this optimizer's ``zero_grad()`` then zeroes in place by default).
+        mode: ``"fused"`` (a kernel backend; an error when none is installed), ``"torch"``
+            (core's pure-torch backend), or ``"auto"``: decided by timed trial steps, cached per
+            model signature (:attr:`mode_decision` says what and why).
+        mode_cache: JSON file of ``mode="auto"`` decisions: ``"default"``
+            (:func:`memopt_apexw.auto_mode.default_cache_path`), a path, or None (decide in
+            memory, every time).
+        backend: advanced: force the kernel backend of ``mode="fused"`` by name (e.g.
+            ``"triton"`` on CPU under ``TRITON_INTERPRET=1``, for tests).
+        seed, check_numerics: as :class:`memopt_core.MemOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        state: str = "bf16",
+        master: str = "ecc24",
+        capturable: bool = False,
+        mode: str = "auto",
+        maximize: bool = False,
+        mode_cache: str | PathLike[str] | None = _DEFAULT_CACHE,
+        backend: str | None = None,
+        seed: int = 0,
+        check_numerics: bool = False,
+    ) -> None:
+        _check_bool("amsgrad", amsgrad)
+        if amsgrad:
+            raise ConfigError(
+                "ApexW does not implement amsgrad=True (it would need a compact running maximum "
+                "of the second moment); use torch.optim.AdamW(amsgrad=True)"
+            )
+        if state not in STATES:
+            raise ConfigError(f"state must be one of {STATES}, got {state!r}")
+        if master not in _MASTERS:
+            raise ConfigError(f"master must be one of {_MASTERS}, got {master!r}")
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        _check_bool("capturable", capturable)
+        if capturable and mode == "torch":
+            raise ConfigError(
+                "capturable=True captures the fused Triton step; mode='torch' has none: use "
+                "mode='fused' or 'auto'"
+            )
+        if backend is not None and (not isinstance(backend, str) or backend == "torch"):
+            raise ConfigError(
+                f"backend names the kernel backend of mode='fused' (e.g. 'triton', 'cpu'); got "
+                f"{backend!r} (mode='torch' selects core's torch backend)"
+            )
+        self.capturable = capturable
+        self.mode = mode
+        self.fused_backend = backend
+        self.mode_cache = None if mode_cache is None else mode_cache
+        self._reset_fast()
+        super().__init__(
+            params,
+            rule="adamw",
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            master=master,
+            moments=state,
+            stochastic_rounding=True,
+            seed=seed,
+            check_numerics=check_numerics,
+        )
+        self._decision: ModeDecision | None = (
+            None if mode == "auto" else ModeDecision(mode, "fixed")
+        )
+
+    # ----------------------------------------------------------------------- configuration
+    def _reset_fast(self) -> None:
+        self._cached: dict[str, CachedStep] = {}
+        self._graph: GraphStep | None = None
+        self._recaptures = 0
+        self._trial: Trial | None = None
+        self._sig: tuple[str, dict[str, Any]] | None = None
+
+    def _invalidate(self) -> None:
+        if "_cached" in self.__dict__:
+            self._cached.clear()
+            self._graph = None
+
+    def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
+        betas = super()._check_group(g, where)
+        if g["moments"] not in STATES:
+            raise ConfigError(
+                f"ApexW keeps moments in {STATES}; param group {where} asks for {g['moments']!r}"
+            )
+        if g["master"] not in _MASTERS:
+            raise ConfigError(
+                f"ApexW keeps bfloat16 masters as {_MASTERS}; {where} asks for {g['master']!r}"
+            )
+        if not g["stochastic_rounding"]:
+            raise ConfigError(
+                f"ApexW rounds its compact moments stochastically (round-to-nearest bf16 second "
+                f"moments stall); {where} sets stochastic_rounding=False"
+            )
+        return betas
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch semantics; float32 and bfloat16 parameters only (CUDA ones when capturable)."""
+        if isinstance(param_group, dict) and "state" in param_group:
+            param_group = dict(param_group)
+            param_group["moments"] = param_group.pop("state")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            bad = None
+            if p.dtype not in _PARAM_DTYPES:
+                bad = f"is {p.dtype}; ApexW takes float32 or bfloat16 parameters"
+            elif self.capturable and p.device.type != "cuda":
+                bad = f"is on {p.device}; capturable=True captures a CUDA graph"
+            if bad is not None:
+                self.param_groups.pop()
+                self._index = None
+                raise ConfigError(
+                    f"parameter #{i} of param group {len(self.param_groups)} (shape "
+                    f"{tuple(p.shape)}) {bad}"
+                )
+        self._invalidate()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """As :meth:`memopt_core.MemOptimizer.load_state_dict`; the cached step is rebuilt."""
+        self._invalidate()
+        super().load_state_dict(state_dict)
+
+    def step_parameters(self, params, *, grads=None, staging=None) -> None:  # type: ignore[override]
+        """As :meth:`memopt_core.MemOptimizer.step_parameters`; the cached step is rebuilt."""
+        self._invalidate()
+        super().step_parameters(params, grads=grads, staging=staging)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """torch semantics; ``set_to_none`` defaults to False with ``capturable=True`` (gradients
+        stay in their captured buffers) and to True otherwise."""
+        if set_to_none is None:
+            set_to_none = not self.capturable
+        super().zero_grad(set_to_none=set_to_none)
+
+    @property
+    def mode_decision(self) -> ModeDecision | None:
+        """The mode in use and why (None while ``mode="auto"`` still runs its trial steps)."""
+        return self._decision
+
+    # ----------------------------------------------------------------------------- stepping
+    def step(self, closure=None):  # type: ignore[override]
+        """One AdamW step over every parameter with a gradient; returns the closure's loss."""
+        if self._release_owner is not None:
+            return super().step(closure)  # warns and does nothing
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ConfigError(
+                "ApexW.step() cannot be captured inside another CUDA graph: its host-side "
+                "scalars (lr, bias corrections, step) would be frozen into it. Use "
+                "ApexW(capturable=True), which captures its own step and feeds it lr and step "
+                "from device memory, and keep step() outside your graph"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            mode, timed = self._next_mode()
+            if timed:
+                with auto_mode.timed(self._device_types()) as t:
+                    self._step_in(mode)
+                assert self._trial is not None
+                self._trial.record(mode, t.ms)
+            else:
+                self._step_in(mode)
+        return loss
+
+    def _device_types(self) -> set[str]:
+        return {p.device.type for g in self.param_groups for p in g["params"]}
+
+    def _step_in(self, mode: str) -> None:
+        cached = self._cached.get(mode)
+        grads = cached.current_grads(self.param_groups) if cached is not None else None
+        if cached is not None and grads is not None:
+            cached.hand_grads(grads)
+            try:
+                self._replay(mode, cached)
+            finally:
+                cached.drop_grads()
+            return
+        if cached is not None and mode == "fused" and self.capturable:
+            self._recaptures += 1
+            if self._recaptures == 3:
+                warnings.warn(
+                    "ApexW(capturable=True) resolved and captured its step again because a "
+                    "gradient or parameter moved to another buffer; keep gradients in place "
+                    "(optimizer.zero_grad(), which zeroes in place here, instead of "
+                    "model.zero_grad() or set_to_none=True)",
+                    UserWarning,
+                    stacklevel=3,
+                )
+        self._cached.pop(mode, None)
+        if mode == "fused":
+            self._graph = None
+        self.backend = self._backend_name(mode)
+        if mode == "fused":
+            self._require_fused()
+        works = self._update(None)
+        built = self._build_cache(works)
+        if built is not None:
+            self._cached[mode] = built
+
+    def _backend_name(self, mode: str) -> str:
+        return "torch" if mode == "torch" else (self.fused_backend or "auto")
+
+    def _fused_names(self) -> set[str]:
+        """Backend names mode='fused' would run (core's selection for each state group)."""
+        self._ensure_plans()
+        names = set()
+        name = self.fused_backend or "auto"
+        for gi, gp in self._plans.items():
+            group = self.param_groups[gi]
+            for entry in gp.entries:
+                plan = entry.plan
+                spec = self._spec(group, plan.param_dtype)
+                chosen = backends.select_backend(
+                    self._kind, spec, plan.device, plan.param_dtype, name
+                )
+                names.add(getattr(chosen, "name", "?"))
+        return names
+
+    def _require_fused(self) -> None:
+        names = self._fused_names()
+        if "torch" in names:
+            raise BackendUnavailableError(
+                "ApexW(mode='fused') found no kernel backend for some parameters (pip install "
+                "memopt-kernels-triton for CUDA, memopt-kernels-cpu for CPU); use mode='auto' "
+                "or mode='torch' to run core's pure-torch step"
+            )
+
+    def _build_cache(self, works: list[tuple[Any, Any]]) -> CachedStep | None:
+        seen: set[tuple[int, int]] = set()
+        entries: list[CachedEntry] = []
+        for backend, work in works:
+            key = (work.plan.group_index, id(work.plan))
+            if key in seen:
+                return None  # parameters at different step counts: keep the general path
+            seen.add(key)
+            prepare = getattr(backend, "prepare", None)
+            prepared = prepare(work) if prepare is not None else None
+            if prepared is not None and not prepared.reusable:
+                prepared = None
+            group = self.param_groups[work.plan.group_index]
+            where = {id(p): i for i, p in enumerate(group["params"])}
+            positions = tuple(where[id(p)] for p in work.params)
+            entries.append(
+                CachedEntry(
+                    work.plan.group_index, backend, work, prepared, self._steps_of(work), positions
+                )
+            )
+        formats = [CachedStep.group_formats(g) for g in self.param_groups]
+        cached = CachedStep(entries, list(self.param_groups), formats)
+        if self.capturable and entries and self._backend_name_used(entries) == {"triton"}:
+            self._check_capturable(cached)
+        return cached
+
+    def _steps_of(self, work: Any) -> Tensor:
+        """One tensor whose elements are the ``step`` states of ``work``'s parameters (so one
+        ``add_`` counts them all); the cached steps of both modes share it."""
+        first = self.state[work.params[0]]["step"]
+        base = first._base
+        if (
+            base is not None
+            and base.numel() == len(work.params)
+            and all(self.state[p]["step"]._base is base for p in work.params)
+        ):
+            return base
+        steps = torch.stack([self.state[p]["step"] for p in work.params])
+        for i, p in enumerate(work.params):
+            self.state[p]["step"] = steps[i]
+        return steps
+
+    @staticmethod
+    def _backend_name_used(entries: list[CachedEntry]) -> set[str]:
+        return {getattr(e.backend, "name", "?") for e in entries}
+
+    def _check_capturable(self, cached: CachedStep) -> None:
+        for e in cached.entries:
+            if e.prepared is None:
+                raise ConfigError(
+                    "capturable=True needs contiguous parameters and gradients (the captured "
+                    "kernels address them directly); a parameter or gradient of param group "
+                    f"{e.group_index} is strided: make it contiguous before training"
+                )
+            if e.work.plan.device.type != "cuda":
+                raise ConfigError("capturable=True captures a CUDA graph; parameters are on CPU")
+        devices = {e.work.plan.device for e in cached.entries}
+        if len(devices) > 1:
+            raise ConfigError(
+                f"capturable=True captures one CUDA graph on one device; parameters are on "
+                f"{sorted(map(str, devices))}"
+            )
+
+    def _replay(self, mode: str, cached: CachedStep) -> None:
+        scalars = []
+        for e in cached.entries:
+            group = self.param_groups[e.group_index]
+            self._check_group(group, f"(param group {e.group_index})")
+            step = e.last_step + 1
+            s = self._scalars(group, step)
+            e.work.scalars, e.work.step, e.work.first_step = s, step, step == 1
+            scalars.append(s)
+        if self.check_numerics:
+            self._check_finite([(e.backend, e.work) for e in cached.entries])
+        if mode == "fused" and self.capturable and cached.entries:
+            graph = self._graph
+            if graph is None or graph.cached is not cached or not graph.variant_matches(scalars):
+                graph = self._graph = GraphStep(cached, cached.entries[0].work.plan.device)
+            graph.run(scalars, self.seed, [e.work.step for e in cached.entries])
+        else:
+            for e in cached.entries:
+                if e.prepared is not None:
+                    e.prepared.launch(e.work.scalars, e.work.step, self.seed, e.work.first_step)
+                else:
+                    e.backend.step(e.work)
+        cached.advance()
+
+    # ------------------------------------------------------------------------------ auto mode
+    def _next_mode(self) -> tuple[str, bool]:
+        if self._decision is not None:
+            return self._decision.mode, False
+        if self._trial is None:
+            self._start_auto()
+            if self._decision is not None:
+                return self._decision.mode, False
+        assert self._trial is not None
+        nxt = self._trial.next()
+        if nxt is None:
+            self._finish_auto()
+            assert self._decision is not None
+            return self._decision.mode, False
+        return nxt
+
+    def _cache_path(self) -> Path | None:
+        if self.mode_cache is None:
+            return None
+        if isinstance(self.mode_cache, str) and self.mode_cache == _DEFAULT_CACHE:
+            return auto_mode.default_cache_path()
+        return Path(self.mode_cache)
+
+    def _start_auto(self) -> None:
+        self._sig = auto_mode.signature(self.param_groups, self.capturable)
+        key = self._sig[0]
+        path = self._cache_path()
+        if path is not None:
+            found = auto_mode.load_decision(path, key)
+            if found is not None:
+                self._decision = found
+                return
+        candidates = ["torch"]
+        try:
+            if "torch" not in self._fused_names():
+                candidates.insert(0, "fused")
+        except BackendUnavailableError:
+            pass
+        if len(candidates) == 1:
+            self._decision = ModeDecision(candidates[0], "only candidate", {}, key, None)
+            return
+        self._trial = Trial(candidates)
+
+    def _finish_auto(self) -> None:
+        assert self._trial is not None
+        assert self._sig is not None
+        key, about = self._sig
+        path = self._cache_path()
+        decision = ModeDecision(
+            self._trial.decide(),
+            "measured",
+            self._trial.medians(),
+            key,
+            None if path is None else str(path),
+        )
+        if path is not None:
+            try:
+                auto_mode.save_decision(path, key, decision, about)
+            except OSError as e:
+                warnings.warn(
+                    f"ApexW could not write its mode cache {path}: {e}; the decision holds for "
+                    "this optimizer only",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        self._decision = decision
+        self._trial = None
+        for other in [m for m in self._cached if m != decision.mode]:
+            del self._cached[other]  # release the other mode's resolved step
+
+    # ------------------------------------------------------------------------ pickle, deepcopy
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(
+            capturable=self.capturable,
+            mode=self.mode,
+            fused_backend=self.fused_backend,
+            mode_cache=self.mode_cache,
+            _decision=self._decision,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._reset_fast()
+        super().__setstate__(state)
+
+
+def state_bytes_per_param(state: str, param_dtype: torch.dtype, master: str = "ecc24") -> float:
+    """Bytes of ApexW state per parameter element for a configuration (the module doc's table)."""
+    moments = {"bf16": 4.0, "q8": 2.0625}[state]
+    if param_dtype == torch.float32:
+        return moments
+    return moments + {"ecc24": 1.0, "ecc32": 2.0}[master]

@@ -1,0 +1,232 @@
+"""``mode="auto"``: ApexW picks its step implementation from timed trial steps, cached per model
+signature, never from size thresholds.
+
+Candidates: ``"fused"`` (a kernel backend: Triton on CUDA, memopt-kernels-cpu on CPU; with
+``capturable=True`` the CUDA-graph replay) and ``"torch"`` (core's pure-torch backend). Both
+compute the same bits (core's exactness rule), so the trial steps are ordinary training steps:
+trying a mode changes nothing but the time taken.
+
+Trial schedule (:class:`Trial`): each candidate first runs :data:`WARMUP_STEPS` untimed steps
+(resolution, kernel compilation, graph capture), then the candidates alternate for
+:data:`TIMED_ROUNDS` timed steps each; a step is timed from a device synchronization to the next,
+so host and device work both count. The decision is the candidate with the lowest median; a
+candidate slower than :data:`DROP_FACTOR` times the best after the first round is not timed
+again. The decision, with every median, is stored under the signature (:func:`signature`:
+device name, torch / triton / memopt-apexw versions, and per group the parameter dtype, state
+format and every shape) in a JSON file (:func:`default_cache_path`); an ApexW built for the same
+signature reads it and runs no trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CACHE_ENV",
+    "DROP_FACTOR",
+    "TIMED_ROUNDS",
+    "WARMUP_STEPS",
+    "ModeDecision",
+    "Trial",
+    "default_cache_path",
+    "load_decision",
+    "save_decision",
+    "signature",
+]
+
+CACHE_ENV = "MEMOPT_APEXW_CACHE"
+WARMUP_STEPS = 2
+TIMED_ROUNDS = 3
+DROP_FACTOR = 4.0
+_CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModeDecision:
+    """What ``mode="auto"`` chose and why (``ApexW.mode_decision``).
+
+    ``source``: ``"fixed"`` (mode given), ``"measured"`` (trial steps in this process),
+    ``"cache"`` (read from ``cache_path``) or ``"only candidate"``. ``timings_ms``: median step
+    time per candidate (measured now or when the cache entry was written)."""
+
+    mode: str
+    source: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    signature: str = ""
+    cache_path: str | None = None
+
+
+def default_cache_path() -> Path:
+    """``$MEMOPT_APEXW_CACHE``, else ``$XDG_CACHE_HOME/memopt/apexw-modes.json`` (``~/.cache``)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "memopt" / "apexw-modes.json"
+
+
+def _versions() -> dict[str, str]:
+    from memopt_apexw import __version__
+
+    out = {"torch": torch.__version__, "memopt_apexw": __version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:
+        out["triton"] = "none"
+    return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{torch.get_num_threads()} threads"
+
+
+def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict[str, Any]]:
+    """The cache key of a model (sha256 hex) and a short readable description of it."""
+    described = []
+    devices = set()
+    total = 0
+    tensors = 0
+    for g in groups:
+        params = list(g["params"])
+        devices.update(p.device for p in params)
+        described.append(
+            {
+                "state": g["moments"],
+                "master": g["master"],
+                "tensors": [[str(p.dtype), str(p.device.type), list(p.shape)] for p in params],
+            }
+        )
+        total += sum(p.numel() for p in params)
+        tensors += len(params)
+    names = sorted(_device_name(d) for d in devices)
+    full = {
+        "devices": names,
+        "versions": _versions(),
+        "capturable": capturable,
+        "groups": described,
+    }
+    key = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()
+    return key, {"devices": names, "tensors": tensors, "parameters": total, **_versions()}
+
+
+def load_decision(path: Path, key: str) -> ModeDecision | None:
+    """The cached decision for ``key`` in ``path`` (None if absent or unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+        return None
+    entry = data.get("entries", {}).get(key)
+    if not isinstance(entry, dict) or entry.get("mode") not in ("fused", "torch"):
+        return None
+    timings = {str(k): float(v) for k, v in entry.get("timings_ms", {}).items()}
+    return ModeDecision(entry["mode"], "cache", timings, key, str(path))
+
+
+def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str, Any]) -> None:
+    """Add ``decision`` under ``key`` to the JSON cache at ``path``, atomically (temporary file and
+    rename; a concurrent writer loses at most its own entry)."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data["version"] = _CACHE_VERSION
+    entries = data.setdefault("entries", {})
+    entries[key] = {
+        "mode": decision.mode,
+        "timings_ms": decision.timings_ms,
+        "about": about,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class Trial:
+    """The schedule of trial steps over ``candidates`` and their timings (see the module doc)."""
+
+    def __init__(self, candidates: list[str]) -> None:
+        self.candidates = list(candidates)
+        self.times: dict[str, list[float]] = {c: [] for c in candidates}
+        self._queue: list[tuple[str, bool]] = [
+            (c, False) for c in candidates for _ in range(WARMUP_STEPS)
+        ]
+        self._round = 0
+
+    def next(self) -> tuple[str, bool] | None:
+        """The next (candidate, timed) step, or None when the trial is over."""
+        if not self._queue:
+            if self._round >= TIMED_ROUNDS:
+                return None
+            alive = self._alive()
+            if len(alive) < 2 and self._round > 0:
+                return None
+            self._round += 1
+            self._queue = [(c, True) for c in alive]
+        return self._queue.pop(0)
+
+    def _alive(self) -> list[str]:
+        if self._round == 0:
+            return self.candidates
+        best = min(statistics.median(t) for t in self.times.values() if t)
+        return [
+            c for c in self.candidates if statistics.median(self.times[c]) <= DROP_FACTOR * best
+        ]
+
+    def record(self, candidate: str, ms: float) -> None:
+        self.times[candidate].append(ms)
+
+    def medians(self) -> dict[str, float]:
+        return {c: statistics.median(t) for c, t in self.times.items() if t}
+
+    def decide(self) -> str:
+        med = self.medians()
+        return min(med, key=med.__getitem__)
+
+
+def timed(device_types: set[str]):
+    """A context timing a block in milliseconds, synchronizing CUDA before and after."""
+    return _Timer("cuda" in device_types)
+
+
+class _Timer:
+    def __init__(self, sync: bool) -> None:
+        self.sync = sync
+        self.ms = 0.0
+
+    def __enter__(self) -> _Timer:
+        if self.sync:
+            torch.cuda.synchronize()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        self.ms = (time.perf_counter() - self._t0) * 1e3

@@ -1,0 +1,126 @@
+"""``mode="auto"``: a decision from timed trial steps, written to and reproduced from its cache,
+inspectable, and never a change to the computed bits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from apexw_testutil import make_params, set_grads
+
+from memopt_apexw import ApexW, auto_mode
+from memopt_apexw.auto_mode import TIMED_ROUNDS, WARMUP_STEPS, Trial
+
+
+def train(opt, params, steps):
+    for step in range(1, steps + 1):
+        set_grads(params, step)
+        opt.step()
+
+
+TRIAL_STEPS = 2 * WARMUP_STEPS + 2 * TIMED_ROUNDS
+
+
+def test_trial_schedule_and_decision():
+    t = Trial(["fused", "torch"])
+    seen = []
+    while (nxt := t.next()) is not None:
+        seen.append(nxt)
+        mode, timed = nxt
+        if timed:
+            t.record(mode, 1.0 if mode == "fused" else 2.0)
+    assert (
+        seen[: 2 * WARMUP_STEPS]
+        == [("fused", False)] * WARMUP_STEPS + [("torch", False)] * WARMUP_STEPS
+    )
+    assert seen[2 * WARMUP_STEPS :] == [("fused", True), ("torch", True)] * TIMED_ROUNDS
+    assert t.decide() == "fused"
+    assert t.medians() == {"fused": 1.0, "torch": 2.0}
+
+
+def test_trial_stops_timing_a_far_slower_candidate():
+    t = Trial(["fused", "torch"])
+    timed = []
+    while (nxt := t.next()) is not None:
+        if nxt[1]:
+            timed.append(nxt[0])
+            t.record(nxt[0], 1.0 if nxt[0] == "fused" else 100.0)
+    assert timed == ["fused", "torch"]  # one round; the 100x slower one is dropped
+    assert t.decide() == "fused"
+
+
+def test_decision_is_measured_cached_and_reproduced(tmp_path, monkeypatch):
+    cache = tmp_path / "modes.json"
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, TRIAL_STEPS)
+    assert opt.mode_decision is None or opt.mode_decision.source == "measured"
+    train(opt, a, 1)
+    d = opt.mode_decision
+    assert d is not None
+    assert d.source == "measured"
+    assert d.mode in ("fused", "torch")
+    assert set(d.timings_ms) <= {"fused", "torch"}
+    assert d.mode == min(d.timings_ms, key=d.timings_ms.__getitem__)
+    entry = json.loads(cache.read_text())["entries"][d.signature]
+    assert entry["mode"] == d.mode
+    assert entry["about"]["tensors"] == len(a)
+
+    def no_trial(*args, **kwargs):
+        raise AssertionError("a cached signature must not run trial steps")
+
+    monkeypatch.setattr(auto_mode, "Trial", no_trial)
+    monkeypatch.setattr("memopt_apexw.apexw.Trial", no_trial)
+    b = make_params("cpu")
+    again = ApexW(b, mode_cache=cache)
+    train(again, b, 2)
+    assert again.mode_decision.mode == d.mode
+    assert again.mode_decision.source == "cache"
+    assert again.mode_decision.timings_ms == d.timings_ms
+
+
+def test_signature_depends_on_shapes_dtypes_and_state():
+    def key(params, state="bf16", capturable=False):
+        opt = ApexW(params, state=state, mode_cache=None)
+        return auto_mode.signature(opt.param_groups, capturable)[0]
+
+    base = key([torch.zeros(4, 4, requires_grad=True)])
+    assert base == key([torch.zeros(4, 4, requires_grad=True)])
+    assert base != key([torch.zeros(16, requires_grad=True)])
+    assert base != key([torch.zeros(4, 4, dtype=torch.bfloat16, requires_grad=True)])
+    assert base != key([torch.zeros(4, 4, requires_grad=True)], state="q8")
+    assert base != key([torch.zeros(4, 4, requires_grad=True)], capturable=True)
+
+
+def test_corrupt_cache_is_remeasured_and_rewritten(tmp_path):
+    cache = tmp_path / "modes.json"
+    cache.write_text("{not json")
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+    assert json.loads(cache.read_text())["version"] == 1
+
+
+def test_unwritable_cache_warns_and_keeps_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=blocker / "modes.json")  # a folder that cannot exist
+    with pytest.warns(UserWarning, match="could not write its mode cache"):
+        train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+
+
+def test_no_cache_measures_in_memory(tmp_path):
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=None)
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+    assert opt.mode_decision.cache_path is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_fixed_modes_report_themselves():
+    assert ApexW(make_params("cpu"), mode="torch").mode_decision.source == "fixed"
