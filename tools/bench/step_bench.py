@@ -1,8 +1,11 @@
 """Optimizer-step benchmark: the step alone, against torch AdamW and the copy bandwidth.
 
-For each parameter profile and each optimizer configuration, time ``opt.step()`` (median of
-``--iters`` after ``--warmup`` steps; CUDA events on a GPU, ``perf_counter`` on a CPU) with fixed
-random gradients, and report the bandwidth it reaches for the bytes its format must move.
+For each parameter profile and each optimizer configuration (``--optimizers``/``--rows``), time
+``opt.step()`` (median of ``--iters`` after ``--warmup`` steps; CUDA events on a GPU,
+``perf_counter`` on a CPU) with fixed random gradients, and report the bandwidth it reaches for the
+bytes its format must move. Rows: torch AdamW, memopt's configurations, ``memopt_apexw.ApexW``
+and the peers torchao ``AdamW8bit``, bitsandbytes ``AdamW8bit`` and FlashOptim's ``FlashAdamW``;
+a row whose package does not import (or that needs CUDA on a CPU run) is skipped with the reason.
 
 Byte model, per parameter and step: the weights are read and written (2 W), the gradient is read
 (G = W) and every byte of optimizer state is read and written (2 S, S from the optimizer's own
@@ -13,7 +16,9 @@ The fraction of copy bandwidth compares that rate with a large ``copy_`` measure
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -21,6 +26,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,12 +53,37 @@ def qwen25_05b_shapes() -> list[Shape]:
     return [(151936, hidden), *layer * 24, (hidden,)]
 
 
+def resnet50_shapes() -> list[Shape]:
+    """Parameter shapes of torchvision's ResNet-50 in ``named_parameters()`` order: 161 tensors,
+    25,557,032 parameters (conv weights, batch-norm weight and bias, fc weight and bias)."""
+    shapes: list[Shape] = [(64, 3, 7, 7), (64,), (64,)]  # conv1, bn1
+    inplanes = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):  # layer1..layer4, Bottleneck
+        for block in range(blocks):
+            out = 4 * width  # Bottleneck.expansion
+            shapes += [(width, inplanes, 1, 1), (width,), (width,)]  # conv1, bn1
+            shapes += [(width, width, 3, 3), (width,), (width,)]  # conv2, bn2
+            shapes += [(out, width, 1, 1), (out,), (out,)]  # conv3, bn3
+            if block == 0:  # downsample: 1x1 conv and bn (stride 2 or a channel change)
+                shapes += [(out, inplanes, 1, 1), (out,), (out,)]
+            inplanes = out
+    return [*shapes, (1000, 2048), (1000,)]  # fc
+
+
+def many_small_shapes(count: int = 16384) -> list[Shape]:
+    """``count`` tensors of 8192 elements: one in four 1-D ``(8192,)``, three in four ``(64, 128)``
+    (biases and norms among matrices, as in a model; the step sees both layouts)."""
+    return [(8192,) if i % 4 == 0 else (64, 128) for i in range(count)]
+
+
 PROFILES: dict[str, list[Shape]] = {
     "64M": [(64 * 2**20,)],  # the CPU kernels' sizes (issue "Fused SIMD CPU kernels")
     "256M": [(64 * 2**20,)] * 4,
     "8x64M": [(64 * 2**20,)] * 8,
     "4096x32K": [(32 * 2**10,)] * 4096,
+    "16384x8K": many_small_shapes(),
     "qwen2.5-0.5b": qwen25_05b_shapes(),
+    "resnet50": resnet50_shapes(),
 }
 
 
@@ -63,13 +94,24 @@ def scaled(shapes: list[Shape], scale: int) -> list[Shape]:
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One optimizer configuration; ``module`` is imported first and its absence skips it."""
+    """One optimizer configuration; ``module`` is imported first and its absence skips it.
+
+    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows (a CUDA graph captured, or a mode
+    picked, during the first steps) run ``--full-warmup`` untimed steps whatever the time budget,
+    then get the budget again for the timed ones; ``settled(opt)``, where given, must be true
+    before timing starts (untimed steps run until it is, ``SETTLE_STEPS`` at most).
+    ``notes(opt)`` fills the row's notes column.
+    """
 
     name: str
     label: str
     module: str
     param_dtype: torch.dtype
     build: Builder
+    cuda_only: bool = False
+    full_warmup: bool = False
+    settled: Callable[[Any], bool] | None = None
+    notes: Callable[[Any], str] | None = None
 
 
 def _torch_adamw(impl: str) -> Builder:
@@ -90,10 +132,57 @@ def _memopt(master: str, moments: str) -> Builder:
 
 
 def _flash_adamw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    # memopt's own FlashOptim-compatible class (memopt_ecc), not the FlashOptim peer below.
     return mod.FlashAdamW(params, lr=1e-3, weight_decay=0.01, master_weight_bits=24)
 
 
+def _apexw(state: str, mode: str = "fused", capturable: bool = False) -> Builder:
+    def build(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+        return mod.ApexW(
+            params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+            state=state, capturable=capturable, mode=mode,
+        )  # fmt: skip
+
+    return build
+
+
+def _mode_decided(opt: Any) -> bool:
+    return getattr(opt, "mode_decision", None) is not None
+
+
+def _mode_notes(opt: Any) -> str:
+    """ApexW's mode="auto" choice and the timings it made it from."""
+    decision = getattr(opt, "mode_decision", None)
+    if decision is None:
+        return f"auto: no decision after {SETTLE_STEPS} untimed steps"
+    timings = getattr(decision, "timings_ms", None) or {}
+    why = [getattr(decision, "source", None)]  # ApexW: "measured", or "cache" from an earlier run
+    why += [f"{k} {v:.3f} ms" for k, v in timings.items()]
+    why_text = ", ".join(w for w in why if w)
+    return f"auto chose {decision.mode}" + (f" ({why_text})" if why_text else "")
+
+
+def _graph_notes(_: Any) -> str:
+    return "capturable=True; timed after the untimed full warmup (graph capture)"
+
+
+def _torchao_adamw8bit(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    return mod.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+
+
+def _bnb_adamw8bit(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    return mod.optim.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+
+
+def _flashoptim_adamw(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    # FlashOptim's defaults (ECC-24 master, int8 moments, fused Triton step); lr and weight decay
+    # are its defaults too, spelled out to match the other rows.
+    return mod.FlashAdamW(params, lr=1e-3, weight_decay=0.01)
+
+
 BF16 = torch.bfloat16
+APEXW = "memopt_apexw"
+SETTLE_STEPS = 50  # untimed steps at most while a row's settled() is false
 CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("adamw", "torch AdamW fp32 fused", "torch", torch.float32, _torch_adamw("fused")),
     BenchConfig("adamw-foreach", "torch AdamW fp32 foreach", "torch", torch.float32, _torch_adamw("foreach")),
@@ -103,6 +192,15 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16")),
     BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8")),
     BenchConfig("flash-adamw", "memopt_ecc FlashAdamW (ecc24+q8)", "memopt_ecc", BF16, _flash_adamw),
+    BenchConfig("apexw-bf16", "ApexW bf16 state fused", APEXW, torch.float32, _apexw("bf16"), cuda_only=True),
+    BenchConfig("apexw-q8", "ApexW q8 state fused", APEXW, torch.float32, _apexw("q8"), cuda_only=True),
+    BenchConfig("apexw-bf16-graph", "ApexW bf16 state graph", APEXW, torch.float32, _apexw("bf16", capturable=True), cuda_only=True, full_warmup=True, notes=_graph_notes),
+    BenchConfig("apexw-q8-graph", "ApexW q8 state graph", APEXW, torch.float32, _apexw("q8", capturable=True), cuda_only=True, full_warmup=True, notes=_graph_notes),
+    BenchConfig("apexw-auto-bf16", "ApexW bf16 state auto", APEXW, torch.float32, _apexw("bf16", mode="auto"), full_warmup=True, settled=_mode_decided, notes=_mode_notes),
+    BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True),
+    BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True),
+    BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True),
+    BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit),
 )  # fmt: skip
 
 
@@ -124,6 +222,7 @@ class Row:
     triad_fraction: float | None = None
     time_vs_adamw: float | None = None
     backend: str = "-"
+    notes: str = ""
     error: str | None = None
 
 
@@ -148,18 +247,36 @@ class Timer:
         return 1e3 * (time.perf_counter() - t0)
 
     def median(
-        self, fn: Callable[[], object], warmup: int, iters: int, budget_s: float
+        self,
+        fn: Callable[[], object],
+        warmup: int,
+        iters: int,
+        budget_s: float,
+        full_warmup: int = 0,
+        settled: Callable[[], bool] | None = None,
     ) -> tuple[float, int]:
         """(median ms, calls timed): up to ``warmup`` untimed calls, then up to ``iters`` timed
         ones. The first call is always untimed (it creates the state) and one call is always
         timed; the others stop once ``budget_s`` is spent, so a slow fallback cannot stall the run.
+
+        ``full_warmup`` untimed calls run whatever the budget (a CUDA graph captured in the first
+        steps), then, until ``settled()`` holds, up to ``SETTLE_STEPS`` more; past any of
+        them the budget starts again for the timed calls.
         """
         deadline = time.perf_counter() + budget_s
         self(fn)
-        for _ in range(warmup - 1):
-            if time.perf_counter() > deadline:
+        calls = 1
+        for _ in range(max(warmup, full_warmup) - 1):
+            if calls >= full_warmup and time.perf_counter() > deadline:
                 break
             self(fn)
+            calls += 1
+        extra = 0
+        while settled is not None and not settled() and extra < SETTLE_STEPS:
+            self(fn)
+            extra += 1
+        if full_warmup > 1 or extra:
+            deadline = time.perf_counter() + budget_s
         times = [self(fn)]
         while len(times) < iters and time.perf_counter() < deadline:
             times.append(self(fn))
@@ -199,17 +316,48 @@ def make_params(
     return params
 
 
+def _plain_tensors(value: Any) -> Iterable[torch.Tensor]:
+    """The plain tensors that hold ``value``'s bytes: a tensor subclass (torchao's 8-bit states)
+    through ``__tensor_flatten__``, another object (FlashOptim's quantized-state holder) through
+    its tensor attributes."""
+    if isinstance(value, torch.Tensor):
+        flatten = getattr(type(value), "__tensor_flatten__", None)
+        if type(value) is torch.Tensor or type(value) is torch.nn.Parameter or flatten is None:
+            yield value
+            return
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            yield from _plain_tensors(getattr(value, name))
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        for attr in vars(value).values():
+            if isinstance(attr, torch.Tensor):
+                yield from _plain_tensors(attr)
+
+
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """``opt.state_bytes()`` where offered, else the bytes of its state tensors."""
+    """``opt.state_bytes()`` where offered, else the bytes of the storages behind its state
+    (each storage once: a table shared by all parameters counts once)."""
     method = getattr(opt, "state_bytes", None)
     if callable(method):
         return int(method())
-    return sum(
-        t.numel() * t.element_size()
-        for s in opt.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
-    )
+    storages: dict[tuple[str, int], int] = {}
+    for s in opt.state.values():
+        for value in s.values():
+            for t in _plain_tensors(value):
+                if t.numel() == 0:
+                    continue
+                storage = t.untyped_storage()
+                key = (str(t.device), storage.data_ptr())
+                storages[key] = max(storages.get(key, 0), storage.nbytes())
+    return sum(storages.values())
+
+
+def free_memory(device: torch.device) -> None:
+    """Drop what the last row left (cycles through tracebacks included) and, on CUDA, hand the
+    cached blocks back, so that each row and profile starts from an empty device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure(
@@ -228,8 +376,17 @@ def measure(
     n = sum(p.numel() for p in params)
     row = Row(profile, config.name, config.label, len(params), n)
     opt = config.build(module, params, device)
-    row.ms, row.timed = timer.median(opt.step, args.warmup, args.iters, args.max_seconds)
+    row.ms, row.timed = timer.median(
+        opt.step,
+        args.warmup,
+        args.iters,
+        args.max_seconds,
+        full_warmup=args.full_warmup if config.full_warmup else 0,
+        settled=(lambda: config.settled(opt)) if config.settled else None,
+    )
     row.backend = backend_of(opt, params, device)
+    if config.notes is not None:
+        row.notes = " ".join(config.notes(opt).replace("|", "/").split())
     weight = params[0].element_size()
     row.state_bytes_per_param = state_bytes(opt) / n
     row.moved_bytes_per_param = 3 * weight + 2 * row.state_bytes_per_param
@@ -250,14 +407,24 @@ def set_threads(n: int) -> None:
 
 
 def backend_of(opt: torch.optim.Optimizer, params: list, device: torch.device) -> str:
-    """Which memopt kernel backend ran the step ("torch" is core's pure-torch fallback)."""
-    if not hasattr(opt, "rule"):
-        return "torch.optim"
+    """Which memopt kernel backend ran the step ("torch" is core's pure-torch fallback; ApexW:
+    its mode's backend, "+graph" when capturable); for other optimizers, their package
+    ("torch.optim", "bitsandbytes", ...)."""
+    if not (hasattr(opt, "rule") and hasattr(opt, "_spec") and hasattr(opt, "_kind")):
+        package = type(opt).__module__.split(".")[0]
+        return "torch.optim" if package == "torch" else package
     from memopt_core import backends
 
+    name = opt.backend
+    decision = getattr(opt, "mode_decision", None)  # ApexW: opt.backend is the last one built
+    if decision is not None:
+        if decision.mode == "torch":
+            return "torch"
+        name = getattr(opt, "fused_backend", None) or "auto"
     spec = opt._spec(opt.param_groups[0], params[0].dtype)  # the group's formats
-    chosen = backends.select_backend(opt._kind, spec, device, params[0].dtype, opt.backend)
-    return str(getattr(chosen, "name", chosen))
+    chosen = backends.select_backend(opt._kind, spec, device, params[0].dtype, name)
+    graph = "+graph" if decision is not None and getattr(opt, "capturable", False) else ""
+    return str(getattr(chosen, "name", chosen)) + graph
 
 
 def _cpu_model() -> str:
@@ -311,8 +478,8 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     lines += [
         "",
         "| profile | optimizer | tensors | params | step ms | steps timed | moved B/param | GB/s "
-        "| of copy BW | of triad BW | state B/param | time / AdamW | backend |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of copy BW | of triad BW | state B/param | time / AdamW | backend | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error is not None:
@@ -326,7 +493,7 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
             f"| {_fmt(r.moved_bytes_per_param, '.2f')} | {_fmt(r.gb_per_s, '.1f')} "
             f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.triad_fraction, '.0%')} "
             f"| {_fmt(r.state_bytes_per_param, '.2f')} "
-            f"| {_fmt(r.time_vs_adamw, '.2f')} | {r.backend} |"
+            f"| {_fmt(r.time_vs_adamw, '.2f')} | {r.backend} | {r.notes} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -340,8 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profiles", default=",".join(PROFILES), help="comma list (%(default)s)")
     p.add_argument(
         "--optimizers",
+        "--rows",
+        dest="optimizers",
         default=",".join(c.name for c in CONFIGS),
-        help="comma list; unimportable ones are skipped with the reason (%(default)s)",
+        help="comma list; unimportable ones (and CUDA-only ones on a CPU) are skipped with the "
+        "reason (%(default)s)",
     )
     p.add_argument(
         "--scale",
@@ -354,6 +524,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--iters", type=int, default=20, help="timed steps, at most; at least 1 (%(default)s)"
+    )
+    p.add_argument(
+        "--full-warmup",
+        type=int,
+        default=5,
+        help="untimed steps that always run for rows that capture a CUDA graph or pick a mode "
+        "in their first steps (%(default)s)",
     )
     p.add_argument(
         "--max-seconds",
@@ -390,17 +567,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def importable(names: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """``{config name: module}`` for the named configs that import, ``{name: reason}`` for the rest."""
+def importable(
+    names: set[str], device: torch.device | str = "cpu"
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``{config name: module}`` for the named configs that import (and, when CUDA-only, run on
+    a CUDA device), ``{name: reason}`` for the rest."""
     modules: dict[str, Any] = {}
     skipped: dict[str, str] = {}
+    on_cuda = torch.device(device).type == "cuda"
     for config in CONFIGS:
-        if config.name in names:
-            try:
-                modules[config.name] = importlib.import_module(config.module)
-            except ImportError as exc:
-                skipped[config.name] = f"{config.module} cannot be imported ({exc})"
+        if config.name not in names:
+            continue
+        try:
+            module = importlib.import_module(config.module)
+        except Exception as exc:  # a peer that fails at import (a missing native library) too
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+            reason = reason if len(reason) <= 160 else reason[:157] + "..."
+            skipped[config.name] = f"{config.module} cannot be imported ({reason})"
+            continue
+        if config.cuda_only and not on_cuda:
+            skipped[config.name] = f"needs a CUDA device ({config.label})"
+            continue
+        modules[config.name] = module
     return modules, skipped
+
+
+def versions(modules: dict[str, Any]) -> str:
+    """The versions of the packages behind the imported rows, torch's aside."""
+    found: dict[str, str] = {}
+    for module in modules.values():
+        top = module.__name__.split(".")[0]
+        if top == "torch" or top in found:
+            continue
+        version = getattr(sys.modules.get(top), "__version__", None)
+        if version is None:
+            try:
+                version = importlib.metadata.version(top.replace("_", "-"))
+            except importlib.metadata.PackageNotFoundError:
+                version = "from a checkout"
+        found[top] = str(version)
+    return ", ".join(f"{k} {v}" for k, v in found.items()) or "-"
 
 
 def run_profile(
@@ -410,8 +616,10 @@ def run_profile(
     timer: Timer,
     copy_gbs: float,
     triad_gbs: float,
+    done: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
-    """Measure every importable configuration on one profile, then relate them to AdamW's time."""
+    """Measure every importable configuration on one profile, then relate them to AdamW's time.
+    ``done(rows so far)`` runs after each row (the partial report)."""
     shapes = scaled(PROFILES[profile], args.scale)
     name = profile if args.scale == 1 else f"{profile}/{args.scale}"
     rows: list[Row] = []
@@ -425,11 +633,13 @@ def run_profile(
             error = " ".join(f"{type(exc).__name__}: {exc}".replace("|", "/").split())
             error = error if len(error) <= 160 else error[:157] + "..."  # one table cell
             row = Row(name, config.name, config.label, len(shapes), n, error=error)
+            traceback.clear_frames(exc.__traceback__)  # its frames hold the row's tensors
         rows.append(row)
-        result = row.error or f"{row.ms:.3f} ms"
+        result = row.error or f"{row.ms:.3f} ms" + (f" ({row.notes})" if row.notes else "")
         print(f"{name:>20} {config.label:<28} {result}", file=sys.stderr)
-        if timer.device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(timer.device)
+        if done is not None:
+            done(rows)
     base = next((r.ms for r in rows if r.config == "adamw"), None)
     for r in rows:
         if r.ms is not None and base:
@@ -458,6 +668,8 @@ def report_header(
         "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
         "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
+        "warmup of graph and auto rows": f"{args.full_warmup} untimed steps whatever the budget "
+        f"(CUDA graph capture, mode choice), then the timed ones with a fresh budget",
     }
 
 
@@ -471,26 +683,39 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = copy_bandwidth(timer.device, args.copy_mib * 2**20, timer)
     triad_gbs = triad_bandwidth(timer.device, args.copy_mib * 2**20, timer)
     print(f"copy {copy_gbs:.1f} GB/s, triad {triad_gbs:.1f} GB/s (read + write)", file=sys.stderr)
-    modules, skipped = importable(set(args.optimizers.split(",")))
+    free_memory(timer.device)
+    modules, skipped = importable(set(args.optimizers.split(",")), args.device)
     for name, reason in skipped.items():
         print(f"skipping {name}: {reason}", file=sys.stderr)
-
-    rows = [
-        row
-        for profile in args.profiles.split(",")
-        for row in run_profile(profile, modules, args, timer, copy_gbs, triad_gbs)
-    ]
     header = report_header(args, argv, copy_gbs, skipped)
     header["triad bandwidth"] = (
         f"{triad_gbs:.1f} GB/s (a = b + 3 c over {args.copy_mib} MiB arrays, 2 read + 1 written)"
     )
-    header["seconds"] = f"{time.perf_counter() - began:.0f}"
-    report = markdown(rows, header)
-    args.out.mkdir(parents=True, exist_ok=True)
-    md, js = args.out / "step_bench.md", args.out / "step_bench.json"
-    md.write_text(report)
-    js.write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    header["versions"] = versions(modules)
+
+    rows: list[Row] = []
+
+    def save(done_rows: list[Row], status: str) -> str:
+        # Written after every row too, so that a run stopped from outside keeps what it measured.
+        header["seconds"] = f"{time.perf_counter() - began:.0f}"
+        header["status"] = status
+        report = markdown(done_rows, header)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step_bench.md").write_text(report)
+        (args.out / "step_bench.json").write_text(
+            json.dumps({"header": header, "rows": [asdict(r) for r in done_rows]}, indent=1)
+        )
+        return report
+
+    def partial(part: list[Row]) -> None:  # the profiles done, then the current one's rows
+        save([*rows, *part], f"partial: {len(rows) + len(part)} rows so far")
+
+    for profile in args.profiles.split(","):
+        rows += run_profile(profile, modules, args, timer, copy_gbs, triad_gbs, done=partial)
+        free_memory(timer.device)  # a profile's tensors are gone before the next one's
+    report = save(rows, "complete")
     print(report)
+    md, js = args.out / "step_bench.md", args.out / "step_bench.json"
     print(f"wrote {md} and {js}", file=sys.stderr)
     return 1 if any(r.error for r in rows) else 0
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import types
 
 import pytest
 import step_bench
+import torch
 
 
 def test_qwen_profile_matches_the_design() -> None:
@@ -23,15 +26,125 @@ def test_scaling_keeps_the_tensor_count() -> None:
 
 
 def test_tiny_run_reports_every_importable_config(tmp_path) -> None:
+    # 16384x8K is left out: 16384 tensors take torch's fused CPU AdamW seconds per step
+    profiles = [p for p in step_bench.PROFILES if p != "16384x8K"]
     argv = ["--device", "cpu", "--scale", "4096", "--warmup", "1", "--iters", "2"]
     argv += ["--copy-mib", "4", "--optimizers", "adamw,adamw-bf16", "--out", str(tmp_path)]
-    assert step_bench.main(argv) == 0
+    assert step_bench.main([*argv, "--profiles", ",".join(profiles)]) == 0
     rows = json.loads((tmp_path / "step_bench.json").read_text())["rows"]
     assert [(r["profile"].split("/")[0], r["config"]) for r in rows] == [
-        (p, c) for p in step_bench.PROFILES for c in ("adamw", "adamw-bf16")
+        (p, c) for p in profiles for c in ("adamw", "adamw-bf16")
     ]
     for r in rows:
         assert r["ms"] > 0
         assert r["time_vs_adamw"] > 0
     assert rows[0]["moved_bytes_per_param"] == pytest.approx(28.0, abs=0.01)
     assert "| torch AdamW pure bf16 fused |" in (tmp_path / "step_bench.md").read_text()
+
+
+def test_many_small_profile_mixes_vectors_and_matrices() -> None:
+    shapes = step_bench.PROFILES["16384x8K"]
+    assert len(shapes) == 16384
+    assert shapes[:4] == [(8192,), (64, 128), (64, 128), (64, 128)]
+    assert shapes.count((8192,)) == 4096
+    assert shapes.count((64, 128)) == 12288
+    assert sum(math.prod(s) for s in shapes) == 16384 * 8192
+
+
+def test_resnet50_profile_matches_torchvision() -> None:
+    shapes = step_bench.PROFILES["resnet50"]
+    assert len(shapes) == 161
+    assert sum(math.prod(s) for s in shapes) == 25_557_032
+    assert sum(len(s) == 4 for s in shapes) == 53  # conv layers (4 of them downsample)
+    assert shapes[:3] == [(64, 3, 7, 7), (64,), (64,)]
+    assert shapes[-2:] == [(1000, 2048), (1000,)]
+    assert shapes[3:15] == [  # layer1.0: conv1..conv3 with their norms, then the downsample
+        (64, 64, 1, 1), (64,), (64,), (64, 64, 3, 3), (64,), (64,),
+        (256, 64, 1, 1), (256,), (256,), (256, 64, 1, 1), (256,), (256,),
+    ]  # fmt: skip
+
+
+def _tiny(tmp_path, rows: str, profiles: str = "resnet50") -> list[str]:
+    argv = ["--device", "cpu", "--scale", "4096", "--warmup", "1", "--iters", "2"]
+    argv += ["--copy-mib", "4", "--rows", rows, "--profiles", profiles]
+    return [*argv, "--out", str(tmp_path)]
+
+
+def test_rows_of_a_missing_package_are_skipped_with_the_reason(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "memopt_apexw", None)  # import fails, installed or not
+    monkeypatch.setitem(sys.modules, "flashoptim", None)
+    rows = "adamw,apexw-bf16,apexw-q8-graph,apexw-auto-bf16,apexw-bf16-params,flashoptim-peer"
+    assert step_bench.main(_tiny(tmp_path, rows)) == 0
+    report = json.loads((tmp_path / "step_bench.json").read_text())
+    assert [r["config"] for r in report["rows"]] == ["adamw"]
+    skipped = report["header"]["skipped"]
+    for name in rows.split(",")[1:-1]:
+        assert f"{name}: memopt_apexw cannot be imported" in skipped
+    assert "flashoptim-peer: flashoptim cannot be imported" in skipped
+    assert report["header"]["status"] == "complete"
+
+
+def test_cuda_only_rows_are_skipped_on_a_cpu(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "memopt_apexw", types.ModuleType("memopt_apexw"))
+    modules, skipped = step_bench.importable({"apexw-q8", "apexw-auto-bf16"}, "cpu")
+    assert list(modules) == ["apexw-auto-bf16"]
+    assert skipped["apexw-q8"].startswith("needs a CUDA device")
+
+
+class _FakeApexW(torch.optim.AdamW):
+    """ApexW's interface over torch AdamW; mode="auto" decides at its 7th step."""
+
+    made: list[_FakeApexW] = []  # noqa: RUF012
+
+    def __init__(self, params, lr, betas, eps, weight_decay, state, capturable, mode) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.mode, self.steps, self.mode_decision, self.decided_at = mode, 0, None, None
+        _FakeApexW.made.append(self)
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.mode == "auto" and self.steps == 7:
+            timings = {"fused": 2.0, "torch": 1.0}
+            self.mode_decision = types.SimpleNamespace(mode="torch", timings_ms=timings)
+            self.decided_at = self.steps
+        return super().step(closure)
+
+    def state_bytes(self) -> int:
+        return 3 * sum(p.numel() for g in self.param_groups for p in g["params"])
+
+
+def test_auto_row_is_timed_after_the_mode_choice_and_reports_it(tmp_path, monkeypatch) -> None:
+    module = types.ModuleType("memopt_apexw")
+    module.ApexW = _FakeApexW
+    monkeypatch.setitem(sys.modules, "memopt_apexw", module)
+    _FakeApexW.made.clear()
+    assert step_bench.main(_tiny(tmp_path, "adamw,apexw-auto-bf16")) == 0
+    rows = json.loads((tmp_path / "step_bench.json").read_text())["rows"]
+    auto = rows[1]
+    assert auto["config"] == "apexw-auto-bf16"
+    assert auto["notes"] == "auto chose torch (fused 2.000 ms, torch 1.000 ms)"
+    assert auto["state_bytes_per_param"] == pytest.approx(3.0)
+    assert auto["backend"] == "test_step_bench"  # the optimizer's package
+    (opt,) = _FakeApexW.made
+    assert opt.decided_at == 7
+    assert opt.steps == 7 + auto["timed"]  # no timed step before the decision
+    assert (
+        "| auto chose torch (fused 2.000 ms, torch 1.000 ms) |"
+        in (tmp_path / "step_bench.md").read_text()
+    )
+
+
+def test_state_bytes_counts_each_storage_once() -> None:
+    class Holder:  # FlashOptim keeps its quantized moments in objects like this
+        def __init__(self) -> None:
+            self._quantized = torch.zeros(64, dtype=torch.int8)
+            self._scales = torch.zeros(2, dtype=torch.float16)
+
+    table = torch.zeros(256)  # one table shared by every parameter (bitsandbytes' qmap)
+    opt = types.SimpleNamespace(
+        state={
+            0: {"exp_avg": Holder(), "qmap": table, "step": 3},
+            1: {"exp_avg": Holder(), "qmap": table, "view": table[:10]},
+        }
+    )
+    assert step_bench.state_bytes(opt) == 2 * (64 + 4) + 256 * 4
