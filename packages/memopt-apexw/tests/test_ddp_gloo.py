@@ -1,0 +1,61 @@
+"""ApexW under DistributedDataParallel: 2 processes over gloo on the CPU, with DDP's gradients as
+separate tensors or as views of its buckets, zeroed in place or set to None: the cached step must
+follow every way DDP hands gradients over.
+
+DDP divides each gradient by the world size and sums it across ranks (exact halving, one rounding
+for the sum of two), so every rank's weights must equal, bit for bit, a single process that steps
+on ``g_rank0 / 2 + g_rank1 / 2``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_worker import CONFIGS, loss_of, make_model, make_optimizer, shard, train
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+STEPS = 6
+
+
+def reference(name: str) -> dict[str, torch.Tensor]:
+    dtype = CONFIGS[name][0]
+    model = make_model(dtype)
+    opt = make_optimizer(name, model.parameters())
+    for t in range(STEPS):
+        grads = []
+        for rank in (0, 1):
+            model.zero_grad()
+            loss_of(model, shard(t, rank, dtype)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = g0 / 2 + g1 / 2
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed"])
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grad_tensors", "bucket_views"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_ddp_two_ranks_equal_one_process(name, bucket_view, set_to_none, tmp_path):
+    mp.spawn(
+        train,
+        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), bucket_view, set_to_none),
+        nprocs=2,
+        join=True,
+    )
+    want = reference(name)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k, v in want.items():
+            assert torch.equal(_bits(got[k]), _bits(v)), (rank, k)
+    initial = make_model(CONFIGS[name][0]).state_dict()
+    assert not all(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
