@@ -159,3 +159,15 @@ def test_bf16_second_moment_keeps_decaying_over_3000_steps():
     ratio = (v.mean() / v_ref.mean()).item()
     assert 0.97 < ratio < 1.03, ratio
     assert (v.mean() < 0.2).item()  # decayed from ~1 (a stalled v stays near its peak)
+
+
+def test_param_group_state_key():
+    a, b = make_params("cpu"), make_params("cpu", seed=1, shapes=[(64,)])
+    opt = ApexW(a, state="bf16", mode="torch")
+    opt.add_param_group({"params": b, "state": "q8"})
+    assert opt.param_groups[1]["moments"] == "q8"
+    assert "state" not in opt.param_groups[1]
+    set_grads(a + b, 1)
+    opt.step()
+    assert opt.state[b[0]]["exp_avg"].dtype == torch.float8_e4m3fn
+    assert opt.state[a[0]]["exp_avg"].dtype == torch.bfloat16
