@@ -179,3 +179,47 @@ def _install_torch_unless_present(session: nox.Session) -> None:
         session.run("python", "-c", "import torch", silent=True)
     except nox.command.CommandFailed:
         _install_torch(session)
+
+
+#: Cross-compile targets: (zig target, ISA sources besides the common ones, defines).
+_CROSS_TARGETS = {
+    "aarch64-linux-gnu": (["isa_neon.cpp"], ["MEMOPT_HAVE_NEON"]),
+    "x86_64-linux-gnu": (
+        ["isa_avx2.cpp", "isa_avx512.cpp"],
+        ["MEMOPT_HAVE_AVX2", "MEMOPT_HAVE_AVX512"],
+    ),
+}
+_ISA_FLAGS = {
+    "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+
+
+@nox.session(default=False)
+def cross_compile(session: nox.Session) -> None:
+    """Compile memopt-kernels-cpu's C++ for aarch64 (NEON) and x86-64 with clang, warnings as errors.
+
+    No aarch64 host is at hand, so this is how the NEON set is kept compiling: zig's bundled clang
+    (the ``ziglang`` wheel, a development-only tool) cross-compiles every translation unit with
+    CMakeLists.txt's exactness flags and ``-Werror``. Compiles only; the kernels' results are
+    tested where they run (``nox -s tests`` on x86-64).
+    """
+    session.install("ziglang", "pybind11")
+    pkg = PACKAGES / "memopt-kernels-cpu"
+    includes = session.run(
+        "python", "-c",
+        "import pybind11, sysconfig; print(pybind11.get_include()); "
+        "print(sysconfig.get_paths()['include'])",
+        silent=True,
+    ).split()  # fmt: skip
+    common = ["module.cpp", "pool.cpp", "cpu_probe.cpp", "isa_scalar.cpp"]
+    out = Path(session.create_tmp()) / "cross.o"
+    for target, (isa_sources, defines) in _CROSS_TARGETS.items():
+        for source in common + isa_sources:
+            session.run(
+                "python", "-m", "ziglang", "c++", "-target", target, "-std=c++17", "-O2",
+                "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-Wall", "-Wextra",
+                "-Werror", *_ISA_FLAGS.get(source, []), *[f"-D{d}" for d in defines],
+                '-DMEMOPT_VERSION="cross"', f"-I{pkg / 'include'}", f"-I{pkg / 'csrc'}",
+                *[f"-I{i}" for i in includes], "-c", str(pkg / "csrc" / source), "-o", str(out),
+            )  # fmt: skip

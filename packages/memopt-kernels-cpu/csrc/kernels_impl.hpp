@@ -47,8 +47,9 @@ inline T vmax(T a, T b) {
 }
 
 // IEEE arithmetic for the duration of a kernel call: the caller's thread may have flush-to-zero
-// or denormals-are-zero set (torch.set_flush_denormal(True) does), which would change subnormal
-// results and make them depend on which thread ran a part. Restored on exit.
+// or denormals-are-zero set (torch.set_flush_denormal(True) does: MXCSR's FTZ/DAZ on x86, FPCR's
+// FZ on AArch64), which would change subnormal results and make them depend on which thread ran
+// a part. Restored on exit. Declared [[maybe_unused]]: on other targets the class is empty.
 class IeeeMode {
  public:
 #if defined(__x86_64__) || defined(_M_X64)
@@ -57,6 +58,18 @@ class IeeeMode {
 
  private:
   unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeMode() : saved_(read_fpcr()) { write_fpcr(saved_ & ~(uint64_t{1} << 24)); }  // FZ
+  ~IeeeMode() { write_fpcr(saved_); }
+
+ private:
+  static uint64_t read_fpcr() {
+    uint64_t v;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(v));
+    return v;
+  }
+  static void write_fpcr(uint64_t v) { __asm__ volatile("msr fpcr, %0" : : "r"(v)); }
+  uint64_t saved_;
 #endif
 };
 
@@ -819,7 +832,7 @@ void stream_store_u16(uint16_t* dst, const uint16_t* src, int64_t n) {
 }
 
 void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t end) {
-  const IeeeMode ieee;
+  [[maybe_unused]] const IeeeMode ieee;
   alignas(64) float x[TILE], g[TILE], m[TILE], v[TILE];
   alignas(64) uint32_t w0[TILE], w1[TILE], w2[TILE];
   alignas(64) uint16_t stage[TILE];
@@ -921,7 +934,7 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
 // ------------------------------------------------------------------------------ standalone
 void encode_moment(int32_t fmt, const float* x, int64_t n, void* codes, uint8_t* scales,
                    const uint32_t* rand) {
-  const IeeeMode ieee;
+  [[maybe_unused]] const IeeeMode ieee;
   const int64_t cb = moment_bytes(fmt);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -931,7 +944,7 @@ void encode_moment(int32_t fmt, const float* x, int64_t n, void* codes, uint8_t*
 }
 
 void decode_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_t n, float* out) {
-  const IeeeMode ieee;
+  [[maybe_unused]] const IeeeMode ieee;
   const int64_t cb = moment_bytes(fmt);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -942,7 +955,7 @@ void decode_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_
 
 void encode_master(int32_t master, const float* x, int64_t n, void* param, void* code,
                    const uint32_t* rand) {
-  const IeeeMode ieee;
+  [[maybe_unused]] const IeeeMode ieee;
   const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
@@ -953,7 +966,7 @@ void encode_master(int32_t master, const float* x, int64_t n, void* param, void*
 }
 
 void decode_master(int32_t master, const void* param, const void* code, int64_t n, float* out) {
-  const IeeeMode ieee;
+  [[maybe_unused]] const IeeeMode ieee;
   const int64_t pb = master == MASTER_FP32 ? 4 : 2, cb = code_bytes(master);
   for (int64_t t = 0; t < n; t += TILE) {
     const int64_t k = vmin(TILE, n - t);
