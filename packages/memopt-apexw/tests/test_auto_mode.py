@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from apexw_testutil import make_params, set_grads
+from apexw_testutil import fused_backend_for, make_params, set_grads
 
 from memopt_apexw import ApexW, auto_mode
 from memopt_apexw.auto_mode import TIMED_ROUNDS, WARMUP_STEPS, Trial
@@ -20,6 +20,10 @@ def train(opt, params, steps):
 
 
 TRIAL_STEPS = 2 * WARMUP_STEPS + 2 * TIMED_ROUNDS
+needs_two_candidates = pytest.mark.skipif(
+    fused_backend_for(torch.device("cpu")) is None,
+    reason="a trial needs a fused CPU backend next to core's torch one (memopt-kernels-cpu)",
+)
 
 
 def test_trial_schedule_and_decision():
@@ -50,6 +54,7 @@ def test_trial_stops_timing_a_far_slower_candidate():
     assert t.decide() == "fused"
 
 
+@needs_two_candidates
 def test_decision_is_measured_cached_and_reproduced(tmp_path, monkeypatch):
     cache = tmp_path / "modes.json"
     a = make_params("cpu")
@@ -93,6 +98,7 @@ def test_signature_depends_on_shapes_dtypes_and_state():
     assert base != key([torch.zeros(4, 4, requires_grad=True)], capturable=True)
 
 
+@needs_two_candidates
 def test_corrupt_cache_is_remeasured_and_rewritten(tmp_path):
     cache = tmp_path / "modes.json"
     cache.write_text("{not json")
@@ -103,6 +109,7 @@ def test_corrupt_cache_is_remeasured_and_rewritten(tmp_path):
     assert json.loads(cache.read_text())["version"] == 1
 
 
+@needs_two_candidates
 def test_unwritable_cache_warns_and_keeps_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -113,6 +120,7 @@ def test_unwritable_cache_warns_and_keeps_training(tmp_path):
     assert opt.mode_decision.source == "measured"
 
 
+@needs_two_candidates
 def test_no_cache_measures_in_memory(tmp_path):
     a = make_params("cpu")
     opt = ApexW(a, mode_cache=None)
@@ -124,3 +132,14 @@ def test_no_cache_measures_in_memory(tmp_path):
 
 def test_fixed_modes_report_themselves():
     assert ApexW(make_params("cpu"), mode="torch").mode_decision.source == "fixed"
+
+
+def test_a_single_candidate_needs_no_trial(tmp_path, monkeypatch):
+    # where no kernel backend is installed, core's torch backend is the only candidate
+    monkeypatch.setattr(ApexW, "_fused_names", lambda self: {"torch"})
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=tmp_path / "modes.json")
+    train(opt, a, 2)
+    assert opt.mode_decision.mode == "torch"
+    assert opt.mode_decision.source == "only candidate"
+    assert not (tmp_path / "modes.json").exists()
