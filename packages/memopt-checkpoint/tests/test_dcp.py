@@ -37,7 +37,17 @@ def _bridge(model):
     return offload.AdamBridge(model.parameters(), lr=1e-2, precision="bf16")
 
 
-BUILDERS = {"memopt-ecc24-q8": _memopt, "flash-lion": _flash, "adambridge-bf16": _bridge}
+def _apexw(model):
+    apexw = pytest.importorskip("memopt_apexw")
+    return apexw.ApexW(model.parameters(), lr=1e-2, state="q8", mode_cache=None)
+
+
+BUILDERS = {
+    "memopt-ecc24-q8": _memopt,
+    "flash-lion": _flash,
+    "adambridge-bf16": _bridge,
+    "apexw-ecc24-q8": _apexw,
+}
 
 
 def build(name, seed=0):
