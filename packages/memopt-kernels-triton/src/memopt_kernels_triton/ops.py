@@ -17,6 +17,7 @@ which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is cont
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from collections import OrderedDict
@@ -29,7 +30,6 @@ from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_mome
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
-from memopt_core.reference import to_compute
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
 from memopt_kernels_triton.kernels import lion as _lion
@@ -122,8 +122,14 @@ def _i32(v: int) -> int:
 
 
 def _f32(v: float) -> float:
-    """``v`` rounded once to fp32 exactly as the torch backend does (``to_compute``)."""
-    return float(to_compute(float(v), torch.empty((), dtype=torch.float32)))
+    """``v`` rounded once to fp32 (nearest even), as the torch backend's ``to_compute`` rounds
+    it: C's double -> float cast through ``struct``, without creating tensors on every launch
+    (a prepared launch converts eight scalars per step)."""
+    v = float(v)
+    try:
+        return struct.unpack("<f", struct.pack("<f", v))[0]
+    except OverflowError:  # rounds past the largest float: torch gives an infinity
+        return math.copysign(math.inf, v)
 
 
 def _rows() -> int:
