@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, shard, train
 
+from memopt_core.testing import set_mean_gradients
+
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
 )
@@ -24,13 +26,7 @@ def reference(name: str) -> dict[str, torch.Tensor]:
     model = make_model()
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
-        grads = []
-        for rank in (0, 1):
-            model.zero_grad()
-            loss_of(model, shard(t, rank)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
-            p.grad = g0 / 2 + g1 / 2
+        set_mean_gradients(model, [lambda r=r, t=t: loss_of(model, shard(t, r)) for r in (0, 1)])
         opt.step()
         opt.zero_grad()
     return model.state_dict()

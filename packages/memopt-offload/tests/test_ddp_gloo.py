@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from ddp_bridge_worker import shard, train
 from offload_testutil import Reference, loss_of, make_model
 
+from memopt_core.testing import set_mean_gradients
 from memopt_offload import AdamBridge
 
 pytestmark = pytest.mark.skipif(
@@ -25,13 +26,7 @@ def test_ddp_step_equals_one_process(precision, tmp_path):
     model = make_model("cpu")
     ref = Reference(model, precision, lr=2e-3)
     for t in range(STEPS):
-        grads = []
-        for rank in (0, 1):
-            model.zero_grad()
-            loss_of(model, shard(t, rank)).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
-            p.grad = g0 / 2 + g1 / 2
+        set_mean_gradients(model, [lambda r=r, t=t: loss_of(model, shard(t, r)) for r in (0, 1)])
         ref.step()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

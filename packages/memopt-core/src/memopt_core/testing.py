@@ -2,11 +2,13 @@
 ``MemOptimizer`` does, clone it, step two copies through two backends and report differing bits.
 
 Every kernel package checks its backend against core's torch backend with these (one copy of the
-group-building logic for the Triton and the C++ kernels, and for the GPU sweep).
+group-building logic for the Triton and the C++ kernels, and for the GPU sweep). Optimizer
+packages' DDP tests build their one-process reference with :func:`set_mean_gradients`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ __all__ = [
     "make_group",
     "rule_names",
     "scalars_for",
+    "set_mean_gradients",
     "step_group",
 ]
 
@@ -294,3 +297,22 @@ def _float_view(group: Group, key: str) -> Tensor | None:
         if t.dtype in (torch.float32, torch.bfloat16):
             return t.reshape(-1).float().cpu()
     return None
+
+
+def set_mean_gradients(model: torch.nn.Module, losses: Sequence[Callable[[], Tensor]]) -> None:
+    """Give every parameter of ``model`` the gradient DistributedDataParallel gives it with one
+    rank per entry of ``losses`` (each a callable computing that rank's loss): each rank's
+    gradient divided by the world size, summed in rank order. With two ranks over gloo that is
+    ``g0 / 2 + g1 / 2`` bit for bit, so a one-process optimizer step on these gradients is the
+    reference a DDP test compares every rank's weights with."""
+    world = len(losses)
+    per_rank = []
+    for loss in losses:
+        model.zero_grad()
+        loss().backward()
+        per_rank.append([p.grad.clone() for p in model.parameters()])
+    for p, *grads in zip(model.parameters(), *per_rank, strict=True):
+        total = grads[0] / world
+        for g in grads[1:]:
+            total = total + g / world
+        p.grad = total
