@@ -66,6 +66,15 @@ def set_grads(params, step: int, *, in_place: bool = True, scale: float = 1.0) -
             p.grad = v
 
 
+def step_both(a, b, opt, ref, step: int, **grad_kw) -> None:
+    """One step of ApexW ``opt`` over ``a`` and of the reference ``ref`` over its twin ``b``, on
+    the same gradients (``grad_kw`` goes to ``a``'s :func:`set_grads`)."""
+    set_grads(a, step, **grad_kw)
+    set_grads(b, step)
+    opt.step()
+    ref.step()
+
+
 def reference_for(params, *, state="bf16", master="ecc24", **kw) -> MemOptimizer:
     kw.setdefault("weight_decay", 1e-2)
     return MemOptimizer(params, rule="adamw", moments=state, master=master, backend="torch", **kw)

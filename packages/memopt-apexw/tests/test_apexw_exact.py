@@ -10,7 +10,7 @@ from apexw_testutil import (
     fused_backend_for,
     make_params,
     reference_for,
-    set_grads,
+    step_both,
     triton_interpreter_ready,
     twin,
 )
@@ -32,10 +32,7 @@ def run_pair(device, dtype, state, master, steps, **apexw_kw):
     opt = ApexW(a, lr=3e-3, state=state, master=master, weight_decay=0.05, **apexw_kw)
     ref = reference_for(b, state=state, master=master, lr=3e-3, weight_decay=0.05)
     for step in range(1, steps + 1):
-        set_grads(a, step)
-        set_grads(b, step)
-        opt.step()
-        ref.step()
+        step_both(a, b, opt, ref, step)
         if step in (1, 2, 3, steps):
             assert_same(a, b, opt, ref, f"step {step}")
     return opt
@@ -67,10 +64,7 @@ def test_step_counts_match_reference(device):
     opt = ApexW(a, mode="torch")
     ref = reference_for(b)
     for step in range(1, 6):
-        set_grads(a, step)
-        set_grads(b, step)
-        opt.step()
-        ref.step()
+        step_both(a, b, opt, ref, step)
     steps = [float(opt.state[p]["step"]) for p in a]
     assert steps == [5.0] * len(a)
     sd, rd = opt.state_dict(), ref.state_dict()

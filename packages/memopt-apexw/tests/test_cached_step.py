@@ -15,6 +15,7 @@ from apexw_testutil import (
     make_params,
     reference_for,
     set_grads,
+    step_both,
     triton_interpreter_ready,
     twin,
 )
@@ -49,20 +50,13 @@ def pair(device, mode, dtype=torch.float32, **kw):
     return a, b, ApexW(a, mode=mode, **extra, **kw), reference_for(b, **kw)
 
 
-def both(a, b, opt, ref, step, **grad_kw):
-    set_grads(a, step, **grad_kw)
-    set_grads(b, step)
-    opt.step()
-    ref.step()
-
-
 def test_replays_after_the_first_step(device, mode):
     a, b, opt, ref = pair(device, mode)
-    both(a, b, opt, ref, 1)
+    step_both(a, b, opt, ref, 1)
     assert mode in opt._cached
     cached = opt._cached[mode]
     for step in range(2, 6):
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
         assert opt._cached[mode] is cached  # replayed, not rebuilt
     assert_same(a, b, opt, ref)
 
@@ -70,13 +64,13 @@ def test_replays_after_the_first_step(device, mode):
 def test_new_gradient_tensors(device, addr_mode):
     a, b, opt, ref = pair(device, addr_mode)
     for step in range(1, 8):
-        both(a, b, opt, ref, step, in_place=step % 3 != 0)  # every third step: fresh tensors
+        step_both(a, b, opt, ref, step, in_place=step % 3 != 0)  # every third step: fresh tensors
         assert_same(a, b, opt, ref, f"step {step}")
 
 
 def test_set_to_none_and_partial_gradients(device, addr_mode):
     a, b, opt, ref = pair(device, addr_mode)
-    both(a, b, opt, ref, 1)
+    step_both(a, b, opt, ref, 1)
     for step in range(2, 9):
         opt.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
@@ -93,13 +87,13 @@ def test_set_to_none_and_partial_gradients(device, addr_mode):
 
 def test_parameter_storage_swapped(device, addr_mode):
     a, b, opt, ref = pair(device, addr_mode)
-    both(a, b, opt, ref, 1)
-    both(a, b, opt, ref, 2)
+    step_both(a, b, opt, ref, 1)
+    step_both(a, b, opt, ref, 2)
     for x, y in zip(a, b, strict=True):  # same Parameter objects, new storage (like .to())
         x.data = x.data.clone()
         y.data = y.data.clone()
     for step in range(3, 6):
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
 
 
@@ -116,7 +110,7 @@ def test_lr_schedule_and_hyperparameter_changes(device, mode):
             for g in (opt.param_groups[0], ref.param_groups[0]):
                 g["weight_decay"] = 0.1
                 g["eps"] = 1e-6
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
         sa.step()
         sb.step()
     assert_same(a, b, opt, ref)
@@ -127,13 +121,13 @@ def test_param_groups_added_later_keep_their_own_step(device, mode):
     extra_a = make_params(device, seed=7, shapes=[(17,), (2, 9)])
     extra_b = twin(extra_a)
     for step in range(1, 4):
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     opt.add_param_group({"params": extra_a, "lr": 5e-3, "weight_decay": 0.2})
     ref.add_param_group({"params": extra_b, "lr": 5e-3, "weight_decay": 0.2})
     for step in range(4, 10):
         set_grads(extra_a, step)
         set_grads(extra_b, step)
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     assert_same(a + extra_a, b + extra_b, opt, ref)
     assert float(opt.state[extra_a[0]]["step"]) == 6.0
     assert float(opt.state[a[1]]["step"]) == 9.0
@@ -163,23 +157,23 @@ def test_state_dict_resume_is_bit_identical(device, mode):
 def test_load_state_dict_mid_run_rebuilds(device, mode):
     a, b, opt, ref = pair(device, mode)
     for step in range(1, 4):
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     snapshot = ref.state_dict()
     opt.load_state_dict(snapshot)  # same values, new tensors: the cache must not replay old views
     for step in range(4, 8):
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
 
 
 def test_step_parameters_between_steps(device, mode):
     a, b, opt, ref = pair(device, mode)
-    both(a, b, opt, ref, 1)
+    step_both(a, b, opt, ref, 1)
     set_grads(a, 2)
     set_grads(b, 2)
     opt.step_parameters(a[:3])
     ref.step_parameters(b[:3])
     for step in range(3, 7):  # parameters now at two step counts, then one again
-        both(a, b, opt, ref, step)
+        step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
 
 
@@ -203,7 +197,7 @@ def test_holds_no_gradient_between_steps(device, addr_mode):
     # gradients through the next backward
     a, b, opt, ref = pair(device, addr_mode)
     for step in range(1, 4):
-        both(a, b, opt, ref, step, in_place=False)
+        step_both(a, b, opt, ref, step, in_place=False)
     refs = [weakref.ref(p.grad) for p in a]
     opt.zero_grad(set_to_none=True)
     gc.collect()

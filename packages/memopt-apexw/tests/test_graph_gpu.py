@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from apexw_testutil import assert_same, make_params, reference_for, set_grads, twin
+from apexw_testutil import assert_same, make_params, reference_for, set_grads, step_both, twin
 
 from memopt_apexw import ApexW
 from memopt_core.errors import ConfigError
@@ -41,10 +41,7 @@ def test_graph_replay_equals_reference_under_a_schedule(dtype, state):
         if step >= 30:
             set_grads(extra_a, step)
             set_grads(extra_b, step)
-        set_grads(a, step)
-        set_grads(b, step)
-        opt.step()
-        ref.step()
+        step_both(a, b, opt, ref, step)
         if step in (1, 2, 3, 4, 29, 31, 120):
             assert_same(a + extra_a, b + extra_b, opt, ref, f"step {step}")
     assert opt._graph is not None
@@ -60,10 +57,7 @@ def test_moved_gradients_recapture_with_a_warning():
 
     def run(steps):
         for step in steps:
-            set_grads(a, step, in_place=False)  # new gradient tensors every step
-            set_grads(b, step)
-            opt.step()
-            ref.step()
+            step_both(a, b, opt, ref, step, in_place=False)  # new gradient tensors every step
 
     with pytest.warns(UserWarning, match="captured its step again"):
         run(range(1, 9))
@@ -97,9 +91,6 @@ def test_many_tiny_tensors_in_one_launch():
     opt = ApexW(a, state="q8", mode="fused", capturable=True)
     ref = reference_for(b, state="q8")
     for step in range(1, 6):
-        set_grads(a, step)
-        set_grads(b, step)
-        opt.step()
-        ref.step()
+        step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
     assert len(opt._cached["fused"].entries) == 1
