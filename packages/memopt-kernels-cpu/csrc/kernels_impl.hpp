@@ -893,7 +893,9 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
       }
       auto* mp = at<uint16_t>(c.m, (a + t0) * 2);
       auto* vp = at<uint16_t>(c.v, (a + t0) * 2);
-      if (c.sr) philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, t0, n, w0, w1, w2);
+      if (c.sr)
+        philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, s.index_base + t0, n, w0,
+                    w1, w2);
       c.sr ? adam_bf16_moments<true>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr)
            : adam_bf16_moments<false>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr);
       if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
@@ -913,7 +915,9 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
     load_grad(s.grad_kind, at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2)), n, real, g);
     if (read_m) dec_moment(c.fmt1, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), n, m);
     if (adam) dec_moment(c.fmt2, at<void>(c.v, a * vb), at<uint8_t>(c.vs, a / 32), n, v);
-    if (sr_master || sr_m || sr_v) philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, t0, n, w0, w1, w2);
+    if (sr_master || sr_m || sr_v)  // element t0 + i draws Philox index index_base + t0 + i
+      philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, s.index_base + t0, n, w0,
+                  w1, w2);
     if (adam)
       adam_rule(c, n, x, g, m, v);
     else if (lion)

@@ -224,6 +224,10 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
     check_addr((at + "staging").c_str(), r.staging, false);
     if (r.staging != 0 && master == MASTER_FP16)
       bad(at + "bf16 staging is for fp32 and bf16 parameters, not fp16 ones");
+    // the Philox indices index_base .. index_base + padded stay far from int64 overflow
+    if (r.index_base < 0 || r.index_base >= (int64_t{1} << 62) - r.padded)
+      bad(at + "index_base " + std::to_string(r.index_base) + " (+ padded " +
+          std::to_string(r.padded) + ") must be >= 0 and below 2**62");
   }
 
   StepConfig cfg{};
@@ -392,6 +396,8 @@ PYBIND11_MODULE(_core, mod) {
       "kernel_api.hpp) and floats; nothing is checked against tensors here, so call the "
       "validated wrappers in memopt_kernels_cpu.ops instead.";
   mod.attr("__version__") = MEMOPT_VERSION;
+  // int64 words per slot-table row (SlotRow): ops.py refuses a build with another layout
+  mod.attr("SLOT_ROW_WORDS") = static_cast<int>(sizeof(SlotRow) / sizeof(int64_t));
   using release = py::call_guard<py::gil_scoped_release>;
 
   mod.def("supported_isas", &supported_names,

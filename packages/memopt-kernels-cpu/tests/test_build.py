@@ -49,6 +49,24 @@ def test_check_core_version_directly():
         memopt_kernels_cpu._check_core_version(None, "0.1.0")
 
 
+def test_stale_slot_row_layout_is_refused(run_py):
+    # a _core of the same version built before the slot table's index_base column (8 words)
+    code = (
+        "import sys\n"
+        "from memopt_kernels_cpu import _core\n"
+        "_core.SLOT_ROW_WORDS = 8\n"
+        "del sys.modules['memopt_kernels_cpu.ops']\n"
+        "try:\n"
+        "    import memopt_kernels_cpu.ops\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    out = run_py(code).stdout
+    assert out.startswith("ImportError:"), out
+    assert "rows of 8 words, this ops.py writes 9 (a stale build)" in out
+    assert "pip install --force-reinstall" in out
+
+
 def test_missing_extension_says_how_to_build(run_py):
     code = (
         "import sys\n"

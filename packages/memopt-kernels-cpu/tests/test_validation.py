@@ -16,14 +16,16 @@ from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
 from memopt_core.reference import lion_scalars
 from memopt_kernels_cpu import _core
+from memopt_kernels_cpu.ops import SLOT_COLUMNS
 
 META = "meta"
 
 
 # ----------------------------------------------------------------------------------- helpers
 def read_table(addr: int, n: int) -> torch.Tensor:
-    buf = (ctypes.c_int64 * (8 * n)).from_address(addr)
-    return torch.tensor(list(buf), dtype=torch.int64).view(n, 8)
+    width = len(SLOT_COLUMNS)
+    buf = (ctypes.c_int64 * (width * n)).from_address(addr)
+    return torch.tensor(list(buf), dtype=torch.int64).view(n, width)
 
 
 @pytest.fixture
@@ -433,13 +435,15 @@ def test_arena_errors(ops, make_work, recorder):
 # ----------------------------------------------------------------------------------- plumbing
 def test_slot_table_columns(ops, make_work, recorder):
     assert ops.SLOT_COLUMNS == (
-        "param", "grad", "grad_kind", "tensor_id", "numel", "padded", "arena_offset", "staging"
+        "param", "grad", "grad_kind", "tensor_id", "numel", "padded", "arena_offset", "staging",
+        "index_base",
     )  # fmt: skip
+    assert _core.SLOT_ROW_WORDS == 9
     work = make_work(sizes=(33, 64, 1, 0, 100), grad_dtype=torch.float32)
     work.tensor_ids = [2**32 + 5, 7, 2**33 - 1, 0, 12]
     ops.fused_step(work)
     ((table, kw),) = recorder
-    assert table.shape == (5, 8)
+    assert table.shape == (5, 9)
     for row, si, p, g, tid in zip(
         table.tolist(), work.slots, work.params, work.grads, work.tensor_ids, strict=True
     ):
@@ -453,17 +457,48 @@ def test_slot_table_columns(ops, make_work, recorder):
             slot.padded,
             slot.offset,
             0,
+            0,
         ]
     assert [r[5] for r in table.tolist()] == [64, 64, 32, 0, 128]
     assert [r[6] for r in table.tolist()] == [0, 64, 128, 160, 160]
     assert kw["arena_elements"] == work.plan.total == 288
 
 
+def test_index_base_column(ops, make_work, recorder):
+    work = make_work(sizes=(33, 64, 1, 0, 100))
+    work.index_bases = [7, 2**33 + 1, 0, 2**62 - 1, 2**62 - 129]  # the largest bases allowed
+    ops.fused_step(work)
+    assert recorder[0][0][:, 8].tolist() == work.index_bases
+    work.index_bases = None  # none: every base 0
+    ops.fused_step(work)
+    assert recorder[1][0][:, 8].tolist() == [0] * 5
+
+
+def test_index_bases_errors(ops, make_work, recorder):
+    def fails(pattern, bases):
+        work = make_work(sizes=(33, 64))
+        work.index_bases = bases
+        with pytest.raises(ConfigError, match=pattern):
+            ops.fused_step(work)
+
+    label = r"parameter 1 \(slot 1, shape \(16, 4\), torch.bfloat16\)"
+    fails(rf"index base of {label} must be >= 0 .*, got -1", [0, -1])
+    fails(rf"index base of {label} must be an int, got bool", [0, False])
+    fails(rf"index base of {label} must be an int, got float", [0, 32.0])
+    fails(rf"index base of {label} must be an int, got list", [0, [1]])
+    fails(rf"index base of {label} is {2**62 - 64}: with its 64 padded elements", [0, 2**62 - 64])
+    fails(r"index_bases must be None or hold one .* \(2\), got 3 entries", [0, 0, 0])
+    fails(r"index_bases must be None or hold one .* \(2\), got int", 5)
+    assert recorder == []
+
+
 def test_partial_step_rows(ops, make_work, recorder):
     work = make_work(sizes=(33, 64, 1, 100), slots=[1, 3])
+    work.index_bases = [11, 2**40]
     ops.fused_step(work)
     ((table, _),) = recorder
     assert table[:, 4].tolist() == [64, 100]
+    assert table[:, 8].tolist() == [11, 2**40]
     assert table[:, 6].tolist() == [work.plan.slots[1].offset, work.plan.slots[3].offset]
     assert table[:, 0].tolist() == [work.params[0].data_ptr(), work.params[1].data_ptr()]
 
@@ -609,6 +644,15 @@ def test_tables_are_cached_and_revalidated_on_change(ops, make_work, recorder, m
     assert len(prepared) == 3
     assert recorder[3][0][0, 2] == 0
     assert recorder[2][0][0, 2] == 1
+    work.index_bases = [0, 32, 0, 0, 0]  # other bases: another table
+    ops.fused_step(work)
+    assert len(prepared) == 4
+    assert recorder[4][0][:, 8].tolist() == [0, 32, 0, 0, 0]
+    ops.fused_step(work)
+    assert len(prepared) == 4
+    work.index_bases = [0, 32.0, 0, 0, 0]  # equal to a cached key, but refused: validated again
+    with pytest.raises(ConfigError, match=r"index base of parameter 1 .* must be an int"):
+        ops.fused_step(work)
 
 
 def test_strided_parameters_are_written_back(ops, make_work, monkeypatch):
@@ -709,6 +753,14 @@ def test_core_fused_step_checks_its_arguments(ops, make_work, core, monkeypatch)
     rows = read_table(table_addr, n).clone()
     rows[0, 0] = 0
     fails("slot_table row 0: param is required here", t=rows.data_ptr())
+    rows = read_table(table_addr, n).clone()
+    rows[1, 8] = -1
+    fails(r"slot_table row 1: index_base -1 \(\+ padded 64\) must be >= 0 and below 2\*\*62",
+          t=rows.data_ptr())  # fmt: skip
+    rows[1, 8] = 2**62 - 64
+    fails(r"slot_table row 1: index_base 4611686018427387840 \(\+ padded 64\)", t=rows.data_ptr())
+    rows[1, 8] = 2**62 - 65
+    real(rows.data_ptr(), n, **kw)  # the largest base allowed
 
 
 # ----------------------------------------------------------------------------------- GPU host

@@ -1,5 +1,5 @@
-"""GPU-only checks: a tensor past 2**31 elements (32-bit index overflow), and CUDA-graph capture
-of a fused step."""
+"""GPU-only checks: a tensor past 2**31 elements (32-bit index overflow), CUDA-graph capture of a
+fused step, and index bases (``GroupStep.index_bases``) over the whole rule x format matrix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from memopt_core import reference, rng
 from memopt_core.backends import GroupStep
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
-from memopt_core.testing import diff_report, make_grads, make_group, step_group
+from memopt_core.testing import (
+    MASTER_IDS,
+    MASTERS,
+    PRESETS,
+    VARIANTS,
+    diff_report,
+    make_grads,
+    make_group,
+    step_group,
+)
 from memopt_core.torch_backend import TorchBackend
 from memopt_kernels_triton.backend import BACKEND
 
@@ -140,3 +149,31 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert not diff_report(a, b)
+
+
+# odd sizes, the large one over many chunks; 4097 elements from 2**32 - 1000 carry into the
+# Philox index's high word
+BASE_SIZES = [1, 31, 33, 4097, 1_000_003]
+BASES = [5, 2**31 + 7, 2**33 + 1, 2**32 - 1000, 2**40 + 3]
+
+
+@pytest.mark.parametrize("master", MASTERS, ids=MASTER_IDS)
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_index_bases_full_matrix(variant, preset, master):
+    """With nonzero index bases the fused step gives the torch backend's bits (stochastic
+    rounding on), every rule variant x moment preset x master."""
+    rule, hyper = VARIANTS[variant]
+    name, dtype = master
+    spec = StateSpec(master=name, moments=preset, stochastic_rounding=True)
+    a = make_group(
+        rule, spec, dtype, BASE_SIZES, "cuda", seed=2**32 - 5, index_bases=BASES, **hyper
+    )
+    b = a.clone()
+    torch_backend = TorchBackend()
+    for step in range(1, 4):
+        grads = make_grads(a, step)
+        step_group(torch_backend, a, grads, step)
+        step_group(BACKEND, b, grads, step)
+        bad = diff_report(a, b)
+        assert not bad, f"step {step}: " + "; ".join(bad)

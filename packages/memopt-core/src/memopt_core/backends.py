@@ -63,7 +63,8 @@ __all__ = [
 ]
 
 #: The interface level between core and kernel packages; a backend must declare the same.
-KERNEL_API = 1
+#: 2: backends honour :attr:`GroupStep.index_bases` (sharded parameters).
+KERNEL_API = 2
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
@@ -87,8 +88,11 @@ class GroupStep:
     hold for all. ``first_step`` is ``step == 1`` (SGD's momentum buffer starts as the gradient).
     Gradients have the parameter's dtype or float32. Stochastic rounding (when
     ``spec.stochastic_rounding``) draws ``memopt_core.rng.uniform_bits(seed, tensor_id, index,
-    step, stream)`` with ``index`` the element's position in its own tensor (padding continues it).
-    A backend updates ``params`` and the arena in place.
+    step, stream)`` with ``index = index_bases[k] + i`` for element ``i`` of ``params[k]`` (padding
+    continues it). ``index_bases`` (None: all 0) holds, for a shard of a sharded parameter
+    (FSDP2), the position of the shard's first element in the whole tensor, so a shard draws the
+    words the whole tensor would: the same bits as one process. A backend updates ``params`` and
+    the arena in place.
 
     ``staging`` (None, or aligned with ``params``): contiguous bfloat16 tensors (or None) that
     receive each updated parameter rounded to nearest-even bf16, e.g. the copy memopt-offload
@@ -110,6 +114,18 @@ class GroupStep:
     first_step: bool
     staging: list[Tensor | None] | None = None
     extra: dict = field(default_factory=dict)
+    index_bases: list[int] | None = None
+    owners: list[Tensor] | None = None
+
+    @property
+    def param_owners(self) -> list[Tensor]:
+        """The optimizer's parameters behind ``params`` (a sharded parameter's DTensor where
+        ``params`` holds its local shard; the state is keyed by these). Backends ignore them."""
+        return self.params if self.owners is None else self.owners
+
+    def index_base(self, pos: int) -> int:
+        """The Philox index of the first element of ``params[pos]`` (see the class doc)."""
+        return 0 if self.index_bases is None else self.index_bases[pos]
 
     @property
     def full(self) -> bool:

@@ -3,12 +3,13 @@
 
 Every kernel package checks its backend against core's torch backend with these (one copy of the
 group-building logic for the Triton and the C++ kernels, and for the GPU sweep). Optimizer
-packages' DDP tests build their one-process reference with :func:`set_mean_gradients`.
+packages' DDP and FSDP2 tests build their one-process reference with :func:`set_mean_gradients`;
+:func:`fsdp2_worker` is the rank process of their FSDP2 tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,11 @@ __all__ = [
     "MASTER_IDS",
     "PRESETS",
     "VARIANTS",
+    "Fsdp2Job",
     "Group",
     "bits",
     "diff_report",
+    "fsdp2_worker",
     "group_state",
     "group_step",
     "make_grads",
@@ -90,6 +93,7 @@ class Group:
     hyper: dict
     seed: int
     tensor_ids: list[int]
+    index_bases: list[int] | None = None
 
     @property
     def params(self) -> list[Tensor]:
@@ -111,6 +115,7 @@ class Group:
         return Group(
             self.rule, self.kind, self.spec, plan, arena, dict(self.hyper), self.seed,
             list(self.tensor_ids),
+            None if self.index_bases is None else list(self.index_bases),
         )  # fmt: skip
 
 
@@ -123,11 +128,13 @@ def make_group(
     *,
     seed: int = 0,
     gen_seed: int = 0,
+    index_bases: list[int] | None = None,
     **hyper,
 ) -> Group:
     """Parameters of ``sizes`` elements (shapes vary: 1-D, 2-D where the size factors) with
     log-normal magnitudes, their arena as the optimizer builds it (master codes encoded from the
-    initial parameters) and ``hyper`` (lr, betas, eps, weight_decay, momentum, ...)."""
+    initial parameters) and ``hyper`` (lr, betas, eps, weight_decay, momentum, ...).
+    ``index_bases``: the steps' :attr:`GroupStep.index_bases` (the tensors as shards)."""
     kind, _ = RULE_KINDS[rule]
     device = torch.empty(0, device=device).device  # canonical ("cuda" -> "cuda:0")
     g = torch.Generator().manual_seed(gen_seed)
@@ -147,7 +154,7 @@ def make_group(
             assert code is not None
             arena.master_code[slot.offset : slot.offset + slot.numel].copy_(code)
     tensor_ids = [1000 + 7 * i for i in range(len(sizes))]
-    return Group(rule, kind, spec, plan, arena, hyper, seed, tensor_ids)
+    return Group(rule, kind, spec, plan, arena, hyper, seed, tensor_ids, index_bases)
 
 
 def make_grads(
@@ -223,6 +230,7 @@ def group_step(
         seed=group.seed,
         tensor_ids=[group.tensor_ids[i] for i in slots],
         first_step=step == 1,
+        index_bases=None if group.index_bases is None else [group.index_bases[i] for i in slots],
     )
 
 
@@ -316,3 +324,61 @@ def set_mean_gradients(model: torch.nn.Module, losses: Sequence[Callable[[], Ten
         for g in grads[1:]:
             total = total + g / world
         p.grad = total
+
+
+@dataclass(frozen=True)
+class Fsdp2Job:
+    """One training run of :func:`fsdp2_worker` (picklable: module-level functions or
+    ``functools.partial`` s of them). ``loss_of(model, step, rank)`` is a rank's loss.
+    ``prepare(model, optimizer)`` runs once before training (e.g. enables gradient release,
+    whose updates happen inside ``backward``: set ``step_in_backward`` so the loop calls
+    neither ``step()`` nor ``zero_grad()``)."""
+
+    name: str
+    make_model: Callable[[], torch.nn.Module]
+    make_optimizer: Callable[[Iterable[Tensor]], torch.optim.Optimizer]
+    loss_of: Callable[[torch.nn.Module, int, int], Tensor]
+    steps: int
+    reshard_after_forward: bool = True
+    prepare: Callable[[torch.nn.Module, torch.optim.Optimizer], object] | None = None
+    step_in_backward: bool = False
+
+
+def fsdp2_worker(
+    rank: int, world: int, init_file: str, out: str, jobs: Sequence[Fsdp2Job], device: str = "cpu"
+) -> None:
+    """One rank of FSDP2 tests (a ``torch.multiprocessing.spawn`` target): runs every job in one
+    process group, so a test module pays the start-up of its ranks once.
+
+    Each job shards ``make_model()`` with ``fully_shard`` (each submodule holding parameters,
+    then the root), builds ``make_optimizer(model.parameters())``, trains ``steps`` steps and
+    saves the full (all-gathered) parameters by name to ``{out}/{name}-rank{rank}.pt``. FSDP2
+    averages gradients across ranks; with two ranks that is what :func:`set_mean_gradients`
+    gives one process (these tests' reference). ``device="cuda"``: NCCL, one GPU per rank.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for job in jobs:
+            model = job.make_model().to(device)
+            for m in list(model.modules())[1:]:
+                if any(True for _ in m.parameters(recurse=False)):
+                    fully_shard(m, reshard_after_forward=job.reshard_after_forward)
+            fully_shard(model, reshard_after_forward=job.reshard_after_forward)
+            opt = job.make_optimizer(model.parameters())
+            if job.prepare is not None:
+                job.prepare(model, opt)
+            for t in range(job.steps):
+                job.loss_of(model, t, rank).backward()
+                if not job.step_in_backward:
+                    opt.step()
+                    opt.zero_grad()
+            full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+            torch.save(full, f"{out}/{job.name}-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

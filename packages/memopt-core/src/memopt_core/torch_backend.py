@@ -197,20 +197,22 @@ def _write(flat: Tensor, runs: tuple[tuple[int, int], ...], unit: int, value: Te
 
 
 def _sr_words(work: GroupStep, piece: _Piece) -> dict[int, Tensor]:
-    """``{stream: words}`` of the piece's elements, keyed by each one's index in its own tensor."""
+    """``{stream: words}`` of the piece's elements, keyed by each one's index in its own tensor
+    (plus the tensor's :meth:`~memopt_core.backends.GroupStep.index_base`)."""
     dev = work.plan.device
     segs = piece.segments
     if len(segs) == 1:
         # a piece of one tensor (every piece of a large one): a scalar tensor id keeps the
         # Philox key a scalar, which saves its key's vector operations and 8 bytes per element
         seg = segs[0]
-        index = torch.arange(seg.start, seg.start + seg.length, dtype=torch.int64, device=dev)
+        first = work.index_base(seg.pos) + seg.start
+        index = torch.arange(first, first + seg.length, dtype=torch.int64, device=dev)
         words = stream_words(work.seed, work.tensor_ids[seg.pos], index, work.step)
     else:
         lengths = torch.tensor([s.length for s in segs], dtype=torch.int64, device=dev)
         at, shift, ids = 0, [], []
         for s in segs:
-            shift.append(s.start - at)
+            shift.append(work.index_base(s.pos) + s.start - at)
             ids.append(work.tensor_ids[s.pos])
             at += s.length
 

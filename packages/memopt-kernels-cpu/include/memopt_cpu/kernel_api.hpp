@@ -26,7 +26,7 @@ enum Moment : int32_t {
 };
 enum Grad : int32_t { GRAD_FP32 = 0, GRAD_BF16 = 1, GRAD_FP16 = 2 };
 
-// One row of the slot table (8 x int64, built by ops.py): one tensor of the group.
+// One row of the slot table (9 x int64, built by ops.py): one tensor of the group.
 struct SlotRow {
   int64_t param;         // address of the parameter's first element (contiguous)
   int64_t grad;          // address of the gradient's first element (contiguous, same numel)
@@ -36,7 +36,13 @@ struct SlotRow {
   int64_t padded;        // numel rounded up to the block size (elements numel..padded are padding)
   int64_t arena_offset;  // element offset of the tensor in the group's state arena
   int64_t staging;       // address of a bf16 output of the updated weights (numel entries), or 0
+  int64_t index_base;    // Philox index (counter words 0-1) of the slot's element 0: element i
+                         // (padding included) draws index index_base + i. 0 for a whole
+                         // tensor; a shard's offset in its whole flattened tensor (FSDP2), so
+                         // it draws the whole tensor's words. 0 <= index_base, index_base +
+                         // padded < 2**62 (ops.py and module.cpp check)
 };
+static_assert(sizeof(SlotRow) == 9 * sizeof(int64_t), "ops.py's SLOT_COLUMNS mirror SlotRow");
 
 // Everything one fused step of one group needs besides the slot table.
 struct StepConfig {

@@ -6,6 +6,10 @@ encode everything back, per element, on the thread pool. Bytes moved per paramet
 the gradient (4 fp32, 2 bf16/fp16) plus, read and written, the parameter (4 fp32, 2 bf16/fp16),
 the master code (1 ECC-24, 2 ECC-32) and each moment (4 fp32, 2 bf16, 1 + 1/32 fp8/q8), plus
 2 for an optional bf16 staging copy: 28 B for fp32 AdamW, about 12.1 B for ECC-24 + q8.
+With stochastic rounding, element ``i`` of ``work.params[k]`` (padding included) draws the
+Philox words of index ``work.index_base(k) + i`` (the slot table's ``index_base`` column): 0 for
+a whole tensor, a shard's offset in its whole flattened tensor (FSDP2), so the shard rounds with
+the whole tensor's words and gives its bits.
 
 Standalone kernels (same bits as the ``memopt_core.formats`` codecs / ``memopt_core.rng``):
 :func:`encode_moment` / :func:`decode_moment` (every moment format), :func:`encode_master` /
@@ -47,6 +51,7 @@ from memopt_kernels_cpu import _core
 
 __all__ = [
     "GRAD_IDS",
+    "INDEX_LIMIT",
     "MOMENT_IDS",
     "NONE_ID",
     "SLOT_COLUMNS",
@@ -88,7 +93,11 @@ MOMENT_IDS = KERNEL_MOMENT_IDS
 NONE_ID = 5
 #: Gradient dtype -> ``Grad`` id.
 GRAD_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-#: Columns of the int64 slot table (``SlotRow``), in order.
+#: Columns of the int64 slot table (``SlotRow`` of ``kernel_api.hpp``), in order: addresses of
+#: the parameter and gradient, the gradient's ``Grad`` id, the Philox tensor id (low 32 bits),
+#: real and padded element counts, the offset in the state arena, the bf16 staging address (0:
+#: none) and ``index_base``, the Philox index of the tensor's element 0
+#: (:meth:`memopt_core.backends.GroupStep.index_base`).
 SLOT_COLUMNS = (
     "param",
     "grad",
@@ -98,7 +107,17 @@ SLOT_COLUMNS = (
     "padded",
     "arena_offset",
     "staging",
+    "index_base",
 )
+if getattr(_core, "SLOT_ROW_WORDS", None) != len(SLOT_COLUMNS):
+    raise ImportError(
+        "memopt_kernels_cpu's compiled _core reads slot-table rows of "
+        f"{getattr(_core, 'SLOT_ROW_WORDS', 8)} words, this ops.py writes {len(SLOT_COLUMNS)} (a "
+        "stale build). Rebuild and reinstall it: "
+        "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
+    )
+#: Philox indices (``index_base + padded``) stay below this (far from int64 overflow).
+INDEX_LIMIT = 2**62
 _RULE_IDS = {"sgd": 0, "adam": 1, "lion": 2}
 _U32 = 0xFFFFFFFF
 
@@ -512,6 +531,15 @@ def _prepare(
             f"slots must be ascending, distinct indices into the plan's {len(plan.slots)} "
             f"tensors, got {work.slots[:16]}"
         )
+    bases = work.index_bases
+    if bases is not None and (
+        not isinstance(bases, Sequence) or isinstance(bases, (str, bytes)) or len(bases) != n
+    ):
+        raise ConfigError(
+            "index_bases must be None or hold one Philox index base per parameter of the step "
+            f"({n}), got "
+            + (f"{len(bases)} entries" if isinstance(bases, Sequence) else type(bases).__name__)
+        )
     has_momentum = work.rule == "sgd" and work.scalars.momentum != 0.0
     arena_kw, arena_tensors = _arena_args(work, has_momentum)
     written: list[tuple[Tensor, str]] = list(arena_tensors)
@@ -545,6 +573,18 @@ def _prepare(
             )
         if isinstance(tid, bool) or not isinstance(tid, int):
             raise ConfigError(f"tensor id of {what} must be an int, got {type(tid).__name__}")
+        base = work.index_base(k)
+        if isinstance(base, bool) or not isinstance(base, int):
+            raise ConfigError(f"index base of {what} must be an int, got {type(base).__name__}")
+        if base < 0:
+            raise ConfigError(
+                f"index base of {what} must be >= 0 (its first element's Philox index), got {base}"
+            )
+        if base + slot.padded >= INDEX_LIMIT:
+            raise ConfigError(
+                f"index base of {what} is {base}: with its {slot.padded} padded elements the "
+                "Philox indices reach 2**62 (index base + padded must stay below 2**62)"
+            )
         written.append((p0, what))
         read.append((g, f"the gradient of {what}"))
         if st is not None:
@@ -571,6 +611,7 @@ def _prepare(
                 slot.padded,
                 slot.offset,
                 _ptr(st),
+                base,
             ]
         )
     _check_aliasing(written, read)
@@ -607,12 +648,15 @@ def _check_group(work: GroupStep) -> None:
 
 
 # validated slot tables kept per plan: memopt-offload steps each plan in a few dozen buckets
-# (different slot subsets) per optimizer step; a table is 64 B per tensor
+# (different slot subsets) per optimizer step; a table is 72 B per tensor
 _CACHE_SIZE = 128
 
 
 def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
-    """What a validated slot table depends on: the tensors' addresses, dtypes and sizes."""
+    """What a validated slot table depends on: the tensors' addresses, dtypes and sizes, the
+    ids and index bases (with their types: a bool or float base equal to a valid int is refused
+    by validation, so it must not find that int's table)."""
+    bases = work.index_bases
     return (
         tuple(work.slots),
         tuple(map(Tensor.data_ptr, params)),
@@ -620,6 +664,7 @@ def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
         tuple(g.dtype for g in grads),
         tuple(map(Tensor.numel, grads)),
         tuple(work.tensor_ids),
+        None if bases is None else tuple((type(b), b) for b in bases),
         tuple(map(_ptr, stage)),
         tuple(map(Tensor.data_ptr, work.arena.tensors())),
         work.rule,
@@ -658,6 +703,7 @@ def fused_step(
             all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))
         )
         key: tuple | None = None if strided else _cache_key(work, params, grads, stage)
+        hash(key)  # an unhashable index base: validation says why
     except (TypeError, RuntimeError, AttributeError):  # not tensors: validation says why
         _prepare(work, params, grads, stage, originals)
         raise  # pragma: no cover - _prepare raises a clearer error first

@@ -8,7 +8,10 @@ same bits as the corresponding ``memopt_core.formats`` codec / ``memopt_core.rng
 
 The fused optimizer step: :func:`fused_step` runs one :class:`memopt_core.backends.GroupStep`
 (every tensor of the group) in one launch of the rule's kernel, driven by core's chunk table and
-a per-slot table of (parameter address, gradient address, gradient is fp32, tensor id).
+a per-slot table of (parameter address, gradient address, gradient is fp32, tensor id, index
+base). The index base (:meth:`GroupStep.index_base <memopt_core.backends.GroupStep.index_base>`,
+0 unless the tensor is a shard) is added to every stochastic-rounding Philox index, so a shard of
+an FSDP2-sharded parameter draws the words the whole tensor would.
 
 Importing this module imports triton. Kernels run on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (Triton's interpreter, used by the CPU tests); :func:`interpreting` says
@@ -502,7 +505,8 @@ _DTYPE = attrgetter("dtype")
 
 
 class _Tables:
-    """Device tables of one (tensor set, chunk size): the chunk table and the slot table."""
+    """Device tables of one (tensor set, chunk size, index bases): the chunk table and the slot
+    table."""
 
     __slots__ = ("chunks", "n_chunks", "slots")
 
@@ -525,11 +529,53 @@ def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
     return plan.cache(key, lambda: plan.chunk_table(cs, None if full else slots))
 
 
-def _slot_rows(plan, slots, pp, gp, gd, tids) -> Tensor:
-    rows = [[0, 0, 0, 0] for _ in range(len(plan.slots))]
-    for si, pa, ga, dt, tid in zip(slots, pp, gp, gd, tids, strict=True):
-        rows[si] = [pa, ga, int(dt == torch.float32), int(tid)]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+#: Columns of the slot table (int64 each; see :mod:`memopt_kernels_triton.kernels.tiles`).
+_SLOT_COLUMNS = ("param address", "grad address", "grad is float32", "tensor id", "index base")
+#: Index bases stay below this bound including the tensor's padded length (int64 index arithmetic
+#: in the kernels, with room to spare; core's Philox counter takes 64-bit indices).
+_INDEX_LIMIT = 2**62
+
+
+def _slot_rows(plan, slots, pp, gp, gd, tids, bases) -> Tensor:
+    """The slot table: one row of :data:`_SLOT_COLUMNS` per plan slot (zeros for slots not in
+    the step). ``bases`` are the tensors' index bases (validated by :func:`_check_bases`)."""
+    width = len(_SLOT_COLUMNS)
+    rows = [[0] * width for _ in range(len(plan.slots))]
+    for si, pa, ga, dt, tid, base in zip(slots, pp, gp, gd, tids, bases, strict=True):
+        rows[si] = [pa, ga, int(dt == torch.float32), int(tid), base]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, width)
+
+
+def _check_bases(work: GroupStep, plan) -> list[int]:
+    """``work``'s index bases, one per tensor (0s when ``index_bases`` is None), checked: ints
+    (not bools), >= 0, and ``base + padded length < 2**62``; ConfigError naming the tensor."""
+    n = len(work.slots)
+    if work.index_bases is None:
+        return [0] * n
+    bases = list(work.index_bases)
+    if len(bases) != n:
+        raise ConfigError(
+            f"index_bases holds {len(bases)} entries for a step over {n} tensors; give one per "
+            "tensor of the step (or None)"
+        )
+    for k, (si, base) in enumerate(zip(work.slots, bases, strict=True)):
+        shape = tuple(plan.slots[si].shape)
+        what = f"index_bases[{k}] (for the parameter of shape {shape} in plan slot {si})"
+        if not isinstance(base, int) or isinstance(base, bool):
+            raise ConfigError(
+                f"{what} must be an int, got {type(base).__name__} {base!r}: the index in the "
+                "whole tensor of the tensor's first element"
+            )
+        if base < 0:
+            raise ConfigError(
+                f"{what} must be >= 0 (a shard's offset in its whole tensor), got {base}"
+            )
+        if base + plan.slots[si].padded >= _INDEX_LIMIT:
+            raise ConfigError(
+                f"{what} is {base}: base + padded length {plan.slots[si].padded} reaches 2**62, "
+                "past the stochastic-rounding index range"
+            )
+    return [int(b) for b in bases]
 
 
 def _validate(work: GroupStep, plan) -> None:
@@ -584,8 +630,9 @@ class PreparedStep:
     :meth:`launch` runs it with host scalars; :meth:`launch_hyper` (Adam) reads them from a
     device tensor, which is what a captured CUDA graph replays. Reusing a prepared step is valid
     while every parameter and gradient keeps its storage (the caller checks; ``memopt_apexw``
-    compares tensor identities and addresses). ``reusable`` is False when strided tensors ran
-    through contiguous copies: such a step must be prepared again each time.
+    compares tensor identities and addresses); the tensor ids and index bases are those of the
+    prepared ``GroupStep``. ``reusable`` is False when strided tensors ran through contiguous
+    copies: such a step must be prepared again each time.
     """
 
     __slots__ = ("_args", "_copies", "_grid", "_head", "_kw", "device", "reusable", "rule")
@@ -699,7 +746,9 @@ class PreparedStep:
 
 def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> PreparedStep:
     """Resolve ``work`` (every tensor of its group) into a :class:`PreparedStep`: validation,
-    the chunk and slot tables (cached on the tensors' addresses), state pointers, geometry.
+    the chunk and slot tables (cached on the tensors' addresses, tensor ids and index bases),
+    state pointers, geometry. The index bases (``work.index_bases``) are part of the slot table,
+    so :meth:`PreparedStep.launch` and :meth:`PreparedStep.launch_hyper` honour them.
 
     Host work is a few passes over the tensors (addresses, dtypes, contiguity: about 0.4 ms per
     1000 tensors); launching a prepared step is O(1)."""
@@ -732,13 +781,20 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
     if total == 0:
         return empty
     cs = _chunk_size(cfg, plan, total)
-    key = (None if full else tuple(work.slots), cs, pp, gp, gd, tuple(work.tensor_ids))
+    bases = work.index_bases
+    if bases is not None:
+        if not all(type(b) is int for b in bases):  # 5.0 or True would equal a cached key's 5, 1
+            _check_bases(work, plan)  # raises, or accepts int subclasses
+        bases = tuple(bases)
+    key = (None if full else tuple(work.slots), cs, pp, gp, gd, tuple(work.tensor_ids), bases)
     lru: OrderedDict = plan.cache("triton_tables", OrderedDict)
     tables = lru.get(key) if not copies else None
     if tables is None:
         _validate(work, plan)
+        checked = _check_bases(work, plan)
         chunks = _chunk_table(plan, work.slots, full, cs)
-        slot_tab = _to_device(_slot_rows(plan, work.slots, pp, gp, gd, work.tensor_ids), dev)
+        rows = _slot_rows(plan, work.slots, pp, gp, gd, work.tensor_ids, checked)
+        slot_tab = _to_device(rows, dev)
         tables = _Tables(chunks, slot_tab)
         if not copies:
             lru[key] = tables

@@ -89,7 +89,7 @@ def adam_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
@@ -105,7 +105,7 @@ def adam_kernel(
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if NEED_RAND:
-                w0, w1, w2, _w3 = stream_words(seed_, tid, start + offs, step_)
+                w0, w1, w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
                 r2 = r24_of(w2)

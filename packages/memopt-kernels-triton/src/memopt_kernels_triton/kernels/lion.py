@@ -53,7 +53,7 @@ def lion_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
@@ -66,7 +66,7 @@ def lion_kernel(
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed, tid, start + offs, step)
+                w0, w1, _w2, _w3 = stream_words(seed, tid, base + start + offs, step)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
             else:

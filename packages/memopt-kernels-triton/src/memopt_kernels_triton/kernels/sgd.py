@@ -59,7 +59,7 @@ def sgd_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
@@ -71,7 +71,7 @@ def sgd_kernel(
             x = C.load_master(pp, cp, offs, emask, amask, MASTER)
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed, tid, start + offs, step)
+                w0, w1, _w2, _w3 = stream_words(seed, tid, base + start + offs, step)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
             else:

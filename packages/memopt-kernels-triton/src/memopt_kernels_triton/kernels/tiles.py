@@ -2,10 +2,13 @@
 
 A launch covers one group: program ``pid`` of a persistent grid walks chunks ``pid, pid + nprog,
 ...`` of core's chunk table (int64 rows ``(slot, start, length, arena offset)``); a slot table
-(int64 rows ``(param address, grad address, grad is float32, tensor id)``, indexed by the plan's
-slot index) gives each chunk's tensors. A chunk is processed in tiles of ``[ROWS, 32]`` elements,
-one row per 32-element quantization block; ``BS`` is the arena's padding unit (32 for blocked
-moments, 1 otherwise) so a chunk's arena part ends at ``length`` rounded up to ``BS``.
+(int64 rows ``(param address, grad address, grad is float32, tensor id, index base)``, indexed
+by the plan's slot index) gives each chunk's tensors. The index base is the Philox index of the
+tensor's element 0 (``GroupStep.index_bases``: a shard's offset in its whole tensor, else 0), so
+stochastic rounding draws chunk element ``i`` at index ``base + start + i``. A chunk is processed
+in tiles of ``[ROWS, 32]`` elements, one row per 32-element quantization block; ``BS`` is the
+arena's padding unit (32 for blocked moments, 1 otherwise) so a chunk's arena part ends at
+``length`` rounded up to ``BS``.
 """
 
 from __future__ import annotations
@@ -18,20 +21,22 @@ from memopt_kernels_triton.kernels import codecs as C
 
 @triton.jit
 def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
-    """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id)`` of
-    chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is below 2**31)."""
+    """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id, index
+    base)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is below
+    2**31)."""
     row = chunk_ptr + c * 4  # n_chunks < 2**29
     slot = tl.load(row)
     start = tl.load(row + 1)
     length = tl.load(row + 2).to(tl.int32)
     aoff = tl.load(row + 3)
-    srow = slot_ptr + slot * 4
+    srow = slot_ptr + slot * 5
     paddr = tl.load(srow)
     gaddr = tl.load(srow + 1)
     gkind = tl.load(srow + 2)
     tid = tl.load(srow + 3)
+    base = tl.load(srow + 4)
     padded = (length + (BS - 1)) // BS * BS
-    return start, length, padded, aoff, paddr, gaddr, gkind, tid
+    return start, length, padded, aoff, paddr, gaddr, gkind, tid, base
 
 
 @triton.jit
