@@ -350,20 +350,3 @@ def test_state_dict_of_another_format_into_fp32_moments():
 def test_not_a_mapping():
     with pytest.raises(StateDictError, match="expected a state dict"):
         MemOptimizer([P(2)]).load_state_dict([1, 2])
-
-
-def test_sharded_dtensor_parameters_are_refused_clearly(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed gloo")
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        with pytest.raises(ConfigError, match=r"is a DTensor .* do not support sharded"):
-            MemOptimizer([w])
-    finally:
-        dist.destroy_process_group()

@@ -58,9 +58,18 @@ from memopt_core.plan import (
     make_plans,
     padding_unit,
     round_up,
+    state_key,
+)
+from memopt_core.sharding import (
+    check_sharded,
+    global_state,
+    index_base,
+    is_dtensor,
+    local_shard,
+    local_state,
 )
 
-__all__ = ["RULES", "MemOptimizer", "is_dtensor"]
+__all__ = ["RULES", "MemOptimizer"]
 
 #: rule -> (backend rule, decoupled weight decay)
 RULES: dict[str, tuple[str, bool]] = {
@@ -90,9 +99,14 @@ _STATE_DICT_VERSION = 1
 
 @dataclass
 class _Entry:
+    """One plan group: ``plan.params`` are the tensors stepped (a sharded parameter's local
+    shard), ``owners`` the optimizer's parameters (the DTensor), aligned with them."""
+
     plan: GroupPlan
     arena: StateArena
     tensor_ids: list[int]
+    owners: list[Tensor]
+    index_bases: list[int] | None  # None: every base is 0 (no sharded parameter)
 
 
 @dataclass
@@ -121,13 +135,6 @@ def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
     return grad in (param, torch.float32) or (
         param == torch.float32 and grad in (torch.bfloat16, torch.float16)
     )
-
-
-def is_dtensor(t: Tensor) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel), without
-    importing torch.distributed where nothing else did."""
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return dtensor is not None and isinstance(t, dtensor)
 
 
 def _describe_tensor(t: Tensor) -> str:
@@ -391,12 +398,7 @@ class MemOptimizer(Optimizer):
                     "the leaf it comes from, or pass t.detach().requires_grad_()"
                 )
             if is_dtensor(p):
-                raise ConfigError(
-                    f"{desc} is a DTensor (FSDP2's fully_shard or tensor parallelism): memopt "
-                    "optimizers do not support sharded parameters yet (their quantization blocks "
-                    "and stochastic-rounding indices are per whole tensor); use DDP, or "
-                    "torch.optim for the sharded model"
-                )
+                check_sharded(p, desc)
             if p.dtype not in backends.PARAM_DTYPES:
                 raise ConfigError(
                     f"{desc} has dtype {p.dtype}; memopt optimizes float32, bfloat16 and "
@@ -471,10 +473,11 @@ class MemOptimizer(Optimizer):
                 return False
             gi, ei, si = loc
             plan = self._plans[gi].entries[ei].plan
+            t = local_shard(p)
             if (
-                p.device != plan.device
-                or p.dtype != plan.param_dtype
-                or p.shape != plan.slots[si].shape
+                t.device != plan.device
+                or t.dtype != plan.param_dtype
+                or t.shape != plan.slots[si].shape
             ):
                 return False
             groups.add(gi)
@@ -522,14 +525,18 @@ class MemOptimizer(Optimizer):
         old = self._plans.pop(gi, None)
         if old is not None:
             for entry in old.entries:
-                for p in entry.plan.params:
+                for p in entry.owners:
                     self._where.pop(id(p), None)
         entries: list[_Entry] = []
         new_states: dict[Tensor, dict[str, Any]] = {}
-        for plan in make_plans(members, lambda dt: self._spec(group, dt), group_index=gi):
+        # plans hold what the kernels update: a sharded parameter's local shard
+        owner_of = {id(local_shard(p)): p for p in members}
+        shards = [local_shard(p) for p in members]
+        for plan in make_plans(shards, lambda dt: self._spec(group, dt), group_index=gi):
             master = plan.spec.master_for(plan.param_dtype)
             arena = self._new_arena(plan, {n: self._codec_of(n, plan.spec) for n in names}, master)
-            for slot, p in zip(plan.slots, plan.params, strict=True):
+            owners = [owner_of[id(t)] for t in plan.params]
+            for slot, p, t in zip(plan.slots, owners, plan.params, strict=True):
                 prev = self.state.get(p) or {}
                 views = arena.views(slot)
                 for key, view in views.items():
@@ -551,17 +558,26 @@ class MemOptimizer(Optimizer):
                             )
                         view.copy_(src)
                     elif key == "master_code":
-                        _, code = master.encode(p.detach().float().reshape(-1))
+                        _, code = master.encode(t.detach().float().reshape(-1))
                         view.copy_(code.view(slot.shape))
                 step = prev.get("step")
                 state = {"step": _step_tensor(step if step is not None else 0)}
                 state.update(views)
                 new_states[p] = state
-            entries.append(_Entry(plan, arena, [index[id(p)] for p in plan.params]))
+            bases = [index_base(p) for p in owners]
+            entries.append(
+                _Entry(
+                    plan,
+                    arena,
+                    [index[id(p)] for p in owners],
+                    owners,
+                    bases if any(bases) else None,
+                )
+            )
         for p, state in new_states.items():
             self.state[p] = state
         for ei, entry in enumerate(entries):
-            for si, p in enumerate(entry.plan.params):
+            for si, p in enumerate(entry.owners):
                 self._where[id(p)] = (gi, ei, si)
         self._plans[gi] = _GroupPlans(signature, formats, names, entries)
 
@@ -638,27 +654,51 @@ class MemOptimizer(Optimizer):
         )
 
     def _check_grad(self, p: Tensor, g: Tensor, plan: GroupPlan, si: int) -> None:
+        if is_dtensor(p) or is_dtensor(g):
+            if not (is_dtensor(p) and is_dtensor(g)) or tuple(g.placements) != tuple(p.placements):
+                got = f"placements {tuple(g.placements)}" if is_dtensor(g) else "a plain tensor"
+                want = f"placements {tuple(p.placements)}" if is_dtensor(p) else "a plain tensor"
+                raise ConfigError(
+                    f"{self._param_label(p)} has a gradient with {got}; it must be sharded like "
+                    f"the parameter ({want})"
+                )
+            if g.shape != p.shape:
+                raise ConfigError(
+                    f"{self._param_label(p)} has a gradient of shape {tuple(g.shape)}; it must "
+                    "match the parameter"
+                )
+            label, p, g = self._param_label(p), p._local_tensor, g._local_tensor
+        else:
+            label = None
+        self._check_local_grad(label, p, g, plan, si)
+
+    def _check_local_grad(
+        self, label: str | None, p: Tensor, g: Tensor, plan: GroupPlan, si: int
+    ) -> None:
+        """:meth:`_check_grad` of a plain tensor or of a sharded parameter's local shard
+        (``label`` names the sharded parameter)."""
+        label = label or self._param_label(p)
         if g.layout != torch.strided:
             raise ConfigError(
-                f"{self._param_label(p)} has a {g.layout} gradient; memopt optimizers need dense "
+                f"{label} has a {g.layout} gradient; memopt optimizers need dense "
                 "gradients (torch.nn.Embedding(sparse=False), or g.to_dense())"
             )
         if g.is_complex():
-            raise ConfigError(f"{self._param_label(p)} has a complex gradient ({g.dtype})")
+            raise ConfigError(f"{label} has a complex gradient ({g.dtype})")
         if g.shape != p.shape or g.device != p.device:
             raise ConfigError(
-                f"{self._param_label(p)} has a gradient of shape {tuple(g.shape)} on {g.device}; "
+                f"{label} has a gradient of shape {tuple(g.shape)} on {g.device}; "
                 "it must match the parameter"
             )
         if not _grad_dtype_ok(p.dtype, g.dtype):
             raise ConfigError(
-                f"{self._param_label(p)} has a {g.dtype} gradient; memopt takes gradients in the "
+                f"{label} has a {g.dtype} gradient; memopt takes gradients in the "
                 "parameter's dtype or float32 (float32 parameters also bfloat16 or float16)"
             )
         slot = plan.slots[si]
         if p.device != plan.device or p.dtype != plan.param_dtype or p.shape != slot.shape:
             raise ConfigError(
-                f"{self._param_label(p)} changed since its state was created (it was "
+                f"{label} changed since its state was created (it was "
                 f"{plan.param_dtype} of shape {tuple(slot.shape)} on {plan.device}); move or cast "
                 "models before their first optimizer step"
             )
@@ -671,9 +711,7 @@ class MemOptimizer(Optimizer):
             for gi, gp in self._plans.items():
                 for ei, entry in enumerate(gp.entries):
                     part = [
-                        (si, p, p.grad)
-                        for si, p in enumerate(entry.plan.params)
-                        if p.grad is not None
+                        (si, p, p.grad) for si, p in enumerate(entry.owners) if p.grad is not None
                     ]
                     if part:
                         tasks[(gi, ei)] = part
@@ -738,8 +776,8 @@ class MemOptimizer(Optimizer):
                             spec=spec,
                             plan=plan,
                             slots=[si for si, _, _ in items],
-                            params=[p for _, p, _ in items],
-                            grads=[g for _, _, g in items],
+                            params=[local_shard(p) for _, p, _ in items],
+                            grads=[local_shard(g) for _, _, g in items],
                             arena=entry.arena,
                             scalars=self._scalars(group, step),
                             step=step,
@@ -749,6 +787,12 @@ class MemOptimizer(Optimizer):
                             staging=(
                                 None if staging is None else [staging.get(p) for _, p, _ in items]
                             ),
+                            index_bases=(
+                                None
+                                if entry.index_bases is None
+                                else [entry.index_bases[si] for si, _, _ in items]
+                            ),
+                            owners=[p for _, p, _ in items],
                         ),
                     )
                 )
@@ -760,14 +804,14 @@ class MemOptimizer(Optimizer):
                 for p, st in zip(work.params, work.staging, strict=True):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
-            for p in work.params:
+            for p in work.param_owners:
                 self.state[p]["step"] += 1
         return works
 
     def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
         for _, work in works:
-            for p, g in zip(work.params, work.grads, strict=True):
+            for p, g in zip(work.param_owners, work.grads, strict=True):
                 if g.numel():
                     by_device.setdefault(g.device, []).append((p, g))
         bad: list[Tensor] = []
@@ -949,10 +993,68 @@ class MemOptimizer(Optimizer):
         """torch's format (``state`` by parameter index, ``param_groups``) with memopt's named
         state keys, plus ``memopt``: rule, seed, version. State tensors are views of the arenas
         (live references, as in torch; ``torch.save`` stores each arena once; take a
-        ``copy.deepcopy`` for a snapshot in memory)."""
+        ``copy.deepcopy`` for a snapshot in memory).
+
+        The states of a sharded (FSDP2) parameter are DTensors sharded like it, in the layout
+        :mod:`memopt_core.sharding` describes, so ``torch.distributed.checkpoint`` can load them
+        into another sharding; per-element states and the blocked fields of parameters whose rows
+        hold whole blocks are views of the arenas, like a plain parameter's."""
+        return self._sharded_state_dict(self._local_state_dict())
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every state in the arena's local layout (extension point:
+        memopt-ecc decodes moments here)."""
         sd = super().state_dict()
         sd["memopt"] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
         return sd
+
+    def _blocked_keys(self, group: Mapping[str, Any], p: Tensor) -> dict[str, tuple]:
+        """``{state key: (codec, field suffix)}`` of the blocked moment fields ``p`` may hold."""
+        spec = self._spec(group, p.dtype)
+        out: dict[str, tuple] = {}
+        for name in self._allowed_names():
+            codec = self._codec_of(name, spec)
+            if codec.block_size > 1:
+                for suffix in codec.fields:
+                    out[state_key(name, suffix)] = (codec, suffix)
+        return out
+
+    def _sharded_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        state = sd["state"]
+        for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            for p, key in zip(group["params"], saved["params"], strict=True):
+                if is_dtensor(p) and key in state:
+                    state[key] = global_state(p, state[key], self._blocked_keys(group, p))
+        return sd
+
+    def _localized(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the DTensor states of sharded parameters in local layout (the
+        inverse of :meth:`_sharded_state_dict`; malformed dicts pass through for the checks)."""
+        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if (
+            not isinstance(saved_groups, (list, tuple))
+            or not isinstance(state, Mapping)
+            or len(saved_groups) != len(self.param_groups)
+        ):
+            return state_dict
+        state = dict(state)
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            keys = saved.get("params", ()) if isinstance(saved, Mapping) else ()
+            if len(keys) != len(group["params"]):
+                continue
+            spec = self._spec(group, torch.float32)
+            codecs = {n: self._codec_of(n, spec) for n in self._allowed_names()}
+            for p, key in zip(group["params"], keys, strict=True):
+                entry = state.get(key)
+                if is_dtensor(p) and isinstance(entry, Mapping):
+                    label = f"parameter index {key!r} (param group {gi})"
+                    state[key] = local_state(p, entry, codecs, label)
+        return dict(state_dict, state=state)
+
+    def _prepare_loaded(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Extension point of :meth:`load_state_dict`, called on the localized dict before the
+        checks (memopt-ecc encodes decoded moments here)."""
+        return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`, validating everything before changing anything.
@@ -970,6 +1072,7 @@ class MemOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = self._prepare_loaded(self._localized(state_dict))
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise StateDictError(
@@ -1068,6 +1171,7 @@ class MemOptimizer(Optimizer):
         label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
         if not isinstance(entry, Mapping):
             raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
+        p = local_shard(p)  # a sharded parameter's state is its local shard's
         spec = self._spec(group, p.dtype)
         master = spec.master_for(p.dtype)
         padded = round_up(p.numel(), padding_unit(spec))

@@ -71,8 +71,9 @@ from torch.optim import Optimizer
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.hook_wrappers import reject_hook_wrappers
-from memopt_core.optimizer import MemOptimizer, is_dtensor
+from memopt_core.optimizer import MemOptimizer
 from memopt_core.plan import StateArena
+from memopt_core.sharding import is_dtensor
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 

@@ -1,0 +1,254 @@
+"""Sharded parameters (``torch.distributed.tensor.DTensor``, as FSDP2's ``fully_shard`` makes them).
+
+An optimizer steps a sharded parameter's local shard (``p._local_tensor``: FSDP2 keeps it as a
+contiguous, persistent tensor and all-gathers from it in the next forward). What must not change
+with the sharding is the bits: stochastic rounding draws its words by the element's position in
+the *whole* tensor (:attr:`memopt_core.backends.GroupStep.index_bases`), so with the same
+gradients every rank computes what one process computes for its part of the tensor.
+
+Supported placements: ``Shard(0)`` and ``Replicate()`` on a mesh of any dimension (FSDP2,
+HSDP). The shard is then one contiguous range of the flattened tensor, starting at its *index
+base*. ``Shard(d)`` for ``d > 0``, strided shards (FSDP2 over tensor parallelism) and
+``Partial`` are refused with a :class:`~memopt_core.errors.ConfigError`.
+
+Blocked moment formats (q8, fp8: 32-element blocks) are cut with the shard: a shard whose
+index base is a multiple of 32 has the whole tensor's blocks (2-D weights whose row length is a
+multiple of 32 always do); otherwise the block that straddles the cut is quantized as two
+partial blocks, one per rank (each with its own scale). Those few blocks then differ from one
+process, within the format's error bound; :func:`block_aligned` tells which shards are affected.
+
+**State dicts** (:func:`global_state` / :func:`local_state`). A sharded parameter's state is
+handed out as DTensors sharded like the parameter, so ``torch.distributed.checkpoint`` saves one
+global tensor per state and loads it into any other sharding of the same parameter (2 ranks ->
+1, 1 -> 2, ...):
+
+- per-element states (fp32/bf16 moments, master codes, decoded moments) have the parameter's
+  shape;
+- blocked fields (q8/fp8 codes and their per-block scales) of a parameter with at least two
+  dimensions whose row length ``r`` is a multiple of the block size are shaped ``(rows, r)`` and
+  ``(rows, r // 32)``: a row holds whole blocks, so every sharding on dim 0 has the same blocks
+  and these load exactly, still compressed;
+- other blocked fields (1-D parameters, odd row lengths) are shaped like the parameter with each
+  element's block scale repeated next to it (one more byte per element, on small tensors). Loaded
+  into blocks that group elements as they were saved, they give back the same values; where a
+  new block mixes elements saved with different scales (a cut moved), the block is
+  re-quantized (round to nearest, within the format's bound).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from memopt_core.errors import ConfigError, StateDictError
+from memopt_core.formats import MomentCodec
+from memopt_core.plan import round_up, state_key
+
+__all__ = [
+    "block_aligned",
+    "check_sharded",
+    "global_state",
+    "index_base",
+    "is_dtensor",
+    "local_shard",
+    "local_state",
+    "sharded_like",
+]
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel), without
+    importing torch.distributed where nothing else did."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _placement_ok(pl) -> bool:
+    if pl.is_replicate():
+        return True
+    # a strided shard (FSDP2 over TP) is a Shard subclass in some torch versions: by type name
+    return pl.is_shard(0) and type(pl).__name__ == "Shard"
+
+
+def check_sharded(p: Tensor, desc: str) -> None:
+    """Raise :class:`ConfigError` unless the DTensor ``p`` is sharded in a way memopt steps."""
+    bad = [pl for pl in p.placements if not _placement_ok(pl)]
+    if bad:
+        raise ConfigError(
+            f"{desc} is a DTensor with placements {tuple(p.placements)}: memopt optimizers step "
+            "parameters sharded on dim 0 (FSDP2's default fully_shard) or replicated; "
+            f"{bad[0]} is not supported (use fully_shard without shard_placement_fn, or "
+            "torch.optim for this parameter)"
+        )
+    local = p._local_tensor
+    if not local.is_contiguous():
+        raise ConfigError(
+            f"{desc}: its local shard (shape {tuple(local.shape)}) is not contiguous; memopt "
+            "updates a sharded parameter's local shard in place and needs it contiguous"
+        )
+
+
+def local_shard(t: Tensor) -> Tensor:
+    """The tensor an optimizer updates for ``t``: its local shard for a DTensor, else ``t``."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def index_base(p: Tensor) -> int:
+    """The position in the whole flattened tensor of the first element of ``p``'s local shard
+    (0 for a plain tensor). Checked placements (:func:`check_sharded`) make the shard one
+    contiguous range of the whole tensor starting there."""
+    if not is_dtensor(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(
+        p.shape, p.device_mesh, p.placements
+    )
+    if tuple(local_shape) != tuple(p._local_tensor.shape):
+        raise ConfigError(
+            f"a DTensor of shape {tuple(p.shape)} with placements {tuple(p.placements)} holds a "
+            f"local shard of shape {tuple(p._local_tensor.shape)}, but its mesh gives this rank "
+            f"{tuple(local_shape)}: uneven custom sharding is not supported"
+        )
+    if not p._local_tensor.numel():
+        return 0
+    return offset[0] * math.prod(p.shape[1:]) if p.dim() else 0
+
+
+def block_aligned(p: Tensor, block: int = 32) -> bool:
+    """Whether every block of ``block`` elements of ``p``'s local shard is a block of the whole
+    tensor (true for plain tensors): the shard starts on a block boundary, and it ends on one or
+    at the tensor's end."""
+    if not is_dtensor(p):
+        return True
+    start = index_base(p)
+    end = start + p._local_tensor.numel()
+    return start % block == 0 and (end % block == 0 or end == p.numel())
+
+
+def _rows_hold_blocks(p: Tensor, block: int) -> bool:
+    """Whether ``p``'s rows (dim 0) hold whole blocks: any dim-0 cut falls between blocks."""
+    return p.dim() >= 2 and math.prod(p.shape[1:]) % block == 0
+
+
+def _like_param(p: Tensor, local: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``local`` (this rank's rows of a ``shape`` tensor) as a DTensor sharded like ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def sharded_like(p: Tensor, local: Tensor) -> Tensor:
+    """``local`` (shaped like ``p``'s local shard) as a DTensor sharded like ``p``; ``local``
+    itself when ``p`` is a plain tensor."""
+    return _like_param(p, local, tuple(p.shape)) if is_dtensor(p) else local
+
+
+def global_state(
+    p: Tensor, entry: Mapping[str, Any], blocked: Mapping[str, tuple[MomentCodec, str]]
+) -> dict[str, Any]:
+    """The state ``entry`` (local layout, as the optimizer holds it) of sharded parameter ``p``
+    as DTensors sharded like ``p`` (see the module doc). ``blocked`` maps each key of a blocked
+    field to its codec and field suffix; other tensors shaped like the local shard are
+    per-element; anything else (``step``) is kept."""
+    local = p._local_tensor
+    n = local.numel()
+    out: dict[str, Any] = {}
+    for key, v in entry.items():
+        if (
+            key in blocked
+            and isinstance(v, Tensor)
+            and v.dtype == blocked[key][0].fields[blocked[key][1]].dtype
+            and v.dim() == 1
+        ):
+            codec, suffix = blocked[key]
+            bs = codec.block_size
+            per_block = codec.fields[suffix].per_block
+            if _rows_hold_blocks(p, bs):
+                r = math.prod(p.shape[1:])
+                width = r // bs if per_block else r
+                rows = local.shape[0]
+                out[key] = _like_param(p, v.reshape(rows, width), (p.shape[0], width))
+            else:
+                flat = v.repeat_interleave(bs)[:n] if per_block else v[:n]
+                out[key] = _like_param(p, flat.reshape(local.shape), tuple(p.shape))
+        elif isinstance(v, Tensor) and v.shape == local.shape:
+            out[key] = _like_param(p, v, tuple(p.shape))
+        else:
+            out[key] = v
+    return out
+
+
+def local_state(
+    p: Tensor,
+    entry: Mapping[str, Any],
+    codecs: Mapping[str, MomentCodec],
+    label: str,
+) -> dict[str, Any]:
+    """The inverse of :func:`global_state`: ``entry`` with every DTensor turned into the local
+    layout the optimizer holds (blocked fields flat and padded). ``codecs`` maps each state
+    name to its codec. Plain tensors are taken as already local."""
+    from torch.distributed.tensor import DTensor
+
+    local = p._local_tensor
+    n = local.numel()
+    out = dict(entry)
+    for key, v in entry.items():
+        if not isinstance(v, DTensor):
+            continue
+        if tuple(v.placements) != tuple(p.placements) or v.device_mesh != p.device_mesh:
+            raise StateDictError(
+                f"state {key!r} of {label} is a DTensor with placements {tuple(v.placements)}; "
+                f"it must be sharded like the parameter ({tuple(p.placements)}): load a "
+                "torch.distributed.checkpoint into the optimizer's own state_dict()"
+            )
+        out[key] = v.to_local()
+    for name, codec in codecs.items():
+        if codec.block_size == 1:
+            continue
+        keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
+        if not any(isinstance(entry.get(k), DTensor) for k in keys.values()):
+            continue
+        if not all(isinstance(entry.get(k), DTensor) for k in keys.values()):
+            raise StateDictError(
+                f"state {name!r} of {label} has some of its fields {sorted(keys.values())} as "
+                "DTensors and some not: pass them all as the optimizer's state_dict() gives them"
+            )
+        bs = codec.block_size
+        padded = round_up(n, bs)
+        fields = {sfx: out[k].reshape(-1) for sfx, k in keys.items()}
+        if _rows_hold_blocks(p, bs):
+            for sfx, k in keys.items():
+                out[k] = fields[sfx]
+            continue
+        scale_sfx = next(s for s, f in codec.fields.items() if f.per_block)
+        elem_sfx = next(s for s, f in codec.fields.items() if not f.per_block)
+        if any(f.numel() != n for f in fields.values()):
+            raise StateDictError(
+                f"state {name!r} of {label} holds {[f.numel() for f in fields.values()]} "
+                f"elements; its parameter's shard has {n}"
+            )
+        codes = torch.zeros(padded, dtype=fields[elem_sfx].dtype, device=local.device)
+        codes[:n] = fields[elem_sfx]
+        scales = fields[scale_sfx]
+        padded_scales = torch.cat([scales, scales[-1:].expand(padded - n)]) if n else scales
+        by_block = padded_scales.view(-1, bs)
+        if bool((by_block == by_block[:, :1]).all()):
+            out[keys[elem_sfx]], out[keys[scale_sfx]] = codes, by_block[:, 0].contiguous()
+            continue
+        # the cuts moved: decode each element with its own scale, then re-quantize per block
+        lone = torch.zeros(padded * bs, dtype=codes.dtype, device=codes.device)
+        lone[::bs] = codes
+        values = codec.decode({elem_sfx: lone, scale_sfx: padded_scales})[::bs].contiguous()
+        values[n:] = 0
+        encoded = codec.encode(values)
+        out[keys[elem_sfx]], out[keys[scale_sfx]] = encoded[elem_sfx], encoded[scale_sfx]
+    return out
