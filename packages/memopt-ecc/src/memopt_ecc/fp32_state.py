@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from memopt_core import MemOptimizer
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
+from memopt_core.sharding import is_dtensor, local_shard, sharded_like
 
 __all__ = ["fp32_master", "get_fp32_model_state_dict", "set_fp32_model_state_dict"]
 
@@ -54,11 +55,13 @@ def _master_name(p: Tensor, group: Mapping[str, Any]) -> str:
 
 def _decode(optimizer: MemOptimizer, param: Tensor, group: Mapping[str, Any] | None) -> Tensor:
     code = optimizer.state.get(param, {}).get("master_code") if group is not None else None
-    p = param.detach()
+    p = local_shard(param.detach())  # a sharded parameter: decode its shard, hand out a DTensor
     if code is None or group is None:
-        return p.float().clone() if p.dtype != torch.float32 else p.clone()
-    codec = master_codec(_master_name(param, group), p.dtype)
-    return codec.decode(p.reshape(-1), code.reshape(-1)).reshape(p.shape)
+        out = p.float().clone() if p.dtype != torch.float32 else p.clone()
+    else:
+        codec = master_codec(_master_name(param, group), p.dtype)
+        out = codec.decode(p.reshape(-1), code.reshape(-1)).reshape(p.shape)
+    return sharded_like(param, out)
 
 
 def fp32_master(optimizer: MemOptimizer, param: Tensor) -> Tensor:
@@ -95,6 +98,19 @@ def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict
             else:
                 out[key] = value.detach().clone()
     return out
+
+
+def _local_value(key: str, param: Tensor, value: Tensor) -> Tensor:
+    """The part of ``value`` that ``param``'s local shard holds (``value`` itself unsharded)."""
+    if not is_dtensor(param):
+        return value
+    if not is_dtensor(value) or tuple(value.placements) != tuple(param.placements):
+        got = f"placements {tuple(value.placements)}" if is_dtensor(value) else "a plain tensor"
+        raise StateDictError(
+            f"entry {key!r} is {got}; its parameter is sharded ({tuple(param.placements)}): pass "
+            "the DTensors get_fp32_model_state_dict returns for the sharded model"
+        )
+    return value.to_local()
 
 
 def set_fp32_model_state_dict(
@@ -148,6 +164,7 @@ def set_fp32_model_state_dict(
                     f"entry {key!r} is {value.dtype}; parameters load from float32 values (the "
                     "dict get_fp32_model_state_dict returns)"
                 )
+            value = _local_value(key, target, value)
             prev = chosen.get(id(target))
             if prev is not None:
                 a, b = (t.detach().cpu().contiguous().view(torch.int32) for t in (prev[2], value))
@@ -163,9 +180,10 @@ def set_fp32_model_state_dict(
         # the codes live in the optimizer's state: create it as the first step would
         optimizer.init_state()
     with torch.no_grad():
-        for _, p, value in chosen.values():
+        for _, param, value in chosen.values():
+            p = local_shard(param)
             x = value.detach().to(device=p.device, dtype=torch.float32)
-            group = held.get(id(p))
+            group = held.get(id(param))
             if p.dtype == torch.float32:
                 p.detach().copy_(x)
                 continue
@@ -175,7 +193,7 @@ def set_fp32_model_state_dict(
             codec = master_codec(_master_name(p, group), p.dtype)
             low, code = codec.encode(x.reshape(-1))
             p.detach().copy_(low.view(p.shape))
-            slot = optimizer.state.get(p, {}).get("master_code")
+            slot = optimizer.state.get(param, {}).get("master_code")
             if slot is not None and code is not None:
                 slot.copy_(code.view(slot.shape))
         for b, value in buffers:

@@ -43,6 +43,7 @@ from memopt_core import MemOptimizer, NumericsError, StateSpec
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import RULES
 from memopt_core.plan import padding_unit, round_up, state_key
+from memopt_core.sharding import local_shard
 
 __all__ = [
     "MASTER_WEIGHT_BITS",
@@ -304,10 +305,11 @@ class FlashOptimizer(MemOptimizer):
             stochastic_rounding=group["stochastic_rounding"],
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def _local_state_dict(self) -> dict[str, Any]:
         """Core's state dict; with ``compress_state_dict=False`` every moment is decoded to an fp32
-        tensor shaped like its parameter (master codes and steps are kept as they are)."""
-        sd = super().state_dict()
+        tensor shaped like its parameter (master codes and steps are kept as they are; core
+        hands a sharded parameter's out as DTensors sharded like it)."""
+        sd = super()._local_state_dict()
         sd["memopt"] = dict(sd["memopt"], compressed=self.compress_state_dict)
         if self.compress_state_dict:
             return sd
@@ -324,7 +326,8 @@ class FlashOptimizer(MemOptimizer):
                     if codec.name == "fp32" or not all(k in entry for k in keys.values()):
                         continue
                     flat = codec.decode({sfx: entry.pop(k) for sfx, k in keys.items()})
-                    entry[name] = flat[: p.numel()].reshape(p.shape).clone()
+                    shard = local_shard(p)
+                    entry[name] = flat[: shard.numel()].reshape(shard.shape).clone()
                 state[key] = entry
         return sd
 
@@ -335,11 +338,11 @@ class FlashOptimizer(MemOptimizer):
         optimizer's format (round to nearest) first; decoding them gives exactly the values that
         were saved, so training resumes with the same bits as from the compressed dict.
         """
-        if isinstance(state_dict, Mapping) and isinstance(state_dict.get("state"), Mapping):
-            state_dict = self._compress_loaded(state_dict)
         super().load_state_dict(state_dict)
 
-    def _compress_loaded(self, sd: Mapping[str, Any]) -> Mapping[str, Any]:
+    def _prepare_loaded(self, sd: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(sd.get("state"), Mapping):
+            return sd  # core explains what is wrong
         saved_groups = sd.get("param_groups")
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
             self.param_groups
@@ -352,10 +355,11 @@ class FlashOptimizer(MemOptimizer):
                 group["params"]
             ):
                 return sd
-            for p, key in zip(group["params"], saved["params"], strict=True):
+            for param, key in zip(group["params"], saved["params"], strict=True):
                 entry = state.get(key)
                 if not isinstance(entry, Mapping):
                     continue
+                p = local_shard(param)  # a sharded parameter's state is its shard's
                 try:
                     spec = StateSpec(
                         master="fp32" if p.dtype == torch.float32 else saved["master"],

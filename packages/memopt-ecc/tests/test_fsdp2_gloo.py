@@ -1,0 +1,112 @@
+"""The Flash* family under FSDP2 (``fully_shard``): 2 ranks over gloo on the CPU end with the
+weights one process gets from the averaged gradients, bit for bit, with and without resharding
+after forward and with gradient release (FSDP2 runs the post-accumulate-grad hooks on the
+sharded parameters after its reduce-scatter); and the fp32 state dict of a sharded model.
+
+The model's shards start on q8 block boundaries (see memopt_core.sharding for what happens to a
+block cut by a shard), and each rank draws the stochastic-rounding words of its elements'
+positions in the whole tensor, so the ranks reproduce one process exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fsdp2_ecc import OPTIMIZERS, loss_of, make_model, make_optimizer, release
+
+import memopt_ecc
+from memopt_core.errors import StateDictError
+from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
+)
+STEPS = 5
+#: job name -> (optimizer, reshard after forward, gradient release)
+JOBS = {
+    **{name: (name, True, False) for name in OPTIMIZERS},
+    "FlashAdamW-keep": ("FlashAdamW", False, False),
+    "FlashAdamW-release": ("FlashAdamW", True, True),
+    "FlashLion-release-keep": ("FlashLion", False, True),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    jobs = [
+        Fsdp2Job(
+            job,
+            make_model,
+            functools.partial(make_optimizer, name),
+            loss_of,
+            STEPS,
+            reshard,
+            release if released else None,
+            released,
+        )
+        for job, (name, reshard, released) in JOBS.items()
+    ]
+    mp.spawn(fsdp2_worker, args=(2, str(out / "init"), str(out), jobs), nprocs=2, join=True)
+    return out
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    model = make_model()
+    opt = make_optimizer(name, model.parameters())
+    for t in range(STEPS):
+        set_mean_gradients(model, [functools.partial(loss_of, model, t, r) for r in (0, 1)])
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_fsdp2_two_ranks_equal_one_process(job, results):
+    want = _reference(JOBS[job][0])
+    initial = dict(make_model().named_parameters())
+    assert not any(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
+    for rank in (0, 1):
+        got = torch.load(results / f"{job}-rank{rank}.pt", weights_only=True)
+        for k, v in want.items():
+            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
+
+
+def test_fp32_state_dict_of_a_sharded_model(tmp_path):
+    """get_fp32_model_state_dict hands out DTensors sharded like the parameters, holding the
+    decoded masters; set_fp32_model_state_dict takes them back (a one-rank mesh)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain, sharded = make_model(), make_model()
+        fully_shard(sharded)
+        opts = [memopt_ecc.FlashAdamW(m.parameters(), lr=1e-2) for m in (plain, sharded)]
+        for t in range(3):
+            for m, o in zip((plain, sharded), opts, strict=True):
+                loss_of(m, t, 0).backward()
+                o.step()
+                o.zero_grad()
+        want = memopt_ecc.get_fp32_model_state_dict(plain, opts[0])
+        got = memopt_ecc.get_fp32_model_state_dict(sharded, opts[1])
+        for k, v in want.items():
+            assert isinstance(got[k], DTensor), k
+            assert torch.equal(got[k].full_tensor(), v), k
+        assert not all(torch.equal(v, v.bfloat16().float()) for v in want.values())  # ECC bits
+        shifted = {k: v + 0.25 for k, v in got.items()}
+        memopt_ecc.set_fp32_model_state_dict(sharded, opts[1], shifted)
+        back = memopt_ecc.get_fp32_model_state_dict(sharded, opts[1])
+        ref = {k: v + 0.25 for k, v in want.items()}
+        memopt_ecc.set_fp32_model_state_dict(plain, opts[0], ref)
+        ref = memopt_ecc.get_fp32_model_state_dict(plain, opts[0])
+        for k, v in ref.items():
+            assert torch.equal(back[k].full_tensor(), v), k
+        with pytest.raises(StateDictError, match="sharded"):
+            memopt_ecc.set_fp32_model_state_dict(sharded, opts[1], want)
+    finally:
+        dist.destroy_process_group()
