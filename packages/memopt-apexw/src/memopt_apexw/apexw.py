@@ -42,6 +42,7 @@ from memopt_apexw.cached_step import CachedEntry, CachedStep
 from memopt_apexw.graph_step import GraphStep
 from memopt_core import MemOptimizer, backends
 from memopt_core.errors import BackendUnavailableError, ConfigError
+from memopt_core.sharding import is_dtensor
 
 __all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
 
@@ -314,6 +315,15 @@ class ApexW(MemOptimizer):
             )
 
     def _build_cache(self, works: list[tuple[Any, Any]]) -> CachedStep | None:
+        if any(is_dtensor(p) for _, work in works for p in work.param_owners):
+            # FSDP2 hands over new gradient buffers every step (reduce-scatter outputs): a
+            # cached step would never replay, and a captured one could not exist
+            if self.capturable:
+                raise ConfigError(
+                    "ApexW(capturable=True) cannot capture a step of sharded (FSDP2) parameters: "
+                    "their gradients arrive in new buffers every step; use capturable=False"
+                )
+            return None
         seen: set[tuple[int, int]] = set()
         entries: list[CachedEntry] = []
         for backend, work in works:
@@ -327,7 +337,7 @@ class ApexW(MemOptimizer):
                 prepared = None
             group = self.param_groups[work.plan.group_index]
             where = {id(p): i for i, p in enumerate(group["params"])}
-            positions = tuple(where[id(p)] for p in work.params)
+            positions = tuple(where[id(p)] for p in work.param_owners)
             entries.append(
                 CachedEntry(
                     work.plan.group_index, backend, work, prepared, self._steps_of(work), positions
@@ -342,16 +352,17 @@ class ApexW(MemOptimizer):
     def _steps_of(self, work: Any) -> Tensor:
         """One tensor whose elements are the ``step`` states of ``work``'s parameters (so one
         ``add_`` counts them all); the cached steps of both modes share it."""
-        first = self.state[work.params[0]]["step"]
+        owners = work.param_owners
+        first = self.state[owners[0]]["step"]
         base = first._base
         if (
             base is not None
-            and base.numel() == len(work.params)
-            and all(self.state[p]["step"]._base is base for p in work.params)
+            and base.numel() == len(owners)
+            and all(self.state[p]["step"]._base is base for p in owners)
         ):
             return base
-        steps = torch.stack([self.state[p]["step"] for p in work.params])
-        for i, p in enumerate(work.params):
+        steps = torch.stack([self.state[p]["step"] for p in owners])
+        for i, p in enumerate(owners):
             self.state[p]["step"] = steps[i]
         return steps
 
