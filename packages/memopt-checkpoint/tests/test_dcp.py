@@ -3,8 +3,8 @@
 memopt optimizers' ``state_dict()`` holds plain tensors (views of the state arenas; AdamBridge's
 host masters), so DCP saves them as they are and ``dcp.load`` writes the saved values straight
 into a fresh optimizer's arenas (host memory for AdamBridge: no trip through a GPU). Resume is
-bit-identical. FSDP2-sharded parameters are refused by the optimizers for now (see
-docs/ecc.md, "Known limits"). DCP pickles its save plans through numpy, so these tests need it.
+bit-identical. FSDP2-sharded parameters and resharding are in test_dcp_sharded.py. DCP pickles
+its save plans through numpy, so these tests need it.
 """
 
 from __future__ import annotations
