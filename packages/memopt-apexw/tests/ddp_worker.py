@@ -49,17 +49,25 @@ def train(
     out: str,
     bucket_view: bool,
     set_to_none: bool,
+    device: str = "cpu",
 ) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``)."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         dtype = CONFIGS[name][0]
-        model = make_model(dtype)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+        model = make_model(dtype).to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[rank] if cuda else None, gradient_as_bucket_view=bucket_view
+        )
         opt = make_optimizer(name, ddp.parameters())
         for t in range(steps):
-            loss_of(ddp, shard(t, rank, dtype)).backward()
+            loss_of(ddp, shard(t, rank, dtype).to(device)).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
-        torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

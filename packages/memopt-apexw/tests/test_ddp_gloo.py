@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_worker import CONFIGS, loss_of, make_model, make_optimizer, shard, train
 
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.testing import set_mean_gradients
 
 pytestmark = pytest.mark.skipif(
@@ -23,17 +24,17 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-def reference(name: str) -> dict[str, torch.Tensor]:
+def reference(name: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     dtype = CONFIGS[name][0]
-    model = make_model(dtype)
+    model = make_model(dtype).to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
         set_mean_gradients(
-            model, [lambda r=r, t=t: loss_of(model, shard(t, r, dtype)) for r in (0, 1)]
+            model, [lambda r=r, t=t: loss_of(model, shard(t, r, dtype).to(device)) for r in (0, 1)]
         )
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -57,3 +58,21 @@ def test_ddp_two_ranks_equal_one_process(name, bucket_view, set_to_none, tmp_pat
             assert torch.equal(_bits(got[k]), _bits(v)), (rank, k)
     initial = make_model(CONFIGS[name][0]).state_dict()
     assert not all(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("device", [p for p in DIST_DEVICES if p != "cpu"])
+def test_ddp_on_two_gpus_equals_one_gpu(name, device, tmp_path):
+    """NCCL on 2 GPUs (ApexW's fused Triton step, cached after the first step) against one
+    GPU stepping on the averaged gradients."""
+    mp.spawn(
+        train,
+        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), False, True, device),
+        nprocs=2,
+        join=True,
+    )
+    want = reference(name, device)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for k, v in want.items():
+            assert torch.equal(_bits(got[k]), _bits(v)), (rank, k)

@@ -1,4 +1,5 @@
-"""ApexW under FSDP2 (``fully_shard``): 2 ranks over gloo on the CPU end with the weights one
+"""ApexW under FSDP2 (``fully_shard``): 2 ranks (gloo on the CPU; NCCL on 2 GPUs where the host
+has them) end with the weights one
 process gets from the averaged gradients, bit for bit (every shard starts on a q8 block; each
 rank draws the stochastic-rounding words of its elements' positions in the whole tensor).
 
@@ -17,6 +18,7 @@ import torch.multiprocessing as mp
 from fsdp2_apexw import CONFIGS, loss_of, make_model, make_optimizer
 
 from memopt_apexw import ApexW
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import ConfigError
 from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
 
@@ -26,9 +28,11 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
+@pytest.fixture(scope="module", params=DIST_DEVICES)
+def results(request, tmp_path_factory):
+    """Every config trained by 2 ranks in one spawn: gloo on the CPU, or NCCL on 2 GPUs."""
+    device = request.param
+    out = tmp_path_factory.mktemp(f"fsdp2-{device}")
     jobs = [
         Fsdp2Job(
             name,
@@ -39,14 +43,16 @@ def results(tmp_path_factory):
         )
         for name, (dtype, _) in CONFIGS.items()
     ]
-    mp.spawn(fsdp2_worker, args=(2, str(out / "init"), str(out), jobs), nprocs=2, join=True)
-    return out
+    args = (2, str(out / "init"), str(out), jobs, device)
+    mp.spawn(fsdp2_worker, args=args, nprocs=2, join=True)
+    return device, out
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fsdp2_two_ranks_equal_one_process(name, results):
+    device, out = results
     dtype = CONFIGS[name][0]
-    model = make_model(dtype)
+    model = make_model(dtype).to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
         set_mean_gradients(model, [functools.partial(loss_of, dtype, model, t, r) for r in (0, 1)])
@@ -55,10 +61,11 @@ def test_fsdp2_two_ranks_equal_one_process(name, results):
     initial = dict(make_model(dtype).named_parameters())
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for rank in (0, 1):
-        got = torch.load(results / f"{name}-rank{rank}.pt", weights_only=True)
+        got = torch.load(out / f"{name}-rank{rank}.pt", weights_only=True)
         for k, v in model.named_parameters():
+            v = v.detach().cpu()
             assert not torch.equal(v, initial[k])
-            assert torch.equal(got[k].view(bits), v.detach().view(bits)), (rank, k)
+            assert torch.equal(got[k].view(bits), v.view(bits)), (rank, k)
 
 
 def test_capturable_with_sharded_parameters_is_refused(tmp_path):

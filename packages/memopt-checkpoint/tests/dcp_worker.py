@@ -65,20 +65,25 @@ def run(
     steps: int,
     load: bool,
     save: bool,
+    device: str = "cpu",
 ) -> None:
     """Train every ``(name, shape)`` case on ``world`` ranks from step ``start`` for ``steps``
     steps, first loading ``{out}/../ckpt-{name}-{shape}`` when ``load``, saving there at the
     end when ``save``; write the full weights to ``{out}/{name}-{shape}-rank{rank}.pt``. One
-    process group for all cases: starting ranks is the slow part."""
+    process group for all cases: starting ranks is the slow part. ``device="cuda"``: NCCL, one
+    GPU per rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name, shape in cases:
             ckpt = f"{out}/../ckpt-{name}-{shape}"
             dtype = CONFIGS[name][0]
-            model = make_model(shape, dtype)
+            model = make_model(shape, dtype).to(device)
             for m in model:
                 if isinstance(m, torch.nn.Linear):
                     fully_shard(m)
@@ -92,7 +97,7 @@ def run(
                 opt.load_state_dict(sd["optim"])
             per = BATCH // world
             for t in range(start, start + steps):
-                x = batch(shape, dtype, t)[per * rank : per * (rank + 1)]
+                x = batch(shape, dtype, t)[per * rank : per * (rank + 1)].to(device)
                 loss_of(model, x).backward()
                 opt.step()
                 opt.zero_grad()
@@ -100,7 +105,7 @@ def run(
                 dcp.save(
                     {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt
                 )
-            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+            full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
             torch.save(full, f"{out}/{name}-{shape}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()

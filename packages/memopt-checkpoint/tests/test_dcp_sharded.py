@@ -23,6 +23,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 import torch.multiprocessing as mp  # noqa: E402
 from dcp_worker import BATCH, CONFIGS, batch, loss_of, make_model, make_optimizer, run  # noqa: E402
 
+from memopt_core.device_fixture import DIST_DEVICES  # noqa: E402
 from memopt_core.testing import set_mean_gradients  # noqa: E402
 
 FIRST, THEN = 4, 3
@@ -47,10 +48,10 @@ def _available(name: str) -> bool:
     return True
 
 
-def _spawn(root, tag, world, cases, start, steps, *, load=False, save=False):
+def _spawn(root, tag, world, cases, start, steps, *, load=False, save=False, device="cpu"):
     out = root / tag
     out.mkdir()
-    args = (world, str(out / "init"), str(out), cases, start, steps, load, save)
+    args = (world, str(out / "init"), str(out), cases, start, steps, load, save, device)
     mp.spawn(run, args=args, nprocs=world, join=True)
     return {
         case: [
@@ -61,30 +62,33 @@ def _spawn(root, tag, world, cases, start, steps, *, load=False, save=False):
     }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=DIST_DEVICES)
+def runs(request, tmp_path_factory):
     """Every case saved on 2 ranks after FIRST steps, then resumed for THEN steps on 2 ranks and
-    on 1; and the first case saved on 1 rank and resumed on 2 (4 spawns in all)."""
+    on 1; and the first case saved on 1 rank and resumed on 2 (4 spawns in all). On the CPU over
+    gloo, or on GPUs over NCCL (one per rank)."""
+    dev = request.param
     cases = [c for c in CASES if _available(c[0])]
-    two = tmp_path_factory.mktemp("from-two")
-    _spawn(two, "save", 2, cases, 0, FIRST, save=True)
+    two = tmp_path_factory.mktemp(f"from-two-{dev}")
+    _spawn(two, "save", 2, cases, 0, FIRST, save=True, device=dev)
     out = {
-        "2->2": _spawn(two, "two", 2, cases, FIRST, THEN, load=True),
-        "2->1": _spawn(two, "one", 1, cases, FIRST, THEN, load=True),
+        "device": dev,
+        "2->2": _spawn(two, "two", 2, cases, FIRST, THEN, load=True, device=dev),
+        "2->1": _spawn(two, "one", 1, cases, FIRST, THEN, load=True, device=dev),
     }
-    one = tmp_path_factory.mktemp("from-one")
-    _spawn(one, "save", 1, CASES[:1], 0, FIRST, save=True)
-    out["1->2"] = _spawn(one, "two", 2, CASES[:1], FIRST, THEN, load=True)
+    one = tmp_path_factory.mktemp(f"from-one-{dev}")
+    _spawn(one, "save", 1, CASES[:1], 0, FIRST, save=True, device=dev)
+    out["1->2"] = _spawn(one, "two", 2, CASES[:1], FIRST, THEN, load=True, device=dev)
     return out
 
 
-def _reference(name, shape, worlds):
+def _reference(name, shape, worlds, device):
     """One process; ``worlds[t]`` ranks took step ``t``."""
     dtype = CONFIGS[name][0]
-    model = make_model(shape, dtype)
+    model = make_model(shape, dtype).to(device)
     opt = make_optimizer(name, model.parameters())
     for t, world in enumerate(worlds):
-        x, per = batch(shape, dtype, t), BATCH // world
+        x, per = batch(shape, dtype, t).to(device), BATCH // world
         losses = [
             lambda r=r, x=x, per=per: loss_of(model, x[per * r : per * (r + 1)])
             for r in range(world)
@@ -92,7 +96,7 @@ def _reference(name, shape, worlds):
         set_mean_gradients(model, losses)
         opt.step()
         opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 def _bits(t):
@@ -112,14 +116,16 @@ def _check(results, want, exact):
 def test_save_on_two_ranks_load_on_one_and_on_two(name, shape, runs):
     if not _available(name):
         pytest.skip(f"{name} needs its optimizer package")
-    _check(runs["2->2"][(name, shape)], _reference(name, shape, [2] * (FIRST + THEN)), True)
+    dev = runs["device"]
+    _check(runs["2->2"][(name, shape)], _reference(name, shape, [2] * (FIRST + THEN), dev), True)
     # the unblocked formats, and q8 where every cut falls between blocks, continue exactly; a
     # q8 block whose cut moved is re-quantized
     exact = shape == "aligned" or CONFIGS[name][2].get("moments") != "q8"
-    want = _reference(name, shape, [2] * FIRST + [1] * THEN)
+    want = _reference(name, shape, [2] * FIRST + [1] * THEN, dev)
     _check(runs["2->1"][(name, shape)], want, exact)
 
 
 def test_save_on_one_rank_load_on_two(runs):
     name, shape = CASES[0]
-    _check(runs["1->2"][(name, shape)], _reference(name, shape, [1] * FIRST + [2] * THEN), True)
+    want = _reference(name, shape, [1] * FIRST + [2] * THEN, runs["device"])
+    _check(runs["1->2"][(name, shape)], want, True)

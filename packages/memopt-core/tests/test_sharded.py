@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from fsdp2_models import CONFIGS, loss_of, make_model, make_optimizer
 
 from memopt_core import MemOptimizer
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import ConfigError
 from memopt_core.sharding import block_aligned, index_base
 from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
@@ -39,10 +40,12 @@ def _job_name(name: str, shape: str, reshard: bool) -> str:
     return f"{name}-{shape}" + ("" if reshard else "-keep")
 
 
-@pytest.fixture(scope="module")
-def fsdp2_results(tmp_path_factory) -> Path:
-    """Every job of this module trained once by two ranks (one spawn: ranks start slowly)."""
-    out = tmp_path_factory.mktemp("fsdp2")
+@pytest.fixture(scope="module", params=DIST_DEVICES)
+def fsdp2_results(request, tmp_path_factory) -> tuple[str, Path]:
+    """Every job of this module trained once by two ranks (one spawn: ranks start slowly), on
+    the CPU over gloo or on 2 GPUs over NCCL: ``(device, output folder)``."""
+    device = request.param
+    out = tmp_path_factory.mktemp(f"fsdp2-{device}")
     jobs = [
         Fsdp2Job(
             _job_name(name, shape, reshard),
@@ -54,18 +57,20 @@ def fsdp2_results(tmp_path_factory) -> Path:
         )
         for name, shape, reshard in JOBS
     ]
-    mp.spawn(fsdp2_worker, args=(2, str(out / "init"), str(out), jobs), nprocs=2, join=True)
-    return out
+    args = (2, str(out / "init"), str(out), jobs, device)
+    mp.spawn(fsdp2_worker, args=args, nprocs=2, join=True)
+    return device, out
 
 
-def _results(out: Path, name: str, shape: str, reshard: bool = True) -> list[dict]:
+def _results(results: tuple[str, Path], name: str, shape: str, reshard: bool = True) -> list[dict]:
+    _, out = results
     job = _job_name(name, shape, reshard)
     return [torch.load(out / f"{job}-rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-def _reference(name: str, shape: str) -> dict[str, torch.Tensor]:
+def _reference(name: str, shape: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     dtype = CONFIGS[name][0]
-    model = make_model(shape, dtype)
+    model = make_model(shape, dtype).to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
         set_mean_gradients(
@@ -73,7 +78,7 @@ def _reference(name: str, shape: str) -> dict[str, torch.Tensor]:
         )
         opt.step()
         opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +92,7 @@ def _exact(name: str, shape: str) -> bool:
 @pytest.mark.parametrize("shape", ["aligned", "uneven"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_fsdp2_two_ranks_equal_one_process(name, shape, fsdp2_results):
-    want = _reference(name, shape)
+    want = _reference(name, shape, fsdp2_results[0])
     initial = make_model(shape, CONFIGS[name][0]).state_dict()
     assert not any(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
     for got in _results(fsdp2_results, name, shape):
@@ -102,7 +107,7 @@ def test_fsdp2_two_ranks_equal_one_process(name, shape, fsdp2_results):
 
 def test_fsdp2_without_resharding_after_forward(fsdp2_results):
     name, shape = "adamw-ecc24-q8", "aligned"
-    want = _reference(name, shape)
+    want = _reference(name, shape, fsdp2_results[0])
     for got in _results(fsdp2_results, name, shape, reshard=False):
         for k, v in want.items():
             assert torch.equal(_bits(got[k]), _bits(v)), k

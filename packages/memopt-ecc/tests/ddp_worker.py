@@ -40,16 +40,23 @@ def loss_of(model, x) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
-def train(rank: int, world: int, init_file: str, name: str, steps: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def train(
+    rank: int, world: int, init_file: str, name: str, steps: int, out: str, device: str = "cpu"
+) -> None:
+    """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``)."""
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        model = make_model().to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
         opt = make_optimizer(name, ddp.parameters())
         for t in range(steps):
-            loss_of(ddp, shard(t, rank)).backward()
+            loss_of(ddp, shard(t, rank).to(device)).backward()
             opt.step()
             opt.zero_grad()
-        torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

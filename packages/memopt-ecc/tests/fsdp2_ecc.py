@@ -29,7 +29,8 @@ def loss_of(model, step: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s half of step ``step``'s batch of 8."""
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(8, 32, generator=g).to(torch.bfloat16)
-    return model(x[4 * rank : 4 * rank + 4]).float().pow(2).mean()
+    dev = next(model.parameters()).device
+    return model(x[4 * rank : 4 * rank + 4].to(dev)).float().pow(2).mean()
 
 
 def release(model, optimizer) -> None:

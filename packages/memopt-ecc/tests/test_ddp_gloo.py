@@ -1,4 +1,5 @@
-"""The Flash* family under DistributedDataParallel: 2 processes over gloo on the CPU.
+"""The Flash* family under DistributedDataParallel: 2 processes over gloo on the CPU, and over
+NCCL on 2 GPUs where the host has them.
 
 DDP divides each gradient by the world size and sums it across ranks (both exact or rounded the
 same way in a one-process replay: halving is exact, and the sum of two bf16 values rounds once),
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, shard, train
 
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.testing import set_mean_gradients
 
 pytestmark = pytest.mark.skipif(
@@ -22,25 +24,28 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-def reference(name: str) -> dict[str, torch.Tensor]:
-    model = make_model()
+def reference(name: str, device: str) -> dict[str, torch.Tensor]:
+    model = make_model().to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
-        set_mean_gradients(model, [lambda r=r, t=t: loss_of(model, shard(t, r)) for r in (0, 1)])
+        set_mean_gradients(
+            model, [lambda r=r, t=t: loss_of(model, shard(t, r).to(device)) for r in (0, 1)]
+        )
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.parametrize("device", DIST_DEVICES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_ddp_two_ranks_equal_one_process(name, tmp_path):
+def test_ddp_two_ranks_equal_one_process(name, device, tmp_path):
     mp.spawn(
         train,
-        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path)),
+        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), device),
         nprocs=2,
         join=True,
     )
-    want = reference(name)
+    want = reference(name, device)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for k, v in want.items():

@@ -1,4 +1,5 @@
-"""The Flash* family under FSDP2 (``fully_shard``): 2 ranks over gloo on the CPU end with the
+"""The Flash* family under FSDP2 (``fully_shard``): 2 ranks (gloo on the CPU; NCCL on 2 GPUs in
+``nox -s gpu_tests`` where the host has them) end with the
 weights one process gets from the averaged gradients, bit for bit, with and without resharding
 after forward and with gradient release (FSDP2 runs the post-accumulate-grad hooks on the
 sharded parameters after its reduce-scatter); and the fp32 state dict of a sharded model.
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 from fsdp2_ecc import OPTIMIZERS, loss_of, make_model, make_optimizer, release
 
 import memopt_ecc
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import StateDictError
 from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
 
@@ -35,9 +37,11 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
+@pytest.fixture(scope="module", params=DIST_DEVICES)
+def results(request, tmp_path_factory):
+    """Every job trained by 2 ranks in one spawn: gloo on the CPU, or NCCL on 2 GPUs."""
+    device = request.param
+    out = tmp_path_factory.mktemp(f"fsdp2-{device}")
     jobs = [
         Fsdp2Job(
             job,
@@ -51,27 +55,29 @@ def results(tmp_path_factory):
         )
         for job, (name, reshard, released) in JOBS.items()
     ]
-    mp.spawn(fsdp2_worker, args=(2, str(out / "init"), str(out), jobs), nprocs=2, join=True)
-    return out
+    args = (2, str(out / "init"), str(out), jobs, device)
+    mp.spawn(fsdp2_worker, args=args, nprocs=2, join=True)
+    return device, out
 
 
-def _reference(name: str) -> dict[str, torch.Tensor]:
-    model = make_model()
+def _reference(name: str, device: str) -> dict[str, torch.Tensor]:
+    model = make_model().to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
         set_mean_gradients(model, [functools.partial(loss_of, model, t, r) for r in (0, 1)])
         opt.step()
         opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("job", list(JOBS))
 def test_fsdp2_two_ranks_equal_one_process(job, results):
-    want = _reference(JOBS[job][0])
+    device, out = results
+    want = _reference(JOBS[job][0], device)
     initial = dict(make_model().named_parameters())
     assert not any(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
     for rank in (0, 1):
-        got = torch.load(results / f"{job}-rank{rank}.pt", weights_only=True)
+        got = torch.load(out / f"{job}-rank{rank}.pt", weights_only=True)
         for k, v in want.items():
             assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
 
