@@ -129,8 +129,9 @@ def gpu_tests(session: nox.Session) -> None:
     ``PYTHONPATH``. Installing matters for pure packages too: their ``.dist-info`` registers the
     kernel backends' entry points, without which memopt optimizers would silently take core's
     torch backend on the GPU. A package without GPU tests (pytest exit code 5: nothing
-    selected) is not a failure. Package folder names after ``--`` run those packages' tests
-    only (every package is installed either way). Tests marked ``gpu(min_devices=2)`` (NCCL, one
+    selected) is not a failure. ``MEMOPT_GPU_PACKAGES`` (comma-separated package folder names)
+    runs those packages' tests only (every package is installed either way); arguments after
+    ``--`` go to pytest. Tests marked ``gpu(min_devices=2)`` (NCCL, one
     GPU per rank) run where the host has two GPUs and are skipped with the reason elsewhere.
     """
     probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
@@ -146,10 +147,11 @@ def gpu_tests(session: nox.Session) -> None:
         *[str(d) for d in _package_dirs()],
     )  # fmt: skip
     env = {"PYTHONPATH": os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")])}
-    chosen = [d for d in _package_dirs() if not session.posargs or d.name in session.posargs]
-    unknown = set(session.posargs) - {d.name for d in _package_dirs()}
+    only = [n for n in os.environ.get("MEMOPT_GPU_PACKAGES", "").split(",") if n]
+    unknown = set(only) - set(PACKAGE_NAMES)
     if unknown:
-        session.error(f"unknown packages {sorted(unknown)}; the tests run all by default")
+        session.error(f"MEMOPT_GPU_PACKAGES names unknown packages {sorted(unknown)}")
+    chosen = [d for d in _package_dirs() if not only or d.name in only]
     for package in chosen:
         _pytest(session, package, "-m", "gpu", python=sys.executable, env=env, success_codes=[0, 5])
 
