@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from memopt_core.testing import init_rank
+
 ROWS = ("torch-adamw", "flash-adamw", "flash-adamw-release", "apexw-bf16")
 GIB = 2**30
 
@@ -70,11 +72,8 @@ def _optimizer(model: torch.nn.Module, row: str, lr: float):
 
 def worker(rank: int, world: int, init_file: str, row: str, args: argparse.Namespace) -> None:
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file, args.device)
     try:
         torch.manual_seed(0)
         shape = (

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from memopt_apexw import ApexW
+from memopt_core.testing import init_rank
 
 #: name -> (model dtype, ApexW kwargs)
 CONFIGS = {
@@ -53,10 +54,7 @@ def train(
 ) -> None:
     """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``)."""
     cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file, device)
     try:
         dtype = CONFIGS[name][0]
         model = make_model(dtype).to(device)

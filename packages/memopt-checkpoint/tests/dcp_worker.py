@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from memopt_core.testing import init_rank
+
 #: name -> (parameter dtype, optimizer builder name, kwargs)
 CONFIGS = {
     "memopt-ecc24-q8": (torch.bfloat16, "memopt", dict(master="ecc24", moments="q8")),
@@ -75,10 +77,7 @@ def run(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file, device)
     try:
         for name, shape in cases:
             ckpt = f"{out}/../ckpt-{name}-{shape}"

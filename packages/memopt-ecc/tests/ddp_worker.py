@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import memopt_ecc
+from memopt_core.testing import init_rank
 
 OPTIMIZERS = {
     "FlashAdamW": dict(lr=1e-2, weight_decay=0.01),
@@ -45,10 +46,7 @@ def train(
 ) -> None:
     """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``)."""
     cuda = device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file, device)
     try:
         model = make_model().to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)

@@ -32,6 +32,7 @@ __all__ = [
     "fsdp2_worker",
     "group_state",
     "group_step",
+    "init_rank",
     "make_grads",
     "make_group",
     "rule_names",
@@ -344,6 +345,27 @@ class Fsdp2Job:
     step_in_backward: bool = False
 
 
+def init_rank(rank: int, world: int, init_file: str, device: str = "cpu") -> None:
+    """Join the process group of a distributed test's rank ``rank``: gloo on the CPU, or NCCL
+    with GPU ``rank`` as the current device (``device="cuda"``); rendezvous through
+    ``init_file``. The caller destroys the group. Collectives time out after 2 minutes (torch's
+    default is 30), so a rank that died fails its test instead of hanging the suite."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=2),
+    )
+
+
 def fsdp2_worker(
     rank: int, world: int, init_file: str, out: str, jobs: Sequence[Fsdp2Job], device: str = "cpu"
 ) -> None:
@@ -359,10 +381,7 @@ def fsdp2_worker(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init_rank(rank, world, init_file, device)
     try:
         for job in jobs:
             model = job.make_model().to(device)
