@@ -17,8 +17,9 @@ CONFIGS = {
     "lion-none-q8": (torch.bfloat16, dict(rule="lion", master="none", moments="q8")),
 }
 #: layer sizes: "aligned" shards every tensor on 32-element block boundaries over 2 ranks;
-#: "uneven" has a bias cut mid-block and a weight with an odd number of rows
-SHAPES = {"aligned": (32, 64, 128), "uneven": (24, 40, 7)}
+#: "uneven" has a bias cut mid-block and a weight with an odd number of rows; "one-row" ends in a
+#: layer of one output, whose weight and bias leave rank 1 an empty shard
+SHAPES = {"aligned": (32, 64, 128), "uneven": (24, 40, 7), "one-row": (32, 64, 1)}
 
 
 def make_model(shape: str, dtype: torch.dtype) -> torch.nn.Module:
