@@ -113,8 +113,22 @@ def test_bases_change_the_bits(ops):
 
 @pytest.mark.parametrize(
     ("variant", "hyper_on_device"),
-    [("adamw", False), ("adamw", True), ("lion", False), ("sgd-mom-damp-l2", False)],
-    ids=["adamw-host-scalars", "adamw-device-scalars", "lion", "sgd-momentum"],
+    [
+        ("adamw", False),
+        ("adamw", True),
+        ("lion", False),
+        ("lion", True),
+        ("sgd-mom-damp-l2", False),
+        ("sgd-mom-damp-l2", True),
+    ],
+    ids=[
+        "adamw-host-scalars",
+        "adamw-device-scalars",
+        "lion-host-scalars",
+        "lion-device-scalars",
+        "sgd-momentum-host-scalars",
+        "sgd-momentum-device-scalars",
+    ],
 )
 def test_prepared_launch_honours_bases(ops, variant, hyper_on_device):
     """One ``prepare_step`` reused over steps (``launch``, or ``launch_hyper``: the CUDA-graph
@@ -126,7 +140,7 @@ def test_prepared_launch_honours_bases(ops, variant, hyper_on_device):
     )
     mine = ref.clone()
     grads = [torch.empty_like(p) for p in mine.params]  # stable buffers, refilled every step
-    hyper_t = torch.zeros(len(ops.ADAM_HYPER_FIELDS), dtype=torch.int32)
+    hyper_t = torch.zeros(len(ops.HYPER_FIELDS[ref.kind]), dtype=torch.int32)
     prepared = None
     for step in range(1, 4):
         new = make_grads(ref, step)
@@ -138,13 +152,14 @@ def test_prepared_launch_honours_bases(ops, variant, hyper_on_device):
             prepared = ops.prepare_step(work)
             assert prepared.reusable
         if hyper_on_device:
-            hyper_t.copy_(torch.tensor(ops.adam_hyper_words(work.scalars, work.seed, step)))
-            prepared.launch_hyper(
-                hyper_t,
-                maximize=bool(work.scalars.maximize),
-                has_l2=work.scalars.l2 != 0.0,
-                has_decay=True,
-            )
+            s = work.scalars
+            hyper_t.copy_(torch.tensor(ops.hyper_words(work.rule, s, work.seed, step)))
+            flags = {"maximize": bool(s.maximize), "has_decay": True}
+            if work.rule != "lion":
+                flags["has_l2"] = s.l2 != 0.0
+            if work.rule == "sgd":
+                flags["nesterov"] = bool(s.nesterov)
+            prepared.launch_hyper(hyper_t, **flags)
         else:
             prepared.launch(work.scalars, step, work.seed, step == 1)
         bad = diff_report(ref, mine)

@@ -79,27 +79,180 @@ def test_hyper_words_layout(ops):
     assert words[8:] == [-1, 3]
 
 
-def test_launch_hyper_refuses_bad_input(ops, device):
-    rule, hyper = VARIANTS["adamw"]
+#: (moment preset, master, parameter dtype) of the Lion/SGD device-scalar tests
+RULE_CASES = [
+    pytest.param("fp32", "fp32", torch.float32, id="fp32-master-fp32-moments"),
+    pytest.param("q8", "ecc24", torch.bfloat16, id="ecc24-q8"),
+    pytest.param("fp8", "none", torch.bfloat16, id="none-bf16-fp8"),
+]
+RULE_VARIANTS = ["lion", "sgd", "sgd-mom-damp-l2", "sgd-nesterov", "sgdw-mom"]
+
+
+def _hyper_flags(kind: str, s) -> dict:
+    """``launch_hyper`` flags of a step's scalars (decay always on: a factor of 1 is harmless)."""
+    flags = {"maximize": bool(s.maximize), "has_decay": True}
+    if kind != "lion":
+        flags["has_l2"] = s.l2 != 0.0
+    if kind == "sgd":
+        flags["nesterov"] = bool(s.nesterov)
+    return flags
+
+
+@pytest.mark.parametrize(("preset", "master", "dtype"), RULE_CASES)
+@pytest.mark.parametrize("variant", RULE_VARIANTS)
+def test_prepared_lion_sgd_equal_reference(ops, device, variant, preset, master, dtype):
+    """Lion and SGD (momentum, dampening, L2, Nesterov, SGDW): one prepared step launched with
+    host scalars and another with device words (step 1, SGD's first step, and later steps from
+    the same launch) both give the torch backend's bits every step."""
+    rule, hyper = VARIANTS[variant]
+    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
+    ref = make_group(rule, spec, dtype, _sizes(device), device, seed=2**31 + 5, **hyper)
+    host, dev = ref.clone(), ref.clone()
+    grads = {id(g): [torch.empty_like(p) for p in g.params] for g in (host, dev)}
+    prepared: dict = {}
+    hyper_t = torch.zeros(len(ops.HYPER_FIELDS[ref.kind]), dtype=torch.int32, device=device)
+    for step in range(1, 4):
+        new = make_grads(ref, step)
+        TORCH.step(group_step(ref, new, step))
+        for g in (host, dev):
+            for buf, n in zip(grads[id(g)], new, strict=True):
+                buf.copy_(n)
+            work = group_step(g, grads[id(g)], step)
+            if id(g) not in prepared:
+                prepared[id(g)] = ops.prepare_step(work)
+                assert prepared[id(g)].reusable
+            p = prepared[id(g)]
+            if g is host:
+                p.launch(work.scalars, step, work.seed, step == 1)
+            else:
+                assert p.hyper_fields == ops.HYPER_FIELDS[work.rule]
+                words = ops.hyper_words(work.rule, work.scalars, work.seed, step)
+                hyper_t.copy_(torch.tensor(words, dtype=torch.int32))  # rewritten in place
+                p.launch_hyper(hyper_t, **_hyper_flags(work.rule, work.scalars))
+        for name, g in (("host", host), ("device", dev)):
+            bad = diff_report(ref, g)
+            assert not bad, f"{name} scalars, step {step}: " + "; ".join(bad)
+
+
+def test_sgd_first_step_word(ops):
+    """SGD's ``first_step`` word restarts the momentum buffer from the gradient at any step, as
+    a host launch with ``first_step=True`` (and core's torch backend) does."""
+    import dataclasses
+
+    rule, hyper = VARIANTS["sgd-mom-damp-l2"]
     spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
-    g = make_group(rule, spec, torch.float32, [33], device, **hyper)
-    prepared = ops.prepare_step(group_step(g, make_grads(g, 1), 1))
+    ref = make_group(rule, spec, torch.float32, [33, 65], "cpu", **hyper)
+    mine = ref.clone()
+    grads = [torch.empty_like(p) for p in mine.params]
+    hyper_t = torch.zeros(len(ops.SGD_HYPER_FIELDS), dtype=torch.int32)
+    prepared = None
+    for step, first in ((1, None), (2, None), (3, True), (4, False)):
+        new = make_grads(ref, step)
+        work = group_step(ref, new, step)
+        if first is not None:
+            work = dataclasses.replace(work, first_step=first)
+        TORCH.step(work)
+        for g, n in zip(grads, new, strict=True):
+            g.copy_(n)
+        mine_work = group_step(mine, grads, step)
+        prepared = prepared or ops.prepare_step(mine_work)
+        words = ops.sgd_hyper_words(mine_work.scalars, mine_work.seed, step, first)
+        assert words[-1] == int(step == 1 if first is None else first)
+        hyper_t.copy_(torch.tensor(words, dtype=torch.int32))
+        prepared.launch_hyper(hyper_t, maximize=False, has_l2=True, has_decay=False, nesterov=False)
+        bad = diff_report(ref, mine)
+        assert not bad, f"step {step}: " + "; ".join(bad)
+
+
+def test_rule_hyper_words_layout(ops):
+    from memopt_core.reference import lion_scalars, sgd_scalars
+
+    lion = lion_scalars(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    words = ops.lion_hyper_words(lion, seed=7, step=2**31)
+    assert len(words) == len(ops.LION_HYPER_FIELDS) == 8
+    assert ops.hyper_words("lion", lion, 7, 2**31) == words
+    floats = torch.tensor(words[:6], dtype=torch.int32).view(torch.float32).tolist()
+    assert floats == [
+        torch.tensor(float(getattr(lion, f)), dtype=torch.float32).item()
+        for f in ops.LION_HYPER_FIELDS[:6]
+    ]
+    assert words[6:] == [7, -(2**31)]
+
+    sgd = sgd_scalars(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-4)
+    words = ops.sgd_hyper_words(sgd, seed=2**32 - 2, step=1)
+    assert len(words) == len(ops.SGD_HYPER_FIELDS) == 8
+    floats = torch.tensor(words[:5], dtype=torch.int32).view(torch.float32).tolist()
+    assert floats == [
+        torch.tensor(float(getattr(sgd, f)), dtype=torch.float32).item()
+        for f in ops.SGD_HYPER_FIELDS[:5]
+    ]
+    assert words[5:] == [-2, 1, 1]  # seed, step, first step (default: step == 1)
+    assert ops.sgd_hyper_words(sgd, 0, 2)[-1] == 0
+    assert ops.sgd_hyper_words(sgd, 0, 2, first_step=True)[-1] == 1
+    assert ops.hyper_words("sgd", sgd, 0, 5, first_step=True)[-1] == 1
+    assert ops.HYPER_FIELDS == {
+        "adam": ops.ADAM_HYPER_FIELDS,
+        "lion": ops.LION_HYPER_FIELDS,
+        "sgd": ops.SGD_HYPER_FIELDS,
+    }
+    with pytest.raises(ConfigError, match="not 'adamw'"):
+        ops.hyper_words("adamw", sgd, 0, 1)
+
+
+def _prepared(ops, device, variant, sizes=(33,)):
+    rule, hyper = VARIANTS[variant]
+    spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
+    g = make_group(rule, spec, torch.float32, list(sizes), device, **hyper)
+    return ops.prepare_step(group_step(g, make_grads(g, 1), 1))
+
+
+def test_launch_hyper_refuses_bad_input(ops, device):
+    adam = _prepared(ops, device, "adamw")
+    ok = {"maximize": False, "has_l2": False, "has_decay": True}
     with pytest.raises(ConfigError, match="int32 tensor of 10 words"):
-        prepared.launch_hyper(
-            torch.zeros(10, dtype=torch.float32, device=device),
-            maximize=False,
-            has_l2=False,
-            has_decay=True,
+        adam.launch_hyper(torch.zeros(10, dtype=torch.float32, device=device), **ok)
+    with pytest.raises(ConfigError, match="int32 tensor of 10 words"):
+        adam.launch_hyper(torch.zeros(8, dtype=torch.int32, device=device), **ok)
+    with pytest.raises(ConfigError, match="not contiguous"):
+        adam.launch_hyper(torch.zeros((10, 2), dtype=torch.int32, device=device)[:, 0], **ok)
+    with pytest.raises(ConfigError, match="needs has_l2"):
+        adam.launch_hyper(
+            torch.zeros(10, dtype=torch.int32, device=device), maximize=False, has_decay=True
         )
-    rule, hyper = VARIANTS["lion"]
-    lion = make_group(rule, spec, torch.float32, [33], device, **hyper)
-    p2 = ops.prepare_step(group_step(lion, make_grads(lion, 1), 1))
-    with pytest.raises(ConfigError, match="adam rule"):
-        p2.launch_hyper(
-            torch.zeros(10, dtype=torch.int32, device=device),
+    with pytest.raises(ConfigError, match="nesterov=True does not apply to the adam rule"):
+        adam.launch_hyper(torch.zeros(10, dtype=torch.int32, device=device), nesterov=True, **ok)
+
+    lion = _prepared(ops, device, "lion")
+    words8 = torch.zeros(8, dtype=torch.int32, device=device)
+    with pytest.raises(ConfigError, match="lion step must be a contiguous int32 tensor of 8"):
+        lion.launch_hyper(torch.zeros(10, dtype=torch.int32, device=device), **ok)
+    with pytest.raises(ConfigError, match="has_l2=True does not apply to the lion rule"):
+        lion.launch_hyper(words8, maximize=False, has_l2=True, has_decay=True)
+    with pytest.raises(ConfigError, match="nesterov=True does not apply to the lion rule"):
+        lion.launch_hyper(words8, maximize=False, has_decay=True, nesterov=True)
+
+    sgd = _prepared(ops, device, "sgd-nesterov")
+    with pytest.raises(ConfigError, match="sgd step needs nesterov"):
+        sgd.launch_hyper(words8, maximize=False, has_l2=False, has_decay=False)
+    with pytest.raises(ConfigError, match="sgd step needs has_l2"):
+        sgd.launch_hyper(words8, maximize=False, has_decay=False, nesterov=True)
+    with pytest.raises(ConfigError, match="sgd step must be a contiguous int32 tensor of 8"):
+        sgd.launch_hyper(
+            torch.zeros(7, dtype=torch.int32, device=device),
             maximize=False,
             has_l2=False,
-            has_decay=True,
+            has_decay=False,
+            nesterov=True,
+        )
+    if device.type == "cpu":
+        return
+    with pytest.raises(ConfigError, match="hyper is on cpu"):
+        sgd.launch_hyper(
+            torch.zeros(8, dtype=torch.int32),
+            maximize=False,
+            has_l2=False,
+            has_decay=False,
+            nesterov=True,
         )
 
 

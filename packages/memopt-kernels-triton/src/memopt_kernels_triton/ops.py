@@ -40,6 +40,9 @@ from memopt_kernels_triton.kernels import sgd as _sgd
 
 __all__ = [
     "ADAM_HYPER_FIELDS",
+    "HYPER_FIELDS",
+    "LION_HYPER_FIELDS",
+    "SGD_HYPER_FIELDS",
     "KernelConfig",
     "PreparedStep",
     "adam_hyper_words",
@@ -50,14 +53,17 @@ __all__ = [
     "encode_master",
     "encode_moment",
     "fused_step",
+    "hyper_words",
     "interpreting",
     "kernel_config",
+    "lion_hyper_words",
     "master_id",
     "moment_id",
     "philox_words",
     "prepare_step",
     "q8_dequantize",
     "q8_quantize",
+    "sgd_hyper_words",
 ]
 
 _STANDALONE_ROWS = 32  # blocks of 32 per program of the standalone kernels (GPU)
@@ -608,27 +614,119 @@ ADAM_HYPER_FIELDS = (
     "seed",
     "step",
 )
+#: Order of the int32 words a ``HYPER`` Lion launch reads (:func:`lion_hyper_words`): six fp32
+#: scalars stored as their bits, then the seed and the step.
+LION_HYPER_FIELDS = (
+    "lr",
+    "beta1",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "decay",
+    "seed",
+    "step",
+)
+#: Order of the int32 words a ``HYPER`` SGD launch reads (:func:`sgd_hyper_words`): five fp32
+#: scalars stored as their bits, the seed, the step, then ``first_step`` (1 on the step whose
+#: momentum buffer starts as the gradient, else 0: a runtime choice in the kernel, so one
+#: captured launch serves the first step and the later ones).
+SGD_HYPER_FIELDS = (
+    "lr",
+    "momentum",
+    "one_minus_dampening",
+    "decay",
+    "l2",
+    "seed",
+    "step",
+    "first_step",
+)
+#: Backend rule -> the layout of its device words.
+HYPER_FIELDS = {"adam": ADAM_HYPER_FIELDS, "lion": LION_HYPER_FIELDS, "sgd": SGD_HYPER_FIELDS}
 
 
 def _f32_bits(v: float) -> int:
     return struct.unpack("<i", struct.pack("<f", _f32(v)))[0]
 
 
+def _scalar_words(fields: tuple[str, ...], scalars, seed: int, step: int) -> list[int]:
+    n = fields.index("seed")
+    return [_f32_bits(getattr(scalars, name)) for name in fields[:n]] + [_i32(seed), _i32(step)]
+
+
 def adam_hyper_words(scalars, seed: int, step: int) -> list[int]:
     """The :data:`ADAM_HYPER_FIELDS` words of one Adam step: each scalar rounded to fp32 exactly
     as the argument-passing launch rounds it, seed and step as int32 (bit-cast 32-bit values)."""
-    return [_f32_bits(getattr(scalars, name)) for name in ADAM_HYPER_FIELDS[:8]] + [
-        _i32(seed),
-        _i32(step),
-    ]
+    return _scalar_words(ADAM_HYPER_FIELDS, scalars, seed, step)
+
+
+def lion_hyper_words(scalars, seed: int, step: int) -> list[int]:
+    """The :data:`LION_HYPER_FIELDS` words of one Lion step (``scalars``: core's
+    ``lion_scalars``), rounded as :func:`adam_hyper_words` rounds."""
+    return _scalar_words(LION_HYPER_FIELDS, scalars, seed, step)
+
+
+def sgd_hyper_words(scalars, seed: int, step: int, first_step: bool | None = None) -> list[int]:
+    """The :data:`SGD_HYPER_FIELDS` words of one SGD step (``scalars``: core's ``sgd_scalars``),
+    rounded as :func:`adam_hyper_words` rounds; ``first_step`` defaults to ``step == 1``, core's
+    ``GroupStep.first_step``."""
+    first = step == 1 if first_step is None else bool(first_step)
+    return [*_scalar_words(SGD_HYPER_FIELDS, scalars, seed, step), int(first)]
+
+
+def hyper_words(
+    rule: str, scalars, seed: int, step: int, *, first_step: bool | None = None
+) -> list[int]:
+    """The device words of one step of backend rule ``rule`` (``"adam"``, ``"lion"``, ``"sgd"``;
+    layout ``HYPER_FIELDS[rule]``): :func:`adam_hyper_words`, :func:`lion_hyper_words` or
+    :func:`sgd_hyper_words`. ``first_step`` (default ``step == 1``) only matters for SGD; the
+    other rules have no first-step case and ignore it."""
+    if rule == "adam":
+        return adam_hyper_words(scalars, seed, step)
+    if rule == "lion":
+        return lion_hyper_words(scalars, seed, step)
+    if rule == "sgd":
+        return sgd_hyper_words(scalars, seed, step, first_step)
+    raise ConfigError(
+        f"device-resident scalars exist for rules {tuple(HYPER_FIELDS)}, not {rule!r}"
+    )
+
+
+#: Kernel of each backend rule.
+_KERNELS = {"adam": _adam.adam_kernel, "lion": _lion.lion_kernel, "sgd": _sgd.sgd_kernel}
+
+
+#: Flags :meth:`PreparedStep.launch_hyper` needs per rule.
+_HYPER_FLAGS = {
+    "adam": ("maximize", "has_l2", "has_decay"),
+    "lion": ("maximize", "has_decay"),
+    "sgd": ("maximize", "has_l2", "has_decay", "nesterov"),
+}
+
+
+def _flag(value, rule: str, name: str, *, needed: bool) -> bool:
+    """A compile-time flag of :meth:`PreparedStep.launch_hyper`: ``needed`` flags must be given
+    (True or False); the others must be left out (None) or False, as the rule has no such term."""
+    if needed:
+        if value is None:
+            raise ConfigError(
+                f"launch_hyper of a {rule} step needs {name}=True/False (it chooses the compiled "
+                "kernel variant)"
+            )
+        return bool(value)
+    if value is not None and bool(value):
+        raise ConfigError(
+            f"{name}=True does not apply to the {rule} rule (its flags: "
+            f"{', '.join(_HYPER_FLAGS[rule])})"
+        )
+    return False
 
 
 class PreparedStep:
     """One group's fused step with everything but the scalars resolved: tables on the device,
     state and code pointers, launch geometry (:func:`prepare_step`).
 
-    :meth:`launch` runs it with host scalars; :meth:`launch_hyper` (Adam) reads them from a
-    device tensor, which is what a captured CUDA graph replays. Reusing a prepared step is valid
+    :meth:`launch` runs it with host scalars; :meth:`launch_hyper` reads them from a device
+    tensor, which is what a captured CUDA graph replays. Reusing a prepared step is valid
     while every parameter and gradient keeps its storage (the caller checks; ``memopt_apexw``
     compares tensor identities and addresses); the tensor ids and index bases are those of the
     prepared ``GroupStep``. ``reusable`` is False when strided tensors ran through contiguous
@@ -643,6 +741,11 @@ class PreparedStep:
         self.reusable = not copies
         self.device = device
 
+    @property
+    def hyper_fields(self) -> tuple[str, ...]:
+        """The layout of the words :meth:`launch_hyper` reads (``HYPER_FIELDS[self.rule]``)."""
+        return HYPER_FIELDS[self.rule]
+
     def _finish(self) -> None:
         for dst, tmp in self._copies:
             dst.copy_(tmp)
@@ -654,6 +757,7 @@ class PreparedStep:
             return
         s, kw = scalars, dict(self._kw)
         seed_, step_ = _i32(seed), _i32(step)
+        no_hyper = _dummy(self.device, torch.int32)
         if self.rule == "adam":
             args = (
                 _f32(s.one_minus_beta1),
@@ -664,17 +768,8 @@ class PreparedStep:
                 _f32(s.bc2_sqrt),
                 _f32(s.decay),
                 _f32(s.l2),
-                seed_,
-                step_,
-                _dummy(self.device, torch.int32),
             )
-            kw.update(
-                MAXIMIZE=bool(s.maximize),
-                HAS_L2=s.l2 != 0.0,
-                HAS_DECAY=s.decay != 1.0,
-                HYPER=False,
-            )
-            kernel = _adam.adam_kernel
+            kw.update(MAXIMIZE=bool(s.maximize), HAS_L2=s.l2 != 0.0, HAS_DECAY=s.decay != 1.0)
         elif self.rule == "lion":
             args = (
                 _f32(s.lr),
@@ -683,11 +778,8 @@ class PreparedStep:
                 _f32(s.beta2),
                 _f32(s.one_minus_beta2),
                 _f32(s.decay),
-                seed_,
-                step_,
             )
             kw.update(MAXIMIZE=bool(s.maximize), HAS_DECAY=s.decay != 1.0)
-            kernel = _lion.lion_kernel
         else:
             has_momentum = kw.pop("_HAS_MOMENTUM")
             args = (
@@ -696,8 +788,6 @@ class PreparedStep:
                 _f32(s.one_minus_dampening),
                 _f32(s.decay),
                 _f32(s.l2),
-                seed_,
-                step_,
             )
             kw.update(
                 MAXIMIZE=bool(s.maximize),
@@ -706,36 +796,59 @@ class PreparedStep:
                 NESTEROV=bool(s.nesterov) and has_momentum,
                 FIRST=bool(first_step),
             )
-            kernel = _sgd.sgd_kernel
-        _launch(kernel, self._grid, *self._head, *args, **kw)
+        kw["HYPER"] = False
+        _launch(_KERNELS[self.rule], self._grid, *self._head, *args, seed_, step_, no_hyper, **kw)
         self._finish()
 
-    def launch_hyper(self, hyper: Tensor, *, maximize: bool, has_l2: bool, has_decay: bool) -> None:
-        """Run an Adam step reading its scalars, seed and step from ``hyper`` (int32 on the
-        parameters' device, the :data:`ADAM_HYPER_FIELDS` words). The flags choose the compiled
-        variant: ``has_decay`` must be True whenever the decay factor may differ from 1 (a
-        factor of exactly 1 is harmless in it), ``has_l2`` likewise for the L2 coefficient."""
-        if self.rule != "adam":
-            raise ConfigError(f"device-resident scalars exist for the adam rule, not {self.rule!r}")
-        if hyper.dtype != torch.int32 or hyper.numel() < len(ADAM_HYPER_FIELDS):
+    def launch_hyper(
+        self,
+        hyper: Tensor,
+        *,
+        maximize: bool,
+        has_decay: bool,
+        has_l2: bool | None = None,
+        nesterov: bool | None = None,
+    ) -> None:
+        """Run the step reading its scalars, seed and step (and SGD's first-step flag) from
+        ``hyper``: a contiguous int32 tensor on the parameters' device holding exactly the
+        ``HYPER_FIELDS[rule]`` words (:data:`ADAM_HYPER_FIELDS`, :data:`LION_HYPER_FIELDS`,
+        :data:`SGD_HYPER_FIELDS`; :func:`hyper_words` writes them).
+
+        The flags choose the compiled variant. Every rule takes ``maximize`` and ``has_decay``
+        (True whenever the decay factor may differ from 1: a factor of exactly 1 is harmless in
+        it); Adam and SGD also need ``has_l2`` (likewise for the L2 coefficient), SGD needs
+        ``nesterov`` (a no-op without a momentum buffer, as in :meth:`launch`). A flag a rule has
+        no term for must be left out or False. Whether SGD keeps a momentum buffer was fixed by
+        :func:`prepare_step` (momentum != 0); the momentum value itself is a device word.
+        """
+        rule = self.rule
+        needs = _HYPER_FLAGS[rule]
+        l2 = _flag(has_l2, rule, "has_l2", needed="has_l2" in needs)
+        nest = _flag(nesterov, rule, "nesterov", needed="nesterov" in needs)
+        fields = HYPER_FIELDS[rule]
+        if hyper.dtype != torch.int32 or hyper.numel() != len(fields) or not hyper.is_contiguous():
             raise ConfigError(
-                f"hyper must be an int32 tensor of {len(ADAM_HYPER_FIELDS)} words, got "
-                f"{hyper.dtype}{tuple(hyper.shape)}"
+                f"hyper of a {rule} step must be a contiguous int32 tensor of {len(fields)} "
+                f"words ({', '.join(fields)}), got {hyper.dtype}{tuple(hyper.shape)}"
+                + ("" if hyper.is_contiguous() else " (not contiguous)")
             )
         if hyper.device != self.device:
             raise ConfigError(f"hyper is on {hyper.device}; the group is on {self.device}")
         if self._grid is None:
             return
         kw = dict(self._kw)
-        kw.update(
-            MAXIMIZE=bool(maximize), HAS_L2=bool(has_l2), HAS_DECAY=bool(has_decay), HYPER=True
-        )
-        zero = 0.0
+        kw.update(MAXIMIZE=bool(maximize), HAS_DECAY=bool(has_decay), HYPER=True)
+        if rule == "adam":
+            kw["HAS_L2"] = l2
+        elif rule == "sgd":
+            has_momentum = kw.pop("_HAS_MOMENTUM")
+            kw.update(HAS_L2=l2, NESTEROV=nest and has_momentum, FIRST=False)
+        n_scalars = fields.index("seed")
         _launch(
-            _adam.adam_kernel,
+            _KERNELS[rule],
             self._grid,
             *self._head,
-            *(zero,) * 8,
+            *(0.0,) * n_scalars,
             0,
             0,
             hyper,

@@ -5,6 +5,10 @@ p = p * decay                       if HAS_DECAY
 u = beta1 * m + one_minus_beta1 * g
 p = p - lr * sign(u)                (sign(±0) = sign(NaN) = +0, as torch.sign)
 m = beta2 * m + one_minus_beta2 * g
+
+``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
+:data:`memopt_kernels_triton.ops.LION_HYPER_FIELDS`) instead of the arguments, as in
+:mod:`~memopt_kernels_triton.kernels.adam`.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def lion_kernel(
     decay,
     seed,
     step,
+    hyper_ptr,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     SR: tl.constexpr,
@@ -41,13 +46,26 @@ def lion_kernel(
     HAS_DECAY: tl.constexpr,
     BS: tl.constexpr,
     ROWS: tl.constexpr,
+    HYPER: tl.constexpr,
 ):
-    lr_ = lr
-    b1 = beta1
-    omb1 = one_minus_beta1
-    b2 = beta2
-    omb2 = one_minus_beta2
-    dec = decay
+    if HYPER:
+        lr_ = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
+        b1 = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
+        omb1 = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
+        b2 = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
+        omb2 = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
+        dec = tl.load(hyper_ptr + 5).to(tl.float32, bitcast=True)
+        seed_ = tl.load(hyper_ptr + 6)
+        step_ = tl.load(hyper_ptr + 7)
+    else:
+        lr_ = lr
+        b1 = beta1
+        omb1 = one_minus_beta1
+        b2 = beta2
+        omb2 = one_minus_beta2
+        dec = decay
+        seed_ = seed
+        step_ = step
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
@@ -66,7 +84,7 @@ def lion_kernel(
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed, tid, base + start + offs, step)
+                w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
             else:

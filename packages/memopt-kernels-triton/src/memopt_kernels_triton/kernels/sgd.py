@@ -10,6 +10,13 @@
     p = p - lr * d
 
 ``FMT1 == FMT_NONE`` means no momentum buffer (momentum 0).
+
+``HYPER``: the scalars, seed, step and first-step flag are read from ``hyper_ptr`` (int32 words,
+layout :data:`memopt_kernels_triton.ops.SGD_HYPER_FIELDS`) instead of the arguments, as in
+:mod:`~memopt_kernels_triton.kernels.adam`. The first step is then a runtime choice (the
+``first_step`` word, nonzero on the first step; ``FIRST`` is ignored): the buffer is loaded and
+updated as on any step and ``tl.where`` keeps ``g`` where the word says first step, so one
+captured launch serves step 1 and every later step with the same bits.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ def sgd_kernel(
     l2,
     seed,
     step,
+    hyper_ptr,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     SR: tl.constexpr,
@@ -48,12 +56,26 @@ def sgd_kernel(
     FIRST: tl.constexpr,
     BS: tl.constexpr,
     ROWS: tl.constexpr,
+    HYPER: tl.constexpr,
 ):
-    lr_ = lr
-    mom = momentum
-    omd = one_minus_dampening
-    dec = decay
-    l2_ = l2
+    if HYPER:
+        lr_ = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
+        mom = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
+        omd = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
+        dec = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
+        l2_ = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
+        seed_ = tl.load(hyper_ptr + 5)
+        step_ = tl.load(hyper_ptr + 6)
+        fst = tl.load(hyper_ptr + 7) != 0
+    else:
+        lr_ = lr
+        mom = momentum
+        omd = one_minus_dampening
+        dec = decay
+        l2_ = l2
+        seed_ = seed
+        step_ = step
+        fst = FIRST
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
@@ -71,7 +93,7 @@ def sgd_kernel(
             x = C.load_master(pp, cp, offs, emask, amask, MASTER)
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed, tid, base + start + offs, step)
+                w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)
                 r1 = r24_of(w1)
             else:
@@ -84,7 +106,10 @@ def sgd_kernel(
             if HAS_DECAY:
                 x = x * dec
             if FMT1 != C.FMT_NONE:
-                if FIRST:
+                if HYPER:  # first step from the device: select, bit for bit
+                    old = C.load_moment(bp, bsp, offs, soffs, first, amask, FMT1)
+                    buf = tl.where(fst, g, mom * old + omd * g)
+                elif FIRST:
                     buf = g
                 else:
                     buf = C.load_moment(bp, bsp, offs, soffs, first, amask, FMT1)
