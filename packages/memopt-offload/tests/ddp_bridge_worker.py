@@ -1,28 +1,39 @@
-"""Worker of test_ddp_gloo.py: AdamBridge under DDP on the CPU, one per process, plain step()."""
+"""Worker of test_ddp_gloo.py: AdamBridge under DDP (gloo on the CPU, or NCCL on 2 GPUs), one
+per process, plain step()."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 from offload_testutil import batch, loss_of, make_model
 
+from memopt_core.testing import init_rank
+from memopt_kernels_cpu import set_num_threads
 from memopt_offload import AdamBridge
 
 
-def shard(step: int, rank: int) -> torch.Tensor:
-    return batch(step, "cpu", n=8)[4 * rank : 4 * rank + 4]
+def shard(step: int, rank: int, device: str = "cpu") -> torch.Tensor:
+    return batch(step, device, n=8)[4 * rank : 4 * rank + 4]
 
 
-def train(rank: int, world: int, init_file: str, precision: str, steps: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def train(
+    rank: int, world: int, init_file: str, precision: str, steps: int, out: str, device: str = "cpu"
+) -> None:
+    """One rank: gloo on the CPU, or NCCL with GPU ``rank``. Each rank has its own AdamBridge
+    (its own pinned host buffers) and its share of the host's cores for the CPU kernels."""
+    init_rank(rank, world, init_file, device)
     try:
-        model = make_model("cpu")
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        model = make_model(device)
+        cuda = device == "cuda"
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
         opt = AdamBridge(model.parameters(), lr=2e-3, precision=precision)
         for t in range(steps):
-            loss_of(ddp, shard(t, rank)).backward()
+            loss_of(ddp, shard(t, rank, device)).backward()
             opt.step()
             opt.zero_grad()
-        torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

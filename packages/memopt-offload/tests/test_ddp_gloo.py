@@ -1,4 +1,5 @@
-"""AdamBridge with DDP: one optimizer per process (2 gloo processes on the CPU), step() after
+"""AdamBridge with DDP: one optimizer per process (2 gloo processes on the CPU; NCCL on 2 GPUs where
+the host has them, each process with its own host buffers and half the cores), step() after
 backward, equal bit for bit to one process stepping on ``g_rank0 / 2 + g_rank1 / 2``; the
 pipelined hooks are refused under DDP with the reason."""
 
@@ -11,6 +12,7 @@ import torch.multiprocessing as mp
 from ddp_bridge_worker import shard, train
 from offload_testutil import Reference, loss_of, make_model
 
+from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.testing import set_mean_gradients
 from memopt_offload import AdamBridge
 
@@ -20,17 +22,22 @@ pytestmark = pytest.mark.skipif(
 STEPS = 5
 
 
+@pytest.mark.parametrize("device", DIST_DEVICES)
 @pytest.mark.parametrize("precision", ["fp32", "compact"])
-def test_ddp_step_equals_one_process(precision, tmp_path):
-    mp.spawn(train, args=(2, str(tmp_path / "init"), precision, STEPS, str(tmp_path)), nprocs=2)
-    model = make_model("cpu")
+def test_ddp_step_equals_one_process(precision, device, tmp_path):
+    args = (2, str(tmp_path / "init"), precision, STEPS, str(tmp_path), device)
+    mp.spawn(train, args=args, nprocs=2)
+    model = make_model(device)
     ref = Reference(model, precision, lr=2e-3)
     for t in range(STEPS):
-        set_mean_gradients(model, [lambda r=r, t=t: loss_of(model, shard(t, r)) for r in (0, 1)])
+        set_mean_gradients(
+            model, [lambda r=r, t=t: loss_of(model, shard(t, r, device)) for r in (0, 1)]
+        )
         ref.step()
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for k, v in model.state_dict().items():
+            v = v.cpu()
             assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
 
 
