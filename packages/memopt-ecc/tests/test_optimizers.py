@@ -128,7 +128,7 @@ def test_signature_matches_flashoptim(cls):
     ]
     assert positional == list(FLASHOPTIM[cls].items())
     keyword_only = {n: p.default for n, p in sig.parameters.items() if p.kind is p.KEYWORD_ONLY}
-    assert keyword_only == {"stochastic_rounding": True, "seed": 0}
+    assert keyword_only == {"stochastic_rounding": True, "seed": 0, "capturable": False}
 
 
 @pytest.mark.parametrize("cls", list(FLASHOPTIM), ids=lambda c: c.__name__)

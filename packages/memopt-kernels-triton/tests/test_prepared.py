@@ -69,14 +69,14 @@ def test_hyper_words_layout(ops):
         lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=3, decoupled=True
     )
     words = ops.adam_hyper_words(s, seed=2**32 - 1, step=3)
-    assert len(words) == len(ops.ADAM_HYPER_FIELDS) == 10
+    assert len(words) == len(ops.ADAM_HYPER_FIELDS) == 12
     floats = torch.tensor(words[:8], dtype=torch.int32).view(torch.float32).tolist()
     expect = [
         torch.tensor(float(getattr(s, f)), dtype=torch.float32).item()
         for f in ops.ADAM_HYPER_FIELDS[:8]
     ]
     assert floats == expect
-    assert words[8:] == [-1, 3]
+    assert words[8:] == [-1, 3, 0x3F800000, 0]  # seed, step, inv_scale 1.0, skip 0
 
 
 #: (moment preset, master, parameter dtype) of the Lion/SGD device-scalar tests
@@ -157,7 +157,9 @@ def test_sgd_first_step_word(ops):
         mine_work = group_step(mine, grads, step)
         prepared = prepared or ops.prepare_step(mine_work)
         words = ops.sgd_hyper_words(mine_work.scalars, mine_work.seed, step, first)
-        assert words[-1] == int(step == 1 if first is None else first)
+        assert words[ops.SGD_HYPER_FIELDS.index("first_step")] == int(
+            step == 1 if first is None else first
+        )
         hyper_t.copy_(torch.tensor(words, dtype=torch.int32))
         prepared.launch_hyper(hyper_t, maximize=False, has_l2=True, has_decay=False, nesterov=False)
         bad = diff_report(ref, mine)
@@ -169,27 +171,29 @@ def test_rule_hyper_words_layout(ops):
 
     lion = lion_scalars(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     words = ops.lion_hyper_words(lion, seed=7, step=2**31)
-    assert len(words) == len(ops.LION_HYPER_FIELDS) == 8
+    assert len(words) == len(ops.LION_HYPER_FIELDS) == 10
     assert ops.hyper_words("lion", lion, 7, 2**31) == words
     floats = torch.tensor(words[:6], dtype=torch.int32).view(torch.float32).tolist()
     assert floats == [
         torch.tensor(float(getattr(lion, f)), dtype=torch.float32).item()
         for f in ops.LION_HYPER_FIELDS[:6]
     ]
-    assert words[6:] == [7, -(2**31)]
+    assert words[6:] == [7, -(2**31), 0x3F800000, 0]
 
     sgd = sgd_scalars(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-4)
     words = ops.sgd_hyper_words(sgd, seed=2**32 - 2, step=1)
-    assert len(words) == len(ops.SGD_HYPER_FIELDS) == 8
+    assert len(words) == len(ops.SGD_HYPER_FIELDS) == 10
     floats = torch.tensor(words[:5], dtype=torch.int32).view(torch.float32).tolist()
     assert floats == [
         torch.tensor(float(getattr(sgd, f)), dtype=torch.float32).item()
         for f in ops.SGD_HYPER_FIELDS[:5]
     ]
-    assert words[5:] == [-2, 1, 1]  # seed, step, first step (default: step == 1)
-    assert ops.sgd_hyper_words(sgd, 0, 2)[-1] == 0
-    assert ops.sgd_hyper_words(sgd, 0, 2, first_step=True)[-1] == 1
-    assert ops.hyper_words("sgd", sgd, 0, 5, first_step=True)[-1] == 1
+    # seed, step, first step (default: step == 1), inv_scale, skip
+    assert words[5:] == [-2, 1, 1, 0x3F800000, 0]
+    first = ops.SGD_HYPER_FIELDS.index("first_step")
+    assert ops.sgd_hyper_words(sgd, 0, 2)[first] == 0
+    assert ops.sgd_hyper_words(sgd, 0, 2, first_step=True)[first] == 1
+    assert ops.hyper_words("sgd", sgd, 0, 5, first_step=True)[first] == 1
     assert ops.HYPER_FIELDS == {
         "adam": ops.ADAM_HYPER_FIELDS,
         "lion": ops.LION_HYPER_FIELDS,
@@ -209,34 +213,39 @@ def _prepared(ops, device, variant, sizes=(33,)):
 def test_launch_hyper_refuses_bad_input(ops, device):
     adam = _prepared(ops, device, "adamw")
     ok = {"maximize": False, "has_l2": False, "has_decay": True}
-    with pytest.raises(ConfigError, match="int32 tensor of 10 words"):
-        adam.launch_hyper(torch.zeros(10, dtype=torch.float32, device=device), **ok)
-    with pytest.raises(ConfigError, match="int32 tensor of 10 words"):
-        adam.launch_hyper(torch.zeros(8, dtype=torch.int32, device=device), **ok)
+    with pytest.raises(ConfigError, match="int32 tensor of 12 words"):
+        adam.launch_hyper(torch.zeros(12, dtype=torch.float32, device=device), **ok)
+    with pytest.raises(ConfigError, match="int32 tensor of 12 words"):
+        adam.launch_hyper(torch.zeros(10, dtype=torch.int32, device=device), **ok)
     with pytest.raises(ConfigError, match="not contiguous"):
-        adam.launch_hyper(torch.zeros((10, 2), dtype=torch.int32, device=device)[:, 0], **ok)
+        adam.launch_hyper(torch.zeros((12, 2), dtype=torch.int32, device=device)[:, 0], **ok)
+    # a per-slot table needs one row per plan slot
+    with pytest.raises(ConfigError, match=rf"or of \({adam.n_slots}, 12\) words"):
+        adam.launch_hyper(
+            torch.zeros((adam.n_slots + 1, 12), dtype=torch.int32, device=device), **ok
+        )
     with pytest.raises(ConfigError, match="needs has_l2"):
         adam.launch_hyper(
-            torch.zeros(10, dtype=torch.int32, device=device), maximize=False, has_decay=True
+            torch.zeros(12, dtype=torch.int32, device=device), maximize=False, has_decay=True
         )
     with pytest.raises(ConfigError, match="nesterov=True does not apply to the adam rule"):
-        adam.launch_hyper(torch.zeros(10, dtype=torch.int32, device=device), nesterov=True, **ok)
+        adam.launch_hyper(torch.zeros(12, dtype=torch.int32, device=device), nesterov=True, **ok)
 
     lion = _prepared(ops, device, "lion")
-    words8 = torch.zeros(8, dtype=torch.int32, device=device)
-    with pytest.raises(ConfigError, match="lion step must be a contiguous int32 tensor of 8"):
-        lion.launch_hyper(torch.zeros(10, dtype=torch.int32, device=device), **ok)
+    words10 = torch.zeros(10, dtype=torch.int32, device=device)
+    with pytest.raises(ConfigError, match="lion step must be a contiguous int32 tensor of 10"):
+        lion.launch_hyper(torch.zeros(12, dtype=torch.int32, device=device), **ok)
     with pytest.raises(ConfigError, match="has_l2=True does not apply to the lion rule"):
-        lion.launch_hyper(words8, maximize=False, has_l2=True, has_decay=True)
+        lion.launch_hyper(words10, maximize=False, has_l2=True, has_decay=True)
     with pytest.raises(ConfigError, match="nesterov=True does not apply to the lion rule"):
-        lion.launch_hyper(words8, maximize=False, has_decay=True, nesterov=True)
+        lion.launch_hyper(words10, maximize=False, has_decay=True, nesterov=True)
 
     sgd = _prepared(ops, device, "sgd-nesterov")
     with pytest.raises(ConfigError, match="sgd step needs nesterov"):
-        sgd.launch_hyper(words8, maximize=False, has_l2=False, has_decay=False)
+        sgd.launch_hyper(words10, maximize=False, has_l2=False, has_decay=False)
     with pytest.raises(ConfigError, match="sgd step needs has_l2"):
-        sgd.launch_hyper(words8, maximize=False, has_decay=False, nesterov=True)
-    with pytest.raises(ConfigError, match="sgd step must be a contiguous int32 tensor of 8"):
+        sgd.launch_hyper(words10, maximize=False, has_decay=False, nesterov=True)
+    with pytest.raises(ConfigError, match="sgd step must be a contiguous int32 tensor of 10"):
         sgd.launch_hyper(
             torch.zeros(7, dtype=torch.int32, device=device),
             maximize=False,
@@ -248,7 +257,7 @@ def test_launch_hyper_refuses_bad_input(ops, device):
         return
     with pytest.raises(ConfigError, match="hyper is on cpu"):
         sgd.launch_hyper(
-            torch.zeros(8, dtype=torch.int32),
+            torch.zeros(10, dtype=torch.int32),
             maximize=False,
             has_l2=False,
             has_decay=False,

@@ -12,7 +12,8 @@ The entry point's name is the backend's name (``MEMOPT_BACKEND=cpu`` picks it). 
 backend object, or to a class / zero-argument factory returning one, with an integer
 ``KERNEL_API`` equal to :data:`KERNEL_API`, ``available() -> (bool, reason)``,
 ``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None`` (optionally
-``fused_staging = True`` when ``step`` writes :attr:`GroupStep.staging` itself). A backend that
+``fused_staging = True`` when ``step`` writes :attr:`GroupStep.staging` itself, and
+``device_steps = True`` when it runs :attr:`GroupStep.device_step`). A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 
@@ -48,6 +49,7 @@ __all__ = [
     "RULES",
     "Backend",
     "BackendStatus",
+    "DeviceStep",
     "GroupStep",
     "available_backends",
     "backend_capabilities",
@@ -57,6 +59,7 @@ __all__ = [
     "kernel_master_id",
     "kernel_moment_id",
     "refresh_backends",
+    "runs_device_steps",
     "select_backend",
     "supports_formats",
     "writes_staging",
@@ -78,6 +81,32 @@ _INSTALL_HINT = {
 
 
 @dataclass
+class DeviceStep:
+    """The device-resident part of a capturable step (``MemOptimizer(capturable=True)``).
+
+    ``steps``: float32 tensor on the group's device, one count of completed steps per plan slot
+    (``len(plan.slots)``; exact below 2**24, as torch's capturable step counters). The backend
+    computes the step being taken from it on the device (``steps[slot] + 1``: Adam's bias
+    corrections through :func:`memopt_core.reference.adam_bias_table`, the stochastic-rounding
+    counter, SGD's first step) and advances the participating slots, so the host never reads a
+    step count. ``lr`` and ``betas`` are the group's (the host scalars of
+    :attr:`GroupStep.scalars` then only give the step-independent words).
+
+    AMP (a ``torch.amp.GradScaler``, see ``MemOptimizer``): ``grad_scale`` (None, or the scaler's
+    scale: the gradients are multiplied by ``float32(1 / float64(scale))`` as
+    ``GradScaler.unscale_`` does, inside the update) and ``found_inf`` (None, or a float32 tensor:
+    nonzero means skip the step: no parameter, state or step count changes). Both are read on
+    the device.
+    """
+
+    steps: Tensor
+    lr: float
+    betas: tuple[float, float]
+    grad_scale: Tensor | None = None
+    found_inf: Tensor | None = None
+
+
+@dataclass
 class GroupStep:
     """One step of one group of tensors, as the optimizer hands it to a backend.
 
@@ -93,6 +122,10 @@ class GroupStep:
     (FSDP2), the position of the shard's first element in the whole tensor, so a shard draws the
     words the whole tensor would: the same bits as one process. A backend updates ``params`` and
     the arena in place.
+
+    ``device_step`` (None: a host step): the step counts and AMP flags live on the device
+    (:class:`DeviceStep`); ``step``, ``first_step`` and the step-dependent scalars are then
+    placeholders. Only backends with ``device_steps = True`` get such work.
 
     ``staging`` (None, or aligned with ``params``): contiguous bfloat16 tensors (or None) that
     receive each updated parameter rounded to nearest-even bf16, e.g. the copy memopt-offload
@@ -116,6 +149,7 @@ class GroupStep:
     extra: dict = field(default_factory=dict)
     index_bases: list[int] | None = None
     owners: list[Tensor] | None = None
+    device_step: DeviceStep | None = None
 
     @property
     def param_owners(self) -> list[Tensor]:
@@ -147,6 +181,12 @@ class Backend(Protocol):
     ) -> bool: ...
 
     def step(self, work: GroupStep) -> None: ...
+
+
+def runs_device_steps(backend: object) -> bool:
+    """Whether ``backend.step`` runs :attr:`GroupStep.device_step` work (its optional
+    ``device_steps`` attribute): what ``MemOptimizer(capturable=True)`` needs."""
+    return bool(getattr(backend, "device_steps", False))
 
 
 def writes_staging(backend: object) -> bool:

@@ -107,6 +107,11 @@ class _Entry:
     tensor_ids: list[int]
     owners: list[Tensor]
     index_bases: list[int] | None  # None: every base is 0 (no sharded parameter)
+    # the step counters as one tensor (on the device with capturable=True), and the views of it
+    # that self.state[p]["step"] held when it was built (rebuilt when a state no longer holds them)
+    steps: Tensor | None = None
+    step_views: list[Tensor] | None = None
+    sharded: bool = False  # some owner is a DTensor (its plan holds the local shard)
 
 
 @dataclass
@@ -115,6 +120,11 @@ class _GroupPlans:
     formats: tuple[str, str]
     names: tuple[str, ...]
     entries: list[_Entry]
+
+
+def _locals(entry: _Entry, tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` as the kernels step them: a sharded parameter's (or gradient's) local shard."""
+    return [local_shard(t) for t in tensors] if entry.sharded else tensors
 
 
 def _as_float(value: Any, what: str, where: str) -> float:
@@ -176,6 +186,14 @@ class MemOptimizer(Optimizer):
         seed: key of the stochastic-rounding generator.
         check_numerics: refuse non-finite gradients with :class:`NumericsError`, before any state
             or parameter changes.
+        capturable: keep step counts on the parameters' device (``state["step"]`` float32 device
+            tensors, as torch's ``capturable=True``) and compute the step-dependent scalars
+            there, so :meth:`step` never synchronises with the host and can be captured in a
+            CUDA graph (after one eager step with the same tensors, which builds the tables).
+            It also takes a ``torch.amp.GradScaler``'s scale and found-inf flag on the device:
+            ``scaler.step(opt)`` then unscales inside the update kernel and skips the step on
+            the device when an inf/NaN was found (no ``.item()``). Needs a backend with device
+            steps (Triton: CUDA tensors). Not with ``check_numerics`` (which reads the device).
         backend: force a backend by name (``"torch"``, ``"cpu"``, ``"triton"``); None defers to
             ``MEMOPT_BACKEND`` and then to the automatic choice.
 
@@ -216,6 +234,7 @@ class MemOptimizer(Optimizer):
         seed: int = 0,
         check_numerics: bool = False,
         backend: str | None = None,
+        capturable: bool = False,
     ) -> None:
         if rule not in RULES:
             raise ConfigError(f"unknown rule {rule!r}; choose one of {tuple(RULES)}")
@@ -223,6 +242,14 @@ class MemOptimizer(Optimizer):
             raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if not isinstance(check_numerics, bool):
             raise ConfigError(f"check_numerics must be a bool, got {check_numerics!r}")
+        if not isinstance(capturable, bool):
+            raise ConfigError(f"capturable must be a bool, got {capturable!r}")
+        if capturable and check_numerics:
+            raise ConfigError(
+                "capturable=True and check_numerics=True exclude each other: check_numerics reads "
+                "every gradient's finiteness on the host, which a capturable step must not do "
+                "(with a GradScaler, its found-inf flag skips non-finite steps on the device)"
+            )
         if backend is not None and not isinstance(backend, str):
             raise ConfigError(
                 f"backend must be None or a backend name like 'torch', 'cpu', 'triton'; got {backend!r}"
@@ -231,6 +258,7 @@ class MemOptimizer(Optimizer):
         self.seed = seed
         self.check_numerics = check_numerics
         self.backend = backend
+        self._capturable = capturable
         self._reset_plans()
         self._reset_release()
         forced = backends.forced_backend(backend)
@@ -572,6 +600,7 @@ class MemOptimizer(Optimizer):
                     [index[id(p)] for p in owners],
                     owners,
                     bases if any(bases) else None,
+                    sharded=any(map(is_dtensor, owners)),
                 )
             )
         for p, state in new_states.items():
@@ -676,7 +705,18 @@ class MemOptimizer(Optimizer):
         self, label: str | None, p: Tensor, g: Tensor, plan: GroupPlan, si: int
     ) -> None:
         """:meth:`_check_grad` of a plain tensor or of a sharded parameter's local shard
-        (``label`` names the sharded parameter)."""
+        (``label`` names the sharded parameter). Cheap when nothing is wrong: the label, a
+        search over the param groups, is only built for an error message."""
+        if (
+            g.layout == torch.strided
+            and not g.is_complex()
+            and g.shape == p.shape
+            and g.device == p.device
+            and _grad_dtype_ok(p.dtype, g.dtype)
+        ):
+            slot = plan.slots[si]
+            if p.device == plan.device and p.dtype == plan.param_dtype and p.shape == slot.shape:
+                return
         label = label or self._param_label(p)
         if g.layout != torch.strided:
             raise ConfigError(
@@ -745,26 +785,42 @@ class MemOptimizer(Optimizer):
         only: list[Tensor] | None,
         staging: Mapping[Tensor, Tensor] | None = None,
         grads: Mapping[Tensor, Tensor] | None = None,
+        amp: tuple[Tensor | None, Tensor | None] | None = None,
     ) -> list[tuple[Any, backends.GroupStep]]:
         """One update of ``only`` (None: every parameter with a gradient); returns the
-        (backend, work) pairs it ran, in order (memopt_apexw caches them)."""
+        (backend, work) pairs it ran, in order (memopt_apexw caches them). ``amp``: a
+        GradScaler's (scale, found_inf) for a capturable step."""
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
+        counters: list[Tensor] = []  # each host work's entry counters (advanced after it ran)
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
             entry = self._plans[gi].entries[ei]
             plan = entry.plan
-            for si, p, g in part:
-                self._check_grad(p, g, plan, si)
-            by_step: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
-            for item in part:
-                by_step.setdefault(int(self.state[item[1]]["step"].item()), []).append(item)
+            if entry.sharded:
+                for si, p, g in part:
+                    self._check_grad(p, g, plan, si)
+            else:  # the common case, without a DTensor check per tensor
+                for si, p, g in part:
+                    if is_dtensor(g):
+                        self._check_grad(p, g, plan, si)  # refuses it with its message
+                    self._check_local_grad(None, p, g, plan, si)
             spec = self._spec(group, plan.param_dtype)
             backend = backends.select_backend(
                 self._kind, spec, plan.device, plan.param_dtype, self.backend
             )
+            if self._capturable:
+                works.append(
+                    (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
+                )
+                continue
+            steps = self._entry_steps(entry)
+            counts = steps.tolist()  # one read for the whole entry
+            by_step: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
+            for item in part:
+                by_step.setdefault(int(counts[item[0]]), []).append(item)
             for done in sorted(by_step):
                 items = by_step[done]
                 step = done + 1
@@ -776,8 +832,8 @@ class MemOptimizer(Optimizer):
                             spec=spec,
                             plan=plan,
                             slots=[si for si, _, _ in items],
-                            params=[local_shard(p) for _, p, _ in items],
-                            grads=[local_shard(g) for _, _, g in items],
+                            params=_locals(entry, [p for _, p, _ in items]),
+                            grads=_locals(entry, [g for _, _, g in items]),
                             arena=entry.arena,
                             scalars=self._scalars(group, step),
                             step=step,
@@ -796,17 +852,90 @@ class MemOptimizer(Optimizer):
                         ),
                     )
                 )
+                counters.append(steps)
         if self.check_numerics:
             self._check_finite(works)
+        host = iter(counters)
         for backend, work in works:
             backend.step(work)
             if work.staging is not None and not backends.writes_staging(backend):
                 for p, st in zip(work.params, work.staging, strict=True):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
-            for p in work.param_owners:
-                self.state[p]["step"] += 1
+            if work.device_step is None:  # a device step advanced its counters itself
+                steps = next(host)
+                if work.full:
+                    steps.add_(1)
+                else:
+                    steps[torch.tensor(work.slots)] += 1
         return works
+
+    def _device_work(self, gi, entry, spec, backend, part, staging, amp) -> backends.GroupStep:
+        """The capturable step of ``part`` (one entry's participating parameters) in param
+        group ``gi``."""
+        group = self.param_groups[gi]
+        plan = entry.plan
+        if not backends.runs_device_steps(backend):
+            raise ConfigError(
+                f"capturable=True needs a backend that keeps step counts on the device (the "
+                f"triton backend, for CUDA tensors); the {plan.param_dtype} parameters on "
+                f"{plan.device} run on the {backend.name!r} backend"
+            )
+        betas = tuple(float(b) for b in group["betas"])
+        if self._kind == "adam":
+            try:  # before any group steps: the table is cached, this costs once per betas
+                reference.adam_bias_table(*betas)
+            except ValueError as e:
+                raise ConfigError(f"param group {gi}: {e}") from None
+        grad_scale, found_inf = amp if amp is not None else (None, None)
+        dev = plan.device
+        return backends.GroupStep(
+            rule=self._kind,
+            spec=spec,
+            plan=plan,
+            slots=[si for si, _, _ in part],
+            params=_locals(entry, [p for _, p, _ in part]),
+            grads=_locals(entry, [g for _, _, g in part]),
+            arena=entry.arena,
+            scalars=self._scalars(group, 1),  # step-independent words; the device does the rest
+            step=1,
+            seed=self.seed,
+            tensor_ids=[entry.tensor_ids[si] for si, _, _ in part],
+            first_step=False,
+            staging=None if staging is None else [staging.get(p) for _, p, _ in part],
+            index_bases=(
+                None if entry.index_bases is None else [entry.index_bases[si] for si, _, _ in part]
+            ),
+            owners=[p for _, p, _ in part],
+            device_step=backends.DeviceStep(
+                steps=self._entry_steps(entry),
+                lr=float(group["lr"]),
+                betas=betas,
+                grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
+                found_inf=None if found_inf is None else found_inf.to(dev).reshape(1),
+            ),
+        )
+
+    def _entry_steps(self, entry: _Entry) -> Tensor:
+        """``entry``'s step counters as one float32 tensor, indexed by plan slot: on the CPU, or
+        on the entry's device with ``capturable=True``. Each ``self.state[p]["step"]`` is a view
+        of it, so a step reads every count at once and advances them in one operation. Rebuilt
+        (eagerly: it copies) when a state no longer holds its view, e.g. after
+        :meth:`load_state_dict` or on the first step."""
+        views = entry.step_views
+        if views is not None and all(
+            self.state[p]["step"] is v for p, v in zip(entry.owners, views, strict=True)
+        ):
+            return entry.steps
+        dev = entry.plan.device if self._capturable else torch.device("cpu")
+        steps = torch.stack(
+            [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]
+        )
+        entry.steps = steps
+        entry.step_views = [steps[i] for i in range(len(entry.owners))]
+        for p, v in zip(entry.owners, entry.step_views, strict=True):
+            self.state[p]["step"] = v
+        return steps
 
     def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
@@ -921,9 +1050,18 @@ class MemOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        amp = None
+        if self._capturable:  # set by GradScaler.step (see _step_supports_amp_scaling)
+            amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         with torch.no_grad():
-            self._update(None)
+            self._update(None, amp=amp)
         return loss
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # torch.amp.GradScaler.step asks this: when True it does not unscale or check for infs
+        # itself, but sets self.grad_scale / self.found_inf (device tensors) for step() to use.
+        return self._capturable
 
     def step_parameters(
         self,
@@ -1244,6 +1382,7 @@ class MemOptimizer(Optimizer):
             "seed": self.seed,
             "check_numerics": self.check_numerics,
             "backend": self.backend,
+            "_capturable": self._capturable,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1252,6 +1391,7 @@ class MemOptimizer(Optimizer):
         self.__dict__.setdefault("seed", 0)
         self.__dict__.setdefault("check_numerics", False)
         self.__dict__.setdefault("backend", None)
+        self.__dict__.setdefault("_capturable", False)
         self._reset_release()  # the hooks belong to the original
         self._in_step = False
         for st in self.state.values():  # a shallow copy.copy() gets the pickling wrappers

@@ -20,6 +20,7 @@ al. 2023). ``maximize`` negates the gradient first; ``decouple_lr`` scales decou
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -27,10 +28,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DEVICE_STEP_LIMIT",
     "AdamScalars",
     "LionScalars",
     "SGDScalars",
     "adam",
+    "adam_bias_table",
     "adam_scalars",
     "correctly_rounded_sqrt",
     "decay_factor",
@@ -136,6 +139,45 @@ def adam_scalars(
         l2=0.0 if decoupled else weight_decay,
         maximize=maximize,
     )
+
+
+#: Step counts a device step (``capturable=True``) represents: float32 counters are exact below
+#: 2**24, as torch's capturable step counters.
+DEVICE_STEP_LIMIT = 2**24
+#: ``beta**k`` below this makes ``1.0 - beta**k`` exactly 1.0 in double (half of 2**-54, the
+#: rounding threshold, so a pow that is off by an ulp cannot cross it)
+_SATURATED = 2.0**-55
+
+
+@functools.lru_cache(maxsize=32)
+def adam_bias_table(beta1: float, beta2: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Adam's bias corrections for every step a device step can take: ``(bc1, bc2_sqrt)`` with
+    ``bc1[k] = 1.0 - beta1**k`` and ``bc2_sqrt[k] = math.sqrt(1.0 - beta2**k)``, in double, the
+    arithmetic :func:`adam_scalars` does at step ``k`` (so ``step_size = lr / bc1[k]`` and
+    ``bc2_sqrt[k]`` are its fields bit for bit).
+
+    The tables end at the first ``K`` from which both corrections are exactly 1.0 (``beta**K <
+    2**-55`` for both betas; about 38,000 entries for beta2 = 0.999): entry ``K`` holds for every
+    later step, so a device step reads entry ``min(k, K)``. ``K`` is at most
+    :data:`DEVICE_STEP_LIMIT`; betas closer to 1 raise ``ValueError``."""
+    for b in (beta1, beta2):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas must lie in [0, 1), got {b!r}")
+    last = 1
+    for b in (beta1, beta2):
+        if b > 0.0:
+            last = max(last, math.ceil(math.log(_SATURATED) / math.log(b)))
+    while beta1**last >= _SATURATED or beta2**last >= _SATURATED:  # log rounding
+        last += 1
+    if last > DEVICE_STEP_LIMIT:
+        raise ValueError(
+            f"betas {(beta1, beta2)} keep Adam's bias correction below 1 past step "
+            f"{DEVICE_STEP_LIMIT} (2**24), the limit of device step counters; use betas further "
+            "from 1 or capturable=False"
+        )
+    bc1 = tuple(1.0 - beta1**k for k in range(last + 1))
+    bc2_sqrt = tuple(math.sqrt(1.0 - beta2**k) for k in range(last + 1))
+    return bc1, bc2_sqrt
 
 
 def sgd_scalars(

@@ -22,7 +22,11 @@ FlashOptim argument          memopt configuration
                              :class:`~memopt_core.NumericsError` (see :func:`master_resolution`)
 =========================== ===================================================================
 
-plus memopt's ``stochastic_rounding`` (default True: the measured choice, docs/ecc.md) and ``seed``.
+plus memopt's ``stochastic_rounding`` (default True: the measured choice, docs/ecc.md), ``seed``
+and ``capturable`` (FlashOptim has none): step counts on the device and no host synchronisation
+in :meth:`step`, so the step can be captured in a CUDA graph, and a ``torch.amp.GradScaler``'s
+unscale and inf-skip run inside the fused kernel (core's ``MemOptimizer(capturable=True)``;
+CUDA with the Triton backend).
 
 **``quantize=False`` deviates from FlashOptim on purpose.** FlashOptim's docstring says it keeps
 states "in FP32", but its code stores them in the *parameter's* dtype (bf16 for bf16 parameters),
@@ -155,6 +159,7 @@ class FlashOptimizer(MemOptimizer):
         fused: bool = True,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         master = _master_for_bits(master_weight_bits)
         for name, value in (
@@ -163,6 +168,11 @@ class FlashOptimizer(MemOptimizer):
             ("fused", fused),
         ):
             _check_flag(name, value)
+        if capturable is True and not fused:
+            raise ConfigError(
+                "capturable=True runs the fused Triton step with device-resident step counts; "
+                "fused=False (core's torch backend) has none"
+            )
         self.quantize = quantize
         self.master_weight_bits = master_weight_bits
         self.compress_state_dict = compress_state_dict
@@ -185,6 +195,7 @@ class FlashOptimizer(MemOptimizer):
             seed=seed,
             check_numerics=check_numerics,
             backend=None if fused else "torch",
+            capturable=capturable,
         )
 
     # ------------------------------------------------------------------------- param groups
@@ -458,6 +469,7 @@ class FlashSGD(FlashOptimizer):
         *,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -474,6 +486,7 @@ class FlashSGD(FlashOptimizer):
             fused=fused,
             stochastic_rounding=stochastic_rounding,
             seed=seed,
+            capturable=capturable,
         )
 
 
@@ -498,6 +511,7 @@ class FlashSGDW(FlashOptimizer):
         *,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -515,6 +529,7 @@ class FlashSGDW(FlashOptimizer):
             fused=fused,
             stochastic_rounding=stochastic_rounding,
             seed=seed,
+            capturable=capturable,
         )
 
 
@@ -541,6 +556,7 @@ class FlashAdam(FlashOptimizer):
         *,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -556,6 +572,7 @@ class FlashAdam(FlashOptimizer):
             fused=fused,
             stochastic_rounding=stochastic_rounding,
             seed=seed,
+            capturable=capturable,
         )
 
 
@@ -583,6 +600,7 @@ class FlashAdamW(FlashOptimizer):
         *,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -599,6 +617,7 @@ class FlashAdamW(FlashOptimizer):
             fused=fused,
             stochastic_rounding=stochastic_rounding,
             seed=seed,
+            capturable=capturable,
         )
 
 
@@ -625,6 +644,7 @@ class FlashLion(FlashOptimizer):
         *,
         stochastic_rounding: bool = True,
         seed: int = 0,
+        capturable: bool = False,
     ) -> None:
         super().__init__(
             params,
@@ -640,4 +660,5 @@ class FlashLion(FlashOptimizer):
             fused=fused,
             stochastic_rounding=stochastic_rounding,
             seed=seed,
+            capturable=capturable,
         )

@@ -4,7 +4,9 @@
 CPU interpreter; then CPU tensors are accepted too, which is how CPU CI tests the kernels).
 ``supports()`` covers every rule (sgd, adam, lion) x master (fp32, none, ecc24, ecc32) x moment
 preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stochastic rounding.
-``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`);
+``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`;
+a capturable step, ``GroupStep.device_step``, adds one small launch that computes the per-tensor
+scalars from step counts on the device);
 ``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
 device tensor (CUDA-graph capture).
 Nothing here imports triton before it is needed.
@@ -31,6 +33,8 @@ class TritonBackend:
 
     name = "triton"
     KERNEL_API = KERNEL_API
+    #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
+    device_steps = True
 
     def available(self) -> tuple[bool, str]:
         try:

@@ -13,6 +13,12 @@ base). The index base (:meth:`GroupStep.index_base <memopt_core.backends.GroupSt
 0 unless the tensor is a shard) is added to every stochastic-rounding Philox index, so a shard of
 an FSDP2-sharded parameter draws the words the whole tensor would.
 
+A capturable step (``GroupStep.device_step``, :func:`device_step`) keeps step counts on the
+device: a small kernel (:mod:`~memopt_kernels_triton.kernels.device_words`) writes one row of
+device words per tensor from them, with a GradScaler's scale and found-inf flag, then the rule
+kernel reads its tensor's row: no host synchronisation, so the step can be captured in a CUDA
+graph.
+
 Importing this module imports triton. Kernels run on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1`` (Triton's interpreter, used by the CPU tests); :func:`interpreting` says
 which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is contracted.
@@ -33,8 +39,10 @@ from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_mome
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
+from memopt_core.reference import adam_bias_table
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
+from memopt_kernels_triton.kernels import device_words as _words
 from memopt_kernels_triton.kernels import lion as _lion
 from memopt_kernels_triton.kernels import sgd as _sgd
 
@@ -48,6 +56,7 @@ __all__ = [
     "adam_hyper_words",
     "decode_master",
     "decode_moment",
+    "device_step",
     "ecc_decode",
     "ecc_encode",
     "encode_master",
@@ -601,7 +610,10 @@ def _validate(work: GroupStep, plan) -> None:
 
 
 #: Order of the int32 words a ``HYPER`` Adam launch reads (:func:`adam_hyper_words`): eight fp32
-#: scalars stored as their bits, then the stochastic-rounding seed and the step (1-based).
+#: scalars stored as their bits, the stochastic-rounding seed and the step (1-based), then the
+#: AMP words every layout ends with: ``inv_scale`` (fp32 bits; the gradient factor of a launch
+#: with ``unscale=True``) and ``skip`` (nonzero: the tensor is not updated; a GradScaler's
+#: found-inf).
 ADAM_HYPER_FIELDS = (
     "one_minus_beta1",
     "beta2",
@@ -613,9 +625,11 @@ ADAM_HYPER_FIELDS = (
     "l2",
     "seed",
     "step",
+    "inv_scale",
+    "skip",
 )
 #: Order of the int32 words a ``HYPER`` Lion launch reads (:func:`lion_hyper_words`): six fp32
-#: scalars stored as their bits, then the seed and the step.
+#: scalars stored as their bits, the seed, the step, ``inv_scale`` and ``skip``.
 LION_HYPER_FIELDS = (
     "lr",
     "beta1",
@@ -625,11 +639,13 @@ LION_HYPER_FIELDS = (
     "decay",
     "seed",
     "step",
+    "inv_scale",
+    "skip",
 )
 #: Order of the int32 words a ``HYPER`` SGD launch reads (:func:`sgd_hyper_words`): five fp32
-#: scalars stored as their bits, the seed, the step, then ``first_step`` (1 on the step whose
+#: scalars stored as their bits, the seed, the step, ``first_step`` (1 on the step whose
 #: momentum buffer starts as the gradient, else 0: a runtime choice in the kernel, so one
-#: captured launch serves the first step and the later ones).
+#: captured launch serves the first step and the later ones), ``inv_scale`` and ``skip``.
 SGD_HYPER_FIELDS = (
     "lr",
     "momentum",
@@ -639,6 +655,8 @@ SGD_HYPER_FIELDS = (
     "seed",
     "step",
     "first_step",
+    "inv_scale",
+    "skip",
 )
 #: Backend rule -> the layout of its device words.
 HYPER_FIELDS = {"adam": ADAM_HYPER_FIELDS, "lion": LION_HYPER_FIELDS, "sgd": SGD_HYPER_FIELDS}
@@ -648,6 +666,9 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<i", struct.pack("<f", _f32(v)))[0]
 
 
+_ONE_BITS = 0x3F800000  # fp32 1.0: the inv_scale word of a launch without AMP
+
+
 def _scalar_words(fields: tuple[str, ...], scalars, seed: int, step: int) -> list[int]:
     n = fields.index("seed")
     return [_f32_bits(getattr(scalars, name)) for name in fields[:n]] + [_i32(seed), _i32(step)]
@@ -655,14 +676,15 @@ def _scalar_words(fields: tuple[str, ...], scalars, seed: int, step: int) -> lis
 
 def adam_hyper_words(scalars, seed: int, step: int) -> list[int]:
     """The :data:`ADAM_HYPER_FIELDS` words of one Adam step: each scalar rounded to fp32 exactly
-    as the argument-passing launch rounds it, seed and step as int32 (bit-cast 32-bit values)."""
-    return _scalar_words(ADAM_HYPER_FIELDS, scalars, seed, step)
+    as the argument-passing launch rounds it, seed and step as int32 (bit-cast 32-bit values),
+    ``inv_scale`` 1.0 and ``skip`` 0."""
+    return [*_scalar_words(ADAM_HYPER_FIELDS, scalars, seed, step), _ONE_BITS, 0]
 
 
 def lion_hyper_words(scalars, seed: int, step: int) -> list[int]:
     """The :data:`LION_HYPER_FIELDS` words of one Lion step (``scalars``: core's
     ``lion_scalars``), rounded as :func:`adam_hyper_words` rounds."""
-    return _scalar_words(LION_HYPER_FIELDS, scalars, seed, step)
+    return [*_scalar_words(LION_HYPER_FIELDS, scalars, seed, step), _ONE_BITS, 0]
 
 
 def sgd_hyper_words(scalars, seed: int, step: int, first_step: bool | None = None) -> list[int]:
@@ -670,7 +692,7 @@ def sgd_hyper_words(scalars, seed: int, step: int, first_step: bool | None = Non
     rounded as :func:`adam_hyper_words` rounds; ``first_step`` defaults to ``step == 1``, core's
     ``GroupStep.first_step``."""
     first = step == 1 if first_step is None else bool(first_step)
-    return [*_scalar_words(SGD_HYPER_FIELDS, scalars, seed, step), int(first)]
+    return [*_scalar_words(SGD_HYPER_FIELDS, scalars, seed, step), int(first), _ONE_BITS, 0]
 
 
 def hyper_words(
@@ -733,13 +755,24 @@ class PreparedStep:
     copies: such a step must be prepared again each time.
     """
 
-    __slots__ = ("_args", "_copies", "_grid", "_head", "_kw", "device", "reusable", "rule")
+    __slots__ = (
+        "_args",
+        "_copies",
+        "_grid",
+        "_head",
+        "_kw",
+        "device",
+        "n_slots",
+        "reusable",
+        "rule",
+    )
 
-    def __init__(self, rule, grid, head, kw, copies, device) -> None:
+    def __init__(self, rule, grid, head, kw, copies, device, n_slots) -> None:
         self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
         self._copies = copies
         self.reusable = not copies
         self.device = device
+        self.n_slots = n_slots  # rows of a per-tensor word table (the plan's slots)
 
     @property
     def hyper_fields(self) -> tuple[str, ...]:
@@ -796,8 +829,10 @@ class PreparedStep:
                 NESTEROV=bool(s.nesterov) and has_momentum,
                 FIRST=bool(first_step),
             )
-        kw["HYPER"] = False
-        _launch(_KERNELS[self.rule], self._grid, *self._head, *args, seed_, step_, no_hyper, **kw)
+        kw.update(HYPER=False, UNSCALE=False)
+        _launch(
+            _KERNELS[self.rule], self._grid, *self._head, *args, seed_, step_, no_hyper, 0, **kw
+        )
         self._finish()
 
     def launch_hyper(
@@ -808,11 +843,15 @@ class PreparedStep:
         has_decay: bool,
         has_l2: bool | None = None,
         nesterov: bool | None = None,
+        unscale: bool = False,
     ) -> None:
         """Run the step reading its scalars, seed and step (and SGD's first-step flag) from
         ``hyper``: a contiguous int32 tensor on the parameters' device holding exactly the
         ``HYPER_FIELDS[rule]`` words (:data:`ADAM_HYPER_FIELDS`, :data:`LION_HYPER_FIELDS`,
-        :data:`SGD_HYPER_FIELDS`; :func:`hyper_words` writes them).
+        :data:`SGD_HYPER_FIELDS`; :func:`hyper_words` writes them), shared by every tensor, or a
+        ``[n_slots, len(fields)]`` table with one row per plan slot (what :func:`device_step`
+        computes). A row whose ``skip`` word is nonzero leaves its tensor untouched;
+        ``unscale=True`` multiplies the gradients by the row's ``inv_scale`` word first.
 
         The flags choose the compiled variant. Every rule takes ``maximize`` and ``has_decay``
         (True whenever the decay factor may differ from 1: a factor of exactly 1 is harmless in
@@ -826,10 +865,14 @@ class PreparedStep:
         l2 = _flag(has_l2, rule, "has_l2", needed="has_l2" in needs)
         nest = _flag(nesterov, rule, "nesterov", needed="nesterov" in needs)
         fields = HYPER_FIELDS[rule]
-        if hyper.dtype != torch.int32 or hyper.numel() != len(fields) or not hyper.is_contiguous():
+        w = len(fields)
+        shape_ok = hyper.dim() <= 1 and hyper.numel() == w
+        per_slot = hyper.dim() == 2 and tuple(hyper.shape) == (self.n_slots, w)
+        if hyper.dtype != torch.int32 or not (shape_ok or per_slot) or not hyper.is_contiguous():
             raise ConfigError(
-                f"hyper of a {rule} step must be a contiguous int32 tensor of {len(fields)} "
-                f"words ({', '.join(fields)}), got {hyper.dtype}{tuple(hyper.shape)}"
+                f"hyper of a {rule} step must be a contiguous int32 tensor of {w} words "
+                f"({', '.join(fields)}), or of ({self.n_slots}, {w}) words (one row per plan "
+                f"slot); got {hyper.dtype}{tuple(hyper.shape)}"
                 + ("" if hyper.is_contiguous() else " (not contiguous)")
             )
         if hyper.device != self.device:
@@ -837,7 +880,9 @@ class PreparedStep:
         if self._grid is None:
             return
         kw = dict(self._kw)
-        kw.update(MAXIMIZE=bool(maximize), HAS_DECAY=bool(has_decay), HYPER=True)
+        kw.update(
+            MAXIMIZE=bool(maximize), HAS_DECAY=bool(has_decay), HYPER=True, UNSCALE=bool(unscale)
+        )
         if rule == "adam":
             kw["HAS_L2"] = l2
         elif rule == "sgd":
@@ -852,6 +897,7 @@ class PreparedStep:
             0,
             0,
             hyper,
+            w if per_slot else 0,
             **kw,
         )
         self._finish()
@@ -870,7 +916,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
     dev = plan.device
     cfg = config or kernel_config()
-    empty = PreparedStep(work.rule, None, (), {}, [], dev)
+    empty = PreparedStep(work.rule, None, (), {}, [], dev, len(plan.slots))
     if not work.slots:
         return empty
     mcodec = spec.master_for(plan.param_dtype)
@@ -948,9 +994,122 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             NEED_RAND=sr and (rand_master or (has_momentum and f1 != 0)),
             _HAS_MOMENTUM=has_momentum,
         )
-    return PreparedStep(work.rule, grid, head, kw, copies, dev)
+    return PreparedStep(work.rule, grid, head, kw, copies, dev, len(plan.slots))
 
 
 def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
-    """One optimizer step of every tensor of ``work`` in one kernel launch (see module doc)."""
+    """One optimizer step of every tensor of ``work`` in one kernel launch (see module doc); a
+    capturable step (``work.device_step``) goes through :func:`device_step`."""
+    if work.device_step is not None:
+        device_step(work, config)
+        return
     prepare_step(work, config).launch(work.scalars, work.step, work.seed, work.first_step)
+
+
+_WORDS_BLOCK = 128
+_RULE_IDS = {"adam": 0, "lion": 1, "sgd": 2}
+#: (device, beta1, beta2) -> (bc1 float64, bc2_sqrt fp32 bits as int32, last index)
+_BIAS_TABLES: dict = {}
+
+
+def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tensor, Tensor, int]:
+    key = (str(device), float(betas[0]), float(betas[1]))
+    hit = _BIAS_TABLES.get(key)
+    if hit is None:
+        try:
+            bc1, bc2 = adam_bias_table(float(betas[0]), float(betas[1]))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        t1 = _to_device(torch.tensor(bc1, dtype=torch.float64), device)
+        t2 = _to_device(torch.tensor([_f32_bits(v) for v in bc2], dtype=torch.int32), device)
+        hit = _BIAS_TABLES[key] = (t1, t2, len(bc1) - 1)
+    return hit
+
+
+def _check_amp_tensor(t: Tensor | None, what: str, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+        got = f"{t.dtype}{tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        raise ConfigError(f"{what} must be a one-element float32 tensor, got {got}")
+    if t.device != device:
+        raise ConfigError(f"{what} is on {t.device}; the group is on {device}")
+
+
+def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
+    """A capturable step of ``work`` (``work.device_step``, core's ``DeviceStep``): the
+    device-words kernel, then the rule kernel reading one row per tensor. No host
+    synchronisation and, once the group's tables are cached (after one eager step with the same
+    tensors), no host-to-device copy: the launches can be captured in a CUDA graph."""
+    ds = work.device_step
+    plan = work.plan
+    dev = plan.device
+    n = len(work.slots)
+    if n == 0:
+        return
+    steps = ds.steps
+    if (
+        not isinstance(steps, Tensor)
+        or steps.dtype != torch.float32
+        or steps.shape != (len(plan.slots),)
+        or steps.device != dev
+        or not steps.is_contiguous()
+    ):
+        got = (
+            f"{steps.dtype}{tuple(steps.shape)} on {steps.device}"
+            if isinstance(steps, Tensor)
+            else type(steps).__name__
+        )
+        raise ConfigError(
+            f"device_step.steps must be a contiguous float32 tensor of {len(plan.slots)} counts "
+            f"(one per plan slot) on {dev}, got {got}"
+        )
+    _check_amp_tensor(ds.grad_scale, "grad_scale", dev)
+    _check_amp_tensor(ds.found_inf, "found_inf", dev)
+    prepared = prepare_step(work, config)
+    rule = work.rule
+    fields = HYPER_FIELDS[rule]
+    width = len(fields)
+    words = plan.cache(
+        ("triton_device_words", rule),
+        lambda: torch.zeros((len(plan.slots), width), dtype=torch.int32, device=dev),
+    )
+    slots = plan.cache(
+        ("triton_device_slots", tuple(work.slots)),
+        lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32), dev),
+    )
+    host = hyper_words(rule, work.scalars, work.seed, 1)[:9]
+    lr_bits = struct.unpack("<q", struct.pack("<d", float(ds.lr)))[0]
+    if rule == "adam":
+        bc1, bc2, last = _bias_tables(dev, ds.betas)
+    else:
+        bc1, bc2, last = _dummy(dev, torch.float64), _dummy(dev, torch.int32), 0
+    dummy = _dummy(dev, torch.float32)
+    _launch(
+        _words.device_words_kernel,
+        (triton_cdiv(n, _WORDS_BLOCK),),
+        words,
+        steps,
+        slots,
+        n,
+        *host,
+        _i32(lr_bits),
+        _i32(lr_bits >> 32),
+        bc1,
+        bc2,
+        last,
+        dummy if ds.found_inf is None else ds.found_inf,
+        dummy if ds.grad_scale is None else ds.grad_scale,
+        RULE=_RULE_IDS[rule],
+        W=width,
+        HAS_FOUND=ds.found_inf is not None,
+        HAS_SCALE=ds.grad_scale is not None,
+        BLOCK=_WORDS_BLOCK,
+    )
+    s = work.scalars
+    flags: dict = {"maximize": bool(s.maximize), "has_decay": s.decay != 1.0}
+    if rule in ("adam", "sgd"):
+        flags["has_l2"] = s.l2 != 0.0
+    if rule == "sgd":
+        flags["nesterov"] = bool(s.nesterov)
+    prepared.launch_hyper(words, unscale=ds.grad_scale is not None, **flags)

@@ -16,7 +16,12 @@ States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``
 
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.ADAM_HYPER_FIELDS`) instead of the arguments, so a launch
-captured in a CUDA graph picks up each step's learning rate and step count from device memory.
+captured in a CUDA graph picks up each step's learning rate and step count from device memory:
+row ``slot`` of a ``[slots, hstride]`` table per tensor (a device step,
+:mod:`~memopt_kernels_triton.kernels.device_words`), or one shared row when ``hstride`` is 0.
+The row's ``skip`` word (a GradScaler's found-inf) turns the tensor's update off; with
+``UNSCALE`` the gradient is multiplied by the row's ``inv_scale`` first (``GradScaler.unscale_``'s
+product, fused).
 """
 
 from __future__ import annotations
@@ -26,10 +31,16 @@ import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
 from memopt_kernels_triton.kernels.philox import r24_of, stream_words
-from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+from memopt_kernels_triton.kernels.tiles import (
+    chunk_info,
+    hyper_f32,
+    hyper_word,
+    master_ptrs,
+    tile_masks,
+)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
 def adam_kernel(
     chunk_ptr,
     n_chunks,
@@ -50,6 +61,7 @@ def adam_kernel(
     seed,
     step,
     hyper_ptr,
+    hstride,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     FMT2: tl.constexpr,
@@ -61,47 +73,55 @@ def adam_kernel(
     BS: tl.constexpr,
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
-    if HYPER:
-        omb1 = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
-        b2 = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
-        omb2 = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
-        eps_ = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
-        lr_t = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
-        bc2 = tl.load(hyper_ptr + 5).to(tl.float32, bitcast=True)
-        dec = tl.load(hyper_ptr + 6).to(tl.float32, bitcast=True)
-        l2_ = tl.load(hyper_ptr + 7).to(tl.float32, bitcast=True)
-        seed_ = tl.load(hyper_ptr + 8)
-        step_ = tl.load(hyper_ptr + 9)
-    else:
-        omb1 = one_minus_beta1
-        b2 = beta2
-        omb2 = one_minus_beta2
-        eps_ = eps
-        lr_t = step_size
-        bc2 = bc2_sqrt
-        dec = decay
-        l2_ = l2
-        seed_ = seed
-        step_ = step
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
+        if HYPER:
+            omb1 = hyper_f32(hyper_ptr, slot, hstride, 0)
+            b2 = hyper_f32(hyper_ptr, slot, hstride, 1)
+            omb2 = hyper_f32(hyper_ptr, slot, hstride, 2)
+            eps_ = hyper_f32(hyper_ptr, slot, hstride, 3)
+            lr_t = hyper_f32(hyper_ptr, slot, hstride, 4)
+            bc2 = hyper_f32(hyper_ptr, slot, hstride, 5)
+            dec = hyper_f32(hyper_ptr, slot, hstride, 6)
+            l2_ = hyper_f32(hyper_ptr, slot, hstride, 7)
+            seed_ = hyper_word(hyper_ptr, slot, hstride, 8)
+            step_ = hyper_word(hyper_ptr, slot, hstride, 9)
+            inv = hyper_f32(hyper_ptr, slot, hstride, 10)
+            # a skipped step (found-inf) runs no tile of the chunk
+            limit = padded * (hyper_word(hyper_ptr, slot, hstride, 11) == 0).to(tl.int32)
+        else:
+            omb1 = one_minus_beta1
+            b2 = beta2
+            omb2 = one_minus_beta2
+            eps_ = eps
+            lr_t = step_size
+            bc2 = bc2_sqrt
+            dec = decay
+            l2_ = l2
+            seed_ = seed
+            step_ = step
+            inv = 1.0
+            limit = padded
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         mp = m_ptr + aoff
         vp = v_ptr + aoff
         msp = ms_ptr + aoff // 32
         vsp = vs_ptr + aoff // 32
-        for t in range(0, padded, ROWS * 32):
+        for t in range(0, limit, ROWS * 32):
             offs, emask, amask = tile_masks(t, lofs, length, padded)
             soffs, first = C.scale_offsets(t // 32, ROWS)
             x = C.load_master(pp, cp, offs, emask, amask, MASTER)
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if UNSCALE:
+                g = g * inv
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if NEED_RAND:

@@ -8,7 +8,7 @@ m = beta2 * m + one_minus_beta2 * g
 
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.LION_HYPER_FIELDS`) instead of the arguments, as in
-:mod:`~memopt_kernels_triton.kernels.adam`.
+:mod:`~memopt_kernels_triton.kernels.adam` (one row per tensor or a shared one, ``skip`` and ``inv_scale``).
 """
 
 from __future__ import annotations
@@ -18,10 +18,16 @@ import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
 from memopt_kernels_triton.kernels.philox import r24_of, stream_words
-from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+from memopt_kernels_triton.kernels.tiles import (
+    chunk_info,
+    hyper_f32,
+    hyper_word,
+    master_ptrs,
+    tile_masks,
+)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
 def lion_kernel(
     chunk_ptr,
     n_chunks,
@@ -38,6 +44,7 @@ def lion_kernel(
     seed,
     step,
     hyper_ptr,
+    hstride,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     SR: tl.constexpr,
@@ -47,41 +54,48 @@ def lion_kernel(
     BS: tl.constexpr,
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
-    if HYPER:
-        lr_ = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
-        b1 = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
-        omb1 = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
-        b2 = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
-        omb2 = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
-        dec = tl.load(hyper_ptr + 5).to(tl.float32, bitcast=True)
-        seed_ = tl.load(hyper_ptr + 6)
-        step_ = tl.load(hyper_ptr + 7)
-    else:
-        lr_ = lr
-        b1 = beta1
-        omb1 = one_minus_beta1
-        b2 = beta2
-        omb2 = one_minus_beta2
-        dec = decay
-        seed_ = seed
-        step_ = step
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
+        if HYPER:
+            lr_ = hyper_f32(hyper_ptr, slot, hstride, 0)
+            b1 = hyper_f32(hyper_ptr, slot, hstride, 1)
+            omb1 = hyper_f32(hyper_ptr, slot, hstride, 2)
+            b2 = hyper_f32(hyper_ptr, slot, hstride, 3)
+            omb2 = hyper_f32(hyper_ptr, slot, hstride, 4)
+            dec = hyper_f32(hyper_ptr, slot, hstride, 5)
+            seed_ = hyper_word(hyper_ptr, slot, hstride, 6)
+            step_ = hyper_word(hyper_ptr, slot, hstride, 7)
+            inv = hyper_f32(hyper_ptr, slot, hstride, 8)
+            limit = padded * (hyper_word(hyper_ptr, slot, hstride, 9) == 0).to(tl.int32)
+        else:
+            lr_ = lr
+            b1 = beta1
+            omb1 = one_minus_beta1
+            b2 = beta2
+            omb2 = one_minus_beta2
+            dec = decay
+            seed_ = seed
+            step_ = step
+            inv = 1.0
+            limit = padded
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         mp = m_ptr + aoff
         msp = ms_ptr + aoff // 32
-        for t in range(0, padded, ROWS * 32):
+        for t in range(0, limit, ROWS * 32):
             offs, emask, amask = tile_masks(t, lofs, length, padded)
             soffs, first = C.scale_offsets(t // 32, ROWS)
             x = C.load_master(pp, cp, offs, emask, amask, MASTER)
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if UNSCALE:
+                g = g * inv
             m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if NEED_RAND:
                 w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)

@@ -26,10 +26,16 @@ import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
 from memopt_kernels_triton.kernels.philox import r24_of, stream_words
-from memopt_kernels_triton.kernels.tiles import chunk_info, master_ptrs, tile_masks
+from memopt_kernels_triton.kernels.tiles import (
+    chunk_info,
+    hyper_f32,
+    hyper_word,
+    master_ptrs,
+    tile_masks,
+)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "seed", "step"])
+@triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
 def sgd_kernel(
     chunk_ptr,
     n_chunks,
@@ -45,6 +51,7 @@ def sgd_kernel(
     seed,
     step,
     hyper_ptr,
+    hstride,
     MASTER: tl.constexpr,
     FMT1: tl.constexpr,
     SR: tl.constexpr,
@@ -57,41 +64,48 @@ def sgd_kernel(
     BS: tl.constexpr,
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
+    UNSCALE: tl.constexpr,
 ):
-    if HYPER:
-        lr_ = tl.load(hyper_ptr).to(tl.float32, bitcast=True)
-        mom = tl.load(hyper_ptr + 1).to(tl.float32, bitcast=True)
-        omd = tl.load(hyper_ptr + 2).to(tl.float32, bitcast=True)
-        dec = tl.load(hyper_ptr + 3).to(tl.float32, bitcast=True)
-        l2_ = tl.load(hyper_ptr + 4).to(tl.float32, bitcast=True)
-        seed_ = tl.load(hyper_ptr + 5)
-        step_ = tl.load(hyper_ptr + 6)
-        fst = tl.load(hyper_ptr + 7) != 0
-    else:
-        lr_ = lr
-        mom = momentum
-        omd = one_minus_dampening
-        dec = decay
-        l2_ = l2
-        seed_ = seed
-        step_ = step
-        fst = FIRST
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
-        start, length, padded, aoff, paddr, gaddr, gkind, tid, base = chunk_info(
+        start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
             chunk_ptr, slot_ptr, c, BS
         )
+        if HYPER:
+            lr_ = hyper_f32(hyper_ptr, slot, hstride, 0)
+            mom = hyper_f32(hyper_ptr, slot, hstride, 1)
+            omd = hyper_f32(hyper_ptr, slot, hstride, 2)
+            dec = hyper_f32(hyper_ptr, slot, hstride, 3)
+            l2_ = hyper_f32(hyper_ptr, slot, hstride, 4)
+            seed_ = hyper_word(hyper_ptr, slot, hstride, 5)
+            step_ = hyper_word(hyper_ptr, slot, hstride, 6)
+            fst = hyper_word(hyper_ptr, slot, hstride, 7) != 0
+            inv = hyper_f32(hyper_ptr, slot, hstride, 8)
+            limit = padded * (hyper_word(hyper_ptr, slot, hstride, 9) == 0).to(tl.int32)
+        else:
+            lr_ = lr
+            mom = momentum
+            omd = one_minus_dampening
+            dec = decay
+            l2_ = l2
+            seed_ = seed
+            step_ = step
+            fst = FIRST
+            inv = 1.0
+            limit = padded
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         bp = b_ptr + aoff
         bsp = bs_ptr + aoff // 32
-        for t in range(0, padded, ROWS * 32):
+        for t in range(0, limit, ROWS * 32):
             offs, emask, amask = tile_masks(t, lofs, length, padded)
             soffs, first = C.scale_offsets(t // 32, ROWS)
             x = C.load_master(pp, cp, offs, emask, amask, MASTER)
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if UNSCALE:
+                g = g * inv
             if NEED_RAND:
                 w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)

@@ -22,8 +22,8 @@ from memopt_kernels_triton.kernels import codecs as C
 @triton.jit
 def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
     """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id, index
-    base)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is below
-    2**31)."""
+    base, slot)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is
+    below 2**31)."""
     row = chunk_ptr + c * 4  # n_chunks < 2**29
     slot = tl.load(row)
     start = tl.load(row + 1)
@@ -36,7 +36,7 @@ def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
     tid = tl.load(srow + 3)
     base = tl.load(srow + 4)
     padded = (length + (BS - 1)) // BS * BS
-    return start, length, padded, aoff, paddr, gaddr, gkind, tid, base
+    return start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot
 
 
 @triton.jit
@@ -52,3 +52,17 @@ def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr):
     """Typed parameter pointer at the chunk's first element and master-code pointer at its arena
     offset."""
     return C.param_pointer(paddr, MASTER) + start, code_ptr + aoff
+
+
+@triton.jit
+def hyper_word(hyper_ptr, slot, HSTRIDE, k: tl.constexpr):
+    """Word ``k`` of the device scalars of plan slot ``slot``: row ``slot`` of a
+    ``[slots, HSTRIDE]`` table (a device step computes one row per tensor), or the one row
+    every tensor shares when ``HSTRIDE`` is 0."""
+    return tl.load(hyper_ptr + slot * HSTRIDE + k)
+
+
+@triton.jit
+def hyper_f32(hyper_ptr, slot, HSTRIDE, k: tl.constexpr):
+    """:func:`hyper_word` read as the fp32 value whose bits it holds."""
+    return hyper_word(hyper_ptr, slot, HSTRIDE, k).to(tl.float32, bitcast=True)

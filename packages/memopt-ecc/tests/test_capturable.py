@@ -1,0 +1,161 @@
+"""``capturable=True`` on the Flash* classes: step counts on the device, GradScaler's unscale and
+inf-skip inside the fused kernel, and a whole training iteration captured in a CUDA graph.
+
+The reference is the same class with ``capturable=False`` (host step counts, the ordinary
+GradScaler loop): parameters, codes, moments and step counts must match bit for bit. The
+kernel-level tests (every rule, per-tensor step counts, the bias-correction table) are in
+memopt-kernels-triton's ``test_device_step.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ecc_testutil import assert_same_state
+
+from memopt_core.errors import ConfigError
+from memopt_ecc import FlashAdamW, FlashLion, FlashSGD
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+#: class -> hyperparameters of the long runs
+CASES = {
+    FlashAdamW: {"lr": 1e-3, "weight_decay": 0.1},
+    FlashLion: {"lr": 1e-4, "weight_decay": 0.1},
+    FlashSGD: {"lr": 1e-2, "momentum": 0.9, "nesterov": True},
+}
+
+
+def _params(dtype, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64, 33), (33,), (1,), (257, 31), (4097,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype).to(device)) for s in shapes]
+
+
+def test_capturable_needs_the_fused_path():
+    p = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
+    with pytest.raises(ConfigError, match="fused=False"):
+        FlashAdamW(p, capturable=True, fused=False)
+    with pytest.raises(ConfigError, match="capturable must be a bool"):
+        FlashAdamW(p, capturable="yes")
+
+
+def test_capturable_on_cpu_is_refused_before_any_change():
+    # CPU tensors run on memopt-kernels-cpu or core's torch backend: neither keeps step counts
+    # on the device
+    p = [torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))]
+    opt = FlashAdamW(p, capturable=True)
+    p[0].grad = torch.ones_like(p[0])
+    with pytest.raises(ConfigError, match="capturable=True needs a backend that keeps step"):
+        opt.step()
+    assert torch.equal(p[0].detach(), torch.ones(8, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_capturable_long_run_equals_host_steps(cls):
+    """120 steps of bf16 parameters (ECC-24 + q8), every tenth without gradients on two
+    tensors, against the host step."""
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    ref, mine = cls(a, **CASES[cls]), cls(b, capturable=True, **CASES[cls])
+    for step in range(1, 121):
+        gen = torch.Generator().manual_seed(step)
+        for i, (p, q) in enumerate(zip(a, b, strict=True)):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype).cuda()
+            hold = step % 10 == 0 and i in (1, 3)
+            p.grad = None if hold else g
+            q.grad = None if hold else g.clone()
+        ref.step()
+        mine.step()
+    assert_same_state(ref, a, mine, b)
+    assert float(mine.state[b[0]]["step"]) == 120.0
+    assert float(mine.state[b[1]]["step"]) == 108.0
+
+
+def _scaler_loop(model, opt, scaler, steps, bad_steps):
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).float().square().mean() * (1 + step % 3)
+        scaler.scale(loss).backward()
+        if step in bad_steps:
+            next(model.parameters()).grad.view(-1)[step] = math.inf
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_grad_scaler_in_kernel_long_run():
+    """fp16 autocast with fp32 parameters (GradScaler's use): 120 iterations with three
+    non-finite ones; the capturable optimizer (unscale and skip in the kernel, no ``.item()``)
+    equals the ordinary GradScaler loop, scale included."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 31)
+        ).cuda()
+
+    m_ref, m_dev = build(), build()
+    ref = FlashAdamW(m_ref.parameters(), lr=1e-3)
+    mine = FlashAdamW(m_dev.parameters(), lr=1e-3, capturable=True)
+    s_ref = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
+    s_dev = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
+    bad = {5, 6, 40}
+    _scaler_loop(m_ref, ref, s_ref, 120, bad)
+    _scaler_loop(m_dev, mine, s_dev, 120, bad)
+    assert_same_state(ref, list(m_ref.parameters()), mine, list(m_dev.parameters()))
+    assert float(mine.state[next(m_dev.parameters())]["step"]) == 117.0
+    assert s_ref.get_scale() == s_dev.get_scale()
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_whole_iteration_in_a_cuda_graph():
+    """Forward, backward and ``opt.step()`` of a bf16 model (ECC-24 + q8) captured once and
+    replayed on new data copied into the static input: the same bits as eager iterations."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)
+        ).cuda()
+
+    m_eager, m_graph = build(), build()
+    for m in (m_eager, m_graph):
+        m.to(torch.bfloat16)
+    eager = FlashAdamW(m_eager.parameters(), lr=1e-3, weight_decay=0.1)
+    graphed = FlashAdamW(m_graph.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+    data = [
+        torch.randn(32, 64, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16).cuda()
+        for s in range(12)
+    ]
+    static_x = data[0].clone()
+
+    def iteration(model, opt, x):
+        # grads stay in their buffers: a captured backward accumulates into the same tensors
+        opt.zero_grad(set_to_none=False)
+        model(x).float().square().mean().backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (torch's rule for capture): tables, counters, grads
+        iteration(m_graph, graphed, static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    iteration(m_eager, eager, data[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration(m_graph, graphed, static_x)
+    for x in data[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        iteration(m_eager, eager, x)
+    torch.cuda.synchronize()
+    assert_same_state(eager, list(m_eager.parameters()), graphed, list(m_graph.parameters()))
+    assert float(graphed.state[next(m_graph.parameters())]["step"]) == 12.0

@@ -1,0 +1,143 @@
+"""The per-tensor device words of a capturable step, computed and counted on the device.
+
+A capturable step (core's ``GroupStep.device_step``) keeps each tensor's step count in a float32
+device tensor, so neither the step nor a GradScaler's found-inf flag is read on the host. This
+kernel runs before the rule kernel and, for each participating plan slot ``s``:
+
+- takes the step being computed, ``k = steps[s] + 1``;
+- writes row ``s`` of the ``[slots, W]`` word table in the rule's layout
+  (``ops.HYPER_FIELDS``): the step-independent words come from the host arguments ``w0..w8``
+  (the rule's words at step 1, in layout order); Adam's ``step_size = float32(lr / bc1[j])``
+  (a double division, as ``memopt_core.reference.adam_scalars`` does it) and
+  ``bc2_sqrt = bc2[j]`` with ``j = min(k, last)`` (core's ``adam_bias_table``); the ``step``
+  word ``k``; SGD's ``first_step`` word ``k == 1``;
+- ``inv_scale = float32(1 / float64(scale))`` when a GradScaler's scale is given
+  (``GradScaler.unscale_``'s factor), else 1.0, and ``skip = found_inf != 0``;
+- advances ``steps[s]`` to ``k`` unless the step is skipped.
+
+``lr`` arrives as the two int32 halves of its double's bits: Triton types a Python float argument
+as fp32. Launched with ``enable_fp_fusion=False`` like the rule kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RULE_ADAM: tl.constexpr = tl.constexpr(0)
+RULE_LION: tl.constexpr = tl.constexpr(1)
+RULE_SGD: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _put(row, k: tl.constexpr, value, mask):
+    tl.store(row + k, value, mask=mask)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "n",
+        "w0",
+        "w1",
+        "w2",
+        "w3",
+        "w4",
+        "w5",
+        "w6",
+        "w7",
+        "w8",
+        "lr_lo",
+        "lr_hi",
+        "last",
+    ]
+)
+def device_words_kernel(
+    out_ptr,
+    steps_ptr,
+    slots_ptr,
+    n,
+    w0,
+    w1,
+    w2,
+    w3,
+    w4,
+    w5,
+    w6,
+    w7,
+    w8,
+    lr_lo,
+    lr_hi,
+    bc1_ptr,
+    bc2_ptr,
+    last,
+    found_ptr,
+    scale_ptr,
+    RULE: tl.constexpr,
+    W: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    s = tl.load(slots_ptr + i, mask=mask, other=0).to(tl.int64)
+    cur = tl.load(steps_ptr + s, mask=mask, other=0.0)
+    k_f = cur + 1.0
+    k = k_f.to(tl.int32)
+    zero = tl.zeros([BLOCK], dtype=tl.int32)
+    if HAS_FOUND:  # noqa: SIM108 (constexpr branch)
+        skip = (tl.load(found_ptr) != 0.0).to(tl.int32) + zero
+    else:
+        skip = zero
+    if HAS_SCALE:
+        inv = (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        inv_bits = inv.to(tl.int32, bitcast=True) + zero
+    else:
+        inv_bits = zero + 0x3F800000  # 1.0
+    row = out_ptr + s * W
+    if RULE == RULE_ADAM:
+        # one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bc2_sqrt, decay, l2, seed,
+        # step, inv_scale, skip
+        j = tl.minimum(k, last)
+        bits = (lr_hi.to(tl.int64) << 32) | (lr_lo.to(tl.int64) & 0xFFFFFFFF)
+        lr = bits.to(tl.float64, bitcast=True)
+        bc1 = tl.load(bc1_ptr + j, mask=mask, other=1.0)
+        step_size = (lr / bc1).to(tl.float32).to(tl.int32, bitcast=True)
+        bc2 = tl.load(bc2_ptr + j, mask=mask, other=0)
+        _put(row, 0, zero + w0, mask)
+        _put(row, 1, zero + w1, mask)
+        _put(row, 2, zero + w2, mask)
+        _put(row, 3, zero + w3, mask)
+        _put(row, 4, step_size, mask)
+        _put(row, 5, bc2, mask)
+        _put(row, 6, zero + w6, mask)
+        _put(row, 7, zero + w7, mask)
+        _put(row, 8, zero + w8, mask)
+        _put(row, 9, k, mask)
+        _put(row, 10, inv_bits, mask)
+        _put(row, 11, skip, mask)
+    elif RULE == RULE_LION:
+        # lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, seed, step, inv_scale, skip
+        _put(row, 0, zero + w0, mask)
+        _put(row, 1, zero + w1, mask)
+        _put(row, 2, zero + w2, mask)
+        _put(row, 3, zero + w3, mask)
+        _put(row, 4, zero + w4, mask)
+        _put(row, 5, zero + w5, mask)
+        _put(row, 6, zero + w6, mask)
+        _put(row, 7, k, mask)
+        _put(row, 8, inv_bits, mask)
+        _put(row, 9, skip, mask)
+    else:
+        # lr, momentum, one_minus_dampening, decay, l2, seed, step, first_step, inv_scale, skip
+        _put(row, 0, zero + w0, mask)
+        _put(row, 1, zero + w1, mask)
+        _put(row, 2, zero + w2, mask)
+        _put(row, 3, zero + w3, mask)
+        _put(row, 4, zero + w4, mask)
+        _put(row, 5, zero + w5, mask)
+        _put(row, 6, k, mask)
+        _put(row, 7, (k == 1).to(tl.int32), mask)
+        _put(row, 8, inv_bits, mask)
+        _put(row, 9, skip, mask)
+    tl.store(steps_ptr + s, tl.where(skip != 0, cur, k_f), mask=mask)

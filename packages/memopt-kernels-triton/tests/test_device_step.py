@@ -1,0 +1,276 @@
+"""Capturable steps (``MemOptimizer(capturable=True)``): step counts, Adam's bias corrections and
+a GradScaler's scale/found-inf on the device, against the host step on core's torch backend.
+
+Everything is compared bit for bit: parameters, every state field and the step counts. The CPU
+variants run the kernels in Triton's interpreter; the CUDA variants (``gpu``) add a CUDA-graph
+capture of the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from memopt_core import MemOptimizer, reference
+from memopt_core.errors import ConfigError
+
+#: name -> (rule, master, moments, param dtype, extra hyperparameters)
+CONFIGS = {
+    "adamw-ecc24-q8": ("adamw", "ecc24", "q8", torch.bfloat16, {"weight_decay": 0.1}),
+    "adam-l2-fp32": ("adam", "none", "fp32", torch.float32, {"weight_decay": 0.01}),
+    "adamw-maximize-bf16": ("adamw", "ecc32", "bf16", torch.bfloat16, {"maximize": True}),
+    "lion-ecc24-q8": ("lion", "ecc24", "q8", torch.bfloat16, {"weight_decay": 0.1, "lr": 1e-4}),
+    "sgd-nesterov-fp32": (
+        "sgd",
+        "none",
+        "fp32",
+        torch.float32,
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    ),
+    "sgdw-momentum-ecc24-bf16": (
+        "sgdw",
+        "ecc24",
+        "bf16",
+        torch.bfloat16,
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    ),
+}
+SIZES = [(33,), (4, 8), (1,), (0,), (65,)]
+
+
+def _params(dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype).to(device)) for s in SIZES]
+
+
+def _optimizer(name, params, *, capturable, backend):
+    rule, master, moments, _, extra = CONFIGS[name]
+    kw = {"lr": 1e-2, **extra}
+    return MemOptimizer(
+        params,
+        rule=rule,
+        master=master,
+        moments=moments,
+        seed=7,
+        capturable=capturable,
+        backend=backend,
+        **kw,
+    )
+
+
+def _grads(params, step, *, skip=()):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = None if i in skip else g.to(p.device)
+
+
+def _assert_same(opt_a, params_a, opt_b, params_b, what):
+    for k, (a, b) in enumerate(zip(params_a, params_b, strict=True)):
+        assert torch.equal(a.detach().cpu().view(-1), b.detach().cpu().view(-1)), (
+            f"{what}: parameter {k}"
+        )
+        sa, sb = opt_a.state[a], opt_b.state[b]
+        assert set(sa) == set(sb), what
+        for key in sa:
+            x, y = sa[key].detach().cpu(), sb[key].detach().cpu()
+            if key == "step":
+                assert float(x) == float(y), f"{what}: step of parameter {k}"
+            else:
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (
+                    f"{what}: {key} of parameter {k}"
+                )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_capturable_equals_host_step(device, name):
+    """Several steps, one of which leaves two tensors without gradients (their counts fall
+    behind, so the rows of one launch hold different steps)."""
+    dtype = CONFIGS[name][3]
+    ref_p = _params(dtype, "cpu")
+    dev_p = _params(dtype, device)
+    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
+    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    for step in range(1, 5):
+        skip = (0, 3) if step == 2 else ()
+        _grads(ref_p, step, skip=skip)
+        _grads(dev_p, step, skip=skip)
+        ref.step()
+        mine.step()
+        _assert_same(ref, ref_p, mine, dev_p, f"{name} step {step}")
+    steps = [float(mine.state[p]["step"]) for p in dev_p]
+    assert steps == [3.0, 4.0, 4.0, 3.0, 4.0]
+    assert all(mine.state[p]["step"].device.type == torch.device(device).type for p in dev_p)
+
+
+def test_state_dict_round_trip_keeps_counting(device):
+    """Step counters survive state_dict/load_state_dict (they are rebuilt as device views)."""
+    ref_p, dev_p = _params(torch.bfloat16, "cpu"), _params(torch.bfloat16, device)
+    ref = _optimizer("adamw-ecc24-q8", ref_p, capturable=False, backend="torch")
+    mine = _optimizer("adamw-ecc24-q8", dev_p, capturable=True, backend="triton")
+    for step in (1, 2):
+        _grads(ref_p, step)
+        _grads(dev_p, step)
+        ref.step()
+        mine.step()
+    sd = mine.state_dict()
+    fresh = _optimizer("adamw-ecc24-q8", dev_p, capturable=True, backend="triton")
+    fresh.load_state_dict(sd)
+    for step in (3, 4):
+        _grads(ref_p, step)
+        _grads(dev_p, step)
+        ref.step()
+        fresh.step()
+    _assert_same(ref, ref_p, fresh, dev_p, "after load_state_dict")
+
+
+def _scaled_steps(params, opt, scaler, device, n, bad_step):
+    """``n`` iterations of a GradScaler loop on a quadratic loss; step ``bad_step``'s gradient
+    holds an inf."""
+    for step in range(1, n + 1):
+        opt.zero_grad()
+        gen = torch.Generator().manual_seed(step)
+        targets = [torch.randn(p.shape, generator=gen).to(device) for p in params]
+        loss = sum(((p.float() - t) ** 2).sum() for p, t in zip(params, targets, strict=True))
+        scaler.scale(loss).backward()
+        if step == bad_step:
+            params[0].grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+
+
+@pytest.mark.parametrize("name", ["adamw-ecc24-q8", "adam-l2-fp32", "lion-ecc24-q8"])
+def test_grad_scaler_in_kernel(device, name):
+    """GradScaler with a capturable optimizer (scale and found-inf consumed on the device)
+    equals the ordinary GradScaler loop (unscale_, .item(), skip) of the host step: same
+    parameters, states, step counts (the inf step is skipped) and scale."""
+    dtype = CONFIGS[name][3]
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
+    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    assert mine._step_supports_amp_scaling
+    assert not ref._step_supports_amp_scaling
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    dev_scaler = torch.amp.GradScaler(
+        torch.device(device).type, init_scale=2.0**12, growth_interval=2
+    )
+    _scaled_steps(ref_p, ref, ref_scaler, "cpu", 5, bad_step=3)
+    _scaled_steps(dev_p, mine, dev_scaler, device, 5, bad_step=3)
+    _assert_same(ref, ref_p, mine, dev_p, f"{name} with GradScaler")
+    assert float(mine.state[dev_p[1]]["step"]) == 4.0  # 5 iterations, one skipped
+    assert ref_scaler.get_scale() == dev_scaler.get_scale()
+
+
+def test_words_follow_core_scalars(device):
+    """The device words equal the host's ``hyper_words`` of core's ``adam_scalars`` at each
+    tensor's own step, including steps at and past the end of the bias table."""
+    from memopt_kernels_triton import ops
+
+    betas = (0.5, 0.75)  # a short table: every step past 'last' reads its last entry
+    last = len(reference.adam_bias_table(*betas)[0]) - 1
+    counts = [0.0, 1.0, 6.0, float(last - 1), float(last), float(last + 40)]
+    params = [torch.nn.Parameter(torch.zeros(3, device=device)) for _ in counts]
+    for lr in (1e-3, 0.1 / 3, 7.5e-6):
+        opt = MemOptimizer(
+            params,
+            rule="adamw",
+            lr=lr,
+            betas=betas,
+            weight_decay=0.1,
+            seed=9,
+            capturable=True,
+            backend="triton",
+        )
+        opt.init_state()
+        for p, c in zip(params, counts, strict=True):
+            opt.state[p]["step"] = torch.tensor(c)
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        entry = opt._plans[0].entries[0]
+        words = entry.plan.cache(("triton_device_words", "adam"), None).cpu().tolist()
+        count_of = {id(p): c for p, c in zip(params, counts, strict=True)}
+        for si, p in enumerate(entry.owners):
+            k = int(count_of[id(p)]) + 1
+            s = reference.adam_scalars(
+                lr=lr, betas=betas, eps=1e-8, weight_decay=0.1, step=k, decoupled=True
+            )
+            assert words[si] == ops.adam_hyper_words(s, 9, k), (lr, k)
+            assert float(opt.state[p]["step"]) == k
+
+
+def test_capturable_errors(device):
+    p = [torch.nn.Parameter(torch.zeros(4, device=device))]
+    with pytest.raises(ConfigError, match="capturable must be a bool"):
+        MemOptimizer(p, capturable=1)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        MemOptimizer(p, capturable=True, check_numerics=True)
+    opt = MemOptimizer(p, capturable=True, backend="torch")
+    p[0].grad = torch.ones_like(p[0])
+    with pytest.raises(ConfigError, match="capturable=True needs a backend that keeps step"):
+        opt.step()
+    assert torch.equal(p[0].detach().cpu(), torch.zeros(4))
+    opt = MemOptimizer(p, betas=(0.9, 0.9999999), capturable=True, backend="triton")
+    with pytest.raises(ConfigError, match="limit of device step counters"):
+        opt.step()
+
+
+def test_bias_table_matches_adam_scalars():
+    for betas in ((0.9, 0.999), (0.0, 0.5), (0.95, 0.0)):
+        bc1, bc2 = reference.adam_bias_table(*betas)
+        last = len(bc1) - 1
+        assert bc1[last] == 1.0
+        assert bc2[last] == 1.0
+        for k in [1, 2, 3, 10, last - 1, last, last + 1, 10 * last + 7]:
+            s = reference.adam_scalars(
+                lr=0.3, betas=betas, eps=1e-8, weight_decay=0.0, step=k, decoupled=True
+            )
+            j = min(k, last)
+            assert s.step_size == 0.3 / bc1[j]
+            assert s.bc2_sqrt == bc2[j]
+    with pytest.raises(ValueError, match="betas must lie in"):
+        reference.adam_bias_table(1.0, 0.9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["adamw-ecc24-q8", "lion-ecc24-q8", "sgd-nesterov-fp32"])
+def test_cuda_graph_replay_equals_eager(name):
+    """Capture ``opt.step()`` in a CUDA graph after one eager step; replaying it with new
+    gradients copied into the same buffers gives the eager capturable step's bits, and those
+    equal the host step's."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("GPU tests compile kernels: unset TRITON_INTERPRET")
+    dtype = CONFIGS[name][3]
+    ref_p, eager_p, graph_p = (_params(dtype, "cuda") for _ in range(3))
+    ref = _optimizer(name, ref_p, capturable=False, backend="triton")
+    eager = _optimizer(name, eager_p, capturable=True, backend="triton")
+    graphed = _optimizer(name, graph_p, capturable=True, backend="triton")
+    for p in graph_p:
+        p.grad = torch.zeros_like(p)
+    graph = None
+    for step in range(1, 7):
+        _grads(ref_p, step)
+        _grads(eager_p, step)
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in graph_p:
+            p.grad.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+        ref.step()
+        eager.step()
+        if step == 1:
+            graphed.step()  # builds tables and counters
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                graphed.step()
+            torch.cuda.current_stream().wait_stream(stream)
+            # capturing recorded the launches without running them
+        else:
+            graph.replay()
+        torch.cuda.synchronize()
+        _assert_same(ref, ref_p, eager, eager_p, f"{name} eager step {step}")
+        _assert_same(ref, ref_p, graphed, graph_p, f"{name} graph step {step}")
