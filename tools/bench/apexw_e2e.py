@@ -32,6 +32,12 @@ Rows (``--rows``; lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01 every
   code plus q8 moments.
 - not run by default: ``apexw-bf16-torch``, ``apexw-q8-torch`` (``mode="torch"``, core's
   pure-torch step: the same bits as the fused step, so the same losses).
+- not run by default, the ECC family's end-to-end rows (the Triton issue): ``flash-adamw``
+  (fp32 model cast by ``memopt_ecc.cast_model``: bf16 weights, normalization layers fp32; no
+  autocast; ``memopt_ecc.FlashAdamW``, ECC-24 + q8), ``flash-adamw-release`` (the same with
+  ``enable_gradient_release``: each parameter is updated during backward and its gradient freed;
+  ``opt.step()``/``zero_grad()`` are not called), and ``flashoptim-adamw``,
+  ``flashoptim-adamw-release``: the same two with FlashOptim 0.1.4 (the peer; same API).
 
 Measured per row: ``--warmup`` untimed steps (``apexw-auto`` adds untimed steps while its trial
 still runs, 50 at most: the default warmup covers a two-candidate trial, so every row runs the same
@@ -99,6 +105,8 @@ class RowSpec:
     state: str | None = None
     mode: str = "fused"
     capturable: bool = False
+    module: str = ""  # kind "flash": the package of cast_model / FlashAdamW / gradient release
+    release: bool = False  # kind "flash": enable_gradient_release
 
 
 ROWS: tuple[RowSpec, ...] = (
@@ -111,9 +119,15 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("apexw-bf16params-q8", "ApexW ECC-24 + q8, pure bf16 model", "apexw", BF16, False, "q8"),
     RowSpec("apexw-bf16-torch", "ApexW bf16 state torch mode + autocast", "apexw", FP32, True, "bf16", mode="torch"),
     RowSpec("apexw-q8-torch", "ApexW q8 state torch mode + autocast", "apexw", FP32, True, "q8", mode="torch"),
+    RowSpec("flash-adamw", "memopt_ecc FlashAdamW, cast_model bf16", "flash", BF16, False, module="memopt_ecc"),
+    RowSpec("flash-adamw-release", "memopt_ecc FlashAdamW + gradient release", "flash", BF16, False, module="memopt_ecc", release=True),
+    RowSpec("flashoptim-adamw", "FlashOptim FlashAdamW (peer), cast_model bf16", "flash", BF16, False, module="flashoptim"),
+    RowSpec("flashoptim-adamw-release", "FlashOptim FlashAdamW (peer) + gradient release", "flash", BF16, False, module="flashoptim", release=True),
 )  # fmt: skip
 SPECS = {spec.name: spec for spec in ROWS}
-EXTRA_ROWS = ("apexw-bf16-torch", "apexw-q8-torch")  # only when --rows names them
+FLASH_ROWS = tuple(spec.name for spec in ROWS if spec.kind == "flash")
+# only when --rows names them
+EXTRA_ROWS = ("apexw-bf16-torch", "apexw-q8-torch", *FLASH_ROWS)
 DEFAULT_ROWS = tuple(name for name in SPECS if name not in EXTRA_ROWS)
 
 
@@ -299,6 +313,11 @@ def importable(specs: list[RowSpec], device: torch.device) -> tuple[dict[str, An
     for spec in specs:
         if spec.kind == "torch":
             modules[spec.name] = torch.optim
+        elif spec.kind == "flash":
+            try:
+                modules[spec.name] = importlib.import_module(spec.module)
+            except Exception as exc:
+                skipped[spec.name] = f"{spec.module} cannot be imported ({_error(exc)})"
         elif apexw is None:
             skipped[spec.name] = reason
         elif spec.capturable and device.type != "cuda":
@@ -308,20 +327,33 @@ def importable(specs: list[RowSpec], device: torch.device) -> tuple[dict[str, An
     return modules, skipped
 
 
+def _nothing() -> None:
+    return None
+
+
 def make_optimizer(
     spec: RowSpec, module: Any, model: nn.Module, args: argparse.Namespace
-) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
-    """(optimizer, its zero_grad as the row calls it)."""
+) -> tuple[torch.optim.Optimizer, Callable[[], None], Callable[[], Any]]:
+    """(optimizer, its zero_grad and its step as the row calls them). A ``flash`` row casts
+    ``model`` (built in fp32) with its package's ``cast_model`` first."""
+    if spec.kind == "flash":
+        module.cast_model(model, torch.bfloat16)
+        opt = module.FlashAdamW(model.parameters(), **HYPER)
+        if not spec.release:
+            return opt, lambda: opt.zero_grad(set_to_none=True), opt.step
+        handle = module.enable_gradient_release(model, opt)
+        opt._bench_release = handle  # kept alive with the optimizer
+        return opt, _nothing, _nothing  # the hooks step and free each gradient in backward
     params = list(model.parameters())
     if spec.kind == "torch":
         opt = torch.optim.AdamW(params, fused=True, **HYPER)
-        return opt, lambda: opt.zero_grad(set_to_none=True)
+        return opt, lambda: opt.zero_grad(set_to_none=True), opt.step
     cache = None if args.mode_cache is None else str(args.mode_cache)
     opt = module.ApexW(
         params, **HYPER, state=spec.state, mode=spec.mode, capturable=spec.capturable,
         mode_cache=cache,
     )  # fmt: skip
-    return opt, opt.zero_grad  # ApexW's default: in place when capturable, else to None
+    return opt, opt.zero_grad, opt.step  # ApexW's zero_grad: in place when capturable
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -384,14 +416,14 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
     row = Row(spec.name, spec.label, str(spec.dtype).removeprefix("torch."), spec.autocast)
     cuda = ctx.device.type == "cuda"
     clock, args = ctx.clock, ctx.args
-    model = opt = zero_grad = None
+    model = opt = zero_grad = opt_step = None
     if cuda:
         release(ctx.device)
         row.leftover_gib = torch.cuda.memory_allocated(ctx.device) / GIB
     try:
         torch.manual_seed(args.seed)
-        model = ctx.work.build(ctx.device, spec.dtype)
-        opt, zero_grad = make_optimizer(spec, module, model, args)
+        model = ctx.work.build(ctx.device, FP32 if spec.kind == "flash" else spec.dtype)
+        opt, zero_grad, opt_step = make_optimizer(spec, module, model, args)
         release(ctx.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -406,7 +438,7 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
             t1 = clock.mark()
             loss.backward()
             t2 = clock.mark()
-            opt.step()
+            opt_step()
             t3 = clock.mark()
             zero_grad()
             t4 = clock.mark()
@@ -456,7 +488,7 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
         else:
             row.error = _error(exc)
     finally:
-        model = opt = zero_grad = None
+        model = opt = zero_grad = opt_step = None
         release(ctx.device)
     return row
 

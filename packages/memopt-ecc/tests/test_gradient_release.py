@@ -108,7 +108,9 @@ def test_step_and_zero_grad_warn_once_and_do_nothing():
         opt.zero_grad()
     assert torch.equal(p.detach(), before)
     assert p.grad is not None
-    assert opt.state_bytes() == 0
+    # enable_gradient_release created the state up front; nothing stepped it
+    assert opt.state_bytes() > 0
+    assert all(float(st["step"]) == 0 for st in opt.state.values())
     handle.remove()
     assert not handle.active
     handle.remove()  # idempotent

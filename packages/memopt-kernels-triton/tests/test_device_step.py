@@ -147,6 +147,10 @@ def test_grad_scaler_in_kernel(device, name):
     equals the ordinary GradScaler loop (unscale_, .item(), skip) of the host step: same
     parameters, states, step counts (the inf step is skipped) and scale."""
     dtype = CONFIGS[name][3]
+    if dtype == torch.bfloat16 and torch.device(device).type == "cuda":
+        # GradScaler.step itself checks the gradients with a torch kernel that has no bf16
+        # variant on CUDA (fp32 parameters under fp16 autocast are its use; ecc's tests run one)
+        pytest.skip("torch's GradScaler cannot check bf16 gradients on CUDA")
     ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
     ref = _optimizer(name, ref_p, capturable=False, backend="torch")
     mine = _optimizer(name, dev_p, capturable=True, backend="triton")

@@ -793,7 +793,7 @@ class MemOptimizer(Optimizer):
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
-        counters: list[Tensor] = []  # each host work's entry counters (advanced after it ran)
+        counters: list[_Entry] = []  # each host work's entry (its counters advance after it ran)
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
@@ -816,7 +816,7 @@ class MemOptimizer(Optimizer):
                     (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
                 )
                 continue
-            steps = self._entry_steps(entry)
+            steps = self._entry_steps(entry, [si for si, _, _ in part])
             counts = steps.tolist()  # one read for the whole entry
             by_step: dict[int, list[tuple[int, Tensor, Tensor]]] = {}
             for item in part:
@@ -852,7 +852,7 @@ class MemOptimizer(Optimizer):
                         ),
                     )
                 )
-                counters.append(steps)
+                counters.append(entry)
         if self.check_numerics:
             self._check_finite(works)
         host = iter(counters)
@@ -863,11 +863,14 @@ class MemOptimizer(Optimizer):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
             if work.device_step is None:  # a device step advanced its counters itself
-                steps = next(host)
+                counted = next(host)
                 if work.full:
-                    steps.add_(1)
+                    counted.steps.add_(1)
+                elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
+                    for si in work.slots:
+                        counted.step_views[si].add_(1)
                 else:
-                    steps[torch.tensor(work.slots)] += 1
+                    counted.steps[torch.tensor(work.slots)] += 1
         return works
 
     def _device_work(self, gi, entry, spec, backend, part, staging, amp) -> backends.GroupStep:
@@ -908,7 +911,7 @@ class MemOptimizer(Optimizer):
             ),
             owners=[p for _, p, _ in part],
             device_step=backends.DeviceStep(
-                steps=self._entry_steps(entry),
+                steps=self._entry_steps(entry, [si for si, _, _ in part]),
                 lr=float(group["lr"]),
                 betas=betas,
                 grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
@@ -916,17 +919,25 @@ class MemOptimizer(Optimizer):
             ),
         )
 
-    def _entry_steps(self, entry: _Entry) -> Tensor:
+    def _entry_steps(self, entry: _Entry, slots: list[int] | None = None) -> Tensor:
         """``entry``'s step counters as one float32 tensor, indexed by plan slot: on the CPU, or
         on the entry's device with ``capturable=True``. Each ``self.state[p]["step"]`` is a view
-        of it, so a step reads every count at once and advances them in one operation. Rebuilt
-        (eagerly: it copies) when a state no longer holds its view, e.g. after
-        :meth:`load_state_dict` or on the first step."""
+        of it, so a step reads every count at once and advances them in one operation.
+
+        Only the states of ``slots`` (None: all) are checked to still hold their views: a state
+        replaced elsewhere (e.g. by hand) is picked up when its parameter next steps, since the
+        rebuild (eager: it copies) reads every state's current count. A step over one tensor
+        (gradient release) thus costs O(1) here."""
         views = entry.step_views
-        if views is not None and all(
-            self.state[p]["step"] is v for p, v in zip(entry.owners, views, strict=True)
-        ):
-            return entry.steps
+        if views is not None:
+            state = self.state
+            owners = entry.owners
+            if slots is None:
+                ok = all(state[p]["step"] is v for p, v in zip(owners, views, strict=True))
+            else:
+                ok = all(state[owners[si]]["step"] is views[si] for si in slots)
+            if ok:
+                return entry.steps
         dev = entry.plan.device if self._capturable else torch.device("cpu")
         steps = torch.stack(
             [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]

@@ -141,7 +141,9 @@ def enable_gradient_release(
         pre_step: ``(param, group) -> bool`` called before each update; False skips it (the
             gradient is freed either way).
 
-    Returns a :class:`GradientReleaseHandle`. Raises ``ConfigError`` when the optimizer holds
+    Creates the optimizer's state up front (:meth:`~memopt_core.MemOptimizer.init_state`), so
+    it is not allocated inside the first backward. Returns a :class:`GradientReleaseHandle`.
+    Raises ``ConfigError`` when the optimizer holds
     trainable parameters that are not in ``model`` (nothing would ever update them) or when
     release is already active on the optimizer.
     """
@@ -179,6 +181,10 @@ def enable_gradient_release(
             "never be updated: pass the model that owns every parameter"
         )
 
+    # the state now, not in the first hook: there it would be allocated in the middle of the
+    # first backward, on top of the live activations (measured: a 3 GiB higher first-step peak
+    # on the Qwen2.5-0.5B shape). The same bits either way (MemOptimizer.init_state).
+    optimizer.init_state()
     handle = GradientReleaseHandle(optimizer, [], grad_scaler)
     opt_ref = weakref.ref(optimizer)
     handle_ref = weakref.ref(handle)

@@ -536,12 +536,27 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
-    """Core's chunk table (slot, start, length, arena offset), cached per (slots, chunk size).
+    """Core's chunk table (slot, start, length, arena offset), cached per (slots, chunk size),
+    with the slot column holding each chunk's position in ``slots`` (the row of its tensor in
+    the slot table and in a device step's word table; the plan slot itself when every tensor
+    takes part), so a step over a few tensors (gradient release: one) builds tables of its own
+    size, not the plan's.
 
     It holds no addresses, so unlike ``GroupPlan.chunk_table`` (keyed on every tensor's
     ``data_ptr()``) it is looked up without a per-tensor loop."""
     key = ("triton_chunks", None if full else tuple(slots), cs)
-    return plan.cache(key, lambda: plan.chunk_table(cs, None if full else slots))
+
+    def build() -> Tensor:
+        table = plan.chunk_table(cs, None if full else slots)
+        if full or table.numel() == 0:
+            return table
+        position = torch.zeros(len(plan.slots), dtype=table.dtype)
+        position[torch.tensor(slots)] = torch.arange(len(slots), dtype=table.dtype)
+        table = table.clone()
+        table[:, 0] = position.to(table.device)[table[:, 0]]
+        return table
+
+    return plan.cache(key, build)
 
 
 #: Columns of the slot table (int64 each; see :mod:`memopt_kernels_triton.kernels.tiles`).
@@ -551,14 +566,15 @@ _SLOT_COLUMNS = ("param address", "grad address", "grad is float32", "tensor id"
 _INDEX_LIMIT = 2**62
 
 
-def _slot_rows(plan, slots, pp, gp, gd, tids, bases) -> Tensor:
-    """The slot table: one row of :data:`_SLOT_COLUMNS` per plan slot (zeros for slots not in
-    the step). ``bases`` are the tensors' index bases (validated by :func:`_check_bases`)."""
-    width = len(_SLOT_COLUMNS)
-    rows = [[0] * width for _ in range(len(plan.slots))]
-    for si, pa, ga, dt, tid, base in zip(slots, pp, gp, gd, tids, bases, strict=True):
-        rows[si] = [pa, ga, int(dt == torch.float32), int(tid), base]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, width)
+def _slot_rows(pp, gp, gd, tids, bases) -> Tensor:
+    """The slot table: one row of :data:`_SLOT_COLUMNS` per tensor of the step, in the step's
+    order (:func:`_chunk_table`'s slot column). ``bases`` are the tensors' index bases
+    (validated by :func:`_check_bases`)."""
+    rows = [
+        [pa, ga, int(dt == torch.float32), int(tid), base]
+        for pa, ga, dt, tid, base in zip(pp, gp, gd, tids, bases, strict=True)
+    ]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, len(_SLOT_COLUMNS))
 
 
 def _check_bases(work: GroupStep, plan) -> list[int]:
@@ -772,7 +788,7 @@ class PreparedStep:
         self._copies = copies
         self.reusable = not copies
         self.device = device
-        self.n_slots = n_slots  # rows of a per-tensor word table (the plan's slots)
+        self.n_slots = n_slots  # rows of a per-tensor word table: the step's tensors
 
     @property
     def hyper_fields(self) -> tuple[str, ...]:
@@ -849,8 +865,8 @@ class PreparedStep:
         ``hyper``: a contiguous int32 tensor on the parameters' device holding exactly the
         ``HYPER_FIELDS[rule]`` words (:data:`ADAM_HYPER_FIELDS`, :data:`LION_HYPER_FIELDS`,
         :data:`SGD_HYPER_FIELDS`; :func:`hyper_words` writes them), shared by every tensor, or a
-        ``[n_slots, len(fields)]`` table with one row per plan slot (what :func:`device_step`
-        computes). A row whose ``skip`` word is nonzero leaves its tensor untouched;
+        ``[n_slots, len(fields)]`` table with one row per tensor of the step, in its order
+        (what :func:`device_step` computes). A row whose ``skip`` word is nonzero leaves its tensor untouched;
         ``unscale=True`` multiplies the gradients by the row's ``inv_scale`` word first.
 
         The flags choose the compiled variant. Every rule takes ``maximize`` and ``has_decay``
@@ -871,8 +887,8 @@ class PreparedStep:
         if hyper.dtype != torch.int32 or not (shape_ok or per_slot) or not hyper.is_contiguous():
             raise ConfigError(
                 f"hyper of a {rule} step must be a contiguous int32 tensor of {w} words "
-                f"({', '.join(fields)}), or of ({self.n_slots}, {w}) words (one row per plan "
-                f"slot); got {hyper.dtype}{tuple(hyper.shape)}"
+                f"({', '.join(fields)}), or of ({self.n_slots}, {w}) words (one row per tensor "
+                f"of the step); got {hyper.dtype}{tuple(hyper.shape)}"
                 + ("" if hyper.is_contiguous() else " (not contiguous)")
             )
         if hyper.device != self.device:
@@ -916,7 +932,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
     dev = plan.device
     cfg = config or kernel_config()
-    empty = PreparedStep(work.rule, None, (), {}, [], dev, len(plan.slots))
+    empty = PreparedStep(work.rule, None, (), {}, [], dev, len(work.slots))
     if not work.slots:
         return empty
     mcodec = spec.master_for(plan.param_dtype)
@@ -952,7 +968,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         _validate(work, plan)
         checked = _check_bases(work, plan)
         chunks = _chunk_table(plan, work.slots, full, cs)
-        rows = _slot_rows(plan, work.slots, pp, gp, gd, work.tensor_ids, checked)
+        rows = _slot_rows(pp, gp, gd, work.tensor_ids, checked)
         slot_tab = _to_device(rows, dev)
         tables = _Tables(chunks, slot_tab)
         if not copies:
@@ -994,7 +1010,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             NEED_RAND=sr and (rand_master or (has_momentum and f1 != 0)),
             _HAS_MOMENTUM=has_momentum,
         )
-    return PreparedStep(work.rule, grid, head, kw, copies, dev, len(plan.slots))
+    return PreparedStep(work.rule, grid, head, kw, copies, dev, len(work.slots))
 
 
 def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
@@ -1073,7 +1089,7 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
     words = plan.cache(
         ("triton_device_words", rule),
         lambda: torch.zeros((len(plan.slots), width), dtype=torch.int32, device=dev),
-    )
+    )[:n]  # row i: the step's i-th tensor
     slots = plan.cache(
         ("triton_device_slots", tuple(work.slots)),
         lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32), dev),

@@ -2,10 +2,10 @@
 
 A capturable step (core's ``GroupStep.device_step``) keeps each tensor's step count in a float32
 device tensor, so neither the step nor a GradScaler's found-inf flag is read on the host. This
-kernel runs before the rule kernel and, for each participating plan slot ``s``:
+kernel runs before the rule kernel and, for the step's ``i``-th tensor (plan slot ``s``):
 
 - takes the step being computed, ``k = steps[s] + 1``;
-- writes row ``s`` of the ``[slots, W]`` word table in the rule's layout
+- writes row ``i`` of the ``[tensors, W]`` word table in the rule's layout
   (``ops.HYPER_FIELDS``): the step-independent words come from the host arguments ``w0..w8``
   (the rule's words at step 1, in layout order); Adam's ``step_size = float32(lr / bc1[j])``
   (a double division, as ``memopt_core.reference.adam_scalars`` does it) and
@@ -94,7 +94,7 @@ def device_words_kernel(
         inv_bits = inv.to(tl.int32, bitcast=True) + zero
     else:
         inv_bits = zero + 0x3F800000  # 1.0
-    row = out_ptr + s * W
+    row = out_ptr + i.to(tl.int64) * W
     if RULE == RULE_ADAM:
         # one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bc2_sqrt, decay, l2, seed,
         # step, inv_scale, skip

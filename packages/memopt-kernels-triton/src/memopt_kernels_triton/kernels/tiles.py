@@ -2,8 +2,9 @@
 
 A launch covers one group: program ``pid`` of a persistent grid walks chunks ``pid, pid + nprog,
 ...`` of core's chunk table (int64 rows ``(slot, start, length, arena offset)``); a slot table
-(int64 rows ``(param address, grad address, grad is float32, tensor id, index base)``, indexed
-by the plan's slot index) gives each chunk's tensors. The index base is the Philox index of the
+(int64 rows ``(param address, grad address, grad is float32, tensor id, index base)``, one per
+tensor of the step, indexed by the chunk's slot column: the tensor's position in the step) gives
+each chunk's tensors. The index base is the Philox index of the
 tensor's element 0 (``GroupStep.index_bases``: a shard's offset in its whole tensor, else 0), so
 stochastic rounding draws chunk element ``i`` at index ``base + start + i``. A chunk is processed
 in tiles of ``[ROWS, 32]`` elements, one row per 32-element quantization block; ``BS`` is the
@@ -56,8 +57,8 @@ def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr):
 
 @triton.jit
 def hyper_word(hyper_ptr, slot, HSTRIDE, k: tl.constexpr):
-    """Word ``k`` of the device scalars of plan slot ``slot``: row ``slot`` of a
-    ``[slots, HSTRIDE]`` table (a device step computes one row per tensor), or the one row
+    """Word ``k`` of the device scalars of the step's tensor ``slot``: row ``slot`` of a
+    ``[tensors, HSTRIDE]`` table (a device step computes one row per tensor), or the one row
     every tensor shares when ``HSTRIDE`` is 0."""
     return tl.load(hyper_ptr + slot * HSTRIDE + k)
 
