@@ -824,34 +824,9 @@ class MemOptimizer(Optimizer):
             for done in sorted(by_step):
                 items = by_step[done]
                 step = done + 1
-                works.append(
-                    (
-                        backend,
-                        backends.GroupStep(
-                            rule=self._kind,
-                            spec=spec,
-                            plan=plan,
-                            slots=[si for si, _, _ in items],
-                            params=_locals(entry, [p for _, p, _ in items]),
-                            grads=_locals(entry, [g for _, _, g in items]),
-                            arena=entry.arena,
-                            scalars=self._scalars(group, step),
-                            step=step,
-                            seed=self.seed,
-                            tensor_ids=[entry.tensor_ids[si] for si, _, _ in items],
-                            first_step=step == 1,
-                            staging=(
-                                None if staging is None else [staging.get(p) for _, p, _ in items]
-                            ),
-                            index_bases=(
-                                None
-                                if entry.index_bases is None
-                                else [entry.index_bases[si] for si, _, _ in items]
-                            ),
-                            owners=[p for _, p, _ in items],
-                        ),
-                    )
-                )
+                work = self._group_step(entry, spec, items, staging, self._scalars(group, step))
+                work.step, work.first_step = step, step == 1
+                works.append((backend, work))
                 counters.append(entry)
         if self.check_numerics:
             self._check_finite(works)
@@ -892,31 +867,39 @@ class MemOptimizer(Optimizer):
                 raise ConfigError(f"param group {gi}: {e}") from None
         grad_scale, found_inf = amp if amp is not None else (None, None)
         dev = plan.device
+        # the host scalars give the step-independent words; the device computes the rest
+        work = self._group_step(entry, spec, part, staging, self._scalars(group, 1))
+        work.first_step = False  # a placeholder, as step: the device decides per tensor
+        work.device_step = backends.DeviceStep(
+            steps=self._entry_steps(entry, work.slots),
+            lr=float(group["lr"]),
+            betas=betas,
+            grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
+            found_inf=None if found_inf is None else found_inf.to(dev).reshape(1),
+        )
+        return work
+
+    def _group_step(self, entry, spec, items, staging, scalars) -> backends.GroupStep:
+        """The backend's work for ``items`` (``(slot, parameter, gradient)`` of one entry, by
+        slot) at step 1; the caller sets the step (or a device step)."""
         return backends.GroupStep(
             rule=self._kind,
             spec=spec,
-            plan=plan,
-            slots=[si for si, _, _ in part],
-            params=_locals(entry, [p for _, p, _ in part]),
-            grads=_locals(entry, [g for _, _, g in part]),
+            plan=entry.plan,
+            slots=[si for si, _, _ in items],
+            params=_locals(entry, [p for _, p, _ in items]),
+            grads=_locals(entry, [g for _, _, g in items]),
             arena=entry.arena,
-            scalars=self._scalars(group, 1),  # step-independent words; the device does the rest
+            scalars=scalars,
             step=1,
             seed=self.seed,
-            tensor_ids=[entry.tensor_ids[si] for si, _, _ in part],
-            first_step=False,
-            staging=None if staging is None else [staging.get(p) for _, p, _ in part],
+            tensor_ids=[entry.tensor_ids[si] for si, _, _ in items],
+            first_step=True,
+            staging=None if staging is None else [staging.get(p) for _, p, _ in items],
             index_bases=(
-                None if entry.index_bases is None else [entry.index_bases[si] for si, _, _ in part]
+                None if entry.index_bases is None else [entry.index_bases[si] for si, _, _ in items]
             ),
-            owners=[p for _, p, _ in part],
-            device_step=backends.DeviceStep(
-                steps=self._entry_steps(entry, [si for si, _, _ in part]),
-                lr=float(group["lr"]),
-                betas=betas,
-                grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
-                found_inf=None if found_inf is None else found_inf.to(dev).reshape(1),
-            ),
+            owners=[p for _, p, _ in items],
         )
 
     def _entry_steps(self, entry: _Entry, slots: list[int] | None = None) -> Tensor:
