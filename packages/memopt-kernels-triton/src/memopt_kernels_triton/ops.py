@@ -521,12 +521,20 @@ _DTYPE = attrgetter("dtype")
 
 class _Tables:
     """Device tables of one (tensor set, chunk size, index bases): the chunk table and the slot
-    table."""
+    table (``rows`` rows)."""
 
-    __slots__ = ("chunks", "n_chunks", "slots")
+    __slots__ = ("chunks", "n_chunks", "rows", "slots")
 
     def __init__(self, chunks: Tensor, slots: Tensor) -> None:
         self.chunks, self.n_chunks, self.slots = chunks, int(chunks.shape[0]), slots
+        self.rows = int(slots.shape[0])
+
+
+def _table_cache_limits(n_slots: int) -> tuple[int, int]:
+    """(entries, slot-table rows) a plan's table cache keeps: a few whole steps, and also one
+    step per tensor, since gradient release steps one tensor at a time and the caching allocator
+    usually gives its gradients the same addresses every iteration. Rows bound the memory."""
+    return 2 * n_slots + 8, 4 * n_slots + 64
 
 
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
@@ -973,8 +981,11 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         tables = _Tables(chunks, slot_tab)
         if not copies:
             lru[key] = tables
-            while len(lru) > 8:
-                lru.popitem(last=False)
+            entries, rows = _table_cache_limits(len(plan.slots))
+            kept = plan.cache("triton_table_rows", lambda: [0])  # rows held by ``lru``
+            kept[0] += tables.rows
+            while len(lru) > 1 and (len(lru) > entries or kept[0] > rows):
+                kept[0] -= lru.popitem(last=False)[1].rows
     else:
         lru.move_to_end(key)
     code = arena.master_code if arena.master_code is not None else _dummy(dev, torch.uint8)
