@@ -278,3 +278,36 @@ def test_cuda_graph_replay_equals_eager(name):
         torch.cuda.synchronize()
         _assert_same(ref, ref_p, eager, eager_p, f"{name} eager step {step}")
         _assert_same(ref, ref_p, graphed, graph_p, f"{name} graph step {step}")
+
+
+def test_step_parameters_found_inf_skips_on_the_device(device):
+    """``step_parameters(found_inf=...)`` (gradient release with a GradScaler): a nonzero flag
+    leaves the tensor, its state and its count as they were; a zero flag steps it as the host
+    step does."""
+    ref_p, dev_p = _params(torch.bfloat16, "cpu"), _params(torch.bfloat16, device)
+    ref = _optimizer("adamw-ecc24-q8", ref_p, capturable=False, backend="torch")
+    mine = _optimizer("adamw-ecc24-q8", dev_p, capturable=True, backend="triton")
+    one = torch.ones(1, device=device)
+    zero = torch.zeros(1, device=device)
+    for step in (1, 2):
+        _grads(ref_p, step)
+        _grads(dev_p, step)
+        ref.step()
+        mine.step()
+    before = [p.detach().clone() for p in dev_p]
+    codes = [mine.state[p]["master_code"].clone() for p in dev_p]
+    _grads(dev_p, 3)
+    mine.step_parameters([dev_p[0], dev_p[4]], found_inf=one)
+    for k, p in enumerate(dev_p):
+        assert torch.equal(p.detach(), before[k])
+        assert torch.equal(mine.state[p]["master_code"], codes[k])
+        assert float(mine.state[p]["step"]) == 2.0
+    _grads(ref_p, 3)
+    ref.step_parameters([ref_p[0], ref_p[4]])
+    mine.step_parameters([dev_p[0], dev_p[4]], found_inf=zero)
+    _assert_same(ref, ref_p, mine, dev_p, "after a skipped and a taken step_parameters")
+    assert float(mine.state[dev_p[0]]["step"]) == 3.0
+    with pytest.raises(ConfigError, match="needs capturable=True"):
+        ref.step_parameters([ref_p[0]], found_inf=torch.zeros(1))
+    with pytest.raises(ConfigError, match="one-element float32 tensor"):
+        mine.step_parameters([dev_p[0]], found_inf=torch.zeros(2, device=device))

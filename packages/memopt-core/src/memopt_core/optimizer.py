@@ -1063,6 +1063,7 @@ class MemOptimizer(Optimizer):
         *,
         grads: Mapping[Tensor, Tensor] | None = None,
         staging: Mapping[Tensor, Tensor] | None = None,
+        found_inf: Tensor | None = None,
     ) -> None:
         """Update only ``params`` (those with a gradient), e.g. from a gradient-release hook.
 
@@ -1072,7 +1073,11 @@ class MemOptimizer(Optimizer):
         ``staging``: ``{parameter: tensor}`` for float32/bfloat16 parameters: a contiguous
         bfloat16 tensor of the parameter's size and device that receives the updated weights
         rounded to nearest-even bf16 (fused into the update by the cpu backend; a copy after the
-        update elsewhere). memopt-offload uses it for the copy it sends back to the GPU."""
+        update elsewhere). memopt-offload uses it for the copy it sends back to the GPU.
+        ``found_inf`` (``capturable=True`` only): a one-element float32 tensor; nonzero skips the
+        update on the device (parameters, state and step counts unchanged) without a host
+        synchronisation, as a GradScaler's flag skips :meth:`step` (gradient release with a
+        GradScaler uses it)."""
         if isinstance(params, Tensor):
             params = [params]
         params = list(params)
@@ -1082,8 +1087,26 @@ class MemOptimizer(Optimizer):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
             )
+        if found_inf is not None:
+            if not self._capturable:
+                raise ConfigError(
+                    "step_parameters(found_inf=...) skips on the device, which needs "
+                    "capturable=True; without it read the flag and skip the call instead"
+                )
+            if (
+                not isinstance(found_inf, Tensor)
+                or found_inf.numel() != 1
+                or found_inf.dtype != torch.float32
+            ):
+                got = (
+                    f"{found_inf.dtype}{tuple(found_inf.shape)}"
+                    if isinstance(found_inf, Tensor)
+                    else type(found_inf).__name__
+                )
+                raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
+        amp = None if found_inf is None else (None, found_inf)
         with torch.no_grad():
-            self._update(params, staging, grads)
+            self._update(params, staging, grads, amp=amp)
 
     def _check_staging(self, params: list[Tensor], staging: Mapping[Tensor, Tensor]) -> None:
         if not isinstance(staging, Mapping):

@@ -30,7 +30,9 @@ have skipped too). Every hook adds its found-inf flag to the scaler's record for
 non-finite and grows it after ``growth_interval`` clean iterations. Per iteration: call
 ``scaler.scale(loss).backward()`` then ``scaler.update()``; do not call ``scaler.unscale_`` (the
 hooks did) — ``scaler.step(optimizer)`` is harmless but only calls the no-op ``step()``. Cost:
-one host-device synchronisation per parameter to read its flag.
+one host-device synchronisation per parameter to read its flag, except with a ``capturable=True``
+optimizer, whose kernel reads the flag on the device (``step_parameters(found_inf=...)``); the
+handle's ``skipped`` count then synchronises only when read.
 """
 
 from __future__ import annotations
@@ -57,9 +59,23 @@ class GradientReleaseHandle:
         self._hooks = hooks
         self._active = True
         self.grad_scaler = scaler
-        #: parameters whose update was skipped for a non-finite gradient (GradScaler only),
-        #: counted over the handle's life
-        self.skipped = 0
+        self._skipped = 0
+        # a capturable optimizer skips on the device: its flags are summed here, read on demand
+        self._skipped_on_device: Tensor | None = None
+
+    @property
+    def skipped(self) -> int:
+        """Parameters whose update was skipped for a non-finite gradient (GradScaler only),
+        counted over the handle's life. With a capturable optimizer the flags stay on the device
+        until this is read (one synchronisation per read)."""
+        on_device = self._skipped_on_device
+        return self._skipped + (0 if on_device is None else int(on_device.item()))
+
+    def _count_on_device(self, found: Tensor) -> None:
+        if self._skipped_on_device is None:
+            self._skipped_on_device = found.detach().clone().reshape(())
+        else:
+            self._skipped_on_device += found.reshape(())
 
     @property
     def active(self) -> bool:
@@ -186,6 +202,7 @@ def enable_gradient_release(
     # on the Qwen2.5-0.5B shape). The same bits either way (MemOptimizer.init_state).
     optimizer.init_state()
     handle = GradientReleaseHandle(optimizer, [], grad_scaler)
+    on_device = bool(optimizer._step_supports_amp_scaling)  # capturable: skips on the device
     opt_ref = weakref.ref(optimizer)
     handle_ref = weakref.ref(handle)
 
@@ -206,10 +223,17 @@ def enable_gradient_release(
                     found = torch.zeros((), dtype=torch.float32, device=grad.device)
                     _unscale_(grad, inv, found)
                     _scaler_record(scaler, opt, found)
-                if found.item():
-                    h = handle_ref()
+                h = handle_ref()
+                if on_device:  # the kernel reads the flag: no synchronisation per parameter
+                    if pre_step is None or pre_step(p, group):
+                        opt.step_parameters([p], found_inf=found.reshape(1))
                     if h is not None:
-                        h.skipped += 1
+                        h._count_on_device(found)
+                    p.grad = None
+                    return
+                if found.item():
+                    if h is not None:
+                        h._skipped += 1
                     p.grad = None
                     return
             if pre_step is None or pre_step(p, group):
