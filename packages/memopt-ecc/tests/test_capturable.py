@@ -215,3 +215,38 @@ def test_release_with_grad_scaler_skips_on_the_device(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "same bits" in done.stdout
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_release_with_grad_scaler_on_cuda():
+    """The CUDA twin of the interpreter test above, with fp32 parameters under fp16 autocast
+    (torch's GradScaler has no bf16 inf check on CUDA): release with a capturable optimizer
+    equals release with the synchronising path, skipped count and scale included."""
+    from memopt_ecc import enable_gradient_release
+
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    runs = []
+    for capturable in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 31)
+        ).cuda()
+        opt = FlashAdamW(model.parameters(), lr=1e-3, capturable=capturable)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
+        handle = enable_gradient_release(model, opt, grad_scaler=scaler)
+        for step in range(1, 31):
+            hook = None
+            if step in (5, 6, 20):
+                hook = model[0].weight.register_hook(lambda g: g * math.inf)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean() * (1 + step % 3)
+            scaler.scale(loss).backward()
+            if hook is not None:
+                hook.remove()
+            scaler.update()
+        runs.append((model, opt, scaler, handle))
+    (m0, o0, s0, h0), (m1, o1, s1, h1) = runs
+    assert_same_state(o0, list(m0.parameters()), o1, list(m1.parameters()))
+    assert h0.skipped == h1.skipped == 3
+    assert s0.get_scale() == s1.get_scale()
