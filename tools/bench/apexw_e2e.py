@@ -35,8 +35,10 @@ Rows (``--rows``; lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01 every
 - not run by default, the ECC family's end-to-end rows (the Triton issue): ``flash-adamw``
   (fp32 model cast by ``memopt_ecc.cast_model``: bf16 weights, normalization layers fp32; no
   autocast; ``memopt_ecc.FlashAdamW``, ECC-24 + q8), ``flash-adamw-release`` (the same with
-  ``enable_gradient_release``: each parameter is updated during backward and its gradient freed;
-  ``opt.step()``/``zero_grad()`` are not called), and ``flashoptim-adamw``,
+  ``enable_gradient_release``: parameters are updated during backward, a bucket of gradients
+  (32 MiB, the default) at a time, and the gradients freed; ``opt.step()``/``zero_grad()`` are not
+  called), ``flash-adamw-release-each`` (``bucket_mb=0``: each parameter in its own hook), and
+  ``flashoptim-adamw``,
   ``flashoptim-adamw-release``: the same two with FlashOptim 0.1.4 (the peer; same API).
 
 Measured per row: ``--warmup`` untimed steps (``apexw-auto`` adds untimed steps while its trial
@@ -107,6 +109,7 @@ class RowSpec:
     capturable: bool = False
     module: str = ""  # kind "flash": the package of cast_model / FlashAdamW / gradient release
     release: bool = False  # kind "flash": enable_gradient_release
+    bucket_mb: float | None = None  # its bucket_mb (None: the package's default)
 
 
 ROWS: tuple[RowSpec, ...] = (
@@ -121,6 +124,7 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("apexw-q8-torch", "ApexW q8 state torch mode + autocast", "apexw", FP32, True, "q8", mode="torch"),
     RowSpec("flash-adamw", "memopt_ecc FlashAdamW, cast_model bf16", "flash", BF16, False, module="memopt_ecc"),
     RowSpec("flash-adamw-release", "memopt_ecc FlashAdamW + gradient release", "flash", BF16, False, module="memopt_ecc", release=True),
+    RowSpec("flash-adamw-release-each", "memopt_ecc FlashAdamW + gradient release, bucket_mb=0", "flash", BF16, False, module="memopt_ecc", release=True, bucket_mb=0),
     RowSpec("flashoptim-adamw", "FlashOptim FlashAdamW (peer), cast_model bf16", "flash", BF16, False, module="flashoptim"),
     RowSpec("flashoptim-adamw-release", "FlashOptim FlashAdamW (peer) + gradient release", "flash", BF16, False, module="flashoptim", release=True),
 )  # fmt: skip
@@ -341,7 +345,8 @@ def make_optimizer(
         opt = module.FlashAdamW(model.parameters(), **HYPER)
         if not spec.release:
             return opt, lambda: opt.zero_grad(set_to_none=True), opt.step
-        handle = module.enable_gradient_release(model, opt)
+        kw = {} if spec.bucket_mb is None else {"bucket_mb": spec.bucket_mb}
+        handle = module.enable_gradient_release(model, opt, **kw)
         opt._bench_release = handle  # kept alive with the optimizer
         return opt, _nothing, _nothing  # the hooks step and free each gradient in backward
     params = list(model.parameters())

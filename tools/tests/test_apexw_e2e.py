@@ -199,20 +199,22 @@ def test_isolated_rows_run_in_their_own_processes(tmp_path) -> None:
 
 @needs_cpu_kernels
 def test_flash_rows(tmp_path) -> None:
-    """The ECC family's rows: memopt_ecc's with and without gradient release train the same
-    cast model to the same losses (release applies the same update, only during backward);
+    """The ECC family's rows: memopt_ecc's with and without gradient release (bucketed and per
+    parameter) train the same cast model to the same losses (release applies the same update,
+    only during backward);
     FlashOptim's rows skip where it is not installed (it needs CUDA)."""
     if importlib.util.find_spec("memopt_ecc") is None:
         pytest.skip("memopt_ecc is not installed")
     data = _run(tmp_path, ["torch-adamw", *apexw_e2e.FLASH_ROWS], "--warmup", "2")
     rows = {r["name"]: r for r in data["rows"]}
     plain, released = rows["flash-adamw"], rows["flash-adamw-release"]
-    for r in (plain, released):
+    each = rows["flash-adamw-release-each"]
+    for r in (plain, released, each):
         assert r["error"] is None, r["error"]
         assert r["skipped"] is None
         assert 3.0 < r["state_bytes_per_param"] < 3.2  # ECC-24 code and q8 moments
         assert all(math.isfinite(x) for x in r["losses"])
-    assert plain["losses"] == released["losses"]
+    assert plain["losses"] == released["losses"] == each["losses"]
     assert plain["losses"][-1] < plain["losses"][0]
     if importlib.util.find_spec("flashoptim") is None:
         assert rows["flashoptim-adamw"]["skipped"].startswith("flashoptim cannot be imported")

@@ -169,24 +169,26 @@ from ecc_testutil import assert_same_state
 from test_gradient_release import batches, loss_fn, make_model, params_of
 from memopt_ecc import FlashAdamW, enable_gradient_release
 
-runs = []
-for capturable in (False, True):
-    model = make_model("cpu")
-    opt = FlashAdamW(model.parameters(), lr=1e-2, capturable=capturable)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
-    handle = enable_gradient_release(model, opt, grad_scaler=scaler)
-    for i, idx in enumerate(batches("cpu", n=6)):
-        hook = model.mix.weight.register_hook(lambda g: g * math.inf) if i == 2 else None
-        scaler.scale(loss_fn(model, idx)).backward()
-        if hook is not None:
-            hook.remove()
-        scaler.update()
-    runs.append((model, opt, scaler, handle))
-(m0, o0, s0, h0), (m1, o1, s1, h1) = runs
-assert_same_state(o0, params_of(m0), o1, params_of(m1))
-assert h0.skipped == h1.skipped == 1, (h0.skipped, h1.skipped)
-assert s0.get_scale() == s1.get_scale(), (s0.get_scale(), s1.get_scale())
-assert float(o1.state[m1.mix.weight]["step"]) == 5.0
+# per parameter: only mix.weight skips; one bucket (the default): all 5 trainable tensors skip
+for bucket_mb, skipped in ((0, 1), (32, 5)):
+    runs = []
+    for capturable in (False, True):
+        model = make_model("cpu")
+        opt = FlashAdamW(model.parameters(), lr=1e-2, capturable=capturable)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+        handle = enable_gradient_release(model, opt, grad_scaler=scaler, bucket_mb=bucket_mb)
+        for i, idx in enumerate(batches("cpu", n=6)):
+            hook = model.mix.weight.register_hook(lambda g: g * math.inf) if i == 2 else None
+            scaler.scale(loss_fn(model, idx)).backward()
+            if hook is not None:
+                hook.remove()
+            scaler.update()
+        runs.append((model, opt, scaler, handle))
+    (m0, o0, s0, h0), (m1, o1, s1, h1) = runs
+    assert_same_state(o0, params_of(m0), o1, params_of(m1))
+    assert h0.skipped == h1.skipped == skipped, (h0.skipped, h1.skipped)
+    assert s0.get_scale() == s1.get_scale(), (s0.get_scale(), s1.get_scale())
+    assert float(o1.state[m1.mix.weight]["step"]) == 5.0
 print("same bits")
 """
 
@@ -219,10 +221,12 @@ def test_release_with_grad_scaler_skips_on_the_device(tmp_path):
 
 @pytest.mark.gpu
 @_CUDA
-def test_release_with_grad_scaler_on_cuda():
+@pytest.mark.parametrize(("bucket_mb", "per_inf"), [(0, 1), (32, 4)])
+def test_release_with_grad_scaler_on_cuda(bucket_mb, per_inf):
     """The CUDA twin of the interpreter test above, with fp32 parameters under fp16 autocast
     (torch's GradScaler has no bf16 inf check on CUDA): release with a capturable optimizer
-    equals release with the synchronising path, skipped count and scale included."""
+    equals release with the synchronising path, skipped count and scale included (per
+    parameter: one skipped per inf step; one bucket: all 4 tensors)."""
     from memopt_ecc import enable_gradient_release
 
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).cuda()
@@ -234,7 +238,7 @@ def test_release_with_grad_scaler_on_cuda():
         ).cuda()
         opt = FlashAdamW(model.parameters(), lr=1e-3, capturable=capturable)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
-        handle = enable_gradient_release(model, opt, grad_scaler=scaler)
+        handle = enable_gradient_release(model, opt, grad_scaler=scaler, bucket_mb=bucket_mb)
         for step in range(1, 31):
             hook = None
             if step in (5, 6, 20):
@@ -248,5 +252,5 @@ def test_release_with_grad_scaler_on_cuda():
         runs.append((model, opt, scaler, handle))
     (m0, o0, s0, h0), (m1, o1, s1, h1) = runs
     assert_same_state(o0, list(m0.parameters()), o1, list(m1.parameters()))
-    assert h0.skipped == h1.skipped == 3
+    assert h0.skipped == h1.skipped == 3 * per_inf
     assert s0.get_scale() == s1.get_scale()

@@ -1,5 +1,7 @@
-"""Gradient release: bit-identical to the step() loop, no-op step/zero_grad with one warning,
-remove(), GradScaler (clean steps bit-identical, non-finite gradients skip), DDP/FSDP1 refused."""
+"""Gradient release: bit-identical to the step() loop for every bucket size, one fused update
+per bucket, no-op step/zero_grad with one warning, remove(), a backward that raises leaves its
+held gradients unapplied, reentrant backward, GradScaler (clean steps bit-identical, a
+non-finite gradient skips its bucket), DDP/FSDP1 refused."""
 
 from __future__ import annotations
 
@@ -72,13 +74,24 @@ def params_of(model):
     return list(model.parameters())
 
 
+#: bucket sizes: each parameter alone, a few parameters per bucket (tiny buckets: 64 bytes),
+#: the default (the whole model in one bucket)
+BUCKETS = {"per-parameter": 0, "tiny": 64 / 2**20, "default": None}
+
+
+def release(model, opt, bucket, **kw):
+    mb = BUCKETS[bucket]
+    return enable_gradient_release(model, opt, **kw, **({} if mb is None else {"bucket_mb": mb}))
+
+
+@pytest.mark.parametrize("bucket", list(BUCKETS))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_release_equals_step_loop_bit_for_bit(name, device):
+def test_release_equals_step_loop_bit_for_bit(name, bucket, device):
     ref_model = make_model(device)
     rel_model = copy.deepcopy(ref_model)
     ref_opt = OPTIMIZERS[name](ref_model.parameters())
     rel_opt = OPTIMIZERS[name](rel_model.parameters())
-    handle = enable_gradient_release(rel_model, rel_opt)
+    handle = release(rel_model, rel_opt, bucket)
     assert isinstance(handle, GradientReleaseHandle)
     assert handle.active
     for idx in batches(device):
@@ -89,6 +102,149 @@ def test_release_equals_step_loop_bit_for_bit(name, device):
         assert all(p.grad is None for p in rel_model.parameters())  # freed during backward
     assert_same_state(ref_opt, params_of(ref_model), rel_opt, params_of(rel_model))
     handle.remove()
+
+
+def count_updates(opt):
+    """Wrap ``opt.step_parameters``; the list of parameter counts of its calls."""
+    calls = []
+    inner = opt.step_parameters
+
+    def counted(params, **kw):
+        params = list(params)
+        calls.append(len(params))
+        inner(params, **kw)
+
+    opt.step_parameters = counted
+    return calls
+
+
+@pytest.mark.parametrize(("bucket", "expected"), [("per-parameter", [1] * 5), ("default", [5])])
+def test_one_fused_update_per_bucket(bucket, expected):
+    """5 trainable tensors (embed/out tied): each alone, or all in the one default bucket,
+    updated when backward ends; p.grad is None as soon as each hook ran."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    calls = count_updates(opt)
+    release(model, opt, bucket)
+    seen_grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            # runs after release's hook (registered earlier): the gradient is gone already
+            p.register_post_accumulate_grad_hook(lambda q: seen_grads.append(q.grad))
+    loss_fn(model, batches("cpu")[0]).backward()
+    assert calls == expected
+    assert seen_grads == [None] * 5
+    assert all(int(opt.state[p]["step"]) == 1 for p in model.parameters() if p.requires_grad)
+
+
+def test_tiny_buckets_update_during_backward():
+    """A bucket of at most 64 bytes is updated by the hook that fills it, before backward
+    ends: the first hooks' parameters are updated while later gradients are still pending."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    calls = count_updates(opt)
+    steps_seen = []
+    model.embed.weight.register_post_accumulate_grad_hook(lambda q: steps_seen.append(len(calls)))
+    release(model, opt, "tiny")
+    loss_fn(model, batches("cpu")[0]).backward()
+    assert len(calls) >= 2
+    assert sum(calls) == 5
+    assert steps_seen
+    assert steps_seen[0] >= 1  # updates had run before the last hook
+
+
+def test_backward_that_raises_leaves_its_bucket_unapplied():
+    """A backward that raises after some hooks held gradients: they are neither applied then
+    nor later (a warning at the next backward says so), and the next iterations equal a model
+    that never saw the failed batch."""
+    ref_model = make_model("cpu")
+    rel_model = copy.deepcopy(ref_model)
+    ref_opt = FlashAdamW(ref_model.parameters(), lr=1e-2)
+    rel_opt = FlashAdamW(rel_model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(rel_model, rel_opt)
+    before = {n: p.detach().clone() for n, p in rel_model.named_parameters()}
+
+    def boom(g):
+        raise RuntimeError("boom")
+
+    # the LayerNorm's weight and bias and mix.bias are held when mix.weight's gradient raises
+    hook = rel_model.mix.weight.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss_fn(rel_model, batches("cpu")[0]).backward()
+    hook.remove()
+    for n, p in rel_model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert handle._buckets.by_device  # the held gradients are still there...
+    data = batches("cpu", n=3)
+    with pytest.warns(RuntimeWarning, match=r"raised before its end.*3 parameter\(s\).*dropped"):
+        loss_fn(rel_model, data[1]).backward()  # ...and dropped here
+    for idx in data[1:]:
+        ref_opt.zero_grad()
+        loss_fn(ref_model, idx).backward()
+        ref_opt.step()
+    loss_fn(rel_model, data[2]).backward()
+    assert_same_state(ref_opt, params_of(ref_model), rel_opt, params_of(rel_model))
+    handle.remove()
+
+
+def test_remove_drops_held_gradients():
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(model, opt)
+    hook = model.mix.weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError):
+        loss_fn(model, batches("cpu")[0]).backward()
+    hook.remove()
+    assert handle._buckets.by_device
+    handle.remove()
+    assert not handle._buckets.by_device
+    assert not handle._buckets.tasks
+
+
+def test_reentrant_checkpoint_backward_keeps_the_outer_bucket():
+    """A reentrant checkpoint runs a nested backward inside the outer one: the gradients the
+    outer backward held before are not taken for a failed backward's, and the result equals
+    the step loop."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model("cpu")
+
+        def forward(self, idx):
+            x = self.inner.embed(idx)
+            mix = lambda x: torch.nn.functional.gelu(self.inner.mix(x)) + x  # noqa: E731
+            x = checkpoint(mix, x, use_reentrant=True)
+            return self.inner.out(self.inner.norm(x))
+
+    def loss(model, idx):
+        logits = model(idx[:, :-1]).float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 17), idx[:, 1:].reshape(-1))
+
+    ref_model = Ckpt()
+    rel_model = copy.deepcopy(ref_model)
+    ref_opt = FlashAdamW(ref_model.parameters(), lr=1e-2)
+    rel_opt = FlashAdamW(rel_model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(rel_model, rel_opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "dropped" warning
+        for idx in batches("cpu"):
+            ref_opt.zero_grad()
+            loss(ref_model, idx).backward()
+            ref_opt.step()
+            loss(rel_model, idx).backward()
+    assert_same_state(ref_opt, params_of(ref_model), rel_opt, params_of(rel_model))
+    handle.remove()
+
+
+@pytest.mark.parametrize("bad", [-1, math.nan, math.inf, "32", True])
+def test_bucket_mb_must_be_a_finite_size(bad):
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters())
+    with pytest.raises(ConfigError, match="bucket_mb"):
+        enable_gradient_release(model, opt, bucket_mb=bad)
+    assert not opt.gradient_release_active
 
 
 def test_step_and_zero_grad_warn_once_and_do_nothing():
@@ -241,11 +397,14 @@ def test_grad_scaler_clean_steps_equal_the_scaler_loop(device):
     handle.remove()
 
 
-def test_grad_scaler_non_finite_gradient_skips_that_parameter(device):
+@pytest.mark.parametrize("bucket", ["per-parameter", "default"])
+def test_grad_scaler_non_finite_gradient_skips_its_bucket(bucket, device):
+    """Per parameter: only the parameter with the inf is skipped. Default bucket (the whole
+    model): every parameter of the bucket is skipped, as the ordinary loop skips the step."""
     model = make_model(device)
     opt = FlashAdamW(model.parameters(), lr=1e-2)
     scaler = scaler_for(device)
-    handle = enable_gradient_release(model, opt, grad_scaler=scaler)
+    handle = release(model, opt, bucket, grad_scaler=scaler)
     scaler.scale(loss_fn(model, batches(device)[0])).backward()
     scaler.update()
     bad = model.mix.weight
@@ -254,12 +413,15 @@ def test_grad_scaler_non_finite_gradient_skips_that_parameter(device):
     code_before = opt.state[bad]["master_code"].clone()
     scaler.scale(loss_fn(model, batches(device)[1])).backward()
     hook.remove()
-    assert handle.skipped == 1
-    assert torch.equal(bad.detach(), before[id(bad)])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    skipped = [bad] if bucket == "per-parameter" else trainable
+    assert handle.skipped == len(skipped)
     assert torch.equal(opt.state[bad]["master_code"], code_before)
-    assert int(opt.state[bad]["step"]) == 1  # its state did not advance
-    for p in model.parameters():
-        if p is not bad and p.requires_grad:
+    for p in trainable:
+        if any(p is q for q in skipped):
+            assert torch.equal(p.detach(), before[id(p)])
+            assert int(opt.state[p]["step"]) == 1  # its state did not advance
+        else:
             assert int(opt.state[p]["step"]) == 2
             assert not torch.equal(p.detach(), before[id(p)])
     scaler.update()  # the recorded inf backs the scale off
@@ -273,23 +435,29 @@ def test_grad_scaler_non_finite_gradient_skips_that_parameter(device):
 
 
 def test_unscale_fallback_equals_torch_kernel():
-    """The torch-ops path (bf16 on CUDA) computes what the foreach kernel computes on the CPU."""
+    """The torch-ops path (bf16 on CUDA) computes what the foreach kernel computes on the CPU,
+    in a bucket mixing a dtype the kernel takes (fp32) with one it is made to refuse (bf16)."""
     from memopt_ecc import gradient_release as gr
 
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(4096, generator=gen) * torch.exp(torch.randn(4096, generator=gen) * 8)
     grad = grad.bfloat16()
     grad[7] = math.inf
+    g32 = torch.randn(33, generator=gen) * 1e3
     inv = torch.tensor(3.0).double().reciprocal().float()  # not a power of two: rounding shows
     a, b = grad.clone(), grad.clone()
+    a32, b32 = g32.clone(), g32.clone()
     fa, fb = torch.zeros(()), torch.zeros(())
     torch._amp_foreach_non_finite_check_and_unscale_([a], fa, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_([a32], fa, inv)
     gr._NO_FOREACH_UNSCALE.add(("cpu", torch.bfloat16))
     try:
-        gr._unscale_(b, inv, fb)
+        gr._unscale_([b32, b], inv, fb)
     finally:
         gr._NO_FOREACH_UNSCALE.discard(("cpu", torch.bfloat16))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert torch.equal(a32, b32)
+    assert not torch.equal(b32, g32)
     assert fa.item() == fb.item() == 1.0
 
 

@@ -1,11 +1,19 @@
-"""Gradient release: update each parameter as soon as its gradient is final, then free it.
+"""Gradient release: update parameters during ``backward``, as soon as their gradients are
+final, and free the gradients.
 
 ``enable_gradient_release(model, optimizer)`` registers ``register_post_accumulate_grad_hook`` on
-every trainable parameter of ``model`` that ``optimizer`` holds. During ``backward`` the hook
-calls ``optimizer.step_parameters([p])`` (the parameter's own slice of the fused step: same
-formats, same stochastic-rounding words, so the result equals the ordinary ``step()`` bit for
-bit) and sets ``p.grad = None``, so at most the gradients still being produced are alive. The
-returned :class:`GradientReleaseHandle` undoes it with ``remove()`` (or as a context manager).
+every trainable parameter of ``model`` that ``optimizer`` holds. The hook takes the parameter's
+gradient (``p.grad`` becomes None at once) into a bucket; when the bucket holds ``bucket_mb`` MiB
+of gradients, and at the end of every ``backward`` (a callback queued on autograd's engine), one
+``optimizer.step_parameters(bucket)`` updates them all: one fused launch per bucket instead of
+one per parameter, so release costs little host time. Each parameter's update is the same slice
+of the fused step whatever bucket it lands in (same formats, same stochastic-rounding words), so
+the result equals the ordinary ``step()`` bit for bit. ``bucket_mb=0`` updates each parameter in
+its own hook. The returned :class:`GradientReleaseHandle` undoes it with ``remove()`` (or as a
+context manager).
+
+A ``backward`` that raises before its end leaves its bucket unapplied: the next ``backward``
+drops those gradients with a warning (never applies them late), and ``remove()`` drops them too.
 
 While active, the optimizer's ``step()`` and ``zero_grad()`` do nothing and warn once per
 activation: the handle holds :class:`memopt_core.MemOptimizer`'s switch
@@ -13,42 +21,134 @@ activation: the handle holds :class:`memopt_core.MemOptimizer`'s switch
 holds for every memopt optimizer, Flash* or plain ``MemOptimizer``. Incompatible by
 construction: gradient accumulation over micro-batches, global gradient clipping
 (``clip_grad_norm_`` needs every gradient before any update), DDP and FSDP1 (refused with
-``TypeError``). ``check_numerics`` errors surface from inside ``backward``, for the
-parameter being updated (earlier parameters of the same backward are already updated).
+``TypeError``). ``check_numerics`` errors surface from inside ``backward``, for the bucket being
+updated (earlier buckets of the same backward are already updated).
 
-**GradScaler** (``grad_scaler=``, a ``torch.amp.GradScaler``; FlashOptim has none): each hook
-unscales its gradient in place with the scaler's ``1/scale`` (computed as ``unscale_`` does, by
+**GradScaler** (``grad_scaler=``, a ``torch.amp.GradScaler``; FlashOptim has none): each bucket's
+gradients are unscaled in place with the scaler's ``1/scale`` (computed as ``unscale_`` does, by
 the same ``torch._amp_foreach_non_finite_check_and_unscale_`` kernel, so clean steps equal the
 ordinary ``scaler.step`` loop bit for bit; where that kernel lacks the dtype, e.g. bf16 on CUDA,
 where ``GradScaler.unscale_`` itself fails, the same arithmetic in torch ops: an fp32 product
-rounded once to the gradient's dtype) and checks it for inf/NaN. A non-finite gradient
-**skips that parameter's update only** (its weights, moments and step count stay as they were;
-parameters updated earlier in the same backward keep their updates, which the ordinary loop would
-have skipped too). Every hook adds its found-inf flag to the scaler's record for this optimizer
-(stage ``UNSCALED``, ``found_inf_per_device``), exactly where ``unscale_`` puts it, so the usual
-``scaler.update()`` after ``backward`` backs the scale off when any gradient of the iteration was
-non-finite and grows it after ``growth_interval`` clean iterations. Per iteration: call
-``scaler.scale(loss).backward()`` then ``scaler.update()``; do not call ``scaler.unscale_`` (the
-hooks did) — ``scaler.step(optimizer)`` is harmless but only calls the no-op ``step()``. Cost:
-one host-device synchronisation per parameter to read its flag, except with a ``capturable=True``
-optimizer, whose kernel reads the flag on the device (``step_parameters(found_inf=...)``); the
-handle's ``skipped`` count then synchronises only when read.
+rounded once to the gradient's dtype) and checked for inf/NaN. A non-finite gradient **skips the
+update of its bucket** (weights, moments and step counts stay as they were; with
+``bucket_mb=0``: that parameter only). Buckets updated earlier in the same backward keep their
+updates, which the ordinary loop would have skipped too. Every bucket adds its found-inf flag to
+the scaler's record for this optimizer (stage ``UNSCALED``, ``found_inf_per_device``), exactly
+where ``unscale_`` puts it, so the usual ``scaler.update()`` after ``backward`` backs the scale off
+when any gradient of the iteration was non-finite and grows it after ``growth_interval`` clean
+iterations. Per iteration: call ``scaler.scale(loss).backward()`` then ``scaler.update()``; do not
+call ``scaler.unscale_`` (the buckets were) — ``scaler.step(optimizer)`` is harmless but only calls
+the no-op ``step()``. Cost: one host-device synchronisation per bucket to read its flag, except
+with a ``capturable=True`` optimizer, whose kernel reads the flag on the device
+(``step_parameters(found_inf=...)``); the handle's ``skipped`` count then synchronises only when
+read.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
 
 from memopt_core import MemOptimizer
 from memopt_core.errors import ConfigError
 from memopt_core.hook_wrappers import reject_hook_wrappers
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
+
+
+#: bucket size of :func:`enable_gradient_release` (MiB of gradients per fused update)
+DEFAULT_BUCKET_MB = 32.0
+
+
+class _Bucket:
+    """Gradients of one device waiting for one fused update, with the backward (autograd graph
+    task) each came from."""
+
+    __slots__ = ("grads", "nbytes", "params", "tasks")
+
+    def __init__(self) -> None:
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.tasks: list[int] = []
+        self.nbytes = 0
+
+
+class _EndOfBackward:
+    """The callback queued on a backward's graph task. autograd's engine runs it at the end of
+    that backward, or drops it unrun when the backward raises: a dead weak reference to an
+    instance whose task is still listed means the latter."""
+
+    __slots__ = ("__weakref__", "run")
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+
+    def __call__(self) -> None:
+        self.run()
+
+
+class _Buckets:
+    """What gradient release holds between hooks: a bucket per device (a launch and a
+    GradScaler flag are per device), and the backwards whose end is awaited."""
+
+    __slots__ = ("by_device", "cap", "tasks")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap  # bytes; a bucket is updated as soon as it holds this many (0: each one)
+        self.by_device: dict[torch.device, _Bucket] = {}
+        self.tasks: dict[int, weakref.ref] = {}  # graph task id -> its _EndOfBackward
+
+    def add(self, p: Tensor, grad: Tensor, task: int) -> bool:
+        """Hold ``grad`` for ``p``; True when its device's bucket is full."""
+        b = self.by_device.get(grad.device)
+        if b is None:
+            b = self.by_device[grad.device] = _Bucket()
+        b.params.append(p)
+        b.grads.append(grad)
+        b.tasks.append(task)
+        b.nbytes += grad.numel() * grad.element_size()
+        return b.nbytes >= self.cap
+
+    def take(self, device: torch.device) -> tuple[list[Tensor], list[Tensor]]:
+        b = self.by_device.pop(device, None)
+        return ([], []) if b is None else (b.params, b.grads)
+
+    def drop_failed(self) -> int:
+        """Forget the gradients of backwards that raised before their end (their callback was
+        dropped unrun); the number of parameters they belonged to. A backward still running
+        (one that a reentrant backward is nested in) keeps its gradients."""
+        dead = {t for t, ref in self.tasks.items() if ref() is None}
+        if not dead:
+            return 0
+        for t in dead:
+            del self.tasks[t]
+        n = 0
+        for device, b in list(self.by_device.items()):
+            keep = [i for i, t in enumerate(b.tasks) if t not in dead]
+            n += len(b.tasks) - len(keep)
+            if not keep:
+                del self.by_device[device]
+            elif len(keep) < len(b.tasks):
+                kept = _Bucket()
+                for i in keep:
+                    kept.params.append(b.params[i])
+                    kept.grads.append(b.grads[i])
+                    kept.tasks.append(b.tasks[i])
+                    kept.nbytes += b.grads[i].numel() * b.grads[i].element_size()
+                self.by_device[device] = kept
+        return n
+
+    def drop(self) -> None:
+        """Forget everything held (the handle's ``remove()``)."""
+        self.by_device.clear()
+        self.tasks.clear()
 
 
 class GradientReleaseHandle:
@@ -62,20 +162,22 @@ class GradientReleaseHandle:
         self._skipped = 0
         # a capturable optimizer skips on the device: its flags are summed here, read on demand
         self._skipped_on_device: Tensor | None = None
+        self._buckets: _Buckets | None = None  # set by enable_gradient_release
 
     @property
     def skipped(self) -> int:
-        """Parameters whose update was skipped for a non-finite gradient (GradScaler only),
-        counted over the handle's life. With a capturable optimizer the flags stay on the device
-        until this is read (one synchronisation per read)."""
+        """Parameters whose update was skipped for a non-finite gradient (GradScaler only; every
+        parameter of a skipped bucket counts), over the handle's life. With a capturable
+        optimizer the flags stay on the device until this is read (one synchronisation per
+        read)."""
         on_device = self._skipped_on_device
         return self._skipped + (0 if on_device is None else int(on_device.item()))
 
-    def _count_on_device(self, found: Tensor) -> None:
+    def _count_on_device(self, skipped: Tensor) -> None:
         if self._skipped_on_device is None:
-            self._skipped_on_device = found.detach().clone().reshape(())
+            self._skipped_on_device = skipped.detach().clone().reshape(())
         else:
-            self._skipped_on_device += found.reshape(())
+            self._skipped_on_device += skipped.reshape(())
 
     @property
     def active(self) -> bool:
@@ -83,10 +185,13 @@ class GradientReleaseHandle:
         return self._active
 
     def remove(self) -> None:
-        """Remove the hooks; ``step()`` and ``zero_grad()`` work normally again. Idempotent."""
+        """Remove the hooks; ``step()`` and ``zero_grad()`` work normally again. Gradients held
+        by a backward that raised before its end are dropped, not applied. Idempotent."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._buckets is not None:
+            self._buckets.drop()
         self._active = False
         self._optimizer.end_gradient_release(self)
 
@@ -104,24 +209,29 @@ class GradientReleaseHandle:
 _NO_FOREACH_UNSCALE: set[tuple[str, torch.dtype]] = set()
 
 
-def _unscale_(grad: Tensor, inv_scale: Tensor, found_inf: Tensor) -> None:
-    """``GradScaler.unscale_`` for one gradient: ``grad *= inv_scale`` in place and
-    ``found_inf = 1`` when ``grad`` holds an inf or NaN.
+def _unscale_(grads: list[Tensor], inv_scale: Tensor, found_inf: Tensor) -> None:
+    """``GradScaler.unscale_`` for gradients of one device: each ``grad *= inv_scale`` in place
+    and ``found_inf = 1`` when any holds an inf or NaN.
 
-    torch's ``_amp_foreach_non_finite_check_and_unscale_`` does it where it is implemented; for the
-    rest (bf16 gradients on CUDA in torch 2.11, where GradScaler itself fails) the same
-    arithmetic in torch ops: the product in fp32, rounded once to the gradient's dtype.
+    torch's ``_amp_foreach_non_finite_check_and_unscale_`` does it where it is implemented (per
+    dtype, as ``unscale_`` calls it); for the rest (bf16 gradients on CUDA in torch 2.11, where
+    GradScaler itself fails) the same arithmetic in torch ops: the product in fp32, rounded once
+    to the gradient's dtype.
     """
-    key = (grad.device.type, grad.dtype)
-    if key not in _NO_FOREACH_UNSCALE:
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, inv_scale)
-            return
-        except NotImplementedError:
-            _NO_FOREACH_UNSCALE.add(key)
-    bad = (~torch.isfinite(grad)).any().to(found_inf.dtype)
-    found_inf.copy_(torch.maximum(found_inf, bad))
-    grad.copy_(grad.float() * inv_scale)
+    by_kind: dict[tuple[str, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device.type, g.dtype), []).append(g)
+    for key, same in by_kind.items():
+        if key not in _NO_FOREACH_UNSCALE:
+            try:
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
+                continue
+            except NotImplementedError:
+                _NO_FOREACH_UNSCALE.add(key)
+        for g in same:
+            bad = (~torch.isfinite(g)).any().to(found_inf.dtype)
+            found_inf.copy_(torch.maximum(found_inf, bad))
+            g.copy_(g.float() * inv_scale)
 
 
 def _scaler_record(scaler: Any, optimizer: MemOptimizer, found: Tensor) -> None:
@@ -145,6 +255,7 @@ def enable_gradient_release(
     *,
     grad_scaler: torch.amp.GradScaler | None = None,
     pre_step: Callable[[Tensor, dict[str, Any]], bool] | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
 ) -> GradientReleaseHandle:
     """Update every trainable parameter of ``model`` held by ``optimizer`` during ``backward``.
 
@@ -152,16 +263,20 @@ def enable_gradient_release(
         model: the module whose parameters train (not wrapped in DDP or FSDP1: ``TypeError``).
         optimizer: a memopt optimizer (``MemOptimizer`` or a subclass such as the Flash*
             classes); its ``step()``/``zero_grad()`` become warning no-ops while active.
-        grad_scaler: an enabled ``torch.amp.GradScaler`` whose scale the hooks undo and whose
+        grad_scaler: an enabled ``torch.amp.GradScaler`` whose scale the updates undo and whose
             inf record they fill (module doc); None or a disabled scaler: no unscaling.
-        pre_step: ``(param, group) -> bool`` called before each update; False skips it (the
-            gradient is freed either way).
+        pre_step: ``(param, group) -> bool`` called in the parameter's hook, with ``p.grad``
+            still set (scaled, with a GradScaler); False skips its update (the gradient is
+            freed either way).
+        bucket_mb: MiB of gradients held before they are updated in one fused step (the rest
+            at the end of backward); 0 updates each parameter in its own hook. Bigger buckets
+            mean fewer launches and more gradient memory held during backward.
 
     Creates the optimizer's state up front (:meth:`~memopt_core.MemOptimizer.init_state`), so
     it is not allocated inside the first backward. Returns a :class:`GradientReleaseHandle`.
-    Raises ``ConfigError`` when the optimizer holds
-    trainable parameters that are not in ``model`` (nothing would ever update them) or when
-    release is already active on the optimizer.
+    Raises ``ConfigError`` when the optimizer holds trainable parameters that are not in
+    ``model`` (nothing would ever update them), when release is already active on the
+    optimizer, or for a ``bucket_mb`` that is not a finite number >= 0.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -171,6 +286,13 @@ def enable_gradient_release(
             f"memopt_core.MemOptimizer), which can update one parameter at a time; got "
             f"{type(optimizer).__name__}"
         )
+    if (
+        isinstance(bucket_mb, bool)
+        or not isinstance(bucket_mb, (int, float))
+        or not math.isfinite(bucket_mb)
+        or bucket_mb < 0
+    ):
+        raise ConfigError(f"bucket_mb must be a finite number of MiB >= 0, got {bucket_mb!r}")
     reject_hook_wrappers(model, "enable_gradient_release()")
     if optimizer.gradient_release_active:
         raise ConfigError(
@@ -202,43 +324,76 @@ def enable_gradient_release(
     # on the Qwen2.5-0.5B shape). The same bits either way (MemOptimizer.init_state).
     optimizer.init_state()
     handle = GradientReleaseHandle(optimizer, [], grad_scaler)
+    buckets = handle._buckets = _Buckets(int(bucket_mb * 2**20))
     on_device = bool(optimizer._step_supports_amp_scaling)  # capturable: skips on the device
     opt_ref = weakref.ref(optimizer)
     handle_ref = weakref.ref(handle)
 
+    def update(device: torch.device) -> None:
+        """One fused update of ``device``'s bucket."""
+        params, grads = buckets.take(device)
+        opt = opt_ref()
+        if opt is None or not params:
+            return
+        held = dict(zip(params, grads, strict=True))
+        if scaler is None:
+            opt.step_parameters(params, grads=held)
+            return
+        with torch.no_grad():
+            inv = scaler._scale.double().reciprocal().float().to(device)
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            _unscale_(grads, inv, found)
+            _scaler_record(scaler, opt, found)
+        h = handle_ref()
+        if on_device:  # the kernel reads the flag: no synchronisation
+            opt.step_parameters(params, grads=held, found_inf=found.reshape(1))
+            if h is not None:
+                h._count_on_device(found * len(params))
+        elif found.item():
+            if h is not None:
+                h._skipped += len(params)
+        else:
+            opt.step_parameters(params, grads=held)
+
+    def update_all(task: int) -> None:
+        buckets.tasks.pop(task, None)
+        for device in list(buckets.by_device):
+            update(device)  # gradients of an enclosing backward too: they are final
+
+    def hold(p: Tensor, grad: Tensor) -> bool:
+        """Hold ``grad`` until its bucket is full or its backward ends; True: update now."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:  # not inside autograd's engine (nothing to wait for): update at once
+            buckets.add(p, grad, task)
+            return True
+        if task not in buckets.tasks:  # the first hook of this backward
+            dropped = buckets.drop_failed()
+            if dropped:
+                warnings.warn(
+                    f"gradient release: an earlier backward raised before its end; the "
+                    f"gradients it held for {dropped} parameter(s) were dropped, not applied",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            end = _EndOfBackward(lambda: update_all(task))
+            Variable._execution_engine.queue_callback(end)
+            buckets.tasks[task] = weakref.ref(end)
+        return buckets.add(p, grad, task)
+
     def make_hook(group: dict[str, Any]) -> Callable[[Tensor], None]:
         def hook(p: Tensor) -> None:
-            opt = opt_ref()
-            if opt is None or p.grad is None:
+            grad = p.grad
+            if opt_ref() is None or grad is None:
                 return
-            if scaler is not None:
-                if scaler._scale is None:
-                    raise RuntimeError(
-                        "gradient release with a GradScaler: the scaler has no scale yet; call "
-                        "scaler.scale(loss).backward()"
-                    )
-                with torch.no_grad():
-                    grad = p.grad
-                    inv = scaler._scale.double().reciprocal().float().to(grad.device)
-                    found = torch.zeros((), dtype=torch.float32, device=grad.device)
-                    _unscale_(grad, inv, found)
-                    _scaler_record(scaler, opt, found)
-                h = handle_ref()
-                if on_device:  # the kernel reads the flag: no synchronisation per parameter
-                    if pre_step is None or pre_step(p, group):
-                        opt.step_parameters([p], found_inf=found.reshape(1))
-                    if h is not None:
-                        h._count_on_device(found)
-                    p.grad = None
-                    return
-                if found.item():
-                    if h is not None:
-                        h._skipped += 1
-                    p.grad = None
-                    return
-            if pre_step is None or pre_step(p, group):
-                opt.step_parameters([p])
+            if scaler is not None and scaler._scale is None:
+                raise RuntimeError(
+                    "gradient release with a GradScaler: the scaler has no scale yet; call "
+                    "scaler.scale(loss).backward()"
+                )
+            take = pre_step is None or pre_step(p, group)
             p.grad = None
+            if take and hold(p, grad):
+                update(grad.device)
 
         return hook
 
