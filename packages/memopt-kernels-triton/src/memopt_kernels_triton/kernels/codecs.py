@@ -138,15 +138,22 @@ def mf_value(mag, MAN: tl.constexpr, EMIN: tl.constexpr):
 @triton.jit
 def block_exponent(mmax, FMAX_BITS: tl.constexpr):
     """Smallest ``k`` in [-127, 127] with ``value(mmax) * 2**-k <= fmax`` (``mmax`` the largest
-    finite magnitude pattern of a block; 0 gives -127): core's ``pow2_block_exponent``. On normal
-    patterns ``k = ceil((mmax - fmax) / 2**23)`` (exponent difference, plus one when the mantissa
-    is larger); a subnormal maximum is first normalized by an exact ``* 2**64``."""
-    sub = mmax < 0x800000
-    scaled = (mmax.to(tl.float32, bitcast=True) * 18446744073709551616.0).to(tl.int32, bitcast=True)
-    mn = tl.where(sub, scaled, mmax)
-    k = ((mn - FMAX_BITS + 0x7FFFFF) >> 23) - tl.where(sub, 64, 0)
-    k = tl.where(mmax == 0, -127, k)
-    return tl.minimum(tl.maximum(k, -127), 127)
+    finite magnitude pattern of a block; 0 gives -127): core's ``pow2_block_exponent``.
+
+    On normal patterns ``k = ceil((mmax - fmax) / 2**23)`` (exponent difference, plus one when
+    the mantissa is larger). The same pattern arithmetic on a subnormal (or 0) ``mmax`` is not a
+    logarithm, but only the bottom of the range is at stake there: with ``fmax >= 2`` every such
+    ``mmax`` needs ``k <= -127`` and the formula (monotone in ``mmax``) gives at most -134, so the
+    clamp settles it; with ``fmax`` in [1, 2) the answer is -127 iff ``mmax <= fmax * 2**-127``
+    (one subnormal pattern to compare with) and -126 above it, which the formula gives there.
+    Only ``fmax < 2`` can reach ``k = 128`` (from patterns above ``fmax * 2**127``)."""
+    k = (mmax - (FMAX_BITS - 0x7FFFFF)) >> 23
+    if FMAX_BITS >= 0x40000000:
+        k = tl.maximum(k, -127)
+    else:
+        k = tl.where(mmax <= (((FMAX_BITS & 0x7FFFFF) | 0x800000) >> 1), -127, k)
+        k = tl.minimum(k, 127)
+    return k
 
 
 # ---------------------------------------------------------------------------------- fp16
