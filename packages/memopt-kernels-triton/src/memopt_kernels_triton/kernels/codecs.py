@@ -126,13 +126,12 @@ def mf_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr)
 
 @triton.jit
 def mf_value(mag, MAN: tl.constexpr, EMIN: tl.constexpr):
-    """fp32 value of magnitude codes ``mag`` (no specials): exact, an integer exponent placement
-    plus, for subnormal codes, the exact subtraction of the implicit one."""
-    e = mag >> MAN
-    m = mag & ((1 << MAN) - 1)
-    f = (((tl.maximum(e, 1) + (EMIN + 126)) << 23) | (m << (23 - MAN))).to(tl.float32, bitcast=True)
-    one = tl.full([], (EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**EMIN
-    return tl.where(e == 0, f - one, f)
+    """fp32 value of magnitude codes ``mag`` (no specials): exact. A code shifted to fp32's
+    mantissa position is an fp32 pattern worth ``value * 2**-(126 + EMIN)`` (the grid's exponent
+    field, bias ``1 - EMIN``, sits where fp32's does; its subnormals land on fp32 subnormals), so
+    one exact multiply by a power of two rescales it."""
+    rescale = tl.full([], (253 + EMIN) << 23, tl.int32).to(tl.float32, bitcast=True)
+    return bits_f32(mag << (23 - MAN)) * rescale
 
 
 @triton.jit
