@@ -64,8 +64,9 @@ def neg(x):
 
 @triton.jit
 def pow2(e):
-    """``2**e`` as fp32 for int32 ``e`` in [-127, 127] (``2**-127`` is subnormal): exact."""
-    return tl.where(e > -127, (e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
+    """``2**e`` as fp32 for int32 ``e`` in [-127, 127]: exact. The exponent-field pattern is 0 at
+    ``e = -127``, where a max puts the subnormal ``2**-127`` instead."""
+    return tl.maximum((e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
 
 
 # ---------------------------------------------------------------------------------- rounding
@@ -279,8 +280,9 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
 
 @triton.jit
 def scale_factor(s):
-    """``2**(s - 127)`` as fp32 for E8M0 scale bytes ``s`` in [0, 254] (int32)."""
-    return tl.where(s > 0, s << 23, 0x00400000).to(tl.float32, bitcast=True)
+    """``2**(s - 127)`` as fp32 for E8M0 scale bytes ``s`` in [0, 254] (int32); ``s = 0`` is the
+    subnormal ``2**-127`` (a max, as in :func:`pow2`)."""
+    return tl.maximum(s << 23, 0x00400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
