@@ -107,7 +107,7 @@ def mf_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr)
     ``yb`` is the pattern of a finite ``y >= 0`` that is either exact or below ``2**-126`` (every
     grid here rounds those to code 0, stochastically too: their frac24 is 0), so ``y``'s own
     exponent and 24-bit significand stand in for core's normalization. ``MODE``: 0 nearest even,
-    1 stochastic (``r24``), 2 truncate."""
+    1 stochastic (``r24``). The 8-bit grids take :func:`mf8_round`."""
     ey = (yb >> 23) - 127
     sig = (yb & 0x7FFFFF) | 0x800000
     # dropped low bits of sig; at 48 and beyond both n and frac24 are 0
@@ -116,13 +116,33 @@ def mf_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr)
     if MODE == 0:
         d2 = tl.minimum(d, 25)  # (sig + 2**(d-1) - 1 + lsb) >> d is 0 for d >= 25 either way
         n = (sig + ((1 << (d2 - 1)) - 1) + (kept & 1)) >> d2
-    elif MODE == 1:
+    else:
         rem = sig - (kept << tl.minimum(d, 31))
         frac24 = tl.where(d <= 24, rem << tl.maximum(24 - d, 0), rem >> tl.maximum(d - 24, 0))
         n = kept + (r24 < frac24).to(tl.int32)
-    else:
-        n = kept
     return ((tl.maximum(ey, EMIN) - EMIN) << MAN) + n
+
+
+@triton.jit
+def mf8_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr):
+    """:func:`mf_round` for a grid whose codes stay below ``2**8`` (``y`` at most its largest
+    value, the blocked formats), ``MODE`` 2 truncating. Works on ``t = code << 24 | frac24``
+    (uint32: the code and the 24 bits below its last place, as core's ``frac24`` truncates them).
+    At or above ``2**EMIN`` the pattern minus the grid's exponent bias, shifted left by
+    ``MAN + 1``, is ``t`` (the code's exponent and mantissa fields follow fp32's). Below it ``t``
+    is ``y`` in units of ``2**(EMIN - MAN - 24)``: an exact product, truncated to an integer
+    (under ``2**(MAN + 24)``; lanes above the range convert garbage that the select drops).
+    Rounding is then one addition: ``2**24 - 1 - r24`` carries into the code iff
+    ``r24 < frac24``; nearest even adds ``2**23 - 1`` plus the code's last bit."""
+    tn = (yb - ((126 + EMIN) << 23)) << (MAN + 1)
+    unit = tl.full([], (151 + MAN - EMIN) << 23, tl.int32).to(tl.float32, bitcast=True)
+    ts = (bits_f32(yb) * unit).to(tl.int32)
+    t = tl.where(yb >= ((127 + EMIN) << 23), tn, ts).to(tl.uint32, bitcast=True)
+    if MODE == 0:
+        t = t + (0x7FFFFF + ((t >> 24) & 1))
+    elif MODE == 1:
+        t = t + (0xFFFFFF - r24).to(tl.uint32, bitcast=True)
+    return (t >> 24).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -203,7 +223,7 @@ def block_mf_encode(
     magf = tl.where(finite, mag, 0)
     k = block_exponent(tl.max(magf, axis=1, keep_dims=True), FMAX)
     y = magf.to(tl.float32, bitcast=True) * pow2(-k)
-    code = tl.minimum(mf_round(f32_bits(y), MAN, EMIN, r24, MODE), MAXC)
+    code = tl.minimum(mf8_round(f32_bits(y), MAN, EMIN, r24, MODE), MAXC)
     if INFC >= 0:
         special = tl.where(mag == F32_INF, INFC, NANC)
     else:
