@@ -62,13 +62,6 @@ def neg(x):
     return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def pow2(e):
-    """``2**e`` as fp32 for int32 ``e`` in [-127, 127]: exact. The exponent-field pattern is 0 at
-    ``e = -127``, where a max puts the subnormal ``2**-127`` instead."""
-    return tl.maximum((e + 127) << 23, 0x00400000).to(tl.float32, bitcast=True)
-
-
 # ---------------------------------------------------------------------------------- rounding
 @triton.jit
 def round_drop_bits(mag, DROP: tl.constexpr, r24, SR: tl.constexpr):
@@ -156,24 +149,18 @@ def mf_value(mag, MAN: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def block_exponent(mmax, FMAX_BITS: tl.constexpr):
-    """Smallest ``k`` in [-127, 127] with ``value(mmax) * 2**-k <= fmax`` (``mmax`` the largest
-    finite magnitude pattern of a block; 0 gives -127): core's ``pow2_block_exponent``.
+def block_scale(mmax, FMAX_BITS: tl.constexpr):
+    """E8M0 scale byte ``k + 127`` of the smallest ``k >= -127`` with ``value(mmax) * 2**-k <=
+    fmax`` (``mmax`` the largest finite magnitude pattern of a block; 0 gives byte 0): core's
+    ``pow2_block_exponent``, for the maxima the blocked formats meet (see
+    :func:`block_mf_encode`: ``k`` stays below 128 by itself).
 
     On normal patterns ``k = ceil((mmax - fmax) / 2**23)`` (exponent difference, plus one when
     the mantissa is larger). The same pattern arithmetic on a subnormal (or 0) ``mmax`` is not a
-    logarithm, but only the bottom of the range is at stake there: with ``fmax >= 2`` every such
-    ``mmax`` needs ``k <= -127`` and the formula (monotone in ``mmax``) gives at most -134, so the
-    clamp settles it; with ``fmax`` in [1, 2) the answer is -127 iff ``mmax <= fmax * 2**-127``
-    (one subnormal pattern to compare with) and -126 above it, which the formula gives there.
-    Only ``fmax < 2`` can reach ``k = 128`` (from patterns above ``fmax * 2**127``)."""
-    k = (mmax - (FMAX_BITS - 0x7FFFFF)) >> 23
-    if FMAX_BITS >= 0x40000000:
-        k = tl.maximum(k, -127)
-    else:
-        k = tl.where(mmax <= (((FMAX_BITS & 0x7FFFFF) | 0x800000) >> 1), -127, k)
-        k = tl.minimum(k, 127)
-    return k
+    logarithm, but with ``fmax >= 2`` such a maximum needs ``k <= -127`` and the formula
+    (monotone in ``mmax``) gives at most -134, so the clamp settles it; ``q8_sqrt``'s square
+    roots (``fmax`` 1.875) are never subnormal."""
+    return tl.maximum((mmax - (FMAX_BITS - 0x7FFFFF - (SCALE_BIAS << 23))) >> 23, 0)
 
 
 # ---------------------------------------------------------------------------------- fp16
@@ -208,22 +195,27 @@ def block_mf_encode(
     MAN: tl.constexpr,
     EMIN: tl.constexpr,
     FMAX: tl.constexpr,
-    MAXC: tl.constexpr,
     NANC: tl.constexpr,
     INFC: tl.constexpr,
     SIGNED: tl.constexpr,
     MODE: tl.constexpr,
 ):
-    """Codes (int32 ``[R, 32]``) and block exponents ``k`` (int32 ``[R, 1]``) of fp32 tile ``x``
-    (core's ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply (or
-    lands below ``2**-126``, which rounds to code 0 on every grid)."""
+    """Codes (int32 ``[R, 32]``) and scale bytes ``k + 127`` (int32 ``[R, 1]``) of fp32 tile
+    ``x`` (core's ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply
+    (or lands below ``2**-126``, which rounds to code 0 on every grid).
+
+    The inputs keep ``k`` where core never clamps it at 127: e4m3 and e5m2 need at most 120 and
+    113 for the largest fp32, and ``q8_sqrt`` encodes square roots of fp32 values (0, or in
+    ``[2**-75, 2**64]``: ``k`` is -127 or in [-75, 64]). So ``2**-k`` is a normal number, every
+    scaled block maximum is at most ``fmax`` and no code passes the largest finite one (core's
+    saturation never acts)."""
     u = f32_bits(x)
     mag = u & 0x7FFFFFFF
     finite = mag < F32_INF
     magf = tl.where(finite, mag, 0)
-    k = block_exponent(tl.max(magf, axis=1, keep_dims=True), FMAX)
-    y = magf.to(tl.float32, bitcast=True) * pow2(-k)
-    code = tl.minimum(mf8_round(f32_bits(y), MAN, EMIN, r24, MODE), MAXC)
+    s = block_scale(tl.max(magf, axis=1, keep_dims=True), FMAX)
+    y = magf.to(tl.float32, bitcast=True) * bits_f32((254 - s) << 23)  # 2**-k
+    code = mf8_round(f32_bits(y), MAN, EMIN, r24, MODE)
     if INFC >= 0:
         special = tl.where(mag == F32_INF, INFC, NANC)
     else:
@@ -231,7 +223,7 @@ def block_mf_encode(
     code = tl.where(finite, code, special)
     if SIGNED:
         code = code | (((u >> 31) & 1) << 7)
-    return code, k
+    return code, s
 
 
 @triton.jit
@@ -267,22 +259,24 @@ def block_mf_decode(
 #   e4m4    4, -14, 0x3FF00000 (1.875), 0xFE, 0xFF, -1,   unsigned (q8_sqrt's sqrt(v))
 @triton.jit
 def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
-    """``(codes [R, 32], k [R, 1])`` of tile ``x`` in blocked format ``FMT`` (RNE, or SR with
-    ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway); the
-    other formats ignore it."""
+    """``(codes [R, 32], scale bytes [R, 1])`` of tile ``x`` in blocked format ``FMT`` (RNE, or
+    SR with ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway);
+    the other formats ignore it."""
     MODE: tl.constexpr = 1 if SR else 0
     if FMT == FMT_E4M3:
-        code, k = block_mf_encode(x, r24, 3, -6, 0x43E00000, 0x7E, 0x7F, -1, True, MODE)
+        code, s = block_mf_encode(x, r24, 3, -6, 0x43E00000, 0x7F, -1, True, MODE)
     elif FMT == FMT_E5M2:
-        code, k = block_mf_encode(x, r24, 2, -14, 0x47600000, 0x7B, 0x7E, 0x7C, True, MODE)
+        code, s = block_mf_encode(x, r24, 2, -14, 0x47600000, 0x7E, 0x7C, True, MODE)
     elif not SR:
-        code, k = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFE, 0xFF, -1, False, 0)
+        code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 0)
     else:
-        # v-unbiased SR between the neighbouring codes lo <= s <= hi (core's Q8SqrtCodec.encode)
-        lo_code, k = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFE, 0xFF, -1, False, 2)
+        # v-unbiased SR between the neighbouring codes lo <= s <= hi (core's Q8SqrtCodec.encode).
+        # The scale factor 2**k drops 2**-127 for 0: that k only scales all-zero blocks, whose
+        # lanes have v = +-0 (num > 0 fails) or a NaN code either way.
+        lo_code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 2)
         finite = lo_code <= 0xFE
         hi_code = tl.minimum(lo_code + 1, 0xFE)
-        sf = pow2(k)
+        sf = bits_f32(s << 23)
         lo = mf_value(lo_code, 4, -14) * sf
         hi = mf_value(hi_code, 4, -14) * sf
         lo2 = lo * lo
@@ -295,13 +289,13 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         frac24 = tl.floor(frac * 16777216.0).to(tl.int32)
         frac24 = tl.where(ok, tl.minimum(tl.maximum(frac24, 0), 16777216), 0)
         code = lo_code + (r24 < frac24).to(tl.int32)
-    return code, k
+    return code, s
 
 
 @triton.jit
 def scale_factor(s):
-    """``2**(s - 127)`` as fp32 for E8M0 scale bytes ``s`` in [0, 254] (int32); ``s = 0`` is the
-    subnormal ``2**-127`` (a max, as in :func:`pow2`)."""
+    """``2**(s - 127)`` as fp32 for E8M0 scale bytes ``s`` in [0, 254] (int32): the exponent
+    field is ``s`` except at 0, where a max puts the subnormal ``2**-127``."""
     return tl.maximum(s << 23, 0x00400000).to(tl.float32, bitcast=True)
 
 
@@ -362,9 +356,9 @@ def store_moment(
     elif FMT == FMT_BF16:
         tl.store(ptr + offs, bf16_round(f32_bits(m), r24, SR).to(tl.int16), mask=amask)
     else:
-        code, k = encode_blocked(m, r24, FMT, SR, sqrt_m)
+        code, s = encode_blocked(m, r24, FMT, SR, sqrt_m)
         tl.store(ptr + offs, code.to(tl.uint8), mask=amask)
-        sbyte = tl.broadcast_to((k + SCALE_BIAS).to(tl.uint8), code.shape)
+        sbyte = tl.broadcast_to(s.to(tl.uint8), code.shape)
         tl.store(sptr + soffs, sbyte, mask=amask & first)
 
 
