@@ -234,23 +234,18 @@ def block_mf_decode(
     EMIN: tl.constexpr,
     MAXC: tl.constexpr,
     INFC: tl.constexpr,
-    SIGNED: tl.constexpr,
 ):
-    """fp32 values of codes ``c`` (int32 in [0, 256)) with block scale factors ``sf = 2**k``
-    (fp32): one exact multiply (a product past the largest fp32 is inf, as in core)."""
-    if SIGNED:  # noqa: SIM108 (constexpr branch)
-        mag = c & 0x7F
-    else:
-        mag = c
+    """fp32 values of signed codes ``c`` (int32 in [0, 256)) with block scale factors
+    ``sf = 2**k`` (fp32): one exact multiply (a product past the largest fp32 is inf, as in
+    core)."""
+    mag = c & 0x7F
     out = f32_bits(mf_value(mag, MAN, EMIN) * sf)
     if INFC >= 0:
         out = tl.where(mag == INFC, F32_INF, out)
         out = tl.where(mag > INFC, F32_QNAN, out)
     else:
         out = tl.where(mag > MAXC, F32_QNAN, out)
-    if SIGNED:
-        out = out | ((c >> 7) << 31)
-    return bits_f32(out)
+    return bits_f32(out | ((c >> 7) << 31))
 
 
 # Grid parameters (man_bits, emin, fmax pattern, max code, NaN code, inf code or -1, signed):
@@ -285,9 +280,9 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         den = hi2 - lo2
         ok = finite & (den > 0) & (num > 0)
         frac = tl.div_rn(num, tl.where(ok, den, 1.0))
-        frac = tl.where(ok, frac, 0.0)  # keeps NaN lanes out of the int conversion
-        frac24 = tl.floor(frac * 16777216.0).to(tl.int32)
-        frac24 = tl.where(ok, tl.minimum(tl.maximum(frac24, 0), 16777216), 0)
+        # 0 keeps NaN lanes out of the int conversion. Where ok, frac is in [0, 1] and core's
+        # clamp to [0, 2**24] does nothing: s < hi, so v < hi*hi and (monotone rounding) num <= den.
+        frac24 = tl.floor(tl.where(ok, frac, 0.0) * 16777216.0).to(tl.int32)
         code = lo_code + (r24 < frac24).to(tl.int32)
     return code, s
 
@@ -304,12 +299,13 @@ def decode_blocked(c, s, FMT: tl.constexpr):
     """fp32 tile held by codes ``c`` and scale bytes ``s`` (int32, broadcastable) of ``FMT``."""
     sf = scale_factor(s)
     if FMT == FMT_E4M3:
-        q = block_mf_decode(c, sf, 3, -6, 0x7E, -1, True)
+        q = block_mf_decode(c, sf, 3, -6, 0x7E, -1)
     elif FMT == FMT_E5M2:
-        q = block_mf_decode(c, sf, 2, -14, 0x7B, 0x7C, True)
+        q = block_mf_decode(c, sf, 2, -14, 0x7B, 0x7C)
     else:
-        q = block_mf_decode(c, sf, 4, -14, 0xFE, -1, False)
-        q = tl.where(q != q, q, q * q)  # NaN codes keep the decoder's NaN pattern
+        # the NaN code keeps the decoder's NaN pattern; other codes square to a number or inf
+        q = mf_value(c, 4, -14) * sf
+        q = bits_f32(tl.where(c == 0xFF, F32_QNAN, f32_bits(q * q)))
     return q
 
 
