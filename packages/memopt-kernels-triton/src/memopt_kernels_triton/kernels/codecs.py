@@ -370,13 +370,10 @@ def decode_master(p, c, MASTER: tl.constexpr):
     elif MASTER == MASTER_FP16:
         x = fp16_widen(p)
     elif MASTER == MASTER_ECC24:
-        cc = c & 0xFF
-        top = (p & 0xFFFF) - (cc >= 0x80).to(tl.int32)
-        x = bits_f32((top << 16) | (cc << 8))
+        # top16 - (mid8 >= 0x80) then mid8 below it: adding the code read as a signed byte
+        x = bits_f32((p << 16) + ((c << 24) >> 16))
     else:
-        cc = c & 0xFFFF
-        top = (p & 0xFFFF) - (cc >= 0x8000).to(tl.int32)
-        x = bits_f32((top << 16) | cc)
+        x = bits_f32((p << 16) + ((c << 16) >> 16))  # the code read as a signed 16-bit value
     return x
 
 
