@@ -65,15 +65,16 @@ def neg(x):
 # ---------------------------------------------------------------------------------- rounding
 @triton.jit
 def round_drop_bits(mag, DROP: tl.constexpr, r24, SR: tl.constexpr):
-    """``mag >> DROP`` rounded to nearest even, or stochastically (core's ``round_drop_bits``)."""
-    kept = mag >> DROP
-    rem = mag & ((1 << DROP) - 1)
-    if SR:
-        up = r24 < (rem << (24 - DROP))
+    """``mag >> DROP`` rounded to nearest even, or stochastically (core's ``round_drop_bits``),
+    as one addition before the shift. SR rounds up iff ``r24 < rem << (24 - DROP)``, that is iff
+    ``r24 >> (24 - DROP) < rem``: adding ``2**DROP - 1`` less that carries exactly then. Nearest
+    even adds half less one, plus the kept last bit. (NaN magnitudes may wrap; callers replace
+    them.)"""
+    if SR:  # noqa: SIM108 (constexpr branch)
+        up = ((1 << DROP) - 1) - (r24 >> (24 - DROP))
     else:
-        half: tl.constexpr = 1 << (DROP - 1)
-        up = (rem > half) | ((rem == half) & ((kept & 1) == 1))
-    return kept + up.to(tl.int32)
+        up = ((1 << (DROP - 1)) - 1) + ((mag >> DROP) & 1)
+    return (mag + up) >> DROP
 
 
 @triton.jit
