@@ -399,11 +399,9 @@ def encode_master(x, r24, MASTER: tl.constexpr, SR: tl.constexpr):
         top24 = tl.where(mag < F32_INF, tl.minimum(top24, 0x7F7FFF), mag >> 8)
         top24 = tl.where(mag > F32_INF, (mag >> 8) | 0x4000, top24)  # NaN stays NaN
         top24 = (sign << 23) | top24
-        top = top24 >> 8
-        mid = top24 & 0xFF
-        p = top + (mid >= 0x80).to(tl.int32)
-        p = tl.where(mag > F32_INF, top, p)
-        code = mid
+        # top16 + (mid8 >= 0x80) is one rounding addition; NaN keeps its top16
+        p = tl.where(mag > F32_INF, top24 >> 8, (top24 + 0x80) >> 8)
+        code = top24 & 0xFF
     else:
         u = f32_bits(x)
         top = (u >> 16) & 0xFFFF
