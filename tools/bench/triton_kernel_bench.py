@@ -91,7 +91,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write): {bw:.0f} GB/s")
-    configs = [ops.KernelConfig()]
+    configs = [ops.kernel_config(blocked=True)]  # the default of a group with q8 moments
     if args.sweep:
         configs += [
             ops.KernelConfig(rows=16, num_warps=8, waves=64),

@@ -305,3 +305,24 @@ def test_table_cache_keeps_one_step_per_tensor(ops, device):
     assert len(lru) <= entries
     assert sum(t.rows for t in lru.values()) == group.plan.cache("triton_table_rows", None)[0]
     assert group.plan.cache("triton_table_rows", None)[0] <= rows
+
+
+def test_default_geometry_depends_on_blocked_moments(monkeypatch):
+    """On a GPU a group with a blocked 8-bit moment gets smaller programs than the others by
+    default; a configuration set by the caller wins for both until reset."""
+    from memopt_kernels_triton import ops as triton_ops
+
+    monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
+    triton_ops.reset_kernel_config()
+    try:
+        blocked = triton_ops.kernel_config(blocked=True)
+        plain = triton_ops.kernel_config()
+        assert (blocked.rows, blocked.num_warps) == (8, 4)
+        assert (plain.rows, plain.num_warps) == (16, 8)
+        mine = triton_ops.KernelConfig(rows=32, num_warps=2)
+        assert triton_ops.kernel_config(mine) is mine
+        assert triton_ops.kernel_config(blocked=True) is mine
+        triton_ops.reset_kernel_config()
+        assert triton_ops.kernel_config(blocked=True) is blocked
+    finally:
+        triton_ops.reset_kernel_config()
