@@ -1,0 +1,95 @@
+"""Launch-geometry sweep of the fused AdamW kernel, per state format, on a GPU: prepared
+launches (``memopt_kernels_triton.ops.prepare_step``) timed between CUDA events, median of
+``--iters``, for each (rows of 32 elements, warps) pair, on a few-large and a many-small profile.
+
+    python tools/bench/kernel_geometry.py [--formats fp32m,bf16m,q8m,ecc24q8] [--out geo.json]
+
+Formats (AdamW, stochastic rounding on): ``fp32m`` fp32 parameters and moments, ``bf16m`` bf16
+moments, ``q8m`` q8 moments, ``ecc24q8`` bf16 parameters with the ECC-24 master and q8 moments.
+What chose the default geometries of ``memopt_kernels_triton.ops.kernel_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from memopt_core import reference
+from memopt_core.backends import GroupStep
+from memopt_core.formats import StateSpec
+from memopt_core.plan import GroupPlan, StateArena
+
+FORMATS = {
+    "fp32m": ("fp32", torch.float32, "fp32"),
+    "bf16m": ("fp32", torch.float32, "bf16"),
+    "q8m": ("fp32", torch.float32, "q8"),
+    "ecc24q8": ("ecc24", torch.bfloat16, "q8"),
+}
+GEOMETRIES = [(16, 8), (8, 4), (4, 4), (16, 4), (8, 8), (32, 8), (32, 4), (4, 2), (8, 2)]
+PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
+
+
+def events_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def group_work(name: str, n: int, numel: int) -> GroupStep:
+    master, dtype, moments = FORMATS[name]
+    spec = StateSpec(master=master, moments=moments, stochastic_rounding=True)
+    params = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
+    grads = [(torch.randn(numel, device="cuda") * 1e-3).to(dtype) for _ in range(n)]
+    plan = GroupPlan(params, spec)
+    arena = StateArena(
+        plan, {"exp_avg": spec.first, "exp_avg_sq": spec.second}, spec.master_for(dtype)
+    )
+    s = reference.adam_scalars(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10, decoupled=True
+    )
+    ids = list(range(n))
+    return GroupStep("adam", spec, plan, ids, params, grads, arena, s, 10, 0, ids, False)
+
+
+def main() -> None:
+    from memopt_kernels_triton import ops
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for name in args.formats.split(","):
+        for n, numel in PROFILES:
+            work = group_work(name, n, numel)
+            for r, w in GEOMETRIES:
+                p = ops.prepare_step(work, ops.KernelConfig(rows=r, num_warps=w))
+                ms = events_ms(lambda p=p, s=work.scalars: p.launch(s, 10, 0, False), args.iters)
+                rows.append(
+                    {"format": name, "tensors": n, "numel": numel, "rows": r, "warps": w, "ms": ms}
+                )
+                print(
+                    f"{name:8s} {n:5d} x {numel:9d} rows={r:2d} warps={w}: {ms:7.3f} ms", flush=True
+                )
+            del work
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

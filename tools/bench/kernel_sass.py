@@ -1,0 +1,115 @@
+"""Instructions per element of the fused AdamW kernel, from SASS compiled for a GPU target on any
+machine (no GPU needed): Triton compiles the kernel ahead of time with its bundled ptxas, and
+its cuobjdump disassembles it.
+
+    python tools/bench/kernel_sass.py [--formats fp32m,bf16m,q8m,ecc24q8] [--arch 90] [--out DIR]
+
+For each format (AdamW, stochastic rounding on; the names of ``kernel_geometry.py``) it prints
+the instruction count of the innermost loop (one ``[ROWS, 32]`` tile), that count per element
+(tile elements over threads), and the opcodes that dominate it. ``--out`` keeps the PTX and the
+cubin. The counts are static: how many instructions one tile issues, not a timing; the
+GPU's Triton version may emit slightly different code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# (master id, first moment id, second moment id): memopt_core.backends.kernel_master_id/moment_id
+FORMATS = {"fp32m": (0, 0, 0), "bf16m": (0, 1, 1), "q8m": (0, 2, 4), "ecc24q8": (3, 2, 4)}
+_MOMENT_PTR = {0: "*fp32", 1: "*i16", 2: "*u8", 4: "*u8"}
+_INTS = ("n_chunks", "seed", "step", "hstride")
+
+
+def compile_adam(name: str, arch: int, rows: int, warps: int):
+    from memopt_kernels_triton.kernels.adam import adam_kernel
+
+    master, f1, f2 = FORMATS[name]
+    constexprs = dict(
+        MASTER=master, FMT1=f1, FMT2=f2, SR=True, NEED_RAND=True, MAXIMIZE=False, HAS_L2=False,
+        HAS_DECAY=True, BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
+    )  # fmt: skip
+    pointers = {
+        "chunk_ptr": "*i64",
+        "slot_ptr": "*i64",
+        "code_ptr": "*u8",
+        "m_ptr": _MOMENT_PTR[f1],
+        "ms_ptr": "*u8",
+        "v_ptr": _MOMENT_PTR[f2],
+        "vs_ptr": "*u8",
+        "hyper_ptr": "*i32",
+    }
+    signature, values = {}, {}
+    for i, arg in enumerate(adam_kernel.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+            values[(i,)] = constexprs[arg]
+        else:
+            signature[arg] = pointers.get(arg, "i32" if arg in _INTS else "fp32")
+    src = ASTSource(fn=adam_kernel, signature=signature, constexprs=values)
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": warps, "enable_fp_fusion": False},
+    )
+
+
+def sass_lines(cubin: Path) -> list[tuple[int, str]]:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    text = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2).strip()))
+    return out
+
+
+def opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def inner_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """Opcodes of the shortest backward-branch loop (the tile loop)."""
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    loops = []
+    for i, (a, text) in enumerate(ins):
+        if opcode(text) == "BRA":
+            m = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
+            if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
+                loops.append((where[int(m.group(1), 16)], i))
+    start, end = min(loops, key=lambda se: se[1] - se[0])
+    return [opcode(t) for _, t in ins[start : end + 1]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (%(default)s)")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("out/sass"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_thread = args.rows * 32 / (args.warps * 32)
+    for name in args.formats.split(","):
+        k = compile_adam(name, args.arch, args.rows, args.warps)
+        (args.out / f"{name}.ptx").write_text(k.asm["ptx"])
+        cubin = args.out / f"{name}.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        body = inner_loop(sass_lines(cubin))
+        top = ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(8))
+        print(f"{name:8s} tile loop {len(body):4d} instructions, {len(body) / per_thread:6.1f} "
+              f"per element ({per_thread:g} per thread); {top}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""kernel_sass.py compiles the fused AdamW kernel for sm_90 without a GPU and counts its tile
+loop: the figures docs/benchmarks/2026-11-30-q8-codecs.md quotes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+_CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("memopt_kernels_triton") is None or not _CUOBJDUMP.exists(),
+    reason="needs memopt-kernels-triton and Triton's bundled NVIDIA tools",
+)
+
+
+def test_counts_the_tile_loop(tmp_path) -> None:
+    import kernel_sass
+
+    counts = {}
+    for name in ("fp32m", "q8m"):
+        k = kernel_sass.compile_adam(name, 90, rows=16, warps=8)
+        cubin = tmp_path / f"{name}.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        body = kernel_sass.inner_loop(kernel_sass.sass_lines(cubin))
+        assert body[-1] == "BRA"
+        assert any(op.startswith("LDG") for op in body)
+        counts[name] = len(body)
+    # q8 moments (codecs, Philox words) cost several times fp32 moments' tile
+    assert 2 * counts["fp32m"] < counts["q8m"]
