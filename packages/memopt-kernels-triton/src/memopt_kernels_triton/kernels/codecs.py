@@ -125,12 +125,14 @@ def mf8_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr
     At or above ``2**EMIN`` the pattern minus the grid's exponent bias, shifted left by
     ``MAN + 1``, is ``t`` (the code's exponent and mantissa fields follow fp32's). Below it ``t``
     is ``y`` in units of ``2**(EMIN - MAN - 24)``: an exact product, truncated to an integer
-    (under ``2**(MAN + 24)``; lanes above the range convert garbage that the select drops).
-    Rounding is then one addition: ``2**24 - 1 - r24`` carries into the code iff
-    ``r24 < frac24``; nearest even adds ``2**23 - 1`` plus the code's last bit."""
+    (under ``2**(MAN + 24)``; lanes above the range take the other branch of the select, and
+    their product is capped at ``2**30`` first so that no conversion leaves int32's range: the
+    GPU would saturate, numpy warns). Rounding is then one addition: ``2**24 - 1 - r24``
+    carries into the code iff ``r24 < frac24``; nearest even adds ``2**23 - 1`` plus the code's
+    last bit."""
     tn = (yb - ((126 + EMIN) << 23)) << (MAN + 1)
     unit = tl.full([], (151 + MAN - EMIN) << 23, tl.int32).to(tl.float32, bitcast=True)
-    ts = (bits_f32(yb) * unit).to(tl.int32)
+    ts = tl.minimum(bits_f32(yb) * unit, 1073741824.0).to(tl.int32)
     t = tl.where(yb >= ((127 + EMIN) << 23), tn, ts).to(tl.uint32, bitcast=True)
     if MODE == 0:
         t = t + (0x7FFFFF + ((t >> 24) & 1))
