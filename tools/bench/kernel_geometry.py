@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from apexw_kernel_probe import events_ms
 
 from memopt_core import reference
 from memopt_core.backends import GroupStep
@@ -30,21 +30,6 @@ FORMATS = {
 }
 GEOMETRIES = [(16, 8), (8, 4), (4, 4), (16, 4), (8, 8), (32, 8), (32, 4), (4, 2), (8, 2)]
 PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
-
-
-def events_ms(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def group_work(name: str, n: int, numel: int) -> GroupStep:
