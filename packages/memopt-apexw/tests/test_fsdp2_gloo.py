@@ -14,13 +14,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fsdp2_apexw import CONFIGS, loss_of, make_model, make_optimizer
 
 from memopt_apexw import ApexW
 from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import ConfigError
-from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
+from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -44,7 +43,7 @@ def results(request, tmp_path_factory):
         for name, (dtype, _) in CONFIGS.items()
     ]
     args = (2, str(out / "init"), str(out), jobs, device)
-    mp.spawn(fsdp2_worker, args=args, nprocs=2, join=True)
+    spawn_ranks(fsdp2_worker, args, 2, [out / f"{j.name}-rank{r}.pt" for j in jobs for r in (0, 1)])
     return device, out
 
 

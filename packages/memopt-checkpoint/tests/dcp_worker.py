@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from memopt_core.testing import init_rank
+from memopt_core.testing import init_rank, leave_group
 
 #: name -> (parameter dtype, optimizer builder name, kwargs)
 CONFIGS = {
@@ -106,5 +106,7 @@ def run(
                 )
             full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
             torch.save(full, f"{out}/{name}-{shape}-rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()

@@ -20,11 +20,10 @@ dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("numpy", reason="torch.distributed.checkpoint pickles its plans with numpy")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
-import torch.multiprocessing as mp  # noqa: E402
 from dcp_worker import BATCH, CONFIGS, batch, loss_of, make_model, make_optimizer, run  # noqa: E402
 
 from memopt_core.device_fixture import DIST_DEVICES  # noqa: E402
-from memopt_core.testing import set_mean_gradients  # noqa: E402
+from memopt_core.testing import set_mean_gradients, spawn_ranks  # noqa: E402
 
 FIRST, THEN = 4, 3
 #: (optimizer, model) pairs
@@ -52,7 +51,9 @@ def _spawn(root, tag, world, cases, start, steps, *, load=False, save=False, dev
     out = root / tag
     out.mkdir()
     args = (world, str(out / "init"), str(out), cases, start, steps, load, save, device)
-    mp.spawn(run, args=args, nprocs=world, join=True)
+    spawn_ranks(
+        run, args, world, [out / f"{c[0]}-{c[1]}-rank{r}.pt" for c in cases for r in range(world)]
+    )
     return {
         case: [
             torch.load(out / f"{case[0]}-{case[1]}-rank{r}.pt", weights_only=True)

@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fsdp2_models import CONFIGS, SHAPES, loss_of, make_model, make_optimizer
 
 from memopt_core import MemOptimizer
 from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import ConfigError
 from memopt_core.sharding import block_aligned, index_base
-from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients
+from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -58,7 +57,7 @@ def fsdp2_results(request, tmp_path_factory) -> tuple[str, Path]:
         for name, shape, reshard in JOBS
     ]
     args = (2, str(out / "init"), str(out), jobs, device)
-    mp.spawn(fsdp2_worker, args=args, nprocs=2, join=True)
+    spawn_ranks(fsdp2_worker, args, 2, [out / f"{j.name}-rank{r}.pt" for j in jobs for r in (0, 1)])
     return device, out
 
 
