@@ -114,19 +114,19 @@ inline uint32_t compose_f32(int32_t sig, int32_t e) {
   return sig > 0 ? out : 0u;
 }
 
-// bits.round_drop_bits: mag >> DROP rounded to nearest even, or stochastically with word r.
+// bits.round_drop_bits: mag >> DROP rounded to nearest even, or stochastically with word r, as
+// one addition before the shift. SR rounds up iff (r >> 8) < rem << (24 - DROP), that is iff
+// r >> (32 - DROP) < rem: adding 2**DROP - 1 less that carries exactly then. Nearest even adds
+// half less one, plus the kept last bit. (mag < 2**31: the sum does not wrap.)
 template <int DROP, bool SR>
 inline uint32_t round_drop_bits(uint32_t mag, uint32_t r) {
-  const uint32_t kept = mag >> DROP;
-  const uint32_t rem = mag & ((1u << DROP) - 1u);
   uint32_t up;
   if constexpr (SR) {
-    up = (r >> 8) < (rem << (24 - DROP)) ? 1u : 0u;
+    up = ((1u << DROP) - 1u) - (r >> (32 - DROP));
   } else {
-    constexpr uint32_t half = 1u << (DROP - 1);
-    up = (rem > half || (rem == half && (kept & 1u))) ? 1u : 0u;
+    up = ((1u << (DROP - 1)) - 1u) + ((mag >> DROP) & 1u);
   }
-  return kept + up;
+  return (mag + up) >> DROP;
 }
 
 // bits.bf16_round: bf16 pattern of fp32 pattern u (NaN stays a quiet NaN).
@@ -138,12 +138,14 @@ inline uint32_t bf16_round(uint32_t u, uint32_t r) {
   return ((u >> 31) << 15) | top;
 }
 
-// Rounding modes of minifloat_encode: nearest even, stochastic, truncation (SR with r = ~0).
+// Rounding modes of the minifloat encoders: nearest even, stochastic, truncation (SR with
+// r = ~0; mf8_round only).
 enum Mode { RNE = 0, STOCH = 1, TRUNC = 2 };
 
-// bits.minifloat_encode: magnitude code of value(mag) * 2**-k on a minifloat grid. The reference
-// computes in int64 with d <= 50 dropped bits; here sig < 2**24 lets 32-bit lanes give the same
-// integers (64-bit variable shifts do not vectorize): for d >= 25 both n and frac24 are 0 anyway.
+// bits.minifloat_encode: magnitude code of value(mag) * 2**-k on a minifloat grid (fp16's; the
+// 8-bit grids take mf8_round). The reference computes in int64 with d <= 50 dropped bits; here
+// sig < 2**24 lets 32-bit lanes give the same integers (64-bit variable shifts do not
+// vectorize): for d >= 25 both n and frac24 are 0 anyway.
 template <int MAN, int EMIN, int MODE>
 inline int32_t minifloat_encode(uint32_t mag, int32_t k, uint32_t r) {
   int32_t sig, ea;
@@ -153,18 +155,27 @@ inline int32_t minifloat_encode(uint32_t mag, int32_t k, uint32_t r) {
   const int32_t d = vmin(qexp - ey + 23, 50);  // >= 23 - MAN
   const int32_t kept = sig >> vmin(d, 31);
   int32_t n;
+  static_assert(MODE != TRUNC, "no caller truncates here");
   if constexpr (MODE == RNE) {
     const int32_t d2 = vmin(d, 25);
     n = (sig + ((1 << (d2 - 1)) - 1) + (kept & 1)) >> d2;
-  } else if constexpr (MODE == STOCH) {
+  } else {
     const int32_t rem = sig - (kept << vmin(d, 31));
     const int32_t frac24 = d <= 24 ? (rem << vmax(24 - d, 0)) : (rem >> vmin(d - 24, 31));
     n = kept + (static_cast<int32_t>(r >> 8) < frac24 ? 1 : 0);
-  } else {
-    n = kept;
   }
   const int32_t code = ((qexp - (EMIN - MAN)) << MAN) + n;
   return sig > 0 ? code : 0;
+}
+
+// fp32 value of 8-bit magnitude codes mag (no specials): exact. A code shifted to fp32's
+// mantissa position is an fp32 pattern worth value * 2**-(126 + EMIN) (the grid's exponent field,
+// bias 1 - EMIN, sits where fp32's does; its subnormals land on fp32 subnormals), so one exact
+// multiply by a power of two rescales it.
+template <int MAN, int EMIN>
+inline float mf_value(int32_t mag) {
+  const float rescale = u2f(static_cast<uint32_t>(253 + EMIN) << 23);  // 2**(126 + EMIN)
+  return u2f(static_cast<uint32_t>(mag) << (23 - MAN)) * rescale;
 }
 
 // bits.minifloat_decode: fp32 pattern of magnitude code * 2**k (exact).
@@ -177,14 +188,47 @@ inline uint32_t minifloat_decode(int32_t code, int32_t k) {
   return compose_f32(sig, e);
 }
 
-// bits.pow2_block_exponent: smallest k in [-127, 127] with value(mmax) * 2**-k <= fmax.
-inline int32_t pow2_block_exponent(uint32_t mmax, uint32_t fmax_bits) {
-  int32_t sig, ea;
-  split_f32(mmax, sig, ea);
-  const int32_t e_f = static_cast<int32_t>(fmax_bits >> 23) - 127;
-  int32_t k = ea - e_f + ((static_cast<uint32_t>(sig) & 0x7FFFFFu) > (fmax_bits & 0x7FFFFFu) ? 1 : 0);
-  k = sig > 0 ? k : -127;
-  return vmin(vmax(k, -127), 127);
+// bits.minifloat_encode for a grid whose codes stay below 2**8 (y at most its largest value: the
+// blocked formats), on the fp32 value y = |x| * 2**-k itself: either exact or below 2**-126
+// (which rounds to code 0 on every such grid, stochastically too: its frac24 is 0). Works on
+// t = code << 24 | frac24 (the code and the 24 bits below its last place, truncated as the
+// reference's frac24 is). At or above 2**EMIN the pattern minus the grid's exponent bias, shifted
+// left by MAN + 1, is t (the code's exponent and mantissa fields follow fp32's). Below it t is y
+// in units of 2**(EMIN - MAN - 24): an exact product under 2**(MAN + 24), truncated by the int
+// conversion; the other lanes' products (and NaN, where y is not finite) are capped at 2**30
+// first, since converting a float outside int32's range is undefined. Rounding is then one
+// addition: 2**24 - 1 - (r >> 8) carries into the code iff (r >> 8) < frac24 (sr_round_up);
+// nearest even adds 2**23 - 1 plus the code's last bit.
+template <int MAN, int EMIN, int MODE>
+inline int32_t mf8_round(float y, uint32_t r) {
+  constexpr int32_t normal = (127 + EMIN) << 23;  // pattern of 2**EMIN
+  const float unit = u2f(static_cast<uint32_t>(151 + MAN - EMIN) << 23);  // 2**(MAN + 24 - EMIN)
+  constexpr float cap = 1073741824.0f;  // 2**30
+  const int32_t yb = static_cast<int32_t>(f2u(y));
+  const uint32_t tn = static_cast<uint32_t>(yb - ((126 + EMIN) << 23)) << (MAN + 1);
+  const float p = y * unit;
+  const uint32_t ts = static_cast<uint32_t>(static_cast<int32_t>(p < cap ? p : cap));
+  uint32_t t = yb >= normal ? tn : ts;
+  if constexpr (MODE == RNE) {
+    t += 0x7FFFFFu + ((t >> 24) & 1u);
+  } else if constexpr (MODE == STOCH) {
+    t += 0xFFFFFFu - (r >> 8);
+  }
+  return static_cast<int32_t>(t >> 24);
+}
+
+// E8M0 scale byte k + 127 of the smallest k >= -127 with value(mmax) * 2**-k <= fmax (mmax the
+// largest finite magnitude pattern of a block, a signed int: 0 gives byte 0): the reference's
+// pow2_block_exponent for the maxima the blocked formats meet (see block_encode: k stays below
+// 127 by itself). On normal patterns k = ceil((mmax - fmax) / 2**23) (exponent difference, plus
+// one when the mantissa is larger). The same arithmetic on a subnormal (or 0) mmax is no
+// logarithm, but with fmax >= 2 such a maximum needs k <= -127 and the formula (monotone in mmax)
+// gives at most -134, so the floor at 0 settles it; q8_sqrt's square roots (fmax 1.875) are never
+// subnormal.
+template <uint32_t FMAX>
+inline int32_t block_scale(int32_t mmax) {
+  constexpr int32_t offset = static_cast<int32_t>(FMAX) - 0x7FFFFF - (127 << 23);
+  return vmax(mmax - offset, 0) >> 23;
 }
 
 // ------------------------------------------------------------------------------ fp16
@@ -193,7 +237,9 @@ template <bool SR>
 inline uint32_t fp16_round(uint32_t u, uint32_t r) {
   const uint32_t mag = u & F32_MAG;
   const bool finite = mag < F32_INF;
-  int32_t code = minifloat_encode<10, -14, SR ? STOCH : RNE>(mag, 0, r);  // see block_encode
+  // the reference encodes 0 in place of a non-finite magnitude; its code is replaced below
+  // either way, and passing mag itself keeps GCC from branching on the zero case
+  int32_t code = minifloat_encode<10, -14, SR ? STOCH : RNE>(mag, 0, r);
   code = vmin(code, 0x7C00);
   code = finite ? code : (mag == F32_INF ? 0x7C00 : 0x7E00);
   return ((u >> 31) << 15) | static_cast<uint32_t>(code);
@@ -367,7 +413,13 @@ struct Q8Sqrt {
   static constexpr int32_t MAXC = 0xFE, NANC = 0xFF, INFC = -1, SIGN = 0;
 };
 
-// BlockMinifloatCodec._encode_codes of one block of 32: codes (before the uint8 store) and k.
+// BlockMinifloatCodec._encode_codes of one block of 32: codes (before the uint8 store) and the
+// scale byte k + 127. |x| * 2**-k is one exact multiply (or lands below 2**-126, see mf8_round).
+// The inputs keep k where the reference never clamps it at 127: e4m3 and e5m2 need at most 120
+// and 113 for the largest fp32, and q8_sqrt encodes square roots of fp32 values (0, or in
+// [2**-75, 2**64]: k is -127 or in [-75, 64]). So 2**-k is a normal number, every scaled block
+// maximum is at most fmax and no code passes the largest finite one (the reference's saturation
+// never acts).
 template <class F, int MODE>
 inline int32_t block_encode(const float* __restrict x, const uint32_t* __restrict r,
                             int32_t* __restrict code) {
@@ -377,22 +429,22 @@ inline int32_t block_encode(const float* __restrict x, const uint32_t* __restric
     const int32_t magf = mag < static_cast<int32_t>(F32_INF) ? mag : 0;
     mmax = mmax > magf ? mmax : magf;
   }
-  const int32_t k = pow2_block_exponent(static_cast<uint32_t>(mmax), F::FMAX);
+  const int32_t s = block_scale<F::FMAX>(mmax);
+  const float inv_scale = u2f(static_cast<uint32_t>(254 - s) << 23);  // 2**-k
   for (int i = 0; i < 32; ++i) {
     const uint32_t u = f2u(x[i]);
     const uint32_t mag = u & F32_MAG;
     const bool finite = mag < F32_INF;
-    // the reference encodes 0 in place of a non-finite magnitude; its code is replaced below
-    // either way, and passing mag itself keeps GCC from branching on the zero case
-    int32_t c = minifloat_encode<F::MAN, F::EMIN, MODE>(mag, k, MODE == STOCH ? r[i] : 0u);
-    c = vmin(c, F::MAXC);
+    // a non-finite magnitude (the reference encodes 0 in its place) gets some code, replaced
+    // below
+    int32_t c = mf8_round<F::MAN, F::EMIN, MODE>(u2f(mag) * inv_scale, MODE == STOCH ? r[i] : 0u);
     int32_t special = F::NANC;
     if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
     c = finite ? c : special;
     if constexpr (F::SIGN != 0) c |= static_cast<int32_t>(u >> 31) * F::SIGN;
     code[i] = c;
   }
-  return k;
+  return s;
 }
 
 // fp32 value of every 8-bit code at scale 2**0 (specials and the sign included): the decoder's
@@ -446,9 +498,9 @@ void encode_blocked(const float* __restrict x, int64_t n, uint8_t* __restrict co
                     uint8_t* __restrict scales, const uint32_t* __restrict r) {
   alignas(64) int32_t c[32];
   for (int64_t b = 0; b < n / 32; ++b) {
-    const int32_t k = block_encode<F, SR ? STOCH : RNE>(x + 32 * b, SR ? r + 32 * b : nullptr, c);
+    const int32_t s = block_encode<F, SR ? STOCH : RNE>(x + 32 * b, SR ? r + 32 * b : nullptr, c);
     for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(c[i]);
-    scales[b] = static_cast<uint8_t>(k + 127);
+    scales[b] = static_cast<uint8_t>(s);
   }
 }
 
@@ -458,43 +510,38 @@ void encode_q8sqrt(const float* __restrict v, int64_t n, uint8_t* __restrict cod
                    uint8_t* __restrict scales, const uint32_t* __restrict r) {
   alignas(64) float s[32];
   alignas(64) int32_t lo[32];
-  alignas(64) uint32_t lo_v[32], hi_v[32];
-  alignas(64) uint8_t hi_c[32];
   for (int64_t b = 0; b < n / 32; ++b) {
     const float* __restrict vb = v + 32 * b;
     for (int i = 0; i < 32; ++i) s[i] = std::sqrt(vb[i]);  // correctly rounded
     if constexpr (!SR) {
-      const int32_t k = block_encode<Q8Sqrt, RNE>(s, nullptr, lo);
+      const int32_t sb = block_encode<Q8Sqrt, RNE>(s, nullptr, lo);
       for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
-      scales[b] = static_cast<uint8_t>(k + 127);
+      scales[b] = static_cast<uint8_t>(sb);
       continue;
     }
-    const int32_t k = block_encode<Q8Sqrt, TRUNC>(s, nullptr, lo);
-    alignas(64) uint8_t lo_c[32];
-    for (int i = 0; i < 32; ++i) {
-      lo_c[i] = static_cast<uint8_t>(lo[i]);
-      hi_c[i] = static_cast<uint8_t>(lo[i] <= Q8Sqrt::MAXC ? vmin(lo[i] + 1, Q8Sqrt::MAXC)
-                                                           : lo[i]);
-    }
-    block_decode<Q8Sqrt>(lo_c, k, lo_v);
-    block_decode<Q8Sqrt>(hi_c, k, hi_v);
+    const int32_t sb = block_encode<Q8Sqrt, TRUNC>(s, nullptr, lo);
+    // 2**k, but 0 in place of 2**-127: that k only scales all-zero blocks, whose lanes have
+    // v = +-0 (num > 0 fails) or a NaN code either way
+    const float scale = u2f(static_cast<uint32_t>(sb) << 23);
     const uint32_t* __restrict rb = r + 32 * b;
     for (int i = 0; i < 32; ++i) {
-      const float l = u2f(lo_v[i]), h = u2f(hi_v[i]);
+      // the neighbouring codes lo <= s <= hi, decoded exactly (the NaN code's value is unused)
+      const float l = mf_value<Q8Sqrt::MAN, Q8Sqrt::EMIN>(lo[i]) * scale;
+      const float h = mf_value<Q8Sqrt::MAN, Q8Sqrt::EMIN>(vmin(lo[i] + 1, Q8Sqrt::MAXC)) * scale;
       const float lo2 = l * l, hi2 = h * h;
       const float num = vb[i] - lo2, den = hi2 - lo2;
       const float frac = num / (den > 0.0f ? den : 1.0f);
       const bool use = (lo[i] <= Q8Sqrt::MAXC) & (den > 0.0f) & (num > 0.0f);
-      // floor(frac * 2**24) clamped to [0, 2**24] (the product is exact: a power of two).
-      // Clamping first makes floor a truncation (floorf itself does not vectorize); NaN -> 0.
-      float f = frac * 16777216.0f;
-      f = f > 0.0f ? vmin(f, 16777216.0f) : 0.0f;
-      const int32_t frac24 = use ? static_cast<int32_t>(f) : 0;
+      // floor(frac * 2**24) (the product is exact: a power of two) as a truncation: where used,
+      // frac is in [0, 1] and the reference's clamp to [0, 2**24] does nothing (s < hi, so
+      // v <= hi * hi and, rounding being monotone, num <= den); other lanes (NaN among them)
+      // convert 0 instead.
+      const int32_t frac24 = static_cast<int32_t>(use ? frac * 16777216.0f : 0.0f);
       const int32_t up = static_cast<int32_t>(rb[i] >> 8) < frac24 ? 1 : 0;
       lo[i] += up;  // 32-bit lanes throughout: mixing in the uint8 store keeps GCC scalar
     }
     for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
-    scales[b] = static_cast<uint8_t>(k + 127);
+    scales[b] = static_cast<uint8_t>(sb);
   }
 }
 
@@ -596,8 +643,9 @@ void dec_master(int32_t master, const void* param, const void* code, int64_t n, 
       const auto* c = static_cast<const uint8_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
         const uint32_t pv = i < real ? p[i] : 0u;
-        const uint32_t top = pv - (c[i] >= 0x80 ? 1u : 0u);
-        x[i] = u2f((top << 16) | (static_cast<uint32_t>(c[i]) << 8));
+        // top16 - (mid8 >= 0x80), then mid8 below it: one addition of the code read as a signed
+        // byte (wrapping like the reference's pattern arithmetic for a zero padding parameter)
+        x[i] = u2f((pv << 16) + (static_cast<uint32_t>(static_cast<int8_t>(c[i])) << 8));
       }
       return;
     }
@@ -606,8 +654,8 @@ void dec_master(int32_t master, const void* param, const void* code, int64_t n, 
       const auto* c = static_cast<const uint16_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
         const uint32_t pv = i < real ? p[i] : 0u;
-        const uint32_t top = pv - (c[i] >= 0x8000 ? 1u : 0u);
-        x[i] = u2f((top << 16) | c[i]);
+        // the code read as a signed 16-bit value (see MASTER_ECC24)
+        x[i] = u2f((pv << 16) + static_cast<uint32_t>(static_cast<int16_t>(c[i])));
       }
       return;
     }
@@ -650,9 +698,10 @@ void enc_master_t(int32_t master, const float* __restrict x, int64_t n, int64_t 
         top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
         top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
         top24 |= (u >> 31) << 23;
-        const uint32_t top = top24 >> 8, mid = top24 & 0xFFu;
-        const uint32_t pv = mag > F32_INF ? top : top + (mid >= 0x80u ? 1u : 0u);
-        c[i] = static_cast<uint8_t>(mid);
+        // top16 + (mid8 >= 0x80) is one rounding addition (no carry reaches the sign: top24's
+        // magnitude is at most 0x7F8000); NaN keeps its top16
+        const uint32_t pv = (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8;
+        c[i] = static_cast<uint8_t>(top24);
         if (i < real) p[i] = static_cast<uint16_t>(pv);
       }
       break;
@@ -662,10 +711,11 @@ void enc_master_t(int32_t master, const float* __restrict x, int64_t n, int64_t 
       auto* c = static_cast<uint16_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
         const uint32_t u = f2u(x[i]);
-        const uint32_t top = u >> 16, low = u & 0xFFFFu;
-        uint32_t pv = top + (low >= 0x8000u ? 1u : 0u);
-        pv = (u & F32_MAG) > F32_INF ? (top | 0x40u) : pv;
-        c[i] = static_cast<uint16_t>(low);
+        // top16 + (low16 >= 0x8000) as one rounding addition (a sum that wraps is a NaN's,
+        // replaced)
+        uint32_t pv = (u + 0x8000u) >> 16;
+        pv = (u & F32_MAG) > F32_INF ? ((u >> 16) | 0x40u) : pv;
+        c[i] = static_cast<uint16_t>(u);
         if (i < real) p[i] = static_cast<uint16_t>(pv);
       }
       break;
