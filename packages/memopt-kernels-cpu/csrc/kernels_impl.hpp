@@ -5,8 +5,8 @@
 //  - float work is only + - * / and sqrt (all correctly rounded in scalar and SIMD forms),
 //    never contracted into FMAs (-ffp-contract=off) nor reassociated (no fast-math);
 //  - every format conversion is integer arithmetic on bit patterns mirroring memopt_core.formats
-//    (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py), or an exact float operation (the
-//    8-bit decoder's table value times the block's power of two);
+//    (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py), or an exact float operation (an
+//    8-bit code's value times the block's power of two);
 //  - stochastic rounding words are Philox4x32-10 as memopt_core.rng defines them.
 // So results are bit-identical to the reference on every instruction set and thread count.
 //
@@ -447,52 +447,6 @@ inline int32_t block_encode(const float* __restrict x, const uint32_t* __restric
   return s;
 }
 
-// fp32 value of every 8-bit code at scale 2**0 (specials and the sign included): the decoder's
-// table. A block's values are then table * 2**k, one multiply that is exact because every value
-// the formats decode to is representable (the smallest is 2**-145), and that overflows to inf
-// exactly where bits.compose_f32 does.
-template <class F>
-struct DecodeTable {
-  float v[256];
-  DecodeTable() {
-    for (int32_t c = 0; c < 256; ++c) {
-      const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
-      uint32_t o = minifloat_decode<F::MAN, F::EMIN>(vmin(mag, F::MAXC), 0);
-      if constexpr (F::INFC >= 0) {
-        o = mag == F::INFC ? F32_INF : o;
-        o = mag > F::INFC ? F32_QNAN : o;
-      } else {
-        o = mag > F::MAXC ? F32_QNAN : o;
-      }
-      if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
-      v[c] = u2f(o);
-    }
-  }
-};
-
-template <class F>
-const float* decode_table() {
-  static const DecodeTable<F> table;  // built once, thread-safe
-  return table.v;
-}
-
-// 2**k as fp32 for k in [-127, 127] (2**-127 is subnormal): exact.
-inline float pow2f(int32_t k) {
-  return u2f(k > -127 ? static_cast<uint32_t>(k + 127) << 23 : 0x00400000u);
-}
-
-// BlockMinifloatCodec._decode_codes of one block: fp32 patterns (not squared for q8_sqrt).
-template <class F>
-inline void block_decode(const uint8_t* __restrict codes, int32_t k, uint32_t* __restrict out) {
-  const float* __restrict table = decode_table<F>();
-  const float scale = pow2f(k);
-  for (int i = 0; i < 32; ++i) {
-    const float t = table[codes[i]];
-    // NaN codes keep the table's pattern (a product's NaN bits are the platform's business)
-    out[i] = t != t ? f2u(t) : f2u(t * scale);
-  }
-}
-
 template <class F, bool SR>
 void encode_blocked(const float* __restrict x, int64_t n, uint8_t* __restrict codes,
                     uint8_t* __restrict scales, const uint32_t* __restrict r) {
@@ -578,16 +532,35 @@ void enc_moment(int32_t fmt, const float* __restrict x, int64_t n, void* codes, 
   }
 }
 
+// 2**(s - 127) as fp32 for E8M0 scale bytes s in [0, 254]: the exponent field is s except at 0,
+// where a max puts the subnormal 2**-127.
+inline float scale_factor(int32_t s) {
+  return u2f(static_cast<uint32_t>(vmax(s << 23, 0x00400000)));
+}
+
+// BlockMinifloatCodec._decode_codes, and Q8SqrtCodec.decode's square where SQUARE. A code's value
+// times the block's 2**k is one multiply that is exact because every value the formats decode to
+// is representable (the smallest is 2**-145), and that overflows to inf exactly where
+// bits.compose_f32 does. Special codes take their patterns after the arithmetic (so a NaN keeps
+// the decoder's pattern, as the reference's NaN check before squaring does).
 template <class F, bool SQUARE>
 void decode_blocked(const uint8_t* __restrict codes, const uint8_t* __restrict scales, int64_t n,
                     float* __restrict out) {
-  alignas(64) uint32_t o[32];
   for (int64_t b = 0; b < n / 32; ++b) {
-    block_decode<F>(codes + 32 * b, static_cast<int32_t>(scales[b]) - 127, o);
+    const float scale = scale_factor(scales[b]);
     for (int i = 0; i < 32; ++i) {
-      const float q = u2f(o[i]);
-      // q8_sqrt squares q; a NaN keeps the decoder's pattern (Q8SqrtCodec.decode)
-      out[32 * b + i] = SQUARE ? (q != q ? q : q * q) : q;
+      const int32_t c = codes[32 * b + i];
+      const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
+      const float q = mf_value<F::MAN, F::EMIN>(mag) * scale;
+      uint32_t o = f2u(SQUARE ? q * q : q);
+      if constexpr (F::INFC >= 0) {
+        o = mag == F::INFC ? F32_INF : o;
+        o = mag > F::INFC ? F32_QNAN : o;
+      } else {
+        o = mag > F::MAXC ? F32_QNAN : o;
+      }
+      if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
+      out[32 * b + i] = u2f(o);
     }
   }
 }
