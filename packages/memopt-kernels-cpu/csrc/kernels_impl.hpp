@@ -484,13 +484,16 @@ void encode_q8sqrt(const float* __restrict v, int64_t n, uint8_t* __restrict cod
       const float h = mf_value<Q8Sqrt::MAN, Q8Sqrt::EMIN>(vmin(lo[i] + 1, Q8Sqrt::MAXC)) * scale;
       const float lo2 = l * l, hi2 = h * h;
       const float num = vb[i] - lo2, den = hi2 - lo2;
-      const float frac = num / (den > 0.0f ? den : 1.0f);
       const bool use = (lo[i] <= Q8Sqrt::MAXC) & (den > 0.0f) & (num > 0.0f);
       // floor(frac * 2**24) (the product is exact: a power of two) as a truncation: where used,
       // frac is in [0, 1] and the reference's clamp to [0, 2**24] does nothing (s < hi, so
-      // v <= hi * hi and, rounding being monotone, num <= den); other lanes (NaN among them)
-      // convert 0 instead.
-      const int32_t frac24 = static_cast<int32_t>(use ? frac * 16777216.0f : 0.0f);
+      // v <= hi * hi and, rounding being monotone, num <= den). The other lanes (NaN among
+      // them) divide 0 by 1, so every lane converts an in-range value. The operands are
+      // selected with a bit mask: from a select (of the operands or of the result) GCC makes a
+      // branch around the division, which only AVX-512's masks if-convert (trapping math).
+      const uint32_t keep = 0u - static_cast<uint32_t>(use);
+      const float frac = u2f(f2u(num) & keep) / u2f((f2u(den) & keep) | (0x3F800000u & ~keep));
+      const int32_t frac24 = static_cast<int32_t>(frac * 16777216.0f);
       const int32_t up = static_cast<int32_t>(rb[i] >> 8) < frac24 ? 1 : 0;
       lo[i] += up;  // 32-bit lanes throughout: mixing in the uint8 store keeps GCC scalar
     }
@@ -548,11 +551,18 @@ void decode_blocked(const uint8_t* __restrict codes, const uint8_t* __restrict s
                     float* __restrict out) {
   for (int64_t b = 0; b < n / 32; ++b) {
     const float scale = scale_factor(scales[b]);
+    float* __restrict ob = out + 32 * b;
+    // two loops: in one, GCC would compute the product only for the codes that keep it, a
+    // conditional float operation that only AVX-512's masks can if-convert (trapping math)
+    for (int i = 0; i < 32; ++i) {
+      const int32_t c = codes[32 * b + i];
+      const float q = mf_value<F::MAN, F::EMIN>(F::SIGN != 0 ? (c & (F::SIGN - 1)) : c) * scale;
+      ob[i] = SQUARE ? q * q : q;
+    }
     for (int i = 0; i < 32; ++i) {
       const int32_t c = codes[32 * b + i];
       const int32_t mag = F::SIGN != 0 ? (c & (F::SIGN - 1)) : c;
-      const float q = mf_value<F::MAN, F::EMIN>(mag) * scale;
-      uint32_t o = f2u(SQUARE ? q * q : q);
+      uint32_t o = f2u(ob[i]);
       if constexpr (F::INFC >= 0) {
         o = mag == F::INFC ? F32_INF : o;
         o = mag > F::INFC ? F32_QNAN : o;
@@ -560,7 +570,7 @@ void decode_blocked(const uint8_t* __restrict codes, const uint8_t* __restrict s
         o = mag > F::MAXC ? F32_QNAN : o;
       }
       if constexpr (F::SIGN != 0) o |= static_cast<uint32_t>(c >> 7) << 31;
-      out[32 * b + i] = u2f(o);
+      ob[i] = u2f(o);
     }
   }
 }
