@@ -91,16 +91,6 @@ inline int32_t floor_log2(int32_t v) {
   return static_cast<int32_t>((f2u(static_cast<float>(v)) >> 23) & 0xFF) - 127;
 }
 
-// bits.split_f32: value = sig * 2**(ea - 23), sig normalized to [2**23, 2**24) (0 for zero).
-inline void split_f32(uint32_t mag, int32_t& sig, int32_t& ea) {
-  const int32_t ef = static_cast<int32_t>(mag >> 23);
-  const int32_t frac = static_cast<int32_t>(mag & 0x7FFFFF);
-  const int32_t s = ef > 0 ? (frac | 0x800000) : frac;
-  const int32_t sh = 23 - floor_log2(vmax(s, 1));
-  sig = s << sh;
-  ea = vmax(ef, 1) - 127 - sh;
-}
-
 // bits.compose_f32: pattern of sig * 2**e (0 <= sig < 2**24), exact when representable.
 inline uint32_t compose_f32(int32_t sig, int32_t e) {
   const int32_t s = vmax(sig, 1);
@@ -142,17 +132,17 @@ inline uint32_t bf16_round(uint32_t u, uint32_t r) {
 // r = ~0; mf8_round only).
 enum Mode { RNE = 0, STOCH = 1, TRUNC = 2 };
 
-// bits.minifloat_encode: magnitude code of value(mag) * 2**-k on a minifloat grid (fp16's; the
-// 8-bit grids take mf8_round). The reference computes in int64 with d <= 50 dropped bits; here
-// sig < 2**24 lets 32-bit lanes give the same integers (64-bit variable shifts do not
-// vectorize): for d >= 25 both n and frac24 are 0 anyway.
+// bits.minifloat_encode with k = 0 on fp16's grid (the 8-bit grids take mf8_round): magnitude
+// code of value(mag) for a finite mag. mag's own exponent and 24-bit significand stand in for the
+// reference's normalization: a normal mag is exact, and a subnormal one (below 2**-126) rounds to
+// code 0 on this grid either way, stochastically too (its frac24 is 0). The reference computes in
+// int64 with d <= 50 dropped bits; here sig < 2**24 lets 32-bit lanes give the same integers
+// (64-bit variable shifts do not vectorize): for d >= 25 both n and frac24 are 0 anyway.
 template <int MAN, int EMIN, int MODE>
-inline int32_t minifloat_encode(uint32_t mag, int32_t k, uint32_t r) {
-  int32_t sig, ea;
-  split_f32(mag, sig, ea);
-  const int32_t ey = ea - k;
-  const int32_t qexp = vmax(ey, EMIN) - MAN;
-  const int32_t d = vmin(qexp - ey + 23, 50);  // >= 23 - MAN
+inline int32_t minifloat_encode(uint32_t mag, uint32_t r) {
+  const int32_t ey = static_cast<int32_t>(mag >> 23) - 127;
+  const int32_t sig = static_cast<int32_t>(mag & 0x7FFFFF) | 0x800000;
+  const int32_t d = vmin(vmax(EMIN - ey, 0) + (23 - MAN), 48);  // dropped low bits of sig
   const int32_t kept = sig >> vmin(d, 31);
   int32_t n;
   static_assert(MODE != TRUNC, "no caller truncates here");
@@ -164,8 +154,7 @@ inline int32_t minifloat_encode(uint32_t mag, int32_t k, uint32_t r) {
     const int32_t frac24 = d <= 24 ? (rem << vmax(24 - d, 0)) : (rem >> vmin(d - 24, 31));
     n = kept + (static_cast<int32_t>(r >> 8) < frac24 ? 1 : 0);
   }
-  const int32_t code = ((qexp - (EMIN - MAN)) << MAN) + n;
-  return sig > 0 ? code : 0;
+  return ((vmax(ey, EMIN) - EMIN) << MAN) + n;
 }
 
 // fp32 value of 8-bit magnitude codes mag (no specials): exact. A code shifted to fp32's
@@ -239,7 +228,7 @@ inline uint32_t fp16_round(uint32_t u, uint32_t r) {
   const bool finite = mag < F32_INF;
   // the reference encodes 0 in place of a non-finite magnitude; its code is replaced below
   // either way, and passing mag itself keeps GCC from branching on the zero case
-  int32_t code = minifloat_encode<10, -14, SR ? STOCH : RNE>(mag, 0, r);
+  int32_t code = minifloat_encode<10, -14, SR ? STOCH : RNE>(mag, r);
   code = vmin(code, 0x7C00);
   code = finite ? code : (mag == F32_INF ? 0x7C00 : 0x7E00);
   return ((u >> 31) << 15) | static_cast<uint32_t>(code);
