@@ -37,6 +37,7 @@ def compile_adam(name: str, arch: int, rows: int, warps: int):
         MASTER=master, FMT1=f1, FMT2=f2, SR=True, NEED_RAND=True, MAXIMIZE=False, HAS_L2=False,
         HAS_DECAY=True, BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
     )  # fmt: skip
+    constexprs["AHEAD"] = constexprs["BS"] == 1  # as ops.prepare_step chooses
     pointers = {
         "chunk_ptr": "*i64",
         "slot_ptr": "*i64",

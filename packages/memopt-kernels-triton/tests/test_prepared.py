@@ -318,7 +318,7 @@ def test_default_geometry_depends_on_blocked_moments(monkeypatch):
         blocked = triton_ops.kernel_config(blocked=True)
         plain = triton_ops.kernel_config()
         assert (blocked.rows, blocked.num_warps) == (8, 4)
-        assert (plain.rows, plain.num_warps) == (16, 8)
+        assert (plain.rows, plain.num_warps) == (32, 8)
         mine = triton_ops.KernelConfig(rows=32, num_warps=2)
         assert triton_ops.kernel_config(mine) is mine
         assert triton_ops.kernel_config(blocked=True) is mine

@@ -445,11 +445,12 @@ class KernelConfig:
 
 
 _INTERP_CONFIG = KernelConfig(rows=4, chunk_size=256, num_warps=4, programs=3)
-_GPU_CONFIG = KernelConfig()
-# A group with a blocked 8-bit moment runs faster in smaller programs: on the H200 (2026-11-30,
-# docs/benchmarks/2026-11-30-q8-codecs.md) 8 rows x 4 warps took 5.46 ms against 7.01 ms for the
-# default on 8 x 64M with q8 moments, 6.13 against 6.34 ms with ECC-24 + q8; bf16 and fp32
-# moments gained nothing clear from it.
+# On the H200 (2026-11-30, docs/benchmarks/2026-11-30-prefetch.md), groups whose moments are not
+# blocked load one tile ahead (AHEAD) and run fastest in large tiles: 32 rows x 8 warps took
+# 3.89 ms against 4.11 at 16 x 8 for bf16 moments on 8 x 64M. Groups with a blocked 8-bit moment
+# load in place and run faster in small programs (2026-11-30-q8-codecs.md): 8 rows x 4 warps
+# took 5.46 ms against 7.01 at 16 x 8 with q8 moments, 6.13 against 6.34 with ECC-24 + q8.
+_GPU_CONFIG = KernelConfig(rows=32, num_warps=8)
 _GPU_BLOCKED_CONFIG = KernelConfig(rows=8, num_warps=4)
 _config_override: KernelConfig | None = None
 
@@ -457,7 +458,7 @@ _config_override: KernelConfig | None = None
 def kernel_config(config: KernelConfig | None = None, *, blocked: bool = False) -> KernelConfig:
     """The fused step's launch configuration. ``config`` replaces it for every later step (until
     :func:`reset_kernel_config`); without a replacement, the default for a group whose moments
-    are ``blocked`` (an 8-bit format with block scales: 8 rows x 4 warps on a GPU) or not (16 rows
+    are ``blocked`` (an 8-bit format with block scales: 8 rows x 4 warps on a GPU) or not (32 rows
     x 8 warps)."""
     global _config_override
     if config is not None:
@@ -1019,11 +1020,13 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         f2, v, vs = _moment_args(arena, "exp_avg_sq", dev)
         head += (m, ms, v, vs)
-        kw.update(FMT1=f1, FMT2=f2, NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0))
+        kw.update(
+            FMT1=f1, FMT2=f2, NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0), AHEAD=bs == 1
+        )
     elif work.rule == "lion":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         head += (m, ms)
-        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0))
+        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0), AHEAD=bs == 1)
     else:
         has_momentum = work.scalars.momentum != 0.0
         f1, b, bsc = _moment_args(arena, "momentum_buffer" if has_momentum else None, dev)

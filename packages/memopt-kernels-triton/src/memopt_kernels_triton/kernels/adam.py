@@ -14,6 +14,12 @@ Per element, in core's order with every operation individually rounded (launched
 States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``FMT2``);
 ``q8_sqrt`` reuses ``sqrt_rn(v)`` for its encoding.
 
+``AHEAD``: each tile's loads are issued one tile ahead, before the previous tile's math, and its
+words stay undecoded until their own turn. The kernel otherwise waits on memory latency (Nsight
+Compute, docs/benchmarks/2026-11-30-q8-codecs.md); the extra registers cost more than that
+saves in the blocked 8-bit formats' larger code, so the launcher turns it on for the others
+(docs/benchmarks/2026-11-30-prefetch.md).
+
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.ADAM_HYPER_FIELDS`) instead of the arguments, so a launch
 captured in a CUDA graph picks up each step's learning rate and step count from device memory:
@@ -32,12 +38,27 @@ import triton.language as tl
 from memopt_kernels_triton.kernels import codecs as C
 from memopt_kernels_triton.kernels.philox import r24_of, stream_words
 from memopt_kernels_triton.kernels.tiles import (
+    ahead_masks,
     chunk_info,
     hyper_f32,
     hyper_word,
     master_ptrs,
     tile_masks,
 )
+
+
+@triton.jit
+def _tile_words(
+    t, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+    ROWS: tl.constexpr, MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+):  # fmt: skip
+    """The undecoded words (master, gradient, both moments) of the tile at chunk element ``t``."""
+    offs, emask, amask, soffs, first = ahead_masks(t, lofs, length, limit, ROWS)
+    xp, xc = C.load_master_raw(pp, cp, offs, emask, amask, MASTER)
+    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER)
+    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, first, amask, FMT1)
+    vc, vs = C.load_moment_raw(vp, vsp, offs, soffs, first, amask, FMT2)
+    return xp, xc, gw, mc, ms, vc, vs
 
 
 @triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
@@ -74,6 +95,7 @@ def adam_kernel(
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -115,15 +137,32 @@ def adam_kernel(
         vp = v_ptr + aoff
         msp = ms_ptr + aoff // 32
         vsp = vs_ptr + aoff // 32
-        for t in range(0, limit, ROWS * 32):
+        tile = ROWS * 32
+        if AHEAD:
+            xp, xc, gw, mc, ms, vc, vs = _tile_words(
+                0, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+                ROWS, MASTER, FMT1, FMT2,
+            )  # fmt: skip
+        for t in range(0, limit, tile):
+            if AHEAD:
+                nxp, nxc, ngw, nmc, nms, nvc, nvs = _tile_words(
+                    t + tile, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+                    ROWS, MASTER, FMT1, FMT2,
+                )  # fmt: skip
             offs, emask, amask = tile_masks(t, lofs, length, padded)
             soffs, first = C.scale_offsets(t // 32, ROWS)
-            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
-            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if AHEAD:
+                x = C.decode_master(xp, xc, MASTER)
+                g = C.grad_value(gw, gkind, MASTER)
+                m = C.decode_moment(mc, ms, FMT1)
+                v = C.decode_moment(vc, vs, FMT2)
+            else:
+                x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+                m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
+                v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if UNSCALE:
                 g = g * inv
-            m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
-            v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if NEED_RAND:
                 w0, w1, w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)
@@ -147,3 +186,5 @@ def adam_kernel(
             C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
             C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)
             C.store_moment(v, vp, vsp, offs, soffs, first, amask, r2, FMT2, SR, s)
+            if AHEAD:
+                xp, xc, gw, mc, ms, vc, vs = nxp, nxc, ngw, nmc, nms, nvc, nvs

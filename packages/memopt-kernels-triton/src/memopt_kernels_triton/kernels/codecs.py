@@ -326,22 +326,45 @@ def scale_offsets(b0, ROWS: tl.constexpr):
 
 
 @triton.jit
-def load_moment(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
-    """Decode the moment tile at element offsets ``offs`` ``[R, 32]`` (scale offsets ``soffs``
-    and lane-0 mask ``first`` from :func:`scale_offsets`).
+def load_moment_raw(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
+    """The moment tile's stored words at element offsets ``offs`` ``[R, 32]`` (scale offsets
+    ``soffs`` and lane-0 mask ``first`` from :func:`scale_offsets`), undecoded: ``(values or
+    codes, scale bytes)`` for :func:`decode_moment`. A kernel that issues the next tile's loads
+    before this tile's math decodes them only when it needs them, so nothing waits on the loads.
 
     ``ptr`` points at the field ``""`` (fp32, int16 for bf16, uint8 for the 8-bit codes) and
-    ``sptr`` at the per-block ``uint8`` scales, both already offset to the chunk. The first lane
-    of each block loads its scale byte; a row reduction hands it to the other 31."""
+    ``sptr`` at the per-block ``uint8`` scales, both already offset to the chunk. Only the first
+    lane of each block loads its scale byte."""
     if FMT == FMT_FP32:
-        m = tl.load(ptr + offs, mask=amask, other=0.0)
+        c = tl.load(ptr + offs, mask=amask, other=0.0)
+        s = 0
     elif FMT == FMT_BF16:
-        m = bf16_widen(tl.load(ptr + offs, mask=amask, other=0).to(tl.int32))
+        c = tl.load(ptr + offs, mask=amask, other=0).to(tl.int32)
+        s = 0
     else:
         c = tl.load(ptr + offs, mask=amask, other=0).to(tl.int32) & 0xFF
         s = tl.load(sptr + soffs, mask=amask & first, other=0).to(tl.int32) & 0xFF
+    return c, s
+
+
+@triton.jit
+def decode_moment(c, s, FMT: tl.constexpr):
+    """fp32 moment tile from :func:`load_moment_raw`'s words; a row reduction hands each block's
+    scale byte from lane 0 to the other 31."""
+    if FMT == FMT_FP32:
+        m = c
+    elif FMT == FMT_BF16:
+        m = bf16_widen(c)
+    else:
         m = decode_blocked(c, tl.max(s, axis=1, keep_dims=True), FMT)  # the row's one byte
     return m
+
+
+@triton.jit
+def load_moment(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
+    """The decoded moment tile (:func:`load_moment_raw`, then :func:`decode_moment`)."""
+    c, s = load_moment_raw(ptr, sptr, offs, soffs, first, amask, FMT)
+    return decode_moment(c, s, FMT)
 
 
 @triton.jit
@@ -415,19 +438,27 @@ def encode_master(x, r24, MASTER: tl.constexpr, SR: tl.constexpr):
 
 
 @triton.jit
-def load_master(pptr, cptr, offs, emask, amask, MASTER: tl.constexpr):
-    """Decode the master tile: parameters at ``pptr + offs`` (real elements; padding reads 0, as
-    the torch backend's zero padding), codes at ``cptr + offs`` (whole blocks)."""
+def load_master_raw(pptr, cptr, offs, emask, amask, MASTER: tl.constexpr):
+    """The master tile's stored words, undecoded (``(param, code)`` for :func:`decode_master`):
+    parameters at ``pptr + offs`` (real elements; padding reads 0, as the torch backend's zero
+    padding), codes at ``cptr + offs`` (whole blocks)."""
     if MASTER == MASTER_FP32:
-        x = tl.load(pptr + offs, mask=emask, other=0.0)
+        p = tl.load(pptr + offs, mask=emask, other=0.0)
+        c = 0
     else:
         p = tl.load(pptr + offs, mask=emask, other=0).to(tl.int32)
         if MASTER == MASTER_ECC24 or MASTER == MASTER_ECC32:  # noqa: SIM109 (constexprs)
             c = tl.load(cptr + offs, mask=amask, other=0).to(tl.int32)
         else:
             c = 0
-        x = decode_master(p, c, MASTER)
-    return x
+    return p, c
+
+
+@triton.jit
+def load_master(pptr, cptr, offs, emask, amask, MASTER: tl.constexpr):
+    """The decoded master tile (:func:`load_master_raw`, then :func:`decode_master`)."""
+    p, c = load_master_raw(pptr, cptr, offs, emask, amask, MASTER)
+    return decode_master(p, c, MASTER)
 
 
 @triton.jit
@@ -445,10 +476,41 @@ def store_master(x, pptr, cptr, offs, emask, amask, r24, MASTER: tl.constexpr, S
 
 
 @triton.jit
+def load_grad_raw(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
+    """The gradient tile's stored words from int64 address ``gptr`` (elements ``start + offs``),
+    undecoded (for :func:`grad_value`): fp32 values with an fp32 master, else int32 holding the
+    fp32 bits (``gkind`` 1, a float32 gradient) or the 16-bit pattern (``gkind`` 0, the
+    parameter's dtype). Padding reads 0."""
+    if MASTER == MASTER_FP32:
+        g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+    else:
+        if gkind != 0:
+            g = tl.load(gptr.to(tl.pointer_type(tl.int32)) + start + offs, mask=emask, other=0)
+        else:
+            g16 = tl.load(gptr.to(tl.pointer_type(tl.int16)) + start + offs, mask=emask, other=0)
+            g = g16.to(tl.int32)
+    return g
+
+
+@triton.jit
+def grad_value(g, gkind, MASTER: tl.constexpr):
+    """fp32 gradient tile from :func:`load_grad_raw`'s words (16-bit patterns widened exactly)."""
+    if MASTER == MASTER_FP32:
+        out = g
+    else:
+        if gkind != 0:
+            out = g.to(tl.float32, bitcast=True)
+        else:
+            out = fp16_widen(g) if MASTER == MASTER_FP16 else bf16_widen(g)
+    return out
+
+
+@triton.jit
 def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
     """Gradient tile as fp32 from int64 address ``gptr`` (elements ``start + offs``): ``gkind`` 1 =
     float32 gradient, 0 = the parameter's 16-bit dtype (widened exactly on the pattern). Padding
-    reads 0."""
+    reads 0. Not :func:`load_grad_raw` then :func:`grad_value`: one branch on ``gkind`` instead
+    of two, which the blocked formats' kernels (loading in place) feel."""
     if MASTER == MASTER_FP32:
         g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
     else:

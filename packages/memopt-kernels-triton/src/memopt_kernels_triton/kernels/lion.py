@@ -6,6 +6,8 @@ u = beta1 * m + one_minus_beta1 * g
 p = p - lr * sign(u)                (sign(±0) = sign(NaN) = +0, as torch.sign)
 m = beta2 * m + one_minus_beta2 * g
 
+``AHEAD``: loads run one tile ahead of the math, as in :mod:`~memopt_kernels_triton.kernels.adam`.
+
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.LION_HYPER_FIELDS`) instead of the arguments, as in
 :mod:`~memopt_kernels_triton.kernels.adam` (one row per tensor or a shared one, ``skip`` and ``inv_scale``).
@@ -19,12 +21,26 @@ import triton.language as tl
 from memopt_kernels_triton.kernels import codecs as C
 from memopt_kernels_triton.kernels.philox import r24_of, stream_words
 from memopt_kernels_triton.kernels.tiles import (
+    ahead_masks,
     chunk_info,
     hyper_f32,
     hyper_word,
     master_ptrs,
     tile_masks,
 )
+
+
+@triton.jit
+def _tile_words(
+    t, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp,
+    ROWS: tl.constexpr, MASTER: tl.constexpr, FMT1: tl.constexpr,
+):  # fmt: skip
+    """The undecoded words (master, gradient, moment) of the tile at chunk element ``t``."""
+    offs, emask, amask, soffs, first = ahead_masks(t, lofs, length, limit, ROWS)
+    xp, xc = C.load_master_raw(pp, cp, offs, emask, amask, MASTER)
+    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER)
+    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, first, amask, FMT1)
+    return xp, xc, gw, mc, ms
 
 
 @triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
@@ -55,6 +71,7 @@ def lion_kernel(
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -89,14 +106,29 @@ def lion_kernel(
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         mp = m_ptr + aoff
         msp = ms_ptr + aoff // 32
-        for t in range(0, limit, ROWS * 32):
+        tile = ROWS * 32
+        if AHEAD:
+            xp, xc, gw, mc, ms = _tile_words(
+                0, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, ROWS, MASTER, FMT1
+            )
+        for t in range(0, limit, tile):
+            if AHEAD:
+                nxp, nxc, ngw, nmc, nms = _tile_words(
+                    t + tile, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp,
+                    ROWS, MASTER, FMT1,
+                )  # fmt: skip
             offs, emask, amask = tile_masks(t, lofs, length, padded)
             soffs, first = C.scale_offsets(t // 32, ROWS)
-            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
-            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+            if AHEAD:
+                x = C.decode_master(xp, xc, MASTER)
+                g = C.grad_value(gw, gkind, MASTER)
+                m = C.decode_moment(mc, ms, FMT1)
+            else:
+                x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
+                m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if UNSCALE:
                 g = g * inv
-            m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if NEED_RAND:
                 w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
                 r0 = r24_of(w0)
@@ -114,3 +146,5 @@ def lion_kernel(
             m = b2 * m + omb2 * g
             C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
             C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)
+            if AHEAD:
+                xp, xc, gw, mc, ms = nxp, nxc, ngw, nmc, nms

@@ -49,6 +49,18 @@ def tile_masks(t, lofs, length, padded):
 
 
 @triton.jit
+def ahead_masks(t, lofs, length, limit, ROWS: tl.constexpr):
+    """Offsets, real-element and arena masks, scale offsets and lane-0 mask for loading the
+    tile at chunk element ``t`` one tile ahead of its math: nothing at or past ``limit`` (the
+    chunk's arena end, or 0 for a skipped step) is read, so the load after a chunk's last tile
+    touches no memory."""
+    offs = t + lofs
+    amask = offs < limit
+    soffs, first = C.scale_offsets(t // 32, ROWS)
+    return offs, (offs < length) & amask, amask, soffs, first
+
+
+@triton.jit
 def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr):
     """Typed parameter pointer at the chunk's first element and master-code pointer at its arena
     offset."""
