@@ -1,0 +1,172 @@
+"""A/B of the fused Adam and Lion kernels on a GPU: the working tree's kernels against those of a
+git revision, in one process, so that both sides see the same GPU state.
+
+    python tools/bench/kernel_ab.py [--baseline HEAD~1] [--rounds 3] [--out ab.json]
+
+The baseline's ``kernels/adam.py`` and ``kernels/lion.py`` are read with ``git show`` and loaded
+as modules beside the installed package (they import its codecs, tiles and Philox, so a change to
+those shared modules shows on both sides). For each case (rule, state format, geometries) and
+profile (8 x 64M, 4096 x 32K) the tool first runs one launch of each side from the same state and
+compares every output bit (``same_bits``), then times prepared launches in ``--rounds``
+interleaved rounds (median of 11 launches between CUDA events per round; the row's ``ms`` is the
+median over rounds). Constexprs the baseline does not declare (e.g. ``AHEAD``) are dropped for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from apexw_kernel_probe import events_ms
+from kernel_geometry import FORMATS, group_work
+
+from memopt_core import reference
+from memopt_core.backends import GroupStep
+from memopt_core.formats import StateSpec
+from memopt_core.plan import GroupPlan, StateArena
+
+_KERNEL_FILES = {"adam": "adam", "lion": "lion"}  # rule -> module under kernels/
+_PACKAGE_DIR = "packages/memopt-kernels-triton/src/memopt_kernels_triton/kernels"
+CASES = [  # (rule, format, geometries (rows, warps)); the first geometry also checks bits
+    ("adam", "bf16m", [(16, 8), (32, 8)]),
+    ("adam", "fp32m", [(16, 8), (32, 8)]),
+    ("adam", "q8m", [(8, 4)]),
+    ("adam", "ecc24q8", [(8, 4)]),
+    ("lion", "bf16m", [(16, 8), (32, 8)]),
+    ("lion", "ecc24q8", [(8, 4)]),
+]
+PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
+
+
+class _Declared:
+    """A baseline kernel launched with only the constexprs its signature declares."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.names = set(kernel.arg_names)
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            return self.kernel[grid](*args, **{k: v for k, v in kw.items() if k in self.names})
+
+        return run
+
+
+def load_baseline(rev: str, root: Path) -> dict[str, _Declared]:
+    """``{rule: kernel}`` of revision ``rev``'s kernel modules."""
+    out = {}
+    tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
+    for rule, name in _KERNEL_FILES.items():
+        src = subprocess.run(
+            ["git", "show", f"{rev}:{_PACKAGE_DIR}/{name}.py"],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        path = tmp / f"baseline_{name}.py"
+        path.write_text(src)  # Triton's jit reads a kernel's source from its file
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        out[rule] = _Declared(getattr(module, f"{rule}_kernel"))
+    return out
+
+
+def lion_work(name: str, n: int, numel: int) -> GroupStep:
+    """A Lion group of ``n`` tensors in format ``name`` (``kernel_geometry``'s formats)."""
+    master, dtype, moments = FORMATS[name]
+    spec = StateSpec(master=master, moments=moments, stochastic_rounding=True)
+    params = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
+    grads = [(torch.randn(numel, device="cuda") * 1e-3).to(dtype) for _ in range(n)]
+    plan = GroupPlan(params, spec)
+    arena = StateArena(plan, {"exp_avg": spec.first}, spec.master_for(dtype))
+    s = reference.lion_scalars(
+        lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01, maximize=False, initial_lr=None
+    )
+    ids = list(range(n))
+    return GroupStep("lion", spec, plan, ids, params, grads, arena, s, 10, 0, ids, False)
+
+
+def _state(work: GroupStep) -> list[torch.Tensor]:
+    out = list(work.params)
+    for fields in work.arena.fields.values():
+        out += list(fields.values())
+    if work.arena.master_code is not None:
+        out.append(work.arena.master_code)
+    return out
+
+
+def main() -> None:
+    from memopt_kernels_triton import ops
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default="HEAD~1", help="git revision (%(default)s)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(__file__).resolve().parents[2]
+    sides = (load_baseline(args.baseline, root), dict(ops._KERNELS))
+    labels = (args.baseline, "tree")
+    rows = []
+    for rule, name, geos in CASES:
+        for n, numel in PROFILES:
+            work = (group_work if rule == "adam" else lion_work)(name, n, numel)
+            start = [t.clone() for t in _state(work)]
+            ends = []
+            for side in sides:
+                for t, s in zip(_state(work), start, strict=True):
+                    t.copy_(s)
+                ops._KERNELS[rule] = side[rule]
+                rows_, warps = geos[0]
+                ops.prepare_step(work, ops.KernelConfig(rows=rows_, num_warps=warps)).launch(
+                    work.scalars, 10, 0, False
+                )
+                torch.cuda.synchronize()
+                ends.append([t.clone() for t in _state(work)])
+            same = all(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(*ends, strict=True)
+            )
+            del start, ends
+            times: dict[tuple[int, int, int], list[float]] = {}
+            for _ in range(args.rounds):
+                for i, side in enumerate(sides):
+                    ops._KERNELS[rule] = side[rule]
+                    for r, w in geos:
+                        p = ops.prepare_step(work, ops.KernelConfig(rows=r, num_warps=w))
+                        ms = events_ms(lambda p=p, s=work.scalars: p.launch(s, 10, 0, False), 11)
+                        times.setdefault((i, r, w), []).append(ms)
+            for (i, r, w), ms in times.items():
+                row = {
+                    "rule": rule, "format": name, "tensors": n, "numel": numel,
+                    "kernels": labels[i], "rows": r, "warps": w,
+                    "ms": round(statistics.median(ms), 4), "rounds": [round(x, 4) for x in ms],
+                    "same_bits": same,
+                }  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{rule:4s} {name:8s} {n:5d} x {numel:9d} {labels[i]:>10s} {r:2d}x{w}: "
+                    f"{row['ms']:7.3f} ms  same bits: {same}",
+                    flush=True,
+                )
+            del work
+            torch.cuda.empty_cache()
+    ops._KERNELS.update(sides[1])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""kernel_ab.py loads a git revision's Adam and Lion kernels beside the installed package and
+launches each with only the constexprs it declares (the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("memopt_kernels_triton") is None,
+    reason="needs memopt-kernels-triton",
+)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_declared_drops_unknown_constexprs() -> None:
+    import kernel_ab
+
+    seen = {}
+
+    class Fake:
+        arg_names = ("x", "ROWS")
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.update(kw, grid=grid)
+
+            return run
+
+    kernel_ab._Declared(Fake())[(3,)](1, ROWS=4, AHEAD=True)
+    assert seen == {"ROWS": 4, "grid": (3,)}
+
+
+def test_loads_the_revision_kernels() -> None:
+    import kernel_ab
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    kernels = kernel_ab.load_baseline("HEAD", ROOT)
+    assert set(kernels) == {"adam", "lion"}
+    assert {"ROWS", "MASTER", "FMT1"} <= kernels["adam"].names
+    assert "FMT2" not in kernels["lion"].names
