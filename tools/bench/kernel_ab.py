@@ -1,10 +1,11 @@
 """A/B of the fused Adam and Lion kernels on a GPU: the working tree's kernels against those of a
 git revision, in one process, so that both sides see the same GPU state.
 
-    python tools/bench/kernel_ab.py [--baseline HEAD~1] [--rounds 3] [--out ab.json]
+    python tools/bench/kernel_ab.py [--baseline HEAD~1 | DIR] [--rounds 3] [--out ab.json]
 
-The baseline's ``kernels/adam.py`` and ``kernels/lion.py`` are read with ``git show`` and loaded
-as modules beside the installed package (they import its codecs, tiles and Philox, so a change to
+The baseline's ``kernels/adam.py`` and ``kernels/lion.py`` are read with ``git show`` (or from
+folder ``DIR``, for a host whose copy of the tree has no git history) and loaded as modules
+beside the installed package (they import its codecs, tiles and Philox, so a change to
 those shared modules shows on both sides). For each case (rule, state format, geometries) and
 profile (8 x 64M, 4096 x 32K) the tool first runs one launch of each side from the same state and
 compares every output bit (``same_bits``), then times prepared launches in ``--rounds``
@@ -60,17 +61,20 @@ class _Declared:
 
 
 def load_baseline(rev: str, root: Path) -> dict[str, _Declared]:
-    """``{rule: kernel}`` of revision ``rev``'s kernel modules."""
+    """``{rule: kernel}`` of revision ``rev``'s kernel modules (or of folder ``rev``'s copies)."""
     out = {}
     tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     for rule, name in _KERNEL_FILES.items():
-        src = subprocess.run(
-            ["git", "show", f"{rev}:{_PACKAGE_DIR}/{name}.py"],
-            cwd=root,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
+        if Path(rev).is_dir():
+            src = (Path(rev) / f"{name}.py").read_text()
+        else:
+            src = subprocess.run(
+                ["git", "show", f"{rev}:{_PACKAGE_DIR}/{name}.py"],
+                cwd=root,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
         path = tmp / f"baseline_{name}.py"
         path.write_text(src)  # Triton's jit reads a kernel's source from its file
         spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
@@ -111,7 +115,7 @@ def main() -> None:
     from memopt_kernels_triton import ops
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", default="HEAD~1", help="git revision (%(default)s)")
+    ap.add_argument("--baseline", default="HEAD~1", help="git revision or folder (%(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -44,3 +44,13 @@ def test_loads_the_revision_kernels() -> None:
     assert set(kernels) == {"adam", "lion"}
     assert {"ROWS", "MASTER", "FMT1"} <= kernels["adam"].names
     assert "FMT2" not in kernels["lion"].names
+
+
+def test_loads_kernels_from_a_folder(tmp_path) -> None:
+    import kernel_ab
+
+    src = ROOT / kernel_ab._PACKAGE_DIR
+    for name in ("adam", "lion"):
+        (tmp_path / f"{name}.py").write_text((src / f"{name}.py").read_text())
+    kernels = kernel_ab.load_baseline(str(tmp_path), ROOT)
+    assert "AHEAD" in kernels["adam"].names
