@@ -40,6 +40,7 @@ CASES = [  # (rule, format, geometries (rows, warps)); the first geometry also c
     ("adam", "fp32m", [(16, 8), (32, 8)]),
     ("adam", "q8m", [(8, 4)]),
     ("adam", "ecc24q8", [(8, 4)]),
+    ("adam", "ecc24bf16", [(16, 8), (32, 8)]),
     ("lion", "bf16m", [(16, 8), (32, 8)]),
     ("lion", "ecc24q8", [(8, 4)]),
 ]

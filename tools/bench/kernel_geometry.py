@@ -2,10 +2,11 @@
 launches (``memopt_kernels_triton.ops.prepare_step``) timed between CUDA events, median of
 ``--iters``, for each (rows of 32 elements, warps) pair, on a few-large and a many-small profile.
 
-    python tools/bench/kernel_geometry.py [--formats fp32m,bf16m,q8m,ecc24q8] [--out geo.json]
+    python tools/bench/kernel_geometry.py [--formats fp32m,bf16m,q8m,ecc24q8,ecc24bf16] [--out geo.json]
 
 Formats (AdamW, stochastic rounding on): ``fp32m`` fp32 parameters and moments, ``bf16m`` bf16
-moments, ``q8m`` q8 moments, ``ecc24q8`` bf16 parameters with the ECC-24 master and q8 moments.
+moments, ``q8m`` q8 moments, ``ecc24q8`` bf16 parameters with the ECC-24 master and q8 moments,
+``ecc24bf16`` the same master with bf16 moments.
 What chose the default geometries of ``memopt_kernels_triton.ops.kernel_config``.
 """
 
@@ -27,6 +28,7 @@ FORMATS = {
     "bf16m": ("fp32", torch.float32, "bf16"),
     "q8m": ("fp32", torch.float32, "q8"),
     "ecc24q8": ("ecc24", torch.bfloat16, "q8"),
+    "ecc24bf16": ("ecc24", torch.bfloat16, "bf16"),
 }
 GEOMETRIES = [(16, 8), (8, 4), (4, 4), (16, 4), (8, 8), (32, 8), (32, 4), (4, 2), (8, 2)]
 PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
