@@ -6,6 +6,7 @@
 - :mod:`memopt_core.plan`: multi-tensor planning (groups, state arenas, chunk tables).
 - :mod:`memopt_core.backends`: the kernel-backend registry and the pure-torch backend.
 - :mod:`memopt_core.optimizer`: :class:`MemOptimizer`, the base of every memopt optimizer.
+- :mod:`memopt_core.cached_step`: the resolved eager step it replays while addresses hold.
 - :mod:`memopt_core.errors`: the exception hierarchy.
 """
 

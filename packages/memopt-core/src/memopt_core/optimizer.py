@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import sys
 import warnings
 from collections import defaultdict
@@ -49,6 +50,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, reference
+from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.errors import ConfigError, NumericsError, StateDictError
 from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.plan import (
@@ -297,6 +299,15 @@ class MemOptimizer(Optimizer):
         self._plans: dict[int, _GroupPlans] = {}
         self._where: dict[int, tuple[int, int, int]] = {}
         self._index: dict[int, int] | None = None
+        self._drop_cached_steps()
+
+    def _drop_cached_steps(self) -> None:
+        """Forget every cached step (:mod:`memopt_core.cached_step`): plans, state or step
+        counters changed in a way its address check cannot see. Subclasses also drop what they
+        derived from them."""
+        self._cached_steps: dict[Any, CachedStep] = {}
+        self._cache_futile = 0  # cached steps in a row dropped before they ever replayed
+        self._cache_wait = 0  # ordinary steps to run before caching again
 
     def _reset_release(self) -> None:
         self._release_owner: object | None = None
@@ -463,6 +474,7 @@ class MemOptimizer(Optimizer):
             param_group["initial_lr"] = merged["lr"]
         super().add_param_group(param_group)
         self._index = None
+        self._drop_cached_steps()
 
     # ------------------------------------------------------------------------- plans, arenas
     def _tensor_index(self) -> dict[int, int]:
@@ -549,6 +561,7 @@ class MemOptimizer(Optimizer):
             self._build_group(gi, group, members, names, formats, signature)
 
     def _build_group(self, gi, group, members, names, formats, signature) -> None:
+        self._drop_cached_steps()  # they hold the old plans and arenas
         index = self._tensor_index()
         old = self._plans.pop(gi, None)
         if old is not None:
@@ -788,8 +801,9 @@ class MemOptimizer(Optimizer):
         amp: tuple[Tensor | None, Tensor | None] | None = None,
     ) -> list[tuple[Any, backends.GroupStep]]:
         """One update of ``only`` (None: every parameter with a gradient); returns the
-        (backend, work) pairs it ran, in order (memopt_apexw caches them). ``amp``: a
-        GradScaler's (scale, found_inf) for a capturable step."""
+        (backend, work) pairs it ran, in order (:meth:`_update_and_cache` caches them). ``amp``:
+        a GradScaler's (scale, found_inf) for a capturable step."""
+        self._check_before_update(only)
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
@@ -838,15 +852,24 @@ class MemOptimizer(Optimizer):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
             if work.device_step is None:  # a device step advanced its counters itself
-                counted = next(host)
-                if work.full:
-                    counted.steps.add_(1)
-                elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
-                    for si in work.slots:
-                        counted.step_views[si].add_(1)
-                else:
-                    counted.steps[torch.tensor(work.slots)] += 1
+                self._count_step(next(host), work)
         return works
+
+    @staticmethod
+    def _count_step(entry: _Entry, work: backends.GroupStep) -> None:
+        """Advance the host step counters of ``work``'s parameters (views of ``entry.steps``)."""
+        if work.full:
+            entry.steps.add_(1)
+        elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
+            for si in work.slots:
+                entry.step_views[si].add_(1)
+        else:
+            entry.steps[torch.tensor(work.slots)] += 1
+
+    def _check_before_update(self, only: list[Tensor] | None) -> None:
+        """Extension point: checks that must pass before an update of ``only`` (None: every
+        parameter with a gradient) changes anything; a replayed cached step runs them too
+        (memopt-ecc's resolution check with ``check_numerics``)."""
 
     def _device_work(self, gi, entry, spec, backend, part, staging, amp) -> backends.GroupStep:
         """The capturable step of ``part`` (one entry's participating parameters) in param
@@ -1034,6 +1057,10 @@ class MemOptimizer(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
+        Without ``capturable``, the works of an earlier step are replayed while every parameter
+        and gradient keeps its address (:mod:`memopt_core.cached_step`): the same bits without
+        the per-tensor host work.
+
         While gradient release is active: does nothing (the closure is not called), warns once
         per activation and returns None; torch's step hooks still run once.
         """
@@ -1044,12 +1071,110 @@ class MemOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        amp = None
-        if self._capturable:  # set by GradScaler.step (see _step_supports_amp_scaling)
-            amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         with torch.no_grad():
-            self._update(None, amp=amp)
+            if self._capturable:  # GradScaler.step sets these (see _step_supports_amp_scaling)
+                amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+                self._update(None, amp=amp)
+            elif not self._replay(None):
+                self._update_and_cache(None)
         return loss
+
+    # ---------------------------------------------------------------------- the cached step
+    def _resolved_for(self, group: Mapping[str, Any]) -> tuple:
+        """What a cached step's resolved works depend on in ``group`` besides the per-step
+        scalars: the state formats and the kernel variants a prepared launch fixed (Triton's
+        SGD keeps a momentum buffer or not)."""
+        return (
+            group["master"],
+            group["moments"],
+            group["stochastic_rounding"],
+            group["maximize"],
+            group["momentum"] != 0,
+        )
+
+    def _resolution_keys(self) -> tuple:
+        """Everything a cached step was resolved for besides addresses (the backend choice,
+        each group's :meth:`_resolved_for`)."""
+        return (backends.forced_backend(self.backend), *map(self._resolved_for, self.param_groups))
+
+    def _update_and_cache(self, key: Any) -> None:
+        """An ordinary update of every parameter with a gradient, its works then cached under
+        ``key`` when they can be replayed (memopt_apexw keeps one per mode)."""
+        works = self._update(None)
+        if self._cache_wait:  # gradients kept moving: caching would only cost
+            self._cache_wait -= 1
+            return
+        cached = self._build_cached(works)
+        if cached is not None:
+            cached.drop_grads()
+            self._cached_steps[key] = cached
+
+    def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
+        """The cached step of ``works`` (their gradients still attached), or None for sharded
+        (FSDP2) parameters, whose gradients arrive in new buffers every step. A state group whose
+        parameters are at several step counts has one work per count; replays advance each
+        work's counters together, so the grouping holds while the gradients' addresses do."""
+        entries: list[CachedEntry] = []
+        by_plan = {id(e.plan): e for gp in self._plans.values() for e in gp.entries}
+        for backend, work in works:
+            entry = by_plan[id(work.plan)]
+            if entry.sharded:
+                return None
+            gi = work.plan.group_index
+            params, owners = self.param_groups[gi]["params"], work.param_owners
+            positions = None
+            if len(owners) != len(params) or not all(map(operator.is_, owners, params)):
+                where = {id(p): i for i, p in enumerate(params)}
+                positions = tuple(where[id(p)] for p in owners)
+            entries.append(CachedEntry(gi, backend, work, entry, positions))
+        return CachedStep(entries, self.param_groups, self._resolution_keys())
+
+    def _replay(self, key: Any) -> bool:
+        """Replay the step cached under ``key`` if it is still valid (True); else drop it."""
+        cached = self._cached_steps.get(key)
+        if cached is None:
+            return False
+        grads = cached.current_grads(self.param_groups, self._resolution_keys())
+        if grads is None:
+            del self._cached_steps[key]
+            if cached.replays == 0:  # back off exponentially, up to 31 steps
+                self._cache_futile = min(self._cache_futile + 1, 5)
+                self._cache_wait = 2**self._cache_futile - 1
+            return False
+        cached.replays += 1
+        self._cache_futile = 0
+        self._check_before_update(None)
+        cached.hand_grads(grads)
+        try:
+            checked: set[int] = set()
+            for e in cached.entries:
+                group = self.param_groups[e.group_index]
+                if e.group_index not in checked:
+                    self._check_group(group, f"(param group {e.group_index})")
+                    checked.add(e.group_index)
+                work = e.work
+                work.step = e.last_step + 1
+                work.first_step = work.step == 1
+                work.scalars = self._scalars(group, work.step)
+                work.seed = self.seed
+            if self.check_numerics:
+                self._check_finite([(e.backend, e.work) for e in cached.entries])
+            if not cached.prepared:
+                cached.prepare()
+            self._launch_cached(cached)
+        finally:
+            cached.drop_grads()
+        return True
+
+    def _launch_cached(self, cached: CachedStep) -> None:
+        """Run every work of ``cached`` (scalars, step and gradients set) and count the step."""
+        for e in cached.entries:
+            work = e.work
+            if e.prepared is not None:
+                e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
+            else:
+                e.backend.step(work)
+            self._count_step(e.counters, work)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -1105,6 +1230,7 @@ class MemOptimizer(Optimizer):
                 )
                 raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
         amp = None if found_inf is None else (None, found_inf)
+        self._drop_cached_steps()  # some counters advance: the cached step counts would differ
         with torch.no_grad():
             self._update(params, staging, grads, amp=amp)
 

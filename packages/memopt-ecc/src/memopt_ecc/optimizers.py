@@ -220,13 +220,11 @@ class FlashOptimizer(MemOptimizer):
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------------------ stepping
-    def _update(self, only: list[Tensor] | None, *args: Any, **kwargs: Any) -> list:
-        # core's single entry of step() (only=None: every parameter) and step_parameters(),
-        # under no_grad: the resolution check runs before anything changes
+    def _check_before_update(self, only: list[Tensor] | None) -> None:
+        # core runs it before every update (step(), a replayed cached step, step_parameters())
         if self.check_numerics:
             params = [p for g in self.param_groups for p in g["params"]] if only is None else only
             self._check_resolution(params)
-        return super()._update(only, *args, **kwargs)
 
     # ---------------------------------------------------------------------- numerics check
     def _step_bound(self, group: Mapping[str, Any], gmax: float, mag: float) -> float:

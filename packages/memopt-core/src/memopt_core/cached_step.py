@@ -1,0 +1,147 @@
+"""The resolved eager step a :class:`~memopt_core.MemOptimizer` replays while nothing it was
+resolved for changed: O(state groups) host work per step plus a few C-level passes over the
+tensors.
+
+An ordinary step (``MemOptimizer._update``) plans, checks every gradient, groups parameters by
+step count, selects backends and builds the :class:`~memopt_core.backends.GroupStep` of each state
+group and step count: per-tensor Python work (16 ms over 4096 tensors on the H200's host). A
+:class:`CachedStep` keeps those works (one per state group and step count: replays advance each
+work's counters together, so the grouping holds), with the backend's prepared launch where the
+backend offers ``prepare()`` (Triton; prepared at the first replay, so a step that never replays
+costs no preparation). ``MemOptimizer._replay`` then recomputes only the scalars (schedulers and
+edited hyperparameters take effect), launches and advances the counters.
+
+:meth:`CachedStep.current_grads` is the check before every replay: the same param group objects
+and lengths, the same resolution keys (backend choice, formats, kernel variants: what
+``MemOptimizer._resolution_keys`` returns), every parameter and every gradient at its address
+(or still None), and every gradient of its dtype: the ECC family takes float32 gradients of
+bfloat16 parameters, and a launch prepared for one gradient dtype must not read the other.
+Addresses, not tensors, are kept: a gradient freed by ``zero_grad(set_to_none=True)`` and
+allocated again at the same address is still valid, and holding gradients between steps would
+keep a whole model's freed gradients alive. What the check cannot see (plans rebuilt, state
+loaded, param groups added, ``step_parameters`` advancing some counters) the optimizer handles by
+dropping its cached steps. The counters are assumed to change only through the optimizer: a
+``state[p]["step"]`` replaced by hand between replays is not seen. A cached step that is dropped
+before it ever replayed makes the optimizer wait before caching again (1, 3, 7, ... up to 31
+ordinary steps), so a loop whose gradients move every step pays little for the attempts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
+
+from torch import Tensor
+
+from memopt_core import backends
+
+__all__ = ["CachedEntry", "CachedStep", "grad_addresses", "grad_dtypes", "param_addresses"]
+
+_GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+_DATA_PTR = Tensor.data_ptr
+
+
+def param_addresses(params: Sequence[Tensor]) -> tuple[int, ...]:
+    """Storage addresses of ``params``."""
+    return tuple(map(_DATA_PTR, params))
+
+
+def grad_addresses(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
+    """Storage addresses of ``grads``, -1 for None (an empty tensor's address is 0)."""
+    try:
+        return tuple(map(_DATA_PTR, grads))  # a C-level loop: the common case
+    except TypeError:  # some gradient is None
+        return tuple(-1 if g is None else g.data_ptr() for g in grads)
+
+
+def grad_dtypes(grads: Sequence[Tensor | None]) -> tuple[Any, ...]:
+    """Dtypes of ``grads`` (None for None)."""
+    try:
+        return tuple(map(_DTYPE, grads))
+    except AttributeError:
+        return tuple(None if g is None else g.dtype for g in grads)
+
+
+@dataclass
+class CachedEntry:
+    """One work of a cached step: a state group's participating parameters."""
+
+    group_index: int
+    backend: Any
+    work: backends.GroupStep
+    counters: Any  # the optimizer's plan entry: its ``steps`` hold the work's step counters
+    positions: tuple[int, ...] | None  # where work.params sit in their group (None: all, in order)
+    prepared: Any = None  # the backend's prepared launch, or None (then backend.step(work))
+
+    @property
+    def last_step(self) -> int:
+        """The step count the work's parameters have reached (read from their counters, which
+        another cached step of the same optimizer may also have advanced)."""
+        return int(self.counters.steps[self.work.slots[0]])
+
+
+class CachedStep:
+    """Every state group's resolved step, valid while :meth:`current_grads` says so."""
+
+    def __init__(
+        self, entries: list[CachedEntry], groups: list[dict[str, Any]], keys: tuple
+    ) -> None:
+        self.entries = entries
+        self.prepared = False
+        self.replays = 0
+        self._groups = list(groups)
+        self._keys = keys
+        self._counts = [len(g["params"]) for g in groups]
+        self._pptrs = [param_addresses(g["params"]) for g in groups]
+        grads = [list(map(_GRAD, g["params"])) for g in groups]
+        self._gptrs = list(map(grad_addresses, grads))
+        self._dtypes = list(map(grad_dtypes, grads))
+
+    def current_grads(
+        self, groups: list[dict[str, Any]], keys: tuple
+    ) -> list[list[Tensor | None]] | None:
+        """Each param group's gradients when replaying is valid for ``groups`` (the optimizer's
+        ``param_groups``) with resolution ``keys`` now, else None."""
+        if keys != self._keys or len(groups) != len(self._groups):
+            return None
+        out = []
+        try:
+            for gi, group in enumerate(groups):
+                params = group["params"]
+                if group is not self._groups[gi] or len(params) != self._counts[gi]:
+                    return None
+                if param_addresses(params) != self._pptrs[gi]:
+                    return None
+                grads = list(map(_GRAD, params))
+                if (
+                    grad_addresses(grads) != self._gptrs[gi]
+                    or grad_dtypes(grads) != self._dtypes[gi]
+                ):
+                    return None
+                out.append(grads)
+        except RuntimeError:  # a tensor without storage (a sparse gradient): the ordinary step
+            return None  # explains what is wrong
+        return out
+
+    def hand_grads(self, grads: list[list[Tensor | None]]) -> None:
+        """Give each work the current gradients of its parameters."""
+        for e in self.entries:
+            g = grads[e.group_index]
+            e.work.grads = g if e.positions is None else list(map(g.__getitem__, e.positions))
+
+    def drop_grads(self) -> None:
+        """Let go of the gradients (a queued kernel's stream keeps their memory valid)."""
+        for e in self.entries:
+            e.work.grads = []
+
+    def prepare(self) -> None:
+        """Resolve the prepared launches of backends that offer ``prepare()`` (the works hold
+        their current gradients)."""
+        for e in self.entries:
+            prepare = getattr(e.backend, "prepare", None)
+            prepared = prepare(e.work) if prepare is not None else None
+            e.prepared = prepared if prepared is not None and prepared.reusable else None
+        self.prepared = True

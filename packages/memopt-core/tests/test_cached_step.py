@@ -1,0 +1,385 @@
+"""The cached eager step (:mod:`memopt_core.cached_step`): ``step()`` replays the resolved works
+of an earlier step while nothing they were resolved for changed, with the bits, step counts and
+states of the ordinary step. Each scenario runs a cached optimizer next to one that always takes
+the ordinary path (``Uncached``) and compares every bit, on the torch backend, the cpu backend
+where installed, and Triton's prepared launches in its interpreter (a subprocess: Triton reads
+``TRITON_INTERPRET`` at import)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from memopt_core import MemOptimizer, NumericsError, backends
+
+CONFIGS = {
+    "adamw-ecc24-q8": dict(rule="adamw", dtype=torch.bfloat16, master="ecc24", moments="q8"),
+    "adam-fp32-l2": dict(rule="adam", dtype=torch.float32, moments="fp32", weight_decay=0.05),
+    "lion-ecc32-bf16": dict(rule="lion", dtype=torch.bfloat16, master="ecc32", moments="bf16"),
+    "sgd-momentum": dict(
+        rule="sgd", dtype=torch.bfloat16, master="ecc24", moments="bf16", momentum=0.9
+    ),
+    "sgd-nesterov": dict(
+        rule="sgdw", dtype=torch.float32, moments="fp8", momentum=0.8, nesterov=True
+    ),
+    "sgd-plain": dict(rule="sgd", dtype=torch.float32, moments="fp32", weight_decay=0.01),
+}
+SHAPES = [(7, 9), (), (0, 3), (100,), (33,), (2, 65)]
+
+
+class Uncached(MemOptimizer):
+    """The ordinary step every time: what the cached step must equal."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        with torch.no_grad():
+            self._update(None)
+
+
+def backend_names() -> list[str]:
+    names = ["torch"]
+    status = backends.available_backends().get("cpu")
+    if status is not None and status.usable:
+        names.append("cpu")
+    return names
+
+
+@pytest.fixture(params=backend_names())
+def backend(request):
+    return request.param
+
+
+def make_params(dtype, seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen) * 2).to(dtype).requires_grad_() for s in shapes]
+
+
+def twin(params):
+    return [p.detach().clone().requires_grad_(p.requires_grad) for p in params]
+
+
+def pair(cfg_name, backend, seed=0, **kw):
+    """Parameters and a cached optimizer over them, a twin set and an uncached one."""
+    cfg = dict(CONFIGS[cfg_name])
+    dtype = cfg.pop("dtype")
+    cfg.update(kw)
+    a = make_params(dtype, seed)
+    b = twin(a)
+    opts = [
+        cls(ps, lr=1e-2, backend=backend, **cfg) for cls, ps in ((MemOptimizer, a), (Uncached, b))
+    ]
+    return a, b, *opts
+
+
+def grads_for(params, step, skip=()):
+    gen = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen) * (1 + step % 3)
+        out.append(None if i in skip else g.to(p.dtype))
+    return out
+
+
+def set_grads(params, step, *, in_place=True, skip=()):
+    """Deterministic gradients of ``step``: copied into the existing ones when ``in_place``
+    (their addresses stay), else new tensors; None for the positions in ``skip``."""
+    for p, g in zip(params, grads_for(params, step, skip), strict=True):
+        if g is None:
+            p.grad = None
+        elif in_place and p.grad is not None and p.grad.dtype == g.dtype:
+            p.grad.copy_(g)
+        else:
+            p.grad = g
+
+
+def step_both(a, b, opt, ref, step, **kw):
+    set_grads(a, step, **kw)
+    set_grads(b, step, in_place=False, skip=kw.get("skip", ()))
+    opt.step()
+    ref.step()
+
+
+def bits(t):
+    t = t.detach().contiguous()
+    if t.dtype.is_floating_point:
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t
+
+
+def assert_same(a, b, opt, ref, where=""):
+    for i, (p, q) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(bits(p), bits(q)), f"{where}: parameter {i} differs"
+        sa, sb = opt.state.get(p, {}), ref.state.get(q, {})
+        assert sorted(sa) == sorted(sb), f"{where}: parameter {i} state keys differ"
+        for k in sa:
+            assert torch.equal(bits(sa[k]), bits(sb[k])), f"{where}: state {k!r} of {i} differs"
+
+
+# ------------------------------------------------------------------------------- scenarios
+# plain functions of the backend name, so the Triton subprocess runs them too
+
+
+def run_replays_bit_exact(backend, cfg_name, steps=24):
+    a, b, opt, ref = pair(cfg_name, backend)
+    step_both(a, b, opt, ref, 1)
+    cached = opt._cached_steps[None]
+    for step in range(2, steps + 1):
+        step_both(a, b, opt, ref, step)
+        assert opt._cached_steps[None] is cached, f"step {step} did not replay"
+        if step in (2, 3, steps):
+            assert_same(a, b, opt, ref, f"step {step}")
+    assert cached.replays == steps - 1
+    assert float(opt.state[a[0]]["step"]) == steps
+
+
+def run_lr_schedule(backend):
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend, decouple_lr=True, weight_decay=0.1)
+    sa = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=30)
+    sb = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=5e-2, total_steps=30)
+    for step in range(1, 26):
+        if step == 12:  # hand-edited hyperparameters take effect on a replay too
+            for g in (opt.param_groups[0], ref.param_groups[0]):
+                g["betas"] = (0.8, 0.99)
+                g["eps"] = 1e-6
+        step_both(a, b, opt, ref, step)
+        sa.step()
+        sb.step()
+    assert opt._cached_steps[None].replays == 24
+    assert_same(a, b, opt, ref)
+
+
+def run_new_gradient_addresses(backend):
+    a, b, opt, ref = pair("lion-ecc32-bf16", backend)
+    for step in range(1, 25):  # new tensors every step until 8, then every fifth step
+        step_both(a, b, opt, ref, step, in_place=step > 8 and step % 5 != 0)
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert opt._cached_steps[None].replays > 0  # cached again once the addresses held
+
+
+def run_gradient_dtype_switch(backend):
+    """bfloat16 parameters whose gradients change from bfloat16 to float32 at the same
+    addresses: the cached step must not replay works resolved for the other dtype."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    bufs = [torch.zeros(max(p.numel(), 1)) for p in a]  # fp32 storage; bf16 views share it
+    for p in a + b:
+        p.grad_dtype = None  # torch then accepts a float32 gradient of a bfloat16 tensor
+
+    def set_viewed(step, dtype):
+        for p, buf, g in zip(a, bufs, grads_for(a, step), strict=True):
+            view = buf[: p.numel()] if dtype == torch.float32 else buf.view(torch.bfloat16)
+            view = view[: p.numel()].view(p.shape)
+            view.copy_(g.to(dtype))
+            p.grad = view
+        for q, g in zip(b, grads_for(b, step), strict=True):
+            q.grad = g.to(dtype)
+
+    for step in range(1, 13):
+        dtype = torch.bfloat16 if step <= 4 or step > 8 else torch.float32
+        set_viewed(step, dtype)
+        before = opt._cached_steps.get(None)
+        opt.step()
+        ref.step()
+        if step in (5, 9):  # the same addresses, another dtype: resolved again
+            assert opt._cached_steps.get(None) is not before
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert all(a[i].grad.data_ptr() == bufs[i].data_ptr() for i in (0, 3))
+
+
+def run_partial_and_frozen(backend):
+    a, b, opt, ref = pair("sgd-momentum", backend)
+    a[1].requires_grad_(False)  # frozen: never a gradient, no state
+    b[1].requires_grad_(False)
+    for step in range(1, 25):
+        skip = {1} | ({3, 4} if 6 <= step < 12 else set()) | ({5} if 13 <= step < 17 else set())
+        step_both(a, b, opt, ref, step, skip=skip)
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert 1 not in [i for i, p in enumerate(a) if p in opt.state]
+    assert opt._cached_steps[None].replays > 0
+
+
+def run_mixed_dtypes_in_a_group(backend):
+    """float32 and bfloat16 parameters in one group: two state groups whose parameters sit
+    interleaved in the group's list."""
+    gen = torch.Generator().manual_seed(5)
+    a = [
+        torch.randn(s, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+        for i, s in enumerate(SHAPES)
+    ]
+    a = [p.requires_grad_() for p in a]
+    b = twin(a)
+    kw = dict(rule="adamw", lr=1e-2, master="ecc24", moments="q8", backend=backend)
+    opt, ref = MemOptimizer(a, **kw), Uncached(b, **kw)
+    for step in range(1, 21):
+        step_both(a, b, opt, ref, step, skip={2} if 6 <= step < 10 else ())
+    # the float32 parameters at two step counts (#2 skipped four steps), the bfloat16 ones
+    assert len(opt._cached_steps[None].entries) == 3
+    assert opt._cached_steps[None].replays == 10
+    assert_same(a, b, opt, ref)
+
+
+def run_add_param_group_and_load_state_dict(backend):
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    extra_a = make_params(torch.float32, seed=7, shapes=[(17,), (3, 5)])
+    extra_b = twin(extra_a)
+    for step in range(1, 5):
+        step_both(a, b, opt, ref, step)
+    opt.add_param_group({"params": extra_a, "lr": 5e-3, "moments": "bf16"})
+    ref.add_param_group({"params": extra_b, "lr": 5e-3, "moments": "bf16"})
+    assert not opt._cached_steps
+    for step in range(5, 11):
+        step_both(a + extra_a, b + extra_b, opt, ref, step)
+    assert_same(a + extra_a, b + extra_b, opt, ref, "after add_param_group")
+    assert float(opt.state[extra_a[0]]["step"]) == 6.0
+    opt.load_state_dict(ref.state_dict())  # the same values in new tensors
+    assert not opt._cached_steps
+    for step in range(11, 17):
+        step_both(a + extra_a, b + extra_b, opt, ref, step)
+    assert_same(a + extra_a, b + extra_b, opt, ref, "after load_state_dict")
+    assert float(opt.state[a[0]]["step"]) == 16.0
+
+
+def run_step_parameters_between_steps(backend):
+    a, b, opt, ref = pair("sgd-momentum", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    set_grads(a, 4)
+    set_grads(b, 4)
+    opt.step_parameters(a[:3])
+    ref.step_parameters(b[:3])
+    assert not opt._cached_steps
+    for step in range(5, 12):  # parameters at two step counts now: two works, both replayed
+        step_both(a, b, opt, ref, step)
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert len(opt._cached_steps[None].entries) == 2
+    assert opt._cached_steps[None].replays == 6
+    assert float(opt.state[a[0]]["step"]) == 11.0
+    assert float(opt.state[a[4]]["step"]) == 10.0
+
+
+def run_momentum_switched_on(backend):
+    """SGD's momentum buffer appears when momentum goes from 0 to nonzero: plans rebuild."""
+    a, b, opt, ref = pair("sgd-plain", backend)
+    for step in range(1, 16):
+        if step == 6:
+            for g in (opt.param_groups[0], ref.param_groups[0]):
+                g["momentum"] = 0.9
+        if step == 11:
+            for g in (opt.param_groups[0], ref.param_groups[0]):
+                g["momentum"] = 0.0
+        step_both(a, b, opt, ref, step)
+        assert_same(a, b, opt, ref, f"step {step}")
+
+
+#: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
+ADDRESS_SCENARIOS = [
+    run_new_gradient_addresses,
+    run_gradient_dtype_switch,
+    run_partial_and_frozen,
+    run_add_param_group_and_load_state_dict,
+    run_step_parameters_between_steps,
+    run_momentum_switched_on,
+]
+SCENARIOS = [run_lr_schedule, run_mixed_dtypes_in_a_group, *ADDRESS_SCENARIOS]
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+def test_replays_bit_exact(backend, cfg_name):
+    run_replays_bit_exact(backend, cfg_name)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__.removeprefix("run_"))
+def test_scenario(backend, scenario):
+    scenario(backend)
+
+
+def test_check_numerics_on_a_replay(backend):
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend, check_numerics=True)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    cached = opt._cached_steps[None]
+    before = [bits(p).clone() for p in a]
+    steps = float(opt.state[a[0]]["step"])
+    a[3].grad[5] = float("nan")
+    with pytest.raises(NumericsError, match="non-finite"):
+        opt.step()
+    assert all(torch.equal(bits(p), x) for p, x in zip(a, before, strict=True))
+    assert float(opt.state[a[0]]["step"]) == steps
+    assert opt._cached_steps[None] is cached  # still valid: nothing changed
+    step_both(a, b, opt, ref, 4)
+    assert_same(a, b, opt, ref)
+
+
+def test_gradients_moving_every_step_back_off(backend):
+    """A cached step that never replays stops being built for a while (it would only cost),
+    and caching resumes once the gradients stay."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    built = 0
+    for step in range(1, 31):
+        step_both(a, b, opt, ref, step, in_place=False)
+        built += None in opt._cached_steps
+    assert built < 10
+    for step in range(31, 71):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    assert_same(a, b, opt, ref)
+
+
+def test_holds_no_gradient_between_steps(backend):
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    refs = [weakref.ref(p.grad) for p in a]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_copies_start_without_a_cached_step():
+    params = make_params(torch.float32)
+    opt = MemOptimizer(params, lr=1e-2, backend="torch")
+    set_grads(params, 1)
+    opt.step()
+    assert None in opt._cached_steps
+    assert copy.deepcopy(opt)._cached_steps == {}
+
+
+_TRITON_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import test_cached_step as t
+for name in t.CONFIGS:
+    t.run_replays_bit_exact("triton", name, steps=4)
+for scenario in t.ADDRESS_SCENARIOS:
+    scenario("triton")
+print("same bits")
+"""
+
+
+def test_triton_prepared_launches_in_the_interpreter(tmp_path):
+    """Triton's prepared launches hold raw addresses and the gradient dtype: every configuration
+    and every scenario that changes what they fixed, in the interpreter (about a minute)."""
+    for mod in ("memopt_kernels_triton", "triton", "numpy"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"needs {mod} (Triton's interpreter on CPU tensors)")
+    script = tmp_path / "triton_cached.py"
+    script.write_text(_TRITON_SCRIPT)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("MEMOPT_BACKEND", None)
+    done = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "same bits" in done.stdout
