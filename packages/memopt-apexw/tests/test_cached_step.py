@@ -53,11 +53,11 @@ def pair(device, mode, dtype=torch.float32, **kw):
 def test_replays_after_the_first_step(device, mode):
     a, b, opt, ref = pair(device, mode)
     step_both(a, b, opt, ref, 1)
-    assert mode in opt._cached
-    cached = opt._cached[mode]
+    assert mode in opt._cached_steps
+    cached = opt._cached_steps[mode]
     for step in range(2, 6):
         step_both(a, b, opt, ref, step)
-        assert opt._cached[mode] is cached  # replayed, not rebuilt
+        assert opt._cached_steps[mode] is cached  # replayed, not rebuilt
     assert_same(a, b, opt, ref)
 
 

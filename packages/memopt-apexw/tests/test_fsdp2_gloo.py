@@ -81,7 +81,7 @@ def test_capturable_with_sharded_parameters_is_refused(tmp_path):
             loss_of(torch.float32, model, t, 0).backward()
             opt.step()
             opt.zero_grad()
-        assert not opt._cached  # the general path every step
+        assert not opt._cached_steps  # the general path every step
         opt.capturable = True  # what capturable=True would ask for (CUDA only at construction)
         loss_of(torch.float32, model, 2, 0).backward()
         with pytest.raises(ConfigError, match="sharded"):

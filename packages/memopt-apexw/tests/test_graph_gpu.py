@@ -46,7 +46,7 @@ def test_graph_replay_equals_reference_under_a_schedule(dtype, state):
             assert_same(a + extra_a, b + extra_b, opt, ref, f"step {step}")
     assert opt._graph is not None
     assert opt._graph.graph is not None  # it did replay a graph
-    assert {e.backend.name for e in opt._cached["fused"].entries} == {"triton"}
+    assert {e.backend.name for e in opt._cached_steps["fused"].entries} == {"triton"}
 
 
 def test_moved_gradients_recapture_with_a_warning():
@@ -93,4 +93,4 @@ def test_many_tiny_tensors_in_one_launch():
     for step in range(1, 6):
         step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
-    assert len(opt._cached["fused"].entries) == 1
+    assert len(opt._cached_steps["fused"].entries) == 1

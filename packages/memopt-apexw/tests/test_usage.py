@@ -129,7 +129,7 @@ def test_closure_and_pickle_roundtrip():
             opt.mode_decision,
         )
         assert clone.param_groups[0]["moments"] == "q8"
-        assert clone._cached == {}
+        assert clone._cached_steps == {}
 
 
 def test_zero_grad_default_depends_on_capturable():

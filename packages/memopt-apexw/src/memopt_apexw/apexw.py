@@ -15,11 +15,11 @@ stochastically (core's counter-based generator), so a bf16 second moment decays 
 instead of stalling. Semantics are core's ``reference.adamw`` bit for bit (torch's AdamW within a
 few ulps per step, DESIGN "Exactness in practice"), on every backend and mode.
 
-The step: the first step (and any step after something changed) is an ordinary ``MemOptimizer``
-step, whose per-group launches are then kept (:mod:`memopt_apexw.cached_step`). While every
-parameter and gradient keeps its address, later steps replay them: per group, the scalars are
-computed from the group's current lr/betas/eps/weight_decay (schedulers work) and one fused
-launch runs (Triton on CUDA, memopt-kernels-cpu on CPU). ``capturable=True`` (CUDA) captures the
+The step: core's cached step (:mod:`memopt_core.cached_step`), one per mode: the first step (and
+any step after something changed) is an ordinary ``MemOptimizer`` step, whose per-group launches
+are then kept; while every parameter and gradient keeps its address, later steps replay them with
+scalars from the group's current lr/betas/eps/weight_decay (schedulers work), one fused launch
+per group (Triton on CUDA, memopt-kernels-cpu on CPU). ``capturable=True`` (CUDA) captures the
 launches in a CUDA graph that reads lr and step from device memory
 (:mod:`memopt_apexw.graph_step`). ``mode="auto"`` times the fused and the pure-torch step on the
 first steps and keeps the faster, cached per model signature (:mod:`memopt_apexw.auto_mode`).
@@ -34,13 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from memopt_apexw import auto_mode
 from memopt_apexw.auto_mode import ModeDecision, Trial
-from memopt_apexw.cached_step import CachedEntry, CachedStep
 from memopt_apexw.graph_step import GraphStep
 from memopt_core import MemOptimizer, backends
+from memopt_core.cached_step import CachedStep
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.sharding import is_dtensor
 
@@ -152,16 +151,14 @@ class ApexW(MemOptimizer):
 
     # ----------------------------------------------------------------------- configuration
     def _reset_fast(self) -> None:
-        self._cached: dict[str, CachedStep] = {}
         self._graph: GraphStep | None = None
         self._recaptures = 0
         self._trial: Trial | None = None
         self._sig: tuple[str, dict[str, Any]] | None = None
 
-    def _invalidate(self) -> None:
-        if "_cached" in self.__dict__:
-            self._cached.clear()
-            self._graph = None
+    def _drop_cached_steps(self) -> None:
+        super()._drop_cached_steps()
+        self._graph = None  # it replays a dropped cached step
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         betas = super()._check_group(g, where)
@@ -200,17 +197,6 @@ class ApexW(MemOptimizer):
                     f"parameter #{i} of param group {len(self.param_groups)} (shape "
                     f"{tuple(p.shape)}) {bad}"
                 )
-        self._invalidate()
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """As :meth:`memopt_core.MemOptimizer.load_state_dict`; the cached step is rebuilt."""
-        self._invalidate()
-        super().load_state_dict(state_dict)
-
-    def step_parameters(self, params, *, grads=None, staging=None) -> None:  # type: ignore[override]
-        """As :meth:`memopt_core.MemOptimizer.step_parameters`; the cached step is rebuilt."""
-        self._invalidate()
-        super().step_parameters(params, grads=grads, staging=staging)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """torch semantics; ``set_to_none`` defaults to False with ``capturable=True`` (gradients
@@ -255,16 +241,11 @@ class ApexW(MemOptimizer):
         return {p.device.type for g in self.param_groups for p in g["params"]}
 
     def _step_in(self, mode: str) -> None:
-        cached = self._cached.get(mode)
-        grads = cached.current_grads(self.param_groups) if cached is not None else None
-        if cached is not None and grads is not None:
-            cached.hand_grads(grads)
-            try:
-                self._replay(mode, cached)
-            finally:
-                cached.drop_grads()
+        self.backend = self._backend_name(mode)  # part of what a cached step was resolved for
+        had = mode in self._cached_steps
+        if self._replay(mode):
             return
-        if cached is not None and mode == "fused" and self.capturable:
+        if had and mode == "fused" and self.capturable:
             self._recaptures += 1
             if self._recaptures == 3:
                 warnings.warn(
@@ -275,16 +256,10 @@ class ApexW(MemOptimizer):
                     UserWarning,
                     stacklevel=3,
                 )
-        self._cached.pop(mode, None)
         if mode == "fused":
             self._graph = None
-        self.backend = self._backend_name(mode)
-        if mode == "fused":
             self._require_fused()
-        works = self._update(None)
-        built = self._build_cache(works)
-        if built is not None:
-            self._cached[mode] = built
+        self._update_and_cache(mode)
 
     def _backend_name(self, mode: str) -> str:
         return "torch" if mode == "torch" else (self.fused_backend or "auto")
@@ -314,61 +289,19 @@ class ApexW(MemOptimizer):
                 "or mode='torch' to run core's pure-torch step"
             )
 
-    def _build_cache(self, works: list[tuple[Any, Any]]) -> CachedStep | None:
-        if any(is_dtensor(p) for _, work in works for p in work.param_owners):
-            # FSDP2 hands over new gradient buffers every step (reduce-scatter outputs): a
-            # cached step would never replay, and a captured one could not exist
-            if self.capturable:
-                raise ConfigError(
-                    "ApexW(capturable=True) cannot capture a step of sharded (FSDP2) parameters: "
-                    "their gradients arrive in new buffers every step; use capturable=False"
-                )
-            return None
-        seen: set[tuple[int, int]] = set()
-        entries: list[CachedEntry] = []
-        for backend, work in works:
-            key = (work.plan.group_index, id(work.plan))
-            if key in seen:
-                return None  # parameters at different step counts: keep the general path
-            seen.add(key)
-            prepare = getattr(backend, "prepare", None)
-            prepared = prepare(work) if prepare is not None else None
-            if prepared is not None and not prepared.reusable:
-                prepared = None
-            group = self.param_groups[work.plan.group_index]
-            where = {id(p): i for i, p in enumerate(group["params"])}
-            positions = tuple(where[id(p)] for p in work.param_owners)
-            entries.append(
-                CachedEntry(
-                    work.plan.group_index, backend, work, prepared, self._steps_of(work), positions
-                )
+    def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
+        if self.capturable and any(is_dtensor(p) for _, w in works for p in w.param_owners):
+            # FSDP2 hands over new gradient buffers every step: a captured step could not exist
+            raise ConfigError(
+                "ApexW(capturable=True) cannot capture a step of sharded (FSDP2) parameters: "
+                "their gradients arrive in new buffers every step; use capturable=False"
             )
-        formats = [CachedStep.group_formats(g) for g in self.param_groups]
-        cached = CachedStep(entries, list(self.param_groups), formats)
-        if self.capturable and entries and self._backend_name_used(entries) == {"triton"}:
+        cached = super()._build_cached(works)
+        names = {getattr(e.backend, "name", "?") for e in cached.entries} if cached else set()
+        if self.capturable and names == {"triton"}:
+            cached.prepare()  # the capture replays the prepared launches: check them now
             self._check_capturable(cached)
         return cached
-
-    def _steps_of(self, work: Any) -> Tensor:
-        """One tensor whose elements are the ``step`` states of ``work``'s parameters (so one
-        ``add_`` counts them all); the cached steps of both modes share it."""
-        owners = work.param_owners
-        first = self.state[owners[0]]["step"]
-        base = first._base
-        if (
-            base is not None
-            and base.numel() == len(owners)
-            and all(self.state[p]["step"]._base is base for p in owners)
-        ):
-            return base
-        steps = torch.stack([self.state[p]["step"] for p in owners])
-        for i, p in enumerate(owners):
-            self.state[p]["step"] = steps[i]
-        return steps
-
-    @staticmethod
-    def _backend_name_used(entries: list[CachedEntry]) -> set[str]:
-        return {getattr(e.backend, "name", "?") for e in entries}
 
     def _check_capturable(self, cached: CachedStep) -> None:
         for e in cached.entries:
@@ -387,29 +320,17 @@ class ApexW(MemOptimizer):
                 f"{sorted(map(str, devices))}"
             )
 
-    def _replay(self, mode: str, cached: CachedStep) -> None:
-        scalars = []
+    def _launch_cached(self, cached: CachedStep) -> None:
+        if not (self.capturable and cached is self._cached_steps.get("fused") and cached.entries):
+            super()._launch_cached(cached)
+            return
+        scalars = [e.work.scalars for e in cached.entries]
+        graph = self._graph
+        if graph is None or graph.cached is not cached or not graph.variant_matches(scalars):
+            graph = self._graph = GraphStep(cached, cached.entries[0].work.plan.device)
+        graph.run(scalars, self.seed, [e.work.step for e in cached.entries])
         for e in cached.entries:
-            group = self.param_groups[e.group_index]
-            self._check_group(group, f"(param group {e.group_index})")
-            step = e.last_step + 1
-            s = self._scalars(group, step)
-            e.work.scalars, e.work.step, e.work.first_step = s, step, step == 1
-            scalars.append(s)
-        if self.check_numerics:
-            self._check_finite([(e.backend, e.work) for e in cached.entries])
-        if mode == "fused" and self.capturable and cached.entries:
-            graph = self._graph
-            if graph is None or graph.cached is not cached or not graph.variant_matches(scalars):
-                graph = self._graph = GraphStep(cached, cached.entries[0].work.plan.device)
-            graph.run(scalars, self.seed, [e.work.step for e in cached.entries])
-        else:
-            for e in cached.entries:
-                if e.prepared is not None:
-                    e.prepared.launch(e.work.scalars, e.work.step, self.seed, e.work.first_step)
-                else:
-                    e.backend.step(e.work)
-        cached.advance()
+            self._count_step(e.counters, e.work)
 
     # ------------------------------------------------------------------------------ auto mode
     def _next_mode(self) -> tuple[str, bool]:
@@ -478,8 +399,8 @@ class ApexW(MemOptimizer):
                 )
         self._decision = decision
         self._trial = None
-        for other in [m for m in self._cached if m != decision.mode]:
-            del self._cached[other]  # release the other mode's resolved step
+        for other in [m for m in self._cached_steps if m != decision.mode]:
+            del self._cached_steps[other]  # release the other mode's resolved step
 
     # ------------------------------------------------------------------------ pickle, deepcopy
     def __getstate__(self) -> dict[str, Any]:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from memopt_apexw.cached_step import CachedStep
+from memopt_core.cached_step import CachedStep
 
 __all__ = ["GraphStep"]
 
 
 class GraphStep:
-    """The captured step of one :class:`~memopt_apexw.cached_step.CachedStep` (CUDA only)."""
+    """The captured step of one :class:`~memopt_core.cached_step.CachedStep` (CUDA only)."""
 
     def __init__(self, cached: CachedStep, device: torch.device) -> None:
         from memopt_kernels_triton import ops
