@@ -8,7 +8,7 @@ Kernel rows time a prepared launch (``memopt_kernels_triton.ops.prepare_step``) 
 events, median of ``--iters``; GB/s counts the bytes the format must move per parameter (fp32
 weight read + write, fp32 gradient read, state read + write) against a ``copy_`` measured in the
 same run. SR off is not a configuration ApexW offers (its bf16 moments would stall): it isolates
-the cost of the Philox words. Host rows time ``CachedStep.matches`` (the check before every
+the cost of the Philox words. Host rows time ``CachedStep.current_grads`` (the check before every
 replay) over many small parameters.
 """
 
@@ -123,7 +123,7 @@ def main() -> None:
             )
         del work, p
         torch.cuda.empty_cache()
-    from memopt_apexw.cached_step import CachedStep
+    from memopt_core.cached_step import CachedStep
 
     host = []
     for n in (290, 4096, 16384):
@@ -139,14 +139,14 @@ def main() -> None:
                 "maximize": False,
             }
         ]
-        cached = CachedStep([], groups, [CachedStep.group_formats(groups[0])])
+        cached = CachedStep([], groups, ())
         t0 = time.perf_counter()
         for _ in range(50):
-            assert cached.matches(groups)
+            assert cached.current_grads(groups, ()) is not None
         us = (time.perf_counter() - t0) / 50 * 1e6
         host.append({"tensors": n, "matches_us": us})
         print(
-            f"CachedStep.matches over {n:5d} tensors: {us:8.1f} us ({us / n * 1e3:.0f} ns per tensor)"
+            f"CachedStep.current_grads over {n:5d} tensors: {us:8.1f} us ({us / n * 1e3:.0f} ns per tensor)"
         )
     if args.out:
         with open(args.out, "w") as f:

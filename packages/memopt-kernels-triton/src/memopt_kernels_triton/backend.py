@@ -66,7 +66,7 @@ class TritonBackend:
 
     def prepare(self, work: GroupStep):
         """``work`` resolved for repeated launches (:func:`memopt_kernels_triton.ops.prepare_step`);
-        memopt_apexw's cached step uses it."""
+        memopt_core's cached step (every MemOptimizer's eager step) uses it."""
         from memopt_kernels_triton import ops
 
         return ops.prepare_step(work)
