@@ -11,6 +11,7 @@ profile (8 x 64M, 4096 x 32K) the tool first runs one launch of each side from t
 compares every output bit (``same_bits``), then times prepared launches in ``--rounds``
 interleaved rounds (median of 11 launches between CUDA events per round; the row's ``ms`` is the
 median over rounds). Constexprs the baseline does not declare (e.g. ``AHEAD``) are dropped for it.
+``--cases adam:bf16m,lion:ecc24q8`` runs a subset.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
 
 
 class _Declared:
-    """A baseline kernel launched with only the constexprs its signature declares."""
+    """A baseline kernel launched without the constexprs (upper-case names, by this package's
+    convention) that its signature does not declare; launch options (``num_warps``,
+    ``enable_fp_fusion``, ...) pass through."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -56,7 +59,8 @@ class _Declared:
 
     def __getitem__(self, grid):
         def run(*args, **kw):
-            return self.kernel[grid](*args, **{k: v for k, v in kw.items() if k in self.names})
+            kw = {k: v for k, v in kw.items() if k in self.names or not k.isupper()}
+            return self.kernel[grid](*args, **kw)
 
         return run
 
@@ -118,13 +122,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default="HEAD~1", help="git revision or folder (%(default)s)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default=None, help="rule:format list (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[2]
     sides = (load_baseline(args.baseline, root), dict(ops._KERNELS))
     labels = (args.baseline, "tree")
     rows = []
+    wanted = None if args.cases is None else set(args.cases.split(","))
     for rule, name, geos in CASES:
+        if wanted is not None and f"{rule}:{name}" not in wanted:
+            continue
         for n, numel in PROFILES:
             work = (group_work if rule == "adam" else lion_work)(name, n, numel)
             start = [t.clone() for t in _state(work)]

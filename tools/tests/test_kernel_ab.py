@@ -31,8 +31,10 @@ def test_declared_drops_unknown_constexprs() -> None:
 
             return run
 
-    kernel_ab._Declared(Fake())[(3,)](1, ROWS=4, AHEAD=True)
-    assert seen == {"ROWS": 4, "grid": (3,)}
+    kernel_ab._Declared(Fake())[(3,)](1, ROWS=4, AHEAD=True, num_warps=8, enable_fp_fusion=False)
+    # launch options must reach the kernel: without enable_fp_fusion=False it would contract
+    # multiply-adds and compute other bits
+    assert seen == {"ROWS": 4, "num_warps": 8, "enable_fp_fusion": False, "grid": (3,)}
 
 
 def test_loads_the_revision_kernels() -> None:
