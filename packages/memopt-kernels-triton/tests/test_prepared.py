@@ -326,3 +326,25 @@ def test_default_geometry_depends_on_blocked_moments(monkeypatch):
         assert triton_ops.kernel_config(blocked=True) is blocked
     finally:
         triton_ops.reset_kernel_config()
+
+
+@pytest.mark.parametrize(
+    ("rule", "preset", "master", "dtype", "ahead"),
+    [
+        ("adamw", "bf16", "fp32", torch.float32, True),
+        ("adamw", "fp32", "fp32", torch.float32, True),
+        ("lion", "bf16", "fp32", torch.float32, True),
+        ("adamw", "bf16", "ecc24", torch.bfloat16, False),
+        ("adamw", "q8", "fp32", torch.float32, False),
+        ("lion", "q8", "ecc24", torch.bfloat16, False),
+    ],
+)
+def test_loads_ahead_only_for_fp32_masters_with_unblocked_moments(
+    ops, rule, preset, master, dtype, ahead
+):
+    """The launcher's AHEAD choice: measured faster only there (ops._loads_ahead)."""
+    kind, hyper = VARIANTS[rule]
+    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
+    group = make_group(kind, spec, dtype, [65], "cpu", **hyper)
+    prepared = ops.prepare_step(group_step(group, make_grads(group, 1), 1))
+    assert prepared._kw["AHEAD"] is ahead

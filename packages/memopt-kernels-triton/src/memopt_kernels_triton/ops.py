@@ -445,14 +445,23 @@ class KernelConfig:
 
 
 _INTERP_CONFIG = KernelConfig(rows=4, chunk_size=256, num_warps=4, programs=3)
-# On the H200 (2026-11-30, docs/benchmarks/2026-11-30-prefetch.md), groups whose moments are not
-# blocked load one tile ahead (AHEAD) and run fastest in large tiles: 32 rows x 8 warps took
-# 3.89 ms against 4.11 at 16 x 8 for bf16 moments on 8 x 64M. Groups with a blocked 8-bit moment
-# load in place and run faster in small programs (2026-11-30-q8-codecs.md): 8 rows x 4 warps
-# took 5.46 ms against 7.01 at 16 x 8 with q8 moments, 6.13 against 6.34 with ECC-24 + q8.
+# On the H200 (2026-11-30, docs/benchmarks/2026-11-30-prefetch.md) the groups with unblocked
+# moments run fastest in large tiles: 32 rows x 8 warps took 3.93 ms against 4.18 at 16 x 8 for an
+# fp32 master with bf16 moments on 8 x 64M (loading ahead), 4.61 against 4.87 for ECC-24 with bf16
+# moments (in place). Groups with a blocked 8-bit moment run faster in small programs
+# (2026-11-30-q8-codecs.md): 8 rows x 4 warps took 5.46 ms against 7.01 at 16 x 8 with q8
+# moments, 6.13 against 6.34 with ECC-24 + q8.
 _GPU_CONFIG = KernelConfig(rows=32, num_warps=8)
 _GPU_BLOCKED_CONFIG = KernelConfig(rows=8, num_warps=4)
 _config_override: KernelConfig | None = None
+
+
+def _loads_ahead(block_size: int, master: int) -> bool:
+    """Whether the Adam and Lion kernels load each tile one tile ahead (their ``AHEAD``): for an
+    fp32 master with unblocked moments. On the H200 it made AdamW with bf16 moments 6-11% faster;
+    ECC masters and blocked 8-bit moments need more registers per element and ran 0-13% slower
+    with it (docs/benchmarks/2026-11-30-prefetch.md)."""
+    return block_size == 1 and master == 0
 
 
 def kernel_config(config: KernelConfig | None = None, *, blocked: bool = False) -> KernelConfig:
@@ -1021,12 +1030,15 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         f2, v, vs = _moment_args(arena, "exp_avg_sq", dev)
         head += (m, ms, v, vs)
         kw.update(
-            FMT1=f1, FMT2=f2, NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0), AHEAD=bs == 1
+            FMT1=f1,
+            FMT2=f2,
+            NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0),
+            AHEAD=_loads_ahead(bs, mid),
         )
     elif work.rule == "lion":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         head += (m, ms)
-        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0), AHEAD=bs == 1)
+        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0), AHEAD=_loads_ahead(bs, mid))
     else:
         has_momentum = work.scalars.momentum != 0.0
         f1, b, bsc = _moment_args(arena, "momentum_buffer" if has_momentum else None, dev)
