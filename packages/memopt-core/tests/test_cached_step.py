@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from memopt_core import MemOptimizer, NumericsError, backends
+from memopt_core.testing import assert_same_optimizers, bits
 
 CONFIGS = {
     "adamw-ecc24-q8": dict(rule="adamw", dtype=torch.bfloat16, master="ecc24", moments="q8"),
@@ -107,22 +108,6 @@ def step_both(a, b, opt, ref, step, **kw):
     ref.step()
 
 
-def bits(t):
-    t = t.detach().contiguous()
-    if t.dtype.is_floating_point:
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    return t
-
-
-def assert_same(a, b, opt, ref, where=""):
-    for i, (p, q) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(bits(p), bits(q)), f"{where}: parameter {i} differs"
-        sa, sb = opt.state.get(p, {}), ref.state.get(q, {})
-        assert sorted(sa) == sorted(sb), f"{where}: parameter {i} state keys differ"
-        for k in sa:
-            assert torch.equal(bits(sa[k]), bits(sb[k])), f"{where}: state {k!r} of {i} differs"
-
-
 # ------------------------------------------------------------------------------- scenarios
 # plain functions of the backend name, so the Triton subprocess runs them too
 
@@ -135,7 +120,7 @@ def run_replays_bit_exact(backend, cfg_name, steps=24):
         step_both(a, b, opt, ref, step)
         assert opt._cached_steps[None] is cached, f"step {step} did not replay"
         if step in (2, 3, steps):
-            assert_same(a, b, opt, ref, f"step {step}")
+            assert_same_optimizers(a, b, opt, ref, f"step {step}")
     assert cached.replays == steps - 1
     assert float(opt.state[a[0]]["step"]) == steps
 
@@ -153,14 +138,14 @@ def run_lr_schedule(backend):
         sa.step()
         sb.step()
     assert opt._cached_steps[None].replays == 24
-    assert_same(a, b, opt, ref)
+    assert_same_optimizers(a, b, opt, ref)
 
 
 def run_new_gradient_addresses(backend):
     a, b, opt, ref = pair("lion-ecc32-bf16", backend)
     for step in range(1, 25):  # new tensors every step until 8, then every fifth step
         step_both(a, b, opt, ref, step, in_place=step > 8 and step % 5 != 0)
-        assert_same(a, b, opt, ref, f"step {step}")
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
     assert opt._cached_steps[None].replays > 0  # cached again once the addresses held
 
 
@@ -189,7 +174,7 @@ def run_gradient_dtype_switch(backend):
         ref.step()
         if step in (5, 9):  # the same addresses, another dtype: resolved again
             assert opt._cached_steps.get(None) is not before
-        assert_same(a, b, opt, ref, f"step {step}")
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
     assert all(a[i].grad.data_ptr() == bufs[i].data_ptr() for i in (0, 3))
 
 
@@ -200,7 +185,7 @@ def run_partial_and_frozen(backend):
     for step in range(1, 25):
         skip = {1} | ({3, 4} if 6 <= step < 12 else set()) | ({5} if 13 <= step < 17 else set())
         step_both(a, b, opt, ref, step, skip=skip)
-        assert_same(a, b, opt, ref, f"step {step}")
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
     assert 1 not in [i for i, p in enumerate(a) if p in opt.state]
     assert opt._cached_steps[None].replays > 0
 
@@ -222,7 +207,7 @@ def run_mixed_dtypes_in_a_group(backend):
     # the float32 parameters at two step counts (#2 skipped four steps), the bfloat16 ones
     assert len(opt._cached_steps[None].entries) == 3
     assert opt._cached_steps[None].replays == 10
-    assert_same(a, b, opt, ref)
+    assert_same_optimizers(a, b, opt, ref)
 
 
 def run_add_param_group_and_load_state_dict(backend):
@@ -236,13 +221,13 @@ def run_add_param_group_and_load_state_dict(backend):
     assert not opt._cached_steps
     for step in range(5, 11):
         step_both(a + extra_a, b + extra_b, opt, ref, step)
-    assert_same(a + extra_a, b + extra_b, opt, ref, "after add_param_group")
+    assert_same_optimizers(a + extra_a, b + extra_b, opt, ref, "after add_param_group")
     assert float(opt.state[extra_a[0]]["step"]) == 6.0
     opt.load_state_dict(ref.state_dict())  # the same values in new tensors
     assert not opt._cached_steps
     for step in range(11, 17):
         step_both(a + extra_a, b + extra_b, opt, ref, step)
-    assert_same(a + extra_a, b + extra_b, opt, ref, "after load_state_dict")
+    assert_same_optimizers(a + extra_a, b + extra_b, opt, ref, "after load_state_dict")
     assert float(opt.state[a[0]]["step"]) == 16.0
 
 
@@ -257,7 +242,7 @@ def run_step_parameters_between_steps(backend):
     assert not opt._cached_steps
     for step in range(5, 12):  # parameters at two step counts now: two works, both replayed
         step_both(a, b, opt, ref, step)
-        assert_same(a, b, opt, ref, f"step {step}")
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
     assert len(opt._cached_steps[None].entries) == 2
     assert opt._cached_steps[None].replays == 6
     assert float(opt.state[a[0]]["step"]) == 11.0
@@ -275,7 +260,7 @@ def run_momentum_switched_on(backend):
             for g in (opt.param_groups[0], ref.param_groups[0]):
                 g["momentum"] = 0.0
         step_both(a, b, opt, ref, step)
-        assert_same(a, b, opt, ref, f"step {step}")
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
 
 
 #: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
@@ -315,7 +300,7 @@ def test_check_numerics_on_a_replay(backend):
     assert float(opt.state[a[0]]["step"]) == steps
     assert opt._cached_steps[None] is cached  # still valid: nothing changed
     step_both(a, b, opt, ref, 4)
-    assert_same(a, b, opt, ref)
+    assert_same_optimizers(a, b, opt, ref)
 
 
 def test_gradients_moving_every_step_back_off(backend):
@@ -330,7 +315,7 @@ def test_gradients_moving_every_step_back_off(backend):
     for step in range(31, 71):
         step_both(a, b, opt, ref, step)
     assert opt._cached_steps[None].replays > 0
-    assert_same(a, b, opt, ref)
+    assert_same_optimizers(a, b, opt, ref)
 
 
 def test_holds_no_gradient_between_steps(backend):

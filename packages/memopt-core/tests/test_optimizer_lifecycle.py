@@ -17,6 +17,7 @@ from torch.optim.optimizer import (
 )
 
 from memopt_core import ConfigError, MemOptimizer
+from memopt_core.testing import assert_same_optimizers, bits
 
 CONFIGS = {
     "fp32-adamw": dict(rule="adamw", dtype=torch.float32, master="none", moments="fp32"),
@@ -46,22 +47,6 @@ def set_grads(params, step, skip=()):
     for i, p in enumerate(params):
         g = torch.randn(p.shape, generator=gen).to(p.dtype)
         p.grad = None if i in skip else g
-
-
-def bits(t):
-    t = t.detach().contiguous()
-    if t.dtype.is_floating_point:
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-    return t
-
-
-def assert_same(opt_a, params_a, opt_b, params_b):
-    for i, (p, q) in enumerate(zip(params_a, params_b, strict=True)):
-        assert torch.equal(bits(p), bits(q)), f"parameter {i} differs"
-        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
-        assert sorted(sa) == sorted(sb), f"state keys of parameter {i}"
-        for k in sa:
-            assert torch.equal(bits(sa[k]), bits(sb[k])), f"state {k!r} of parameter {i} differs"
 
 
 # ---------------------------------------------------------------------------- init_state
@@ -113,7 +98,7 @@ def test_a_step_after_init_state_equals_one_without_it(name):
         opt_b.step()
         if t == 1:
             opt_a.init_state()  # after steps: changes nothing
-        assert_same(opt_a, pa, opt_b, pb)
+        assert_same_optimizers(pa, pb, opt_a, opt_b)
     assert opt_a.state_bytes() == opt_b.state_bytes()
     assert int(opt_a.state[pa[0]]["step"]) == 3
 

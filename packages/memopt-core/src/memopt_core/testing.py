@@ -28,6 +28,7 @@ __all__ = [
     "VARIANTS",
     "Fsdp2Job",
     "Group",
+    "assert_same_optimizers",
     "bits",
     "diff_report",
     "fsdp2_worker",
@@ -263,6 +264,19 @@ def bits(t: Tensor) -> Tensor:
     t = t.detach().reshape(-1).contiguous()
     size = t.element_size()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).cpu()
+
+
+def assert_same_optimizers(
+    params_a: Sequence[Tensor], params_b: Sequence[Tensor], opt_a, opt_b, where: str = ""
+) -> None:
+    """Parameters ``params_a`` and ``params_b`` and their states in ``opt_a`` and ``opt_b`` are
+    equal bit for bit, under the same state keys."""
+    for i, (p, q) in enumerate(zip(params_a, params_b, strict=True)):
+        assert torch.equal(bits(p), bits(q)), f"{where}: parameter {i} differs"
+        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
+        assert sorted(sa) == sorted(sb), f"{where}: parameter {i} state keys differ"
+        for k in sa:
+            assert torch.equal(bits(sa[k]), bits(sb[k])), f"{where}: state {k!r} of {i} differs"
 
 
 def diff_report(a: Group, b: Group, *, nan_equal: bool = False) -> list[str]:
