@@ -27,12 +27,9 @@ from pathlib import Path
 
 import torch
 from apexw_kernel_probe import events_ms
-from kernel_geometry import FORMATS, group_work
+from kernel_geometry import group_work
 
-from memopt_core import reference
 from memopt_core.backends import GroupStep
-from memopt_core.formats import StateSpec
-from memopt_core.plan import GroupPlan, StateArena
 
 _KERNEL_FILES = {"adam": "adam", "lion": "lion"}  # rule -> module under kernels/
 _PACKAGE_DIR = "packages/memopt-kernels-triton/src/memopt_kernels_triton/kernels"
@@ -92,21 +89,6 @@ def load_baseline(rev: str, root: Path) -> dict[str, _Declared]:
     return out
 
 
-def lion_work(name: str, n: int, numel: int) -> GroupStep:
-    """A Lion group of ``n`` tensors in format ``name`` (``kernel_geometry``'s formats)."""
-    master, dtype, moments = FORMATS[name]
-    spec = StateSpec(master=master, moments=moments, stochastic_rounding=True)
-    params = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
-    grads = [(torch.randn(numel, device="cuda") * 1e-3).to(dtype) for _ in range(n)]
-    plan = GroupPlan(params, spec)
-    arena = StateArena(plan, {"exp_avg": spec.first}, spec.master_for(dtype))
-    s = reference.lion_scalars(
-        lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01, maximize=False, initial_lr=None
-    )
-    ids = list(range(n))
-    return GroupStep("lion", spec, plan, ids, params, grads, arena, s, 10, 0, ids, False)
-
-
 def _state(work: GroupStep) -> list[torch.Tensor]:
     out = list(work.params)
     for fields in work.arena.fields.values():
@@ -134,7 +116,7 @@ def main() -> None:
         if wanted is not None and f"{rule}:{name}" not in wanted:
             continue
         for n, numel in PROFILES:
-            work = (group_work if rule == "adam" else lion_work)(name, n, numel)
+            work = group_work(name, n, numel, rule)
             start = [t.clone() for t in _state(work)]
             ends = []
             for side in sides:

@@ -34,20 +34,27 @@ GEOMETRIES = [(16, 8), (8, 4), (4, 4), (16, 4), (8, 8), (32, 8), (32, 4), (4, 2)
 PROFILES = [(8, 64 * 2**20), (4096, 32 * 2**10)]
 
 
-def group_work(name: str, n: int, numel: int) -> GroupStep:
+def group_work(name: str, n: int, numel: int, rule: str = "adam") -> GroupStep:
+    """A group of ``n`` CUDA tensors of ``numel`` elements in format ``name`` for ``rule``
+    ("adam": AdamW, or "lion"), at step 10, with small random gradients."""
     master, dtype, moments = FORMATS[name]
     spec = StateSpec(master=master, moments=moments, stochastic_rounding=True)
     params = [torch.randn(numel, device="cuda").to(dtype) for _ in range(n)]
     grads = [(torch.randn(numel, device="cuda") * 1e-3).to(dtype) for _ in range(n)]
     plan = GroupPlan(params, spec)
-    arena = StateArena(
-        plan, {"exp_avg": spec.first, "exp_avg_sq": spec.second}, spec.master_for(dtype)
-    )
-    s = reference.adam_scalars(
-        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10, decoupled=True
-    )
+    if rule == "adam":
+        fields = {"exp_avg": spec.first, "exp_avg_sq": spec.second}
+        s = reference.adam_scalars(
+            lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=10, decoupled=True
+        )
+    else:
+        fields = {"exp_avg": spec.first}
+        s = reference.lion_scalars(
+            lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01, maximize=False, initial_lr=None
+        )
+    arena = StateArena(plan, fields, spec.master_for(dtype))
     ids = list(range(n))
-    return GroupStep("adam", spec, plan, ids, params, grads, arena, s, 10, 0, ids, False)
+    return GroupStep(rule, spec, plan, ids, params, grads, arena, s, 10, 0, ids, False)
 
 
 def main() -> None:
