@@ -67,7 +67,10 @@ __all__ = [
 
 #: The interface level between core and kernel packages; a backend must declare the same.
 #: 2: backends honour :attr:`GroupStep.index_bases` (sharded parameters).
-KERNEL_API = 2
+#: 3: stochastic rounding draws :mod:`memopt_core.rng`'s per-step Philox keys and per-element
+#: ``lowbias32`` words (before: one Philox block per element), so a backend built for 2 rounds
+#: with other bits.
+KERNEL_API = 3
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
@@ -158,7 +161,7 @@ class GroupStep:
         return self.params if self.owners is None else self.owners
 
     def index_base(self, pos: int) -> int:
-        """The Philox index of the first element of ``params[pos]`` (see the class doc)."""
+        """The stochastic-rounding index of the first element of ``params[pos]`` (see the class doc)."""
         return 0 if self.index_bases is None else self.index_bases[pos]
 
     @property

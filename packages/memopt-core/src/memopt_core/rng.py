@@ -1,20 +1,33 @@
-"""Counter-based random bits for stochastic rounding: Philox4x32-10 (Salmon et al., SC'11).
+"""Counter-based random words for stochastic rounding: a Philox key per step, a hash per element.
 
-The generator is a pure function of (counter, key), so every backend (this torch reference, C++,
-Triton's ``tl.randint4x``-style Philox) produces the same words for the same element, whatever
-the chunking or thread layout. This is the standard Random123 ``philox4x32`` with 10 rounds.
+Every (seed, tensor, step) draws one Philox4x32-10 block (Salmon et al., SC'11; Random123's
+``philox4x32`` with 10 rounds) as its four keys. Each element then takes, for each stream, a
+32-bit hash of its index mixed with that stream's key::
 
-Stochastic rounding draws one Philox block per element and step, and each stream takes one of
-its four words::
+    K0, K1, K2, K3 = philox4x32(counter=(step, 0, 0, 0), key=(seed, tensor_id))   # 32-bit each
+    y              = (index & 0xFFFFFFFF) * 0x9E3779B9 + (index >> 32) * K3       # mod 2**32
+    word[stream]   = lowbias32(y ^ K[stream])      # STREAM_MASTER 0, STREAM_FIRST 1, STREAM_SECOND 2
+    lowbias32(x)   : x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
 
-    key     = (seed & 0xFFFFFFFF, tensor_id & 0xFFFFFFFF)
-    counter = (index & 0xFFFFFFFF, index >> 32, step & 0xFFFFFFFF, 0)
-    word    = philox4x32(counter, key)[stream]
+``index`` is the element's position in its tensor and ``step`` the optimizer step. The words are a
+pure function of (seed, tensor_id, index, step, stream), so every backend (this torch reference,
+the C++ kernels, the Triton kernels) computes the same words whatever the chunking or threads.
 
-``index`` is the element's position in its tensor, ``step`` the optimizer step and ``stream`` one
-of :data:`STREAM_MASTER`, :data:`STREAM_FIRST`, :data:`STREAM_SECOND`, so the master weight and the
-two moments round with independent words from a single generator call (a fused kernel computes
-one Philox block per element, not three).
+Why this shape. What stochastic rounding needs is that each element's words be uniform and
+independent from step to step and between its streams; that makes the rounding unbiased and lets
+small updates accumulate. For a fixed element ``y`` is fixed, and ``K[stream]`` is a fresh Philox
+word for every (step, stream), so ``y ^ K[stream]`` and its image under the bijection
+``lowbias32`` are exactly as uniform and independent as Philox's own output. The hash (Wellons'
+``lowbias32``, from the hash-prospector search) only decorrelates the neighbouring elements of one
+step, and the multiplier of the index's low word spreads a neighbour's small difference over
+all 32 bits first: without it, elements ``lag`` apart (a power of two) had visibly dependent
+words (a chi-square test of joint top bits, ``tests/test_rng.py``, failed by far). It costs two
+32-bit multiplies per element and stream (the index's one is shared), and a kernel computes only the
+streams its formats round, where one Philox4x32-10 block per element (the generator before
+``KERNEL_API`` 3) costs twenty 32x32 -> 64-bit products. ``y`` is a bijection of the low word
+(the multiplier is odd); tensors of more than 2**32 elements fold the index's high word in with
+the step's ``K3``, so two of their elements can share ``y`` at one step, never the same pair at
+every step.
 
 Arithmetic is int64 on values in ``[0, 2**32)``; the 32x32 -> 64-bit products rely on int64
 multiplication wrapping modulo ``2**64`` (it does on every torch device; the known-answer tests
@@ -27,6 +40,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "INDEX_M",
+    "MIX_M0",
+    "MIX_M1",
     "PHILOX_M0",
     "PHILOX_M1",
     "PHILOX_W0",
@@ -34,7 +50,10 @@ __all__ = [
     "STREAM_FIRST",
     "STREAM_MASTER",
     "STREAM_SECOND",
+    "fold_index",
+    "lowbias32",
     "philox4x32",
+    "step_keys",
     "stream_words",
     "uniform_bits",
 ]
@@ -45,9 +64,14 @@ PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 ROUNDS = 10
 
+INDEX_M = 0x9E3779B9
+MIX_M0 = 0x7FEB352D
+MIX_M1 = 0x846CA68B
+
 STREAM_MASTER = 0
 STREAM_FIRST = 1
 STREAM_SECOND = 2
+_STREAMS = (STREAM_MASTER, STREAM_FIRST, STREAM_SECOND)
 
 _U32 = 0xFFFFFFFF
 
@@ -90,20 +114,50 @@ def philox4x32(
     return tuple(t.contiguous() for t in out)  # type: ignore[return-value]
 
 
+def step_keys(
+    seed: int, tensor_id: int | Tensor, step: int | Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(K0, K1, K2, K3)``, the keys of one tensor at one step: Philox4x32-10 of counter
+    ``(step, 0, 0, 0)`` and key ``(seed, tensor_id)`` (int64 in ``[0, 2**32)``; tensor arguments
+    broadcast)."""
+    return philox4x32(step, 0, 0, 0, seed, tensor_id)
+
+
+def lowbias32(x: Tensor) -> Tensor:
+    """Wellons' ``lowbias32`` of int64 ``x`` in ``[0, 2**32)``: a bijection of 32-bit words."""
+    x = x ^ (x >> 16)
+    x = (x * MIX_M0) & _U32
+    x = x ^ (x >> 15)
+    x = (x * MIX_M1) & _U32
+    return x ^ (x >> 16)
+
+
+def fold_index(index: Tensor, k3: Tensor | int) -> Tensor:
+    """``y``, int64 ``index`` folded to 32 bits with the step's key ``K3``: ``(index & 0xFFFFFFFF)
+    * INDEX_M + (index >> 32) * K3`` modulo ``2**32``."""
+    index = index.to(torch.int64)
+    return ((index & _U32) * INDEX_M + (index >> 32) * k3) & _U32
+
+
 def stream_words(
     seed: int, tensor_id: int | Tensor, index: Tensor, step: int | Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The four stream words (int64 in ``[0, 2**32)``) of elements ``index`` (int64 tensor) of
-    tensor ``tensor_id`` at optimizer ``step``; word ``k`` belongs to stream ``k``. Tensor
-    arguments broadcast (e.g. a column of steps against a row of indices draws many steps)."""
-    index = index.to(torch.int64)
-    return philox4x32(index & _U32, index >> 32, step & _U32, 0, seed & _U32, tensor_id)
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The words (int64 in ``[0, 2**32)``) of streams 0, 1 and 2 of elements ``index`` (int64
+    tensor) of tensor ``tensor_id`` at optimizer ``step``. Tensor arguments broadcast (e.g. a
+    column of steps against a row of indices draws many steps)."""
+    keys = step_keys(seed, tensor_id, step)
+    y = fold_index(index, keys[3])
+    w0, w1, w2 = (lowbias32(y ^ keys[s]) for s in _STREAMS)
+    return w0, w1, w2
 
 
 def uniform_bits(
     seed: int, tensor_id: int | Tensor, index: Tensor, step: int | Tensor, stream: int
 ) -> Tensor:
-    """The word of one ``stream`` (see :func:`stream_words`)."""
-    if stream not in (0, 1, 2, 3):
-        raise ValueError(f"stream is an output word of Philox4x32, 0..3; got {stream}")
-    return stream_words(seed, tensor_id, index, step)[stream]
+    """The words of one ``stream`` (see :func:`stream_words`), computing that stream only."""
+    if stream not in _STREAMS:
+        raise ValueError(
+            f"stream is one of {_STREAMS} (master, first, second moment); got {stream}"
+        )
+    keys = step_keys(seed, tensor_id, step)
+    return lowbias32(fold_index(index, keys[3]) ^ keys[stream])

@@ -14,7 +14,7 @@ its own elements, and the transient memory of a step is proportional to the piec
 the size of the group. Its peak (measured on CPU and CUDA, which agree) is about 280 bytes per
 piece element with q8 moments and stochastic rounding, about 1.1 GiB for the default piece (the
 q8 second-moment encoder's int64 temporaries dominate), and 115-150 bytes for the other formats
-(the Philox generator works in int64 too).
+(the stochastic-rounding generator works in int64 too).
 
 Cost: a fixed number of vectorized torch ops per piece plus a few Python operations per tensor
 segment, so it is slower than a fused kernel but has no per-element Python work.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,14 @@ from memopt_core.backends import KERNEL_API, RULES, GroupStep, supports_formats
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MasterCodec, MomentCodec, StateSpec
 from memopt_core.plan import Slot
-from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND, stream_words
+from memopt_core.rng import (
+    STREAM_FIRST,
+    STREAM_MASTER,
+    STREAM_SECOND,
+    fold_index,
+    lowbias32,
+    step_keys,
+)
 
 __all__ = ["MEMOPT_TORCH_PIECE", "TorchBackend"]
 
@@ -196,34 +204,37 @@ def _write(flat: Tensor, runs: tuple[tuple[int, int], ...], unit: int, value: Te
         flat[a // unit : (a + n) // unit].copy_(v)
 
 
-def _sr_words(work: GroupStep, piece: _Piece) -> dict[int, Tensor]:
-    """``{stream: words}`` of the piece's elements, keyed by each one's index in its own tensor
-    (plus the tensor's :meth:`~memopt_core.backends.GroupStep.index_base`)."""
+def _sr_words(work: GroupStep, piece: _Piece) -> Callable[[int], Tensor]:
+    """``draw(stream)``: the words of one stream for the piece's elements, keyed by each one's
+    index in its own tensor (plus the tensor's :meth:`~memopt_core.backends.GroupStep.index_base`).
+    Streams are drawn on demand, so a step pays only for the ones its formats round."""
     dev = work.plan.device
     segs = piece.segments
     if len(segs) == 1:
-        # a piece of one tensor (every piece of a large one): a scalar tensor id keeps the
-        # Philox key a scalar, which saves its key's vector operations and 8 bytes per element
+        # a piece of one tensor (every piece of a large one): its keys stay scalars
         seg = segs[0]
         first = work.index_base(seg.pos) + seg.start
         index = torch.arange(first, first + seg.length, dtype=torch.int64, device=dev)
-        words = stream_words(work.seed, work.tensor_ids[seg.pos], index, work.step)
-    else:
-        lengths = torch.tensor([s.length for s in segs], dtype=torch.int64, device=dev)
-        at, shift, ids = 0, [], []
-        for s in segs:
-            shift.append(work.index_base(s.pos) + s.start - at)
-            ids.append(work.tensor_ids[s.pos])
-            at += s.length
-
-        def per_element(values: list[int]) -> Tensor:
-            v = torch.tensor(values, dtype=torch.int64, device=dev)
-            return torch.repeat_interleave(v, lengths, output_size=piece.length)
-
-        index = torch.arange(piece.length, dtype=torch.int64, device=dev) + per_element(shift)
-        words = stream_words(work.seed, per_element(ids), index, work.step)
-    # the fourth word has no stream: let it go now
-    return {k: words[k] for k in (STREAM_MASTER, STREAM_FIRST, STREAM_SECOND)}
+        keys = step_keys(work.seed, work.tensor_ids[seg.pos], work.step)
+        y = fold_index(index, keys[3])
+        return lambda stream: lowbias32(y ^ keys[stream])
+    lengths = torch.tensor([s.length for s in segs], dtype=torch.int64, device=dev)
+    at, shift = 0, []
+    for s in segs:
+        shift.append(work.index_base(s.pos) + s.start - at)
+        at += s.length
+    ids = torch.tensor([work.tensor_ids[s.pos] for s in segs], dtype=torch.int64, device=dev)
+    # one Philox block per tensor; each element looks its tensor's keys up when a stream is drawn
+    # (one int64 vector at a time, not the four keys of every element at once)
+    seg_keys = step_keys(work.seed, ids, work.step)
+    seg_of = torch.repeat_interleave(
+        torch.arange(len(segs), device=dev), lengths, output_size=piece.length
+    )
+    index = torch.arange(piece.length, dtype=torch.int64, device=dev)
+    index += torch.tensor(shift, dtype=torch.int64, device=dev)[seg_of]
+    y = fold_index(index, seg_keys[3][seg_of])
+    del index
+    return lambda stream: lowbias32(y ^ seg_keys[stream][seg_of])
 
 
 def _states(work: GroupStep) -> tuple[str, ...]:
@@ -286,13 +297,12 @@ def _step_piece(work: GroupStep, piece: _Piece, mcodec: MasterCodec) -> None:
     x, new = _updated(work, piece, mcodec)
 
     # encode everything before writing anything: an encoder error leaves the piece untouched.
-    # Each value and rounding word is dropped once encoded, so the encoders' own int64
-    # temporaries (the peak of the step) do not add to them.
-    words = _sr_words(work, piece) if work.spec.stochastic_rounding else {}
+    # Each value is dropped once encoded and each rounding word drawn just before its encoder,
+    # so the encoders' own int64 temporaries (the peak of the step) do not add to them.
+    draw = _sr_words(work, piece) if work.spec.stochastic_rounding else None
 
     def rand(stream: int, exact: bool) -> Tensor | None:
-        word = words.pop(stream, None)
-        return None if exact else word
+        return None if exact or draw is None else draw(stream)
 
     p_new, code_new = mcodec.encode(x, rand=rand(STREAM_MASTER, mcodec.name in _EXACT_MASTERS))
     del x
