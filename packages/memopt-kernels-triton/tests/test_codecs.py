@@ -157,32 +157,94 @@ def test_ecc32_roundtrip_random_patterns(ops, device):
     assert torch.equal(bits(ops.ecc_decode(p, c)[finite]), bits(x[finite]))
 
 
-def test_philox_words(ops, device):
+def test_stream_words(ops, device):
     idx = torch.tensor(
         [0, 1, 2, 31, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 5, 123456789012, 2**62 + 9]
     )
     for seed, tid, step in [(0, 0, 0), (0xDEADBEEF, 2**32 + 7, 2**31 + 3), (12345, 3, 1)]:
-        got = ops.philox_words(seed, tid, idx.to(device), step)
+        got = ops.stream_words(seed, tid, idx.to(device), step)
         want = rng.stream_words(seed, tid, idx, step)
+        assert len(got) == 3
         for a, b in zip(got, want, strict=True):
+            assert a.dtype == torch.int64
             assert torch.equal(a.cpu(), b)
 
 
+# runs of indices starting near or crossing a multiple of 2**32 (the high word folds in with K3)
+RUN_STARTS = [0, 2**32 - 5, 2**33 - 5, 2**40 + 3, 2**62 - 2000]
+RUN_SIZES = [0, 1, 31, 33, 1025]
+
+
+@pytest.mark.parametrize("size", RUN_SIZES)
+@pytest.mark.parametrize("start", RUN_STARTS)
+def test_stream_words_index_runs(ops, device, start, size):
+    idx = torch.arange(start, start + size, dtype=torch.int64)
+    seed, tid, step = 2**32 - 5, 2**31 + 17, 7
+    got = ops.stream_words(seed, tid, idx.to(device), step)
+    want = rng.stream_words(seed, tid, idx, step)
+    for s, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == idx.shape
+        assert torch.equal(a.cpu(), b), s
+        # each stream is the one uniform_bits draws alone
+        assert torch.equal(b, rng.uniform_bits(seed, tid, idx, step, s))
+
+
+def test_stream_words_across_2_pow_32():
+    """The reference's words of a run crossing 2**32 differ from those of the low words alone:
+    the high word is folded in (so a kernel that drops it fails the run tests above)."""
+    lo = torch.arange(2**32 - 5, 2**32 + 40, dtype=torch.int64)
+    w = rng.stream_words(1, 2, lo, 3)[0]
+    w_low = rng.stream_words(1, 2, lo & 0xFFFFFFFF, 3)[0]
+    assert torch.equal(w[:5], w_low[:5])
+    assert (w[5:] != w_low[5:]).all()
+
+
+def test_stream_words_shape_and_device(ops, device):
+    idx = torch.arange(2**32 - 6, 2**32 + 6, dtype=torch.int64).view(3, 4)
+    got = ops.stream_words(5, 6, idx.to(device), 7)
+    want = rng.stream_words(5, 6, idx, 7)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == (3, 4)
+        assert a.device == idx.to(device).device
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("stream", [0, 1, 2])
 @pytest.mark.parametrize("fmt", ["bf16", "q8_signed", "q8_sqrt", "fp8_e5m2"])
-def test_in_kernel_philox_rounding(ops, device, fmt):
+def test_in_kernel_rounding(ops, device, fmt, stream):
     x = values(8, device, seed=7).abs()
-    seed, tid, step, stream = 77, 2**31 + 5, 9, 2
-    got = ops.encode_moment(fmt, x, philox=(seed, tid, step, stream))
+    seed, tid, step = 77, 2**31 + 5, 9
+    got = ops.encode_moment(fmt, x, rng=(seed, tid, step, stream))
     r = rng.uniform_bits(seed, tid, torch.arange(x.numel()), step, stream)
     want = moment_codec(fmt).encode(x.cpu(), rand=r)
     for k in want:
         assert torch.equal(bits(got[k]), bits(want[k])), k
-    p, c = ops.encode_master("ecc24", x, torch.bfloat16, philox=(seed, tid, step, 0))
-    wp, wc = master_codec("ecc24", torch.bfloat16).encode(
-        x.cpu(), rand=rng.uniform_bits(seed, tid, torch.arange(x.numel()), step, 0)
-    )
+
+
+@pytest.mark.parametrize("stream", [0, 1, 2])
+@pytest.mark.parametrize(("fmt", "dtype"), [("ecc24", torch.bfloat16), ("none", torch.float16)])
+def test_in_kernel_master_rounding(ops, device, fmt, dtype, stream):
+    x = values(8, device, seed=8)
+    seed, tid, step = 2**32 - 1, 4, 2**31 + 1
+    p, c = ops.encode_master(fmt, x, dtype, rng=(seed, tid, step, stream))
+    r = rng.uniform_bits(seed, tid, torch.arange(x.numel()), step, stream)
+    wp, wc = master_codec(fmt, dtype).encode(x.cpu(), rand=r)
     assert torch.equal(bits(p), bits(wp))
-    assert torch.equal(bits(c), bits(wc))
+    if wc is None:
+        assert c is None
+    else:
+        assert torch.equal(bits(c), bits(wc))
+
+
+@pytest.mark.parametrize("stream", [3, -1, 1.0, True, None])
+def test_in_kernel_rounding_refuses_other_streams(ops, device, stream):
+    x = torch.ones(32, device=device)
+    with pytest.raises(ValueError, match=r"stream is 0 \(master\), 1 \(first moment\)"):
+        ops.encode_moment("bf16", x, rng=(1, 2, 3, stream))
+    with pytest.raises(ValueError, match="stream"):
+        ops.encode_master("ecc24", x, rng=(1, 2, 3, stream))
+    with pytest.raises(ConfigError, match="seed, tensor_id, step, stream"):
+        ops.encode_moment("bf16", x, rng=(1, 2, 3))
 
 
 def test_empty_and_shapes(ops, device):
@@ -222,7 +284,7 @@ def test_bad_inputs(ops, device):
             "bf16",
             torch.ones(32, device=device),
             rand=torch.zeros(32, dtype=torch.int64, device=device),
-            philox=(0, 0, 0, 0),
+            rng=(0, 0, 0, 0),
         )
 
 

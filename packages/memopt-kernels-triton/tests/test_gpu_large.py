@@ -152,7 +152,7 @@ def test_cuda_graph_capture():
 
 
 # odd sizes, the large one over many chunks; 4097 elements from 2**32 - 1000 carry into the
-# Philox index's high word
+# index's high word
 BASE_SIZES = [1, 31, 33, 4097, 1_000_003]
 BASES = [5, 2**31 + 7, 2**33 + 1, 2**32 - 1000, 2**40 + 3]
 

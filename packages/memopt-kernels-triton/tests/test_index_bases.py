@@ -1,4 +1,4 @@
-"""``GroupStep.index_bases`` (KERNEL_API 2): each tensor's stochastic-rounding Philox indices
+"""``GroupStep.index_bases`` (KERNEL_API 2): each tensor's stochastic-rounding element indices
 start at its index base (a shard's offset in its whole tensor), in the fused step, the prepared
 launches (host and device scalars) and every rule; bad bases are refused with the tensor named.
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from memopt_core.errors import ConfigError
-from memopt_core.formats import StateSpec
+from memopt_core.formats import StateSpec, moment_codec
+from memopt_core.plan import StateArena
 from memopt_core.testing import (
     MASTER_IDS,
     MASTERS,
@@ -76,6 +77,64 @@ def test_bases_match_torch_backend(ops, variant, preset, master, dtype):
 def test_bases_partial_step(ops):
     """A step over some tensors (gradient release) takes those tensors' bases."""
     _compare("adamw", "q8", "ecc24", torch.bfloat16, slots=[1, 3], steps=2)
+
+
+# Tensors across 2**32 and 2**33 (their elements' words fold the index's high word in with the
+# step's K3: a carry into it must show) and one past 2**40, in chunks of the interpreter's 256
+CROSS_SIZES = [300, 45, 1025]
+CROSS_BASES = [2**32 - 100, 2**33 - 5, 2**40 + 3]
+
+
+@pytest.mark.parametrize(
+    ("preset", "master", "dtype"),
+    [
+        ("bf16", "fp32", torch.float32),
+        ("q8", "ecc24", torch.bfloat16),
+        ("fp8", "none", torch.bfloat16),
+    ],
+    ids=["bf16-fp32", "q8-ecc24", "fp8-none"],
+)
+def test_adam_across_2_pow_32(ops, preset, master, dtype):
+    """A fused AdamW step with stochastic rounding on tensors whose indices cross 2**32 (and
+    2**33, and past 2**40): the torch backend's (core's reference) bits."""
+    _compare("adamw", preset, master, dtype, sizes=CROSS_SIZES, bases=CROSS_BASES, steps=2)
+
+
+def _with_moments(group, first: str, second: str):
+    """``group`` with its Adam moments in formats ``first`` and ``second``."""
+    codecs = {"exp_avg": moment_codec(first), "exp_avg_sq": moment_codec(second)}
+    group.arena = StateArena(group.plan, codecs, group.arena.master)
+    return group
+
+
+@pytest.mark.parametrize(
+    ("master", "dtype", "first", "second"),
+    [
+        ("fp32", torch.float32, "fp32", "bf16"),  # the second moment's stream only
+        ("fp32", torch.float32, "fp8_e4m3", "fp32"),  # the first moment's only
+        ("none", torch.bfloat16, "fp32", "fp32"),  # the master's only
+        ("none", torch.float16, "fp32", "fp8_e5m2"),  # master and second moment
+        ("ecc32", torch.bfloat16, "bf16", "fp32"),  # first moment only (ECC-32 rounds to nearest)
+    ],
+    ids=["v", "m", "master", "master-v", "ecc32-m"],
+)
+def test_only_rounded_streams_are_drawn(ops, master, dtype, first, second):
+    """A kernel computes the words of the streams its formats round only: each state still
+    takes its own stream's words (the torch backend draws all three), whichever are left out."""
+    rule, hyper = VARIANTS["adamw"]
+    blocked = "fp8" in first + second  # the plan pads to the blocked format's 32
+    spec = StateSpec(master=master, moments="fp8" if blocked else "fp32", stochastic_rounding=True)
+    a = make_group(
+        rule, spec, dtype, CROSS_SIZES, "cpu", seed=SEED, index_bases=CROSS_BASES, **hyper
+    )
+    a = _with_moments(a, first, second)
+    b = a.clone()
+    for step in range(1, 3):
+        grads = make_grads(a, step)
+        step_group(TORCH, a, grads, step)
+        step_group(BACKEND, b, grads, step)
+        bad = diff_report(a, b)
+        assert not bad, f"step {step}: " + "; ".join(bad)
 
 
 def test_largest_accepted_base(ops):

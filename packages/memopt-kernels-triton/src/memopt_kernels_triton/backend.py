@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from memopt_core.backends import KERNEL_API, GroupStep, supports_formats
+from memopt_core.backends import GroupStep, supports_formats
 from memopt_core.formats import StateSpec
 
 __all__ = ["BACKEND", "TritonBackend"]
@@ -32,7 +32,10 @@ class TritonBackend:
     """Fused Triton kernels: one launch per group for every rule x format."""
 
     name = "triton"
-    KERNEL_API = KERNEL_API
+    #: The interface level these kernels implement, a literal (not core's value): 3 is the level
+    #: whose stochastic-rounding words (``memopt_core.rng``: per-step Philox keys, per-element
+    #: ``lowbias32`` words) they compute, so a core at another level refuses a stale package.
+    KERNEL_API = 3
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
 

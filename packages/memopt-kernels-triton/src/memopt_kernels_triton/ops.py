@@ -3,15 +3,15 @@
 Standalone kernels (checkpoints, fp32 export, tests of the inlined codecs):
 :func:`encode_moment` / :func:`decode_moment` (every moment format; :func:`q8_quantize` /
 :func:`q8_dequantize` are the q8 shorthands), :func:`encode_master` / :func:`decode_master`
-(:func:`ecc_encode` / :func:`ecc_decode` for ECC-24/32), :func:`philox_words`. Each gives the
+(:func:`ecc_encode` / :func:`ecc_decode` for ECC-24/32), :func:`stream_words`. Each gives the
 same bits as the corresponding ``memopt_core.formats`` codec / ``memopt_core.rng`` function.
 
 The fused optimizer step: :func:`fused_step` runs one :class:`memopt_core.backends.GroupStep`
 (every tensor of the group) in one launch of the rule's kernel, driven by core's chunk table and
 a per-slot table of (parameter address, gradient address, gradient is fp32, tensor id, index
 base). The index base (:meth:`GroupStep.index_base <memopt_core.backends.GroupStep.index_base>`,
-0 unless the tensor is a shard) is added to every stochastic-rounding Philox index, so a shard of
-an FSDP2-sharded parameter draws the words the whole tensor would.
+0 unless the tensor is a shard) is added to every element index that stochastic rounding draws
+words for, so a shard of an FSDP2-sharded parameter draws the words the whole tensor would.
 
 A capturable step (``GroupStep.device_step``, :func:`device_step`) keeps step counts on the
 device: a small kernel (:mod:`~memopt_kernels_triton.kernels.device_words`) writes one row of
@@ -40,6 +40,7 @@ from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
 from memopt_core.reference import adam_bias_table
+from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
 from memopt_kernels_triton.kernels import device_words as _words
@@ -68,11 +69,11 @@ __all__ = [
     "lion_hyper_words",
     "master_id",
     "moment_id",
-    "philox_words",
     "prepare_step",
     "q8_dequantize",
     "q8_quantize",
     "sgd_hyper_words",
+    "stream_words",
 ]
 
 _STANDALONE_ROWS = 32  # blocks of 32 per program of the standalone kernels (GPU)
@@ -180,12 +181,26 @@ def _rand_arg(rand: Tensor | None, n: int, device: torch.device) -> Tensor:
     return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32)
 
 
-def _sr_mode(rand: Tensor | None, philox: tuple[int, int, int, int] | None) -> int:
-    if rand is not None and philox is not None:
+_STREAMS = (STREAM_MASTER, STREAM_FIRST, STREAM_SECOND)
+
+
+def _sr_mode(rand: Tensor | None, rng: tuple[int, int, int, int] | None) -> int:
+    """0: round to nearest even, 1: explicit words ``rand``, 2: words drawn in the kernel."""
+    if rand is not None and rng is not None:
         raise ConfigError(
-            "pass either rand (explicit words) or philox=(seed, tensor_id, step, stream)"
+            "pass either rand (explicit words) or rng=(seed, tensor_id, step, stream)"
         )
-    return 1 if rand is not None else (2 if philox is not None else 0)
+    if rng is None:
+        return 1 if rand is not None else 0
+    if len(rng) != 4:
+        raise ConfigError(f"rng is (seed, tensor_id, step, stream), got {rng!r}")
+    stream = rng[3]
+    if type(stream) is not int or stream not in _STREAMS:  # ConfigError is a ValueError
+        raise ConfigError(
+            f"rng's stream is {STREAM_MASTER} (master), {STREAM_FIRST} (first moment) or "
+            f"{STREAM_SECOND} (second moment); got {stream!r}"
+        )
+    return 2
 
 
 # ----------------------------------------------------------------------------------- standalone
@@ -194,14 +209,15 @@ def encode_moment(
     x: Tensor,
     *,
     rand: Tensor | None = None,
-    philox: tuple[int, int, int, int] | None = None,
+    rng: tuple[int, int, int, int] | None = None,
 ) -> dict[str, Tensor]:
     """Fields of fp32 ``x`` in moment format ``fmt``: the same bits as
     ``moment_codec(fmt).encode(x, rand=rand)``.
 
     Stochastic rounding with explicit words ``rand`` (int64, ``x``'s size), or with words drawn in
-    the kernel: ``philox=(seed, tensor_id, step, stream)`` with ``index`` = position in ``x``.
-    Blocked formats need a length that is a multiple of 32.
+    the kernel: ``rng=(seed, tensor_id, step, stream)``, stream 0, 1 or 2, draws
+    ``memopt_core.rng.uniform_bits(seed, tensor_id, index, step, stream)`` with ``index`` =
+    position in ``x``. Blocked formats need a length that is a multiple of 32.
     """
     codec = moment_codec(fmt)
     _check_device(x, "x")
@@ -211,8 +227,8 @@ def encode_moment(
     codec.check_length(n)
     flat = x.reshape(-1).contiguous()
     fields = codec.allocate(n, x.device)
-    mode = _sr_mode(rand, philox)
-    seed, tid, step, stream = philox if philox is not None else (0, 0, 0, 0)
+    mode = _sr_mode(rand, rng)
+    seed, tid, step, stream = rng if rng is not None else (0, 0, 0, 0)
     code = _kernel_view(fields[""])
     scale = fields.get("scale", torch.zeros(1, dtype=torch.uint8, device=x.device))
     if n:
@@ -289,10 +305,13 @@ def encode_master(
     param_dtype: torch.dtype = torch.bfloat16,
     *,
     rand: Tensor | None = None,
-    philox: tuple[int, int, int, int] | None = None,
+    rng: tuple[int, int, int, int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(param, code)`` of fp32 master ``x`` in master format ``fmt`` for ``param_dtype``
-    parameters: the same bits as ``master_codec(fmt, param_dtype).encode(x, rand=rand)``."""
+    parameters: the same bits as ``master_codec(fmt, param_dtype).encode(x, rand=rand)``.
+
+    Stochastic rounding as in :func:`encode_moment` (``rand``, or ``rng=(seed, tensor_id, step,
+    stream)``; a fused step rounds masters with stream 0)."""
     if fmt not in MASTER_FORMATS:
         raise ConfigError(f"unknown master format {fmt!r}; choose one of {MASTER_FORMATS}")
     codec = master_codec(fmt, param_dtype)
@@ -308,8 +327,8 @@ def encode_master(
         if codec.code_dtype is not None
         else None
     )
-    mode = _sr_mode(rand, philox)
-    seed, tid, step, _ = philox if philox is not None else (0, 0, 0, 0)
+    mode = _sr_mode(rand, rng)
+    seed, tid, step, stream = rng if rng is not None else (0, 0, 0, 0)
     if n:
         rows = _rows()
         _launch(
@@ -325,6 +344,7 @@ def encode_master(
             _i32(step),
             MASTER=mid,
             RAND=mode,
+            STREAM=stream,
             ROWS=rows,
         )
     return param.view(x.shape), (code.view(x.shape) if code is not None else None)
@@ -383,19 +403,20 @@ def ecc_decode(param: Tensor, code: Tensor) -> Tensor:
     raise FormatError(f"ECC codes are uint8 (ECC-24) or int16 (ECC-32), got {code.dtype}")
 
 
-def philox_words(
+def stream_words(
     seed: int, tensor_id: int, index: Tensor, step: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The four stream words (int64 in ``[0, 2**32)``) of elements ``index`` (int64): the same as
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The words (int64 in ``[0, 2**32)``) of streams 0, 1 and 2 (master, first moment, second
+    moment) of elements ``index`` (int64) at optimizer ``step``: the same as
     ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar ids."""
     _check_device(index, "index")
     idx = index.reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
-    out = torch.empty((4, n), dtype=torch.int32, device=index.device)
+    out = torch.empty((3, n), dtype=torch.int32, device=index.device)
     if n:
         block = 128 if interpreting() else 1024
         _launch(
-            _convert.philox_kernel,
+            _convert.stream_words_kernel,
             (triton_cdiv(n, block),),
             idx,
             out,
@@ -592,7 +613,7 @@ def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
 #: Columns of the slot table (int64 each; see :mod:`memopt_kernels_triton.kernels.tiles`).
 _SLOT_COLUMNS = ("param address", "grad address", "grad is float32", "tensor id", "index base")
 #: Index bases stay below this bound including the tensor's padded length (int64 index arithmetic
-#: in the kernels, with room to spare; core's Philox counter takes 64-bit indices).
+#: in the kernels, with room to spare; core's random words take 64-bit indices).
 _INDEX_LIMIT = 2**62
 
 

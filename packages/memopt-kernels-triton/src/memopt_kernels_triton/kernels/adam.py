@@ -14,6 +14,12 @@ Per element, in core's order with every operation individually rounded (launched
 States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``FMT2``);
 ``q8_sqrt`` reuses ``sqrt_rn(v)`` for its encoding.
 
+Stochastic rounding (``SR``; ``NEED_RAND`` when some state is rounded at all): the chunk's step
+keys are computed once per chunk (:func:`~memopt_kernels_triton.kernels.rng.step_keys`: the
+chunk belongs to one tensor), and each tile computes the folded index of its elements and the
+words of the streams its formats round only: the master's (stream 0) for bf16/fp16/ECC-24
+masters, a moment's (streams 1, 2) unless it is fp32.
+
 ``AHEAD``: each tile's loads are issued one tile ahead, before the previous tile's math, and its
 words stay undecoded until their own turn. The kernel otherwise waits on memory latency (Nsight
 Compute, docs/benchmarks/2026-11-30-q8-codecs.md). The extra registers cost more than that saves
@@ -36,7 +42,7 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
 from memopt_kernels_triton.kernels.tiles import (
     ahead_masks,
     chunk_info,
@@ -132,6 +138,9 @@ def adam_kernel(
             step_ = step
             inv = 1.0
             limit = padded
+        if NEED_RAND:  # the chunk's tensor at this step
+            k0, k1, k2, k3 = step_keys(seed_, tid, step_)
+            origin = base + start  # index of the chunk's element 0
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         mp = m_ptr + aoff
         vp = v_ptr + aoff
@@ -163,15 +172,18 @@ def adam_kernel(
                 v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
             if UNSCALE:
                 g = g * inv
+            # the words of the rounded streams only (constexpr conditions)
+            r0 = 0
+            r1 = 0
+            r2 = 0
             if NEED_RAND:
-                w0, w1, w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
-                r0 = r24_of(w0)
-                r1 = r24_of(w1)
-                r2 = r24_of(w2)
-            else:
-                r0 = 0
-                r1 = 0
-                r2 = 0
+                y = fold_index(origin + offs, k3)
+                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+                    r0 = r24_of(stream_word(y, k0))
+                if FMT1 != C.FMT_FP32:
+                    r1 = r24_of(stream_word(y, k1))
+                if FMT2 != C.FMT_FP32:
+                    r2 = r24_of(stream_word(y, k2))
             if MAXIMIZE:
                 g = C.neg(g)
             if HAS_L2:

@@ -12,8 +12,9 @@ Moment formats are picked by a ``tl.constexpr`` format id (:data:`FMT_FP32` ...)
 by a master id (:data:`MASTER_FP32` ...). Blocked formats work on 2-D tiles ``[ROWS, 32]``: one
 row per quantization block, so a block's scale is a reduction along axis 1.
 
-Stochastic rounding takes ``r24``: the element's 32-bit Philox word shifted right by 8 (int32 in
-``[0, 2**24)``); the magnitude rounds up iff ``r24 < frac24`` (core's ``sr_round_up``).
+Stochastic rounding takes ``r24``: the element's 32-bit random word
+(:mod:`~memopt_kernels_triton.kernels.rng`) shifted right by 8 (int32 in ``[0, 2**24)``); the
+magnitude rounds up iff ``r24 < frac24`` (core's ``sr_round_up``).
 """
 
 from __future__ import annotations

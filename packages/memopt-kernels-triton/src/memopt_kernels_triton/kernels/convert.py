@@ -1,11 +1,12 @@
 """Standalone codec kernels over flat vectors: moment encode/decode (q8 quantize/dequantize,
-bf16, fp8), master encode/decode (ECC-24/32 split and merge, bf16/fp16 rounding) and raw Philox
-words. Used for checkpoints, fp32 export and to test the inlined codecs against core's reference.
+bf16, fp8), master encode/decode (ECC-24/32 split and merge, bf16/fp16 rounding) and the raw
+stochastic-rounding words. Used for checkpoints, fp32 export and to test the inlined codecs against core's reference.
 
 Tiles are ``[ROWS, 32]``; ``n`` is the vector length (a multiple of 32 for blocked formats, which
 ``ops.py`` checks). Stochastic rounding words come from a tensor (``RAND == 1``: int32 words, the
-reference's ``rand`` bit-cast) or from Philox in the kernel (``RAND == 2``: stream ``STREAM`` of
-``(seed, tensor_id, index, step)``, ``index`` the element's position).
+reference's ``rand`` bit-cast) or drawn in the kernel (``RAND == 2``: stream ``STREAM`` of
+``(seed, tensor_id, index, step)`` as :mod:`~memopt_kernels_triton.kernels.rng` computes it,
+``index`` the element's position; only that stream's word is computed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
 
 
 @triton.jit
@@ -34,15 +35,14 @@ def _words(rand_ptr, offs, mask, seed, tensor_id, step, RAND: tl.constexpr, STRE
     if RAND == 1:
         w = tl.load(rand_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
     elif RAND == 2:
-        w0, w1, w2, w3 = stream_words(seed, tensor_id.to(tl.int64), offs, step)
+        k0, k1, k2, k3 = step_keys(seed, tensor_id, step)
         if STREAM == 0:
-            w = w0
+            key = k0
         elif STREAM == 1:
-            w = w1
-        elif STREAM == 2:
-            w = w2
+            key = k1
         else:
-            w = w3
+            key = k2
+        w = stream_word(fold_index(offs, k3), key)
     else:
         w = tl.zeros(offs.shape, tl.uint32)
     return r24_of(w)
@@ -96,12 +96,13 @@ def master_encode_kernel(
     step,
     MASTER: tl.constexpr,
     RAND: tl.constexpr,
+    STREAM: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     offs = _tile(ROWS)
     emask = offs < n
     x = tl.load(x_ptr + offs, mask=emask, other=0.0)
-    r24 = _words(rand_ptr, offs, emask, seed, tensor_id, step, RAND, 0)
+    r24 = _words(rand_ptr, offs, emask, seed, tensor_id, step, RAND, STREAM)
     C.store_master(x, p_ptr, code_ptr, offs, emask, emask, r24, MASTER, RAND != 0)
 
 
@@ -114,13 +115,14 @@ def master_decode_kernel(p_ptr, code_ptr, out_ptr, n, MASTER: tl.constexpr, ROWS
 
 
 @triton.jit(do_not_specialize=["n", "seed", "tensor_id", "step"])
-def philox_kernel(index_ptr, out_ptr, n, seed, tensor_id, step, BLOCK: tl.constexpr):
-    """Words ``out[k, i]`` (int32 bit patterns) of element ``index[i]`` (int64)."""
+def stream_words_kernel(index_ptr, out_ptr, n, seed, tensor_id, step, BLOCK: tl.constexpr):
+    """Words ``out[s, i]`` (int32 bit patterns) of streams ``s`` = 0, 1, 2 of element ``index[i]``
+    (int64)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     idx = tl.load(index_ptr + offs, mask=mask, other=0)
-    w0, w1, w2, w3 = stream_words(seed, tensor_id.to(tl.int64), idx, step)
-    tl.store(out_ptr + offs, w0.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptr + n + offs, w1.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptr + 2 * n + offs, w2.to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptr + 3 * n + offs, w3.to(tl.int32, bitcast=True), mask=mask)
+    k0, k1, k2, k3 = step_keys(seed, tensor_id, step)
+    y = fold_index(idx, k3)
+    tl.store(out_ptr + offs, stream_word(y, k0).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + n + offs, stream_word(y, k1).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + 2 * n + offs, stream_word(y, k2).to(tl.int32, bitcast=True), mask=mask)

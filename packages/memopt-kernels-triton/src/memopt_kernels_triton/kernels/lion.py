@@ -8,6 +8,9 @@ m = beta2 * m + one_minus_beta2 * g
 
 ``AHEAD``: loads run one tile ahead of the math, as in :mod:`~memopt_kernels_triton.kernels.adam`.
 
+Stochastic rounding draws the words of the rounded streams only (master: stream 0, moment:
+stream 1), from keys computed once per chunk, as in :mod:`~memopt_kernels_triton.kernels.adam`.
+
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.LION_HYPER_FIELDS`) instead of the arguments, as in
 :mod:`~memopt_kernels_triton.kernels.adam` (one row per tensor or a shared one, ``skip`` and ``inv_scale``).
@@ -19,7 +22,7 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
 from memopt_kernels_triton.kernels.tiles import (
     ahead_masks,
     chunk_info,
@@ -103,6 +106,9 @@ def lion_kernel(
             step_ = step
             inv = 1.0
             limit = padded
+        if NEED_RAND:  # the chunk's tensor at this step
+            k0, k1, _k2, k3 = step_keys(seed_, tid, step_)
+            origin = base + start  # index of the chunk's element 0
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         mp = m_ptr + aoff
         msp = ms_ptr + aoff // 32
@@ -129,13 +135,15 @@ def lion_kernel(
                 m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
             if UNSCALE:
                 g = g * inv
+            # the words of the rounded streams only (constexpr conditions)
+            r0 = 0
+            r1 = 0
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
-                r0 = r24_of(w0)
-                r1 = r24_of(w1)
-            else:
-                r0 = 0
-                r1 = 0
+                y = fold_index(origin + offs, k3)
+                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+                    r0 = r24_of(stream_word(y, k0))
+                if FMT1 != C.FMT_FP32:
+                    r1 = r24_of(stream_word(y, k1))
             if MAXIMIZE:
                 g = C.neg(g)
             if HAS_DECAY:

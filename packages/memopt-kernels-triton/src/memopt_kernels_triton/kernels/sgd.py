@@ -11,6 +11,10 @@
 
 ``FMT1 == FMT_NONE`` means no momentum buffer (momentum 0).
 
+Stochastic rounding draws the words of the rounded streams only (master: stream 0, momentum
+buffer: stream 1), from keys computed once per chunk, as in
+:mod:`~memopt_kernels_triton.kernels.adam`.
+
 ``HYPER``: the scalars, seed, step and first-step flag are read from ``hyper_ptr`` (int32 words,
 layout :data:`memopt_kernels_triton.ops.SGD_HYPER_FIELDS`) instead of the arguments, as in
 :mod:`~memopt_kernels_triton.kernels.adam`. The first step is then a runtime choice (the
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.philox import r24_of, stream_words
+from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
 from memopt_kernels_triton.kernels.tiles import (
     chunk_info,
     hyper_f32,
@@ -96,6 +100,9 @@ def sgd_kernel(
             fst = FIRST
             inv = 1.0
             limit = padded
+        if NEED_RAND:  # the chunk's tensor at this step
+            k0, k1, _k2, k3 = step_keys(seed_, tid, step_)
+            origin = base + start  # index of the chunk's element 0
         pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
         bp = b_ptr + aoff
         bsp = bs_ptr + aoff // 32
@@ -106,13 +113,15 @@ def sgd_kernel(
             g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
             if UNSCALE:
                 g = g * inv
+            # the words of the rounded streams only (constexpr conditions)
+            r0 = 0
+            r1 = 0
             if NEED_RAND:
-                w0, w1, _w2, _w3 = stream_words(seed_, tid, base + start + offs, step_)
-                r0 = r24_of(w0)
-                r1 = r24_of(w1)
-            else:
-                r0 = 0
-                r1 = 0
+                y = fold_index(origin + offs, k3)
+                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+                    r0 = r24_of(stream_word(y, k0))
+                if FMT1 != C.FMT_FP32 and FMT1 != C.FMT_NONE:
+                    r1 = r24_of(stream_word(y, k1))
             if MAXIMIZE:
                 g = C.neg(g)
             if HAS_L2:

@@ -4,9 +4,9 @@ A launch covers one group: program ``pid`` of a persistent grid walks chunks ``p
 ...`` of core's chunk table (int64 rows ``(slot, start, length, arena offset)``); a slot table
 (int64 rows ``(param address, grad address, grad is float32, tensor id, index base)``, one per
 tensor of the step, indexed by the chunk's slot column: the tensor's position in the step) gives
-each chunk's tensors. The index base is the Philox index of the
-tensor's element 0 (``GroupStep.index_bases``: a shard's offset in its whole tensor, else 0), so
-stochastic rounding draws chunk element ``i`` at index ``base + start + i``. A chunk is processed
+each chunk's tensors. The index base is the random-word index of the tensor's element 0
+(``GroupStep.index_bases``: a shard's offset in its whole tensor, else 0), so stochastic rounding
+draws chunk element ``i``'s words at index ``base + start + i``. A chunk is processed
 in tiles of ``[ROWS, 32]`` elements, one row per 32-element quantization block; ``BS`` is the
 arena's padding unit (32 for blocked moments, 1 otherwise) so a chunk's arena part ends at
 ``length`` rounded up to ``BS``.
