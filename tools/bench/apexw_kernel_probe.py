@@ -8,8 +8,8 @@ Kernel rows time a prepared launch (``memopt_kernels_triton.ops.prepare_step``) 
 events, median of ``--iters``; GB/s counts the bytes the format must move per parameter (fp32
 weight read + write, fp32 gradient read, state read + write) against a ``copy_`` measured in the
 same run. SR off is not a configuration ApexW offers (its bf16 moments would stall): it isolates
-the cost of the Philox words. Host rows time ``CachedStep.current_grads`` (the check before every
-replay) over many small parameters.
+the cost of the stochastic-rounding words and rounding. Host rows time
+``CachedStep.current_grads`` (the check before every replay) over many small parameters.
 """
 
 from __future__ import annotations

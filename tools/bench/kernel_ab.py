@@ -5,8 +5,11 @@ git revision, in one process, so that both sides see the same GPU state.
 
 The baseline's ``kernels/adam.py`` and ``kernels/lion.py`` are read with ``git show`` (or from
 folder ``DIR``, for a host whose copy of the tree has no git history) and loaded as modules
-beside the installed package (they import its codecs, tiles and Philox, so a change to
-those shared modules shows on both sides). For each case (rule, state format, geometries) and
+beside the installed package (they import its codecs, tiles and random words, so a change to
+those shared modules shows on both sides). A shared module the installed package no longer has
+(``kernels/philox.py``, before KERNEL_API 3's ``kernels/rng.py``) is loaded from the baseline
+too. With stochastic rounding on (every case here), a baseline from before KERNEL_API 3 draws
+other random words, so its ``same_bits`` is False by design: compare the timings only. For each case (rule, state format, geometries) and
 profile (8 x 64M, 4096 x 32K) the tool first runs one launch of each side from the same state and
 compares every output bit (``same_bits``), then times prepared launches in ``--rounds``
 interleaved rounds (median of 11 launches between CUDA events per round; the row's ``ms`` is the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -62,29 +66,55 @@ class _Declared:
         return run
 
 
+_SHARED_IMPORT = re.compile(r"^from memopt_kernels_triton\.kernels\.(\w+) import", re.M)
+
+
+def _read(rev: str, root: Path, name: str) -> str:
+    """Module ``name`` of ``kernels/`` at revision ``rev`` (or in folder ``rev``)."""
+    if Path(rev).is_dir():
+        return (Path(rev) / f"{name}.py").read_text()
+    return subprocess.run(
+        ["git", "show", f"{rev}:{_PACKAGE_DIR}/{name}.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def _load(src: str, name: str, tmp: Path):
+    path = tmp / f"baseline_{name}.py"
+    path.write_text(src)  # Triton's jit reads a kernel's source from its file
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _with_missing_modules(src: str, rev: str, root: Path, tmp: Path) -> str:
+    """``src`` importing the baseline's own copy of each shared ``kernels`` module the installed
+    package lacks (renamed or removed since ``rev``), loaded as ``baseline_<name>``."""
+    for name in sorted(set(_SHARED_IMPORT.findall(src))):
+        if importlib.util.find_spec(f"memopt_kernels_triton.kernels.{name}") is not None:
+            continue
+        if not (tmp / f"baseline_{name}.py").exists():  # once per baseline
+            _load(_with_missing_modules(_read(rev, root, name), rev, root, tmp), name, tmp)
+        src = src.replace(
+            f"from memopt_kernels_triton.kernels.{name} import", f"from baseline_{name} import"
+        )
+    return src
+
+
 def load_baseline(rev: str, root: Path) -> dict[str, _Declared]:
     """``{rule: kernel}`` of revision ``rev``'s kernel modules (or of folder ``rev``'s copies)."""
     out = {}
     tmp = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     for rule, name in _KERNEL_FILES.items():
-        if Path(rev).is_dir():
-            src = (Path(rev) / f"{name}.py").read_text()
-        else:
-            src = subprocess.run(
-                ["git", "show", f"{rev}:{_PACKAGE_DIR}/{name}.py"],
-                cwd=root,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
-        path = tmp / f"baseline_{name}.py"
-        path.write_text(src)  # Triton's jit reads a kernel's source from its file
-        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
-        assert spec is not None
-        assert spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+        src = _with_missing_modules(_read(rev, root, name), rev, root, tmp)
+        module = _load(src, name, tmp)
         out[rule] = _Declared(getattr(module, f"{rule}_kernel"))
     return out
 

@@ -1,14 +1,17 @@
-"""Instructions per element of the fused AdamW kernel, from SASS compiled for a GPU target on any
-machine (no GPU needed): Triton compiles the kernel ahead of time with its bundled ptxas, and
-its cuobjdump disassembles it.
+"""Instructions per element of the fused AdamW (or Lion) kernel, from SASS compiled for a GPU
+target on any machine (no GPU needed): Triton compiles the kernel ahead of time with its bundled
+ptxas, and its cuobjdump disassembles it.
 
-    python tools/bench/kernel_sass.py [--formats fp32m,bf16m,q8m,ecc24q8] [--arch 90] [--out DIR]
+    python tools/bench/kernel_sass.py [--formats fp32m,bf16m,q8m,ecc24q8,lion:ecc24q8] [--arch 90]
+        [--rows 16] [--warps 8] [--out DIR]
 
-For each format (AdamW, stochastic rounding on; the names of ``kernel_geometry.py``) it prints
-the instruction count of the innermost loop (one ``[ROWS, 32]`` tile), that count per element
-(tile elements over threads), and the opcodes that dominate it. ``--out`` keeps the PTX and the
-cubin. The counts are static: how many instructions one tile issues, not a timing; the
-GPU's Triton version may emit slightly different code.
+For each format (AdamW unless prefixed ``lion:``, stochastic rounding on; the names of
+``kernel_geometry.py``) it prints the instruction count of the innermost loop (one ``[ROWS, 32]``
+tile), that count per element (tile elements over threads), and the opcodes that dominate it.
+``--out`` keeps the PTX and the cubin. The counts are static: how many instructions one tile
+issues, not a timing; the GPU's Triton version may emit slightly different code. The kernels
+come from the ``memopt_kernels_triton`` on the path, so pointing ``PYTHONPATH`` at another
+checkout's ``src`` counts that version.
 """
 
 from __future__ import annotations
@@ -30,14 +33,30 @@ _INTS = ("n_chunks", "seed", "step", "hstride")
 
 
 def compile_adam(name: str, arch: int, rows: int, warps: int):
-    from memopt_kernels_triton.kernels.adam import adam_kernel
+    """The AdamW kernel for format ``name`` (stochastic rounding on), compiled for ``arch``."""
+    return compile_kernel("adam", name, arch, rows, warps)
 
+
+def compile_kernel(rule: str, name: str, arch: int, rows: int, warps: int):
+    """The ``rule`` (adam or lion) kernel for format ``name`` (stochastic rounding on; Lion's one
+    moment takes the first moment's format), compiled for ``arch``."""
+    if rule == "adam":
+        from memopt_kernels_triton.kernels.adam import adam_kernel as kernel
+    elif rule == "lion":
+        from memopt_kernels_triton.kernels.lion import lion_kernel as kernel
+    else:
+        raise ValueError(f"rule is adam or lion, got {rule!r}")
     master, f1, f2 = FORMATS[name]
+    if rule == "lion":
+        f2 = 0
     constexprs = dict(
-        MASTER=master, FMT1=f1, FMT2=f2, SR=True, NEED_RAND=True, MAXIMIZE=False, HAS_L2=False,
-        HAS_DECAY=True, BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
+        MASTER=master, FMT1=f1, FMT2=f2, SR=True, MAXIMIZE=False, HAS_L2=False, HAS_DECAY=True,
+        BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
     )  # fmt: skip
-    constexprs["AHEAD"] = constexprs["BS"] == 1  # as ops.prepare_step chooses
+    # as ops.prepare_step chooses: words when some state rounds, loads ahead for unblocked moments
+    # with an fp32 master
+    constexprs["NEED_RAND"] = master in (1, 2, 3) or f1 != 0 or f2 != 0
+    constexprs["AHEAD"] = constexprs["BS"] == 1 and master == 0
     pointers = {
         "chunk_ptr": "*i64",
         "slot_ptr": "*i64",
@@ -49,13 +68,13 @@ def compile_adam(name: str, arch: int, rows: int, warps: int):
         "hyper_ptr": "*i32",
     }
     signature, values = {}, {}
-    for i, arg in enumerate(adam_kernel.arg_names):
+    for i, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
             values[(i,)] = constexprs[arg]
         else:
             signature[arg] = pointers.get(arg, "i32" if arg in _INTS else "fp32")
-    src = ASTSource(fn=adam_kernel, signature=signature, constexprs=values)
+    src = ASTSource(fn=kernel, signature=signature, constexprs=values)
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),
@@ -93,7 +112,7 @@ def inner_loop(ins: list[tuple[int, str]]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS), help="[lion:]format list")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (%(default)s)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--warps", type=int, default=8)
@@ -101,15 +120,19 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     per_thread = args.rows * 32 / (args.warps * 32)
-    for name in args.formats.split(","):
-        k = compile_adam(name, args.arch, args.rows, args.warps)
-        (args.out / f"{name}.ptx").write_text(k.asm["ptx"])
-        cubin = args.out / f"{name}.cubin"
+    for item in args.formats.split(","):
+        rule, _, name = item.rpartition(":")
+        rule = rule or "adam"
+        k = compile_kernel(rule, name, args.arch, args.rows, args.warps)
+        label = name if rule == "adam" else f"{rule}:{name}"
+        stem = label.replace(":", "_")
+        (args.out / f"{stem}.ptx").write_text(k.asm["ptx"])
+        cubin = args.out / f"{stem}.cubin"
         cubin.write_bytes(k.asm["cubin"])
         body = inner_loop(sass_lines(cubin))
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(8))
-        print(f"{name:8s} tile loop {len(body):4d} instructions, {len(body) / per_thread:6.1f} "
-              f"per element ({per_thread:g} per thread); {top}")  # fmt: skip
+        print(f"{label:13s} tile loop {len(body):4d} instructions, "
+              f"{len(body) / per_thread:6.1f} per element ({per_thread:g} per thread); {top}")  # fmt: skip
 
 
 if __name__ == "__main__":

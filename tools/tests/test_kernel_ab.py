@@ -56,3 +56,28 @@ def test_loads_kernels_from_a_folder(tmp_path) -> None:
         (tmp_path / f"{name}.py").write_text((src / f"{name}.py").read_text())
     kernels = kernel_ab.load_baseline(str(tmp_path), ROOT)
     assert "AHEAD" in kernels["adam"].names
+
+
+def test_loads_a_shared_module_the_package_no_longer_has(tmp_path) -> None:
+    """A baseline from before KERNEL_API 3 imports ``kernels/philox.py`` (now ``kernels/rng.py``):
+    its own copy is loaded beside it (here a copy of ``rng.py`` under the old name)."""
+    import sys
+
+    import kernel_ab
+
+    src = ROOT / kernel_ab._PACKAGE_DIR
+    new, old = (
+        "memopt_kernels_triton.kernels.rng import",
+        "memopt_kernels_triton.kernels.philox import",
+    )
+    for name in ("adam", "lion"):
+        text = (src / f"{name}.py").read_text()
+        assert new in text
+        (tmp_path / f"{name}.py").write_text(text.replace(new, old))
+    (tmp_path / "philox.py").write_text((src / "rng.py").read_text())
+    assert importlib.util.find_spec("memopt_kernels_triton.kernels.philox") is None
+    kernels = kernel_ab.load_baseline(str(tmp_path), ROOT)
+    assert set(kernels) == {"adam", "lion"}
+    shared = sys.modules["baseline_philox"]
+    assert kernels["adam"].kernel.fn.__globals__["step_keys"] is shared.step_keys
+    assert kernels["lion"].kernel.fn.__globals__["step_keys"] is shared.step_keys

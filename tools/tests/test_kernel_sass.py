@@ -28,5 +28,18 @@ def test_counts_the_tile_loop(tmp_path) -> None:
         assert body[-1] == "BRA"
         assert any(op.startswith("LDG") for op in body)
         counts[name] = len(body)
-    # q8 moments (codecs, Philox words) cost several times fp32 moments' tile
+    # q8 moments (codecs, stochastic-rounding words) cost several times fp32 moments' tile
     assert 2 * counts["fp32m"] < counts["q8m"]
+
+
+def test_counts_lion(tmp_path) -> None:
+    import kernel_sass
+
+    k = kernel_sass.compile_kernel("lion", "ecc24q8", 90, rows=8, warps=4)
+    cubin = tmp_path / "lion.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    body = kernel_sass.inner_loop(kernel_sass.sass_lines(cubin))
+    assert body[-1] == "BRA"
+    assert any(op.startswith("LDG") for op in body)
+    with pytest.raises(ValueError, match="adam or lion"):
+        kernel_sass.compile_kernel("sgd", "q8m", 90, rows=8, warps=4)
