@@ -7,7 +7,8 @@
 //  - every format conversion is integer arithmetic on bit patterns mirroring memopt_core.formats
 //    (bits.py, float_moments.py, block_fp8.py, q8.py, ecc.py), or an exact float operation (an
 //    8-bit code's value times the block's power of two);
-//  - stochastic rounding words are Philox4x32-10 as memopt_core.rng defines them.
+//  - stochastic rounding words are memopt_core.rng's: a Philox4x32-10 block of keys per tensor
+//    and step, a lowbias32 hash per element and stream.
 // So results are bit-identical to the reference on every instruction set and thread count.
 //
 // A step processes a slot range tile by tile: decode the master weights, gradients and moments of
@@ -243,144 +244,69 @@ inline uint32_t fp16_widen(uint32_t p) {
   return out | ((p >> 15) << 31);
 }
 
-// ------------------------------------------------------------------------------ Philox
+// ------------------------------------------------------------------------------ rounding words
+// memopt_core.rng: one Philox4x32-10 block per tensor and step gives keys K0..K3; stream s of
+// the element at index idx takes lowbias32(y ^ Ks) with y = lo(idx) * INDEX_M + hi(idx) * K3
+// (mod 2**32), lowbias32(x): x ^= x >> 16; x *= MIX_M0; x ^= x >> 15; x *= MIX_M1; x ^= x >> 16.
 constexpr uint32_t PHILOX_M0 = 0xD2511F53u, PHILOX_M1 = 0xCD9E8D57u;
 constexpr uint32_t PHILOX_W0 = 0x9E3779B9u, PHILOX_W1 = 0xBB67AE85u;
+constexpr uint32_t INDEX_M = 0x9E3779B9u, MIX_M0 = 0x7FEB352Du, MIX_M1 = 0x846CA68Bu;
 
-// Philox4x32-10 of counter (c0, c1, c2, 0) and key (k0, k1) (memopt_core.rng.philox4x32).
-inline void philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t k0, uint32_t k1,
-                       uint32_t& o0, uint32_t& o1, uint32_t& o2, uint32_t& o3) {
-  uint32_t x0 = c0, x1 = c1, x2 = c2, x3 = 0;
-#define MEMOPT_PHILOX_ROUND                                                   \
-  {                                                                           \
-    const uint64_t p0 = static_cast<uint64_t>(x0) * PHILOX_M0;                \
-    const uint64_t p1 = static_cast<uint64_t>(x2) * PHILOX_M1;                \
-    const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ k0;            \
-    const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ k1;            \
-    x1 = static_cast<uint32_t>(p1);                                           \
-    x3 = static_cast<uint32_t>(p0);                                           \
-    x0 = y0;                                                                  \
-    x2 = y2;                                                                  \
+// K0..K3 of one tensor at one step (memopt_core.rng.step_keys).
+struct StepKeys {
+  uint32_t k[4];
+};
+
+// Philox4x32-10 of counter (step, 0, 0, 0) and key (seed, tid): computed once per call of a
+// step or of stream_words, so plain scalar code.
+inline StepKeys step_keys(uint32_t seed, uint32_t tid, uint32_t step) {
+  uint32_t x0 = step, x1 = 0, x2 = 0, x3 = 0, k0 = seed, k1 = tid;
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += PHILOX_W0;
+      k1 += PHILOX_W1;
+    }
+    const uint64_t p0 = static_cast<uint64_t>(x0) * PHILOX_M0;
+    const uint64_t p1 = static_cast<uint64_t>(x2) * PHILOX_M1;
+    const uint32_t y0 = static_cast<uint32_t>(p1 >> 32) ^ x1 ^ k0;
+    const uint32_t y2 = static_cast<uint32_t>(p0 >> 32) ^ x3 ^ k1;
+    x1 = static_cast<uint32_t>(p1);
+    x3 = static_cast<uint32_t>(p0);
+    x0 = y0;
+    x2 = y2;
   }
-#define MEMOPT_PHILOX_BUMP \
-  k0 += PHILOX_W0;         \
-  k1 += PHILOX_W1;
-  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
-  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
-  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
-  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP
-  MEMOPT_PHILOX_ROUND MEMOPT_PHILOX_BUMP MEMOPT_PHILOX_ROUND
-#undef MEMOPT_PHILOX_ROUND
-#undef MEMOPT_PHILOX_BUMP
-  o0 = x0;
-  o1 = x1;
-  o2 = x2;
-  o3 = x3;
+  return {{x0, x1, x2, x3}};
 }
 
-// The words of streams 0..2 (and 3 when w3 is given) of elements idx0 .. idx0+n of one tensor.
-// GCC's auto-vectorized form of philox4x32 is slow (about 5 ns/element on AVX-512), so the
-// vector sets have explicit code with the same integer results:
-//  - AVX-512: 8 elements per register in 64-bit lanes. vpmuludq gives the whole 64-bit product
-//    of the low halves, its high half moves down with a shuffle, the three-way XORs are one
-//    vpternlogq;
-//    the high halves of the other words carry garbage that vpmuludq and the final narrowing
-//    ignore. The 64-bit index splits into counter words without any carry handling.
-//  - AVX2: 8 elements in 32-bit lanes; products of the even and odd lanes are blended.
-void philox_tile(uint32_t seed, uint32_t tid, uint32_t step, int64_t idx0, int64_t n,
-                 uint32_t* __restrict w0, uint32_t* __restrict w1, uint32_t* __restrict w2,
-                 uint32_t* __restrict w3 = nullptr) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512i m0 = _mm512_set1_epi64(PHILOX_M0), m1 = _mm512_set1_epi64(PHILOX_M1);
-  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFFLL);
-  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-  __m512i keys0[10], keys1[10];
-  for (int r = 0; r < 10; ++r) {
-    keys0[r] = _mm512_set1_epi64(static_cast<uint32_t>(seed + static_cast<uint32_t>(r) * PHILOX_W0));
-    keys1[r] = _mm512_set1_epi64(static_cast<uint32_t>(tid + static_cast<uint32_t>(r) * PHILOX_W1));
-  }
-  // two independent vectors per iteration: each round is a chain of multiply (5 cycles), shuffle
-  // and XOR, so a second chain fills the multiplier's idle cycles
-  constexpr int U = 2;
-  for (; i + 8 * U <= n; i += 8 * U) {
-    __m512i x0[U], x1[U], x2[U], x3[U];
-    for (int u = 0; u < U; ++u) {
-      const __m512i idx = _mm512_add_epi64(_mm512_set1_epi64(idx0 + i + 8 * u), lane);
-      x0[u] = _mm512_and_si512(idx, low32);
-      x1[u] = _mm512_srli_epi64(idx, 32);
-      x2[u] = _mm512_set1_epi64(step);
-      x3[u] = _mm512_setzero_si512();
-    }
-    for (int r = 0; r < 10; ++r) {
-      for (int u = 0; u < U; ++u) {
-        const __m512i p0 = _mm512_mul_epu32(x0[u], m0);
-        const __m512i p1 = _mm512_mul_epu32(x2[u], m1);
-        // swapping the 32-bit halves (vpshufd) brings the high word down like a shift would,
-        // off the port the multiplies use; the low word moves up, where it is ignored
-        x0[u] = _mm512_ternarylogic_epi64(_mm512_shuffle_epi32(p1, _MM_PERM_CDAB), x1[u],
-                                          keys0[r], 0x96);
-        x2[u] = _mm512_ternarylogic_epi64(_mm512_shuffle_epi32(p0, _MM_PERM_CDAB), x3[u],
-                                          keys1[r], 0x96);
-        x1[u] = p1;
-        x3[u] = p0;
+// The words of streams 0, 1 and 2 of elements idx0 .. idx0+n of one tensor (element i draws
+// index idx0 + i); a stream is computed only when its output is given, so a step pays only for
+// the streams its formats round. Works in blocks of at most TILE elements within one high word
+// of the index (a tile crossing a multiple of 2**32 is cut there): inside one, y advances by
+// INDEX_M per element, an addition. lowbias32's first step takes x = y ^ Ks to x ^ x >> 16 =
+// u ^ (Ks ^ Ks >> 16) with u = y ^ y >> 16 (the shift distributes over the XOR), so u is computed
+// once for every stream. Both loops vectorize (vpmulld on x86-64, mul on NEON); on AVX2 and
+// AVX-512 they ran as fast as hand-written intrinsics, bound by the two multiplies per stream.
+void sr_words_tile(const StepKeys& key, int64_t idx0, int64_t n, uint32_t* w0, uint32_t* w1,
+                   uint32_t* w2) {
+  alignas(64) uint32_t u[TILE];
+  uint32_t* const out[3] = {w0, w1, w2};
+  for (int64_t i = 0; i < n;) {
+    const uint64_t idx = static_cast<uint64_t>(idx0) + static_cast<uint64_t>(i);
+    const uint32_t lo = static_cast<uint32_t>(idx), hi = static_cast<uint32_t>(idx >> 32);
+    const int64_t len = vmin(vmin(n - i, TILE), static_cast<int64_t>((uint64_t{1} << 32) - lo));
+    uint32_t y = lo * INDEX_M + hi * key.k[3];
+    for (int64_t j = 0; j < len; ++j, y += INDEX_M) u[j] = y ^ (y >> 16);
+    for (int s = 0; s < 3; ++s) {
+      if (!out[s]) continue;
+      uint32_t* __restrict w = out[s] + i;
+      const uint32_t kc = key.k[s] ^ (key.k[s] >> 16);
+      for (int64_t j = 0; j < len; ++j) {
+        uint32_t x = (u[j] ^ kc) * MIX_M0;
+        x = (x ^ (x >> 15)) * MIX_M1;
+        w[j] = x ^ (x >> 16);
       }
     }
-    for (int u = 0; u < U; ++u) {
-      const int64_t j = i + 8 * u;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w0 + j), _mm512_cvtepi64_epi32(x0[u]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w1 + j), _mm512_cvtepi64_epi32(x1[u]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w2 + j), _mm512_cvtepi64_epi32(x2[u]));
-      if (w3) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w3 + j), _mm512_cvtepi64_epi32(x3[u]));
-    }
-  }
-#elif defined(__AVX2__)
-  const auto set1 = [](uint32_t v) { return _mm256_set1_epi32(static_cast<int>(v)); };
-  const auto mul_hilo = [](__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
-    const __m256i pe = _mm256_mul_epu32(a, m);
-    const __m256i po = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
-    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
-  };
-  const __m256i m0 = set1(PHILOX_M0), m1 = set1(PHILOX_M1), vstep = set1(step);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (; i + 8 <= n; i += 8) {
-    const uint64_t base = static_cast<uint64_t>(idx0 + i);
-    // the low index words of the lanes wrap inside the vector only when base's low word is
-    // within 8 of 2**32: then the scalar loop below takes over
-    if (static_cast<uint32_t>(base) > 0xFFFFFFFFu - 8) break;
-    __m256i x0 = _mm256_add_epi32(set1(static_cast<uint32_t>(base)), lane);
-    __m256i x1 = set1(static_cast<uint32_t>(base >> 32));
-    __m256i x2 = vstep;
-    __m256i x3 = _mm256_setzero_si256();
-    uint32_t k0 = seed, k1 = tid;
-    for (int r = 0; r < 10; ++r) {
-      if (r) {
-        k0 += PHILOX_W0;
-        k1 += PHILOX_W1;
-      }
-      __m256i h0, l0, h1, l1;
-      mul_hilo(x0, m0, h0, l0);
-      mul_hilo(x2, m1, h1, l1);
-      const __m256i y0 = _mm256_xor_si256(_mm256_xor_si256(h1, x1), set1(k0));
-      const __m256i y2 = _mm256_xor_si256(_mm256_xor_si256(h0, x3), set1(k1));
-      x1 = l1;
-      x3 = l0;
-      x0 = y0;
-      x2 = y2;
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w0 + i), x0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w1 + i), x1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w2 + i), x2);
-    if (w3) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w3 + i), x3);
-  }
-#endif
-  for (; i < n; ++i) {
-    const uint64_t idx = static_cast<uint64_t>(idx0 + i);
-    uint32_t o3;
-    philox4x32(static_cast<uint32_t>(idx), static_cast<uint32_t>(idx >> 32), step, seed, tid,
-               w0[i], w1[i], w2[i], o3);
-    if (w3) w3[i] = o3;
+    i += len;
   }
 }
 
@@ -899,6 +825,8 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
 #endif
     return;
   }
+  const StepKeys keys =
+      c.sr ? step_keys(c.seed, static_cast<uint32_t>(s.tensor_id), c.step) : StepKeys{};
   if (adam && c.master == MASTER_FP32 && c.fmt1 == FMT_BF16 && c.fmt2 == FMT_BF16 &&
       !c.maximize && !c.has_l2 && s.padded == s.numel) {
     // fp32 master with bf16 moments (memopt-offload's "bf16" precision): decode, update and
@@ -915,9 +843,8 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
       }
       auto* mp = at<uint16_t>(c.m, (a + t0) * 2);
       auto* vp = at<uint16_t>(c.v, (a + t0) * 2);
-      if (c.sr)
-        philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, s.index_base + t0, n, w0,
-                    w1, w2);
+      if (c.sr)  // the moments' streams: the fp32 master does not round
+        sr_words_tile(keys, s.index_base + t0, n, nullptr, w1, w2);
       c.sr ? adam_bf16_moments<true>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr)
            : adam_bf16_moments<false>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr);
       if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
@@ -937,9 +864,9 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
     load_grad(s.grad_kind, at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2)), n, real, g);
     if (read_m) dec_moment(c.fmt1, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), n, m);
     if (adam) dec_moment(c.fmt2, at<void>(c.v, a * vb), at<uint8_t>(c.vs, a / 32), n, v);
-    if (sr_master || sr_m || sr_v)  // element t0 + i draws Philox index index_base + t0 + i
-      philox_tile(c.seed, static_cast<uint32_t>(s.tensor_id), c.step, s.index_base + t0, n, w0,
-                  w1, w2);
+    if (sr_master || sr_m || sr_v)  // element t0 + i draws index index_base + t0 + i
+      sr_words_tile(keys, s.index_base + t0, n, sr_master ? w0 : nullptr, sr_m ? w1 : nullptr,
+                    sr_v ? w2 : nullptr);
     if (adam)
       adam_rule(c, n, x, g, m, v);
     else if (lion)
@@ -1001,16 +928,18 @@ void decode_master(int32_t master, const void* param, const void* code, int64_t 
   }
 }
 
-void philox(uint32_t seed, uint32_t tensor_id, uint32_t step, const int64_t* index, int64_t n,
-            uint32_t* out) {
-  // runs of consecutive indices go through the step's generator (philox_tile), so tests of this
-  // function cover the vector code; other indices one by one
+void stream_words(uint32_t seed, uint32_t tensor_id, uint32_t step, const int64_t* index,
+                  int64_t n, uint32_t* out) {
+  // runs of consecutive indices go through the step's generator (sr_words_tile), so tests of
+  // this function cover the vector code; other indices one by one
+  const StepKeys keys = step_keys(seed, tensor_id, step);
   int64_t i = 0;
   while (i < n) {
     int64_t j = i + 1;
-    while (j < n && j - i < TILE && index[j] == index[j - 1] + 1) ++j;
-    philox_tile(seed, tensor_id, step, index[i], j - i, out + i, out + n + i, out + 2 * n + i,
-                out + 3 * n + i);
+    // (unsigned: a run may pass from -1 to 0, never overflows)
+    while (j < n && static_cast<uint64_t>(index[j]) == static_cast<uint64_t>(index[j - 1]) + 1)
+      ++j;
+    sr_words_tile(keys, index[i], j - i, out + i, out + n + i, out + 2 * n + i);
     i = j;
   }
 }
@@ -1025,6 +954,6 @@ const IsaKernels MEMOPT_ISA_TABLE = {
     MEMOPT_STR(MEMOPT_ISA_NS),          MEMOPT_ISA_NS::step_range,
     MEMOPT_ISA_NS::encode_moment,       MEMOPT_ISA_NS::decode_moment,
     MEMOPT_ISA_NS::encode_master,       MEMOPT_ISA_NS::decode_master,
-    MEMOPT_ISA_NS::philox};
+    MEMOPT_ISA_NS::stream_words};
 
 }  // namespace memopt_cpu

@@ -224,7 +224,7 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
     check_addr((at + "staging").c_str(), r.staging, false);
     if (r.staging != 0 && master == MASTER_FP16)
       bad(at + "bf16 staging is for fp32 and bf16 parameters, not fp16 ones");
-    // the Philox indices index_base .. index_base + padded stay far from int64 overflow
+    // the rounding indices index_base .. index_base + padded stay far from int64 overflow
     if (r.index_base < 0 || r.index_base >= (int64_t{1} << 62) - r.padded)
       bad(at + "index_base " + std::to_string(r.index_base) + " (+ padded " +
           std::to_string(r.padded) + ") must be >= 0 and below 2**62");
@@ -325,8 +325,8 @@ void decode_master(int32_t master, int64_t param, int64_t code, int64_t n, int64
   });
 }
 
-void philox(uint32_t seed, uint32_t tensor_id, uint32_t step, int64_t index, int64_t n,
-            int64_t out) {
+void stream_words(uint32_t seed, uint32_t tensor_id, uint32_t step, int64_t index, int64_t n,
+                  int64_t out) {
   if (n < 0) bad("n must be >= 0");
   check_addr("index", index, n > 0);
   check_addr("out", out, n > 0);
@@ -335,14 +335,14 @@ void philox(uint32_t seed, uint32_t tensor_id, uint32_t step, int64_t index, int
   uint32_t* dst = ptr<uint32_t>(out);
   parallel_blocks(n, [&](int64_t b, int64_t e) {
     if (b == 0 && e == n) {
-      k.philox(seed, tensor_id, step, idx, n, dst);
+      k.stream_words(seed, tensor_id, step, idx, n, dst);
       return;
     }
-    // out is [4, n]: a part writes its [4, e - b] block to a buffer, then its four row pieces
+    // out is [3, n]: a part writes its [3, e - b] block to a buffer, then its three row pieces
     const int64_t len = e - b;
-    std::vector<uint32_t> buf(static_cast<std::size_t>(4 * len));
-    k.philox(seed, tensor_id, step, idx + b, len, buf.data());
-    for (int w = 0; w < 4; ++w)
+    std::vector<uint32_t> buf(static_cast<std::size_t>(3 * len));
+    k.stream_words(seed, tensor_id, step, idx + b, len, buf.data());
+    for (int w = 0; w < 3; ++w)
       std::memcpy(dst + w * n + b, buf.data() + w * len, static_cast<std::size_t>(len) * 4);
   });
 }
@@ -438,9 +438,11 @@ PYBIND11_MODULE(_core, mod) {
           py::arg("param"), py::arg("code"), py::arg("rand"), release());
   mod.def("decode_master", &decode_master, py::arg("master"), py::arg("param"), py::arg("code"),
           py::arg("n"), py::arg("out"), release());
-  mod.def("philox", &philox, py::arg("seed"), py::arg("tensor_id"), py::arg("step"),
+  mod.def("stream_words", &stream_words, py::arg("seed"), py::arg("tensor_id"), py::arg("step"),
           py::arg("index"), py::arg("n"), py::arg("out"), release(),
-          "Philox4x32-10 words of elements index[0..n): out[k * n + i] = word k of element i.");
+          "Stochastic-rounding words of elements index[0..n) (memopt_core.rng.stream_words): "
+          "out[k * n + i] = word of stream k (0 master, 1 first moment, 2 second moment) of "
+          "element i.");
 
   // The instruction set: MEMOPT_CPU_ISA if set (an impossible request fails the import), else
   // the best one this CPU supports.

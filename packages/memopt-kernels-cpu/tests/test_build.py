@@ -67,6 +67,26 @@ def test_stale_slot_row_layout_is_refused(run_py):
     assert "pip install --force-reinstall" in out
 
 
+def test_stale_rounding_words_are_refused(run_py):
+    # a _core of the same version built before KERNEL_API 3's words (it had philox, no
+    # stream_words): its steps would round with other bits
+    code = (
+        "import sys\n"
+        "from memopt_kernels_cpu import _core\n"
+        "del _core.stream_words\n"
+        "del sys.modules['memopt_kernels_cpu.ops']\n"
+        "try:\n"
+        "    import memopt_kernels_cpu.ops\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    out = run_py(code).stdout
+    assert out.startswith("ImportError:"), out
+    assert "has no stream_words" in out
+    assert "KERNEL_API 3" in out
+    assert "pip install --force-reinstall" in out
+
+
 def test_missing_extension_says_how_to_build(run_py):
     code = (
         "import sys\n"

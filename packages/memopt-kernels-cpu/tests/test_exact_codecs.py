@@ -1,4 +1,4 @@
-"""Standalone C++ codecs and Philox vs memopt-core's reference codecs: the same bits.
+"""Standalone C++ codecs and rounding words vs memopt-core's reference: the same bits.
 
 Inputs mix random bit patterns (every exponent, subnormals, NaN payloads, infinities) with
 log-normal values over many decades, exact zeros of both signs and near-overflow values; each
@@ -14,7 +14,7 @@ from memopt_core.formats import master_codec, moment_codec
 from memopt_core.formats.registry import MOMENT_FORMATS
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, stream_words
 from memopt_core.testing import MASTER_IDS, MASTERS, bits
-from memopt_kernels_cpu import ops, set_isa, supported_isas
+from memopt_kernels_cpu import ops, set_chunk_size, set_isa, set_num_threads, supported_isas
 
 ISAS = supported_isas()
 
@@ -86,25 +86,75 @@ def test_ecc32_round_trip_is_exact_for_every_exponent():
         assert torch.equal(bits(ops.decode_master("ecc32", p, c)), bits(x)), isa
 
 
+def assert_words(got, want, what):
+    assert len(got) == len(want) == 3, what
+    for k in range(3):
+        assert got[k].dtype == want[k].dtype == torch.int64, what
+        assert torch.equal(got[k], want[k]), (what, k)
+
+
 @pytest.mark.parametrize("isa", ISAS)
-def test_philox_words(isa):
+def test_stream_words(isa):
+    # scattered indices: one-element runs, and negative ones (their high word is 2**32 - 1)
     set_isa(isa)
     index = torch.cat(
-        [torch.arange(100), torch.randint(0, 2**40, (1000,)), torch.tensor([2**32 - 1, 2**32])]
+        [
+            torch.arange(100),
+            torch.randint(0, 2**40, (1000,), generator=torch.Generator().manual_seed(3)),
+            torch.tensor([2**32 - 1, 2**32, 2**62 - 1, -1, -(2**40) - 3]),
+        ]
     )
-    got = ops.philox_words(0xDEADBEEF, 77, index, 12345)
-    want = stream_words(0xDEADBEEF, 77, index, 12345)
-    for k in range(4):
-        assert torch.equal(got[k], want[k]), (isa, k)
+    got = ops.stream_words(0xDEADBEEF, 77, index, 12345)
+    assert_words(got, stream_words(0xDEADBEEF, 77, index, 12345), isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("base", [0, 5, 2**32 - 40, 2**33 - 7])
-def test_philox_vector_generator_across_the_32_bit_index_boundary(isa, base):
-    # consecutive indices run through the fused step's vectorized generator, which must carry
-    # the index's high word (a tensor of 2**32+ elements is too large for a CPU test)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 1000, 1025])
+def test_stream_words_of_every_run_length(isa, n):
+    # consecutive indices run through the fused step's vector generator (8 lanes AVX2, 16
+    # AVX-512, then a scalar tail): lengths around those widths, starting at, before and across
+    # multiples of 2**32 (where the generator cuts a run) and at large indices, random keys
     set_isa(isa)
-    index = torch.arange(base, base + 3000)
-    got = ops.philox_words(5, 6, index, 7)
-    want = stream_words(5, 6, index, 7)
-    assert all(torch.equal(got[k], want[k]) for k in range(4))
+    g = torch.Generator().manual_seed(n)
+    starts = [0, 5, 2**31 + 9, 2**32 - 5, 2**32 - n // 2, 2**33 - 1, 2**40 + 3, 2**62 - n, -n // 2]
+    for start in starts:
+        seed, tensor_id, step = (int(v) for v in torch.randint(0, 2**32, (3,), generator=g))
+        index = torch.arange(start, start + n)
+        got = ops.stream_words(seed, tensor_id, index, step)
+        assert_words(got, stream_words(seed, tensor_id, index, step), (isa, start, seed))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("start", "n"),
+    [(2**32 - 5, 40), (2**33 - 5, 40), (2**32 - 40, 3000), (2**33 - 7, 3000), (3 * 2**32 - 1, 2)],
+)
+def test_stream_words_across_the_32_bit_index_boundary(isa, start, n):
+    # the index's high word changes mid-run: y restarts from the new high word's K3 multiple
+    # (a tensor of 2**32+ elements is too large for a CPU test)
+    set_isa(isa)
+    index = torch.arange(start, start + n)
+    for seed, tensor_id, step in [(5, 6, 7), (2**32 - 1, 0, 1), (0x9E3779B9, 2**31, 2**32 - 1)]:
+        got = ops.stream_words(seed, tensor_id, index, step)
+        assert_words(got, stream_words(seed, tensor_id, index, step), (isa, seed))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_stream_words_on_several_threads(isa):
+    # the binding splits the indices over the pool and reassembles the three rows
+    set_isa(isa)
+    set_num_threads(3)
+    set_chunk_size(32)
+    index = torch.arange(2**32 - 1000, 2**32 + 1001)
+    assert_words(ops.stream_words(1, 2, index, 3), stream_words(1, 2, index, 3), isa)
+
+
+def test_stream_words_differ_between_streams_steps_and_tensors():
+    # the control: the comparisons above cannot pass by accident on constant or shared words
+    index = torch.arange(2**32 - 64, 2**32 + 64)
+    w = ops.stream_words(1, 2, index, 3)
+    assert not torch.equal(w[0], w[1])
+    assert not torch.equal(w[1], w[2])
+    assert w[0].unique().numel() == index.numel()  # distinct y here, and lowbias32 is a bijection
+    assert not torch.equal(ops.stream_words(1, 2, index, 4)[0], w[0])
+    assert not torch.equal(ops.stream_words(1, 5, index, 3)[0], w[0])

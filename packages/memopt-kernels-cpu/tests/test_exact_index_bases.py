@@ -1,8 +1,8 @@
 """``GroupStep.index_bases`` (sharded parameters): the C++ step draws the stochastic-rounding
 words of index ``index_base + i`` for element ``i``, bit-identical with core's torch backend.
 
-The bases cover a low counter word that wraps inside a tensor (``2**32 - 13``: the AVX2 Philox
-falls back to scalar code there, AVX-512 carries into the high word), high words above 1 and
+The bases cover an index whose low word wraps inside a tensor (``2**32 - 13``: the generator
+cuts a tile there and restarts its hash inputs from the new high word), high words above 1 and
 bases that are not block-aligned. Chunks of 1056 elements (not a multiple of the 1024-element
 tile) make tiles start at odd offsets. Each case checks every instruction set this CPU supports
 with 1 and 3 threads against one reference run (the reference dominates the run time: every
@@ -84,6 +84,32 @@ def test_index_bases_of_a_large_tensor(variant, preset, master, dtype):
     compare(variant, preset, master, dtype, sizes=LARGE_SIZES, bases=LARGE_BASES)
 
 
+@pytest.mark.parametrize(
+    ("variant", "preset", "master", "dtype"),
+    [
+        ("adamw", "q8", "ecc24", torch.bfloat16),  # streams 0, 1, 2
+        ("adamw", "fp32", "none", torch.bfloat16),  # stream 0 alone
+        ("adamw", "q8", "fp32", torch.float32),  # streams 1 and 2
+        ("adamw", "bf16", "fp32", torch.float32),  # 1 and 2, the one-loop bf16-moment path
+        ("sgd-nesterov", "fp8", "none", torch.float16),  # 0 and 1
+        ("lion", "bf16", "ecc32", torch.bfloat16),  # 1 alone (ECC-32 is exact)
+    ],
+    ids=["all", "master", "moments", "bf16-moments", "master-momentum", "lion-moment"],
+)
+def test_tiles_across_the_32_bit_index_boundary(variant, preset, master, dtype):
+    # every subset of streams a step draws, with tiles (chunks of 1056) whose indices cross 2**32
+    # and 2**33 mid-tile and a tensor at 2**40 + 3
+    compare(
+        variant,
+        preset,
+        master,
+        dtype,
+        sizes=[3000, 4099, 33],
+        bases=[2**32 - 100, 2**33 - 1000, 2**40 + 3],
+        steps=2,
+    )
+
+
 def test_index_bases_of_a_subset_of_slots():
     # a partial step: the bases of the stepped tensors only (GroupStep.index_base(position))
     compare("adamw", "q8", "ecc24", torch.bfloat16, slots=[2, 4])
@@ -145,7 +171,7 @@ def test_negative_index_base_is_refused():
     with pytest.raises(
         ConfigError,
         match=r"index base of parameter 1 \(slot 1, shape \(16, 4\), torch.bfloat16\) must be "
-        r">= 0 \(its first element's Philox index\), got -32",
+        r">= 0 \(its first element's stochastic-rounding index\), got -32",
     ):
         _step_with_bases([0, -32])
 
@@ -164,6 +190,7 @@ def test_too_large_index_base_is_refused():
     with pytest.raises(
         ConfigError,
         match=r"index base of parameter 1 \(slot 1, shape \(16, 4\), torch.bfloat16\) is "
-        r"4611686018427387840: with its 64 padded elements the Philox indices reach 2\*\*62",
+        r"4611686018427387840: with its 64 padded elements the stochastic-rounding indices reach "
+        r"2\*\*62",
     ):
         _step_with_bases([0, 2**62 - 64])

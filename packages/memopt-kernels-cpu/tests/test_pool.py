@@ -128,7 +128,7 @@ def test_concurrent_callers_do_not_deadlock(ops):
     def caller(k: int) -> None:
         try:
             for i in range(30):
-                ops.philox_words(k, i, idx, 1)
+                ops.stream_words(k, i, idx, 1)
                 _core._pool_probe()
                 if k == 0 and i % 10 == 0:
                     _core.set_num_threads(2 + i % 3)
@@ -150,11 +150,11 @@ def test_pool_works_after_fork(run_py):
         "import os, signal, torch\n"
         "import memopt_kernels_cpu as m\n"
         "m.set_num_threads(3); m.set_chunk_size(32)\n"
-        "m.ops.philox_words(1, 2, torch.arange(5000), 3)\n"  # the parent's pool is running
+        "m.ops.stream_words(1, 2, torch.arange(5000), 3)\n"  # the parent's pool is running
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    signal.alarm(30)\n"
-        "    m.ops.philox_words(1, 2, torch.arange(5000), 3)\n"
+        "    m.ops.stream_words(1, 2, torch.arange(5000), 3)\n"
         "    ids = m._core._pool_probe()\n"
         "    os._exit(0 if len(ids) == 3 and m.get_chunk_size() == 32 else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"

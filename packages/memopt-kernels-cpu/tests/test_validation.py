@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from memopt_core import rng
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
@@ -182,25 +183,28 @@ def test_decode_master_errors(ops):
         ops.decode_master("fp32", None)
 
 
-# ----------------------------------------------------------------------------------- philox
-def test_philox_words_errors_and_shape(ops):
+# ----------------------------------------------------------------------------------- words
+def test_stream_words_errors_and_shape(ops):
     with pytest.raises(FormatError, match=r"index must be an integer tensor, got torch.float32"):
-        ops.philox_words(1, 2, torch.zeros(3), 1)
+        ops.stream_words(1, 2, torch.zeros(3), 1)
     with pytest.raises(FormatError, match=r"got torch.bool"):
-        ops.philox_words(1, 2, torch.zeros(3, dtype=torch.bool), 1)
+        ops.stream_words(1, 2, torch.zeros(3, dtype=torch.bool), 1)
     with pytest.raises(ConfigError, match=r"index is on meta"):
-        ops.philox_words(1, 2, torch.zeros(3, dtype=torch.int64, device=META), 1)
+        ops.stream_words(1, 2, torch.zeros(3, dtype=torch.int64, device=META), 1)
     with pytest.raises(ConfigError, match=r"seed must be an int, got float"):
-        ops.philox_words(1.0, 2, torch.zeros(3, dtype=torch.int64), 1)
+        ops.stream_words(1.0, 2, torch.zeros(3, dtype=torch.int64), 1)
     with pytest.raises(ConfigError, match=r"step must be an int, got bool"):
-        ops.philox_words(1, 2, torch.zeros(3, dtype=torch.int64), True)
-    words = ops.philox_words(2**40 + 5, -1, torch.arange(12, dtype=torch.int32).view(3, 4), 2**33)
-    assert len(words) == 4
+        ops.stream_words(1, 2, torch.zeros(3, dtype=torch.int64), True)
+    words = ops.stream_words(2**40 + 5, -1, torch.arange(12, dtype=torch.int32).view(3, 4), 2**33)
+    assert len(words) == 3
     for w in words:
         assert w.dtype == torch.int64
         assert w.shape == (3, 4)
         assert bool(((w >= 0) & (w < 2**32)).all())
-    assert all(w.numel() == 0 for w in ops.philox_words(0, 0, torch.empty(0, dtype=torch.int64), 0))
+    # ids and steps count modulo 2**32, as in the reference
+    want = rng.stream_words(2**40 + 5, -1, torch.arange(12).view(3, 4), 2**33)
+    assert all(torch.equal(w, v) for w, v in zip(words, want, strict=True))
+    assert all(w.numel() == 0 for w in ops.stream_words(0, 0, torch.empty(0, dtype=torch.int64), 0))
 
 
 # ----------------------------------------------------------------------------------- raw _core
@@ -225,7 +229,7 @@ def test_core_standalone_checks_its_arguments(core):
     with pytest.raises(ValueError, match=r"code is required here"):
         core.decode_master(3, c.data_ptr(), 0, 64, x.data_ptr())
     with pytest.raises(ValueError, match=r"index is required here"):
-        core.philox(1, 2, 3, 0, 4, x.data_ptr())
+        core.stream_words(1, 2, 3, 0, 4, x.data_ptr())
     core.encode_moment(0, 0, 0, 0, 0, 0)  # nothing to do: no address needed
 
 

@@ -31,12 +31,12 @@ struct SlotRow {
   int64_t param;         // address of the parameter's first element (contiguous)
   int64_t grad;          // address of the gradient's first element (contiguous, same numel)
   int64_t grad_kind;     // Grad
-  int64_t tensor_id;     // Philox key word 1
+  int64_t tensor_id;     // key word 1 of the step's Philox block (memopt_core.rng.step_keys)
   int64_t numel;         // real elements
   int64_t padded;        // numel rounded up to the block size (elements numel..padded are padding)
   int64_t arena_offset;  // element offset of the tensor in the group's state arena
   int64_t staging;       // address of a bf16 output of the updated weights (numel entries), or 0
-  int64_t index_base;    // Philox index (counter words 0-1) of the slot's element 0: element i
+  int64_t index_base;    // stochastic-rounding index of the slot's element 0: element i
                          // (padding included) draws index index_base + i. 0 for a whole
                          // tensor; a shard's offset in its whole flattened tensor (FSDP2), so
                          // it draws the whole tensor's words. 0 <= index_base, index_base +
@@ -58,8 +58,8 @@ struct StepConfig {
   //   sgd:  {lr, momentum, one_minus_dampening, 0, 0, 0, decay, l2}
   //   lion: {lr, beta1, one_minus_beta1, beta2, one_minus_beta2, 0, decay, 0}
   float s[8];
-  uint32_t seed;  // Philox key word 0
-  uint32_t step;  // Philox counter word 2 (1-based step, low 32 bits)
+  uint32_t seed;  // key word 0 of the step's Philox block (memopt_core.rng.step_keys)
+  uint32_t step;  // counter word 0 of the step's Philox block (1-based step, low 32 bits)
   // Arena addresses (0 when absent): master code (total entries), first state codes/values and
   // per-block scales (total/32 entries), second state likewise.
   int64_t code, m, ms, v, vs;
@@ -81,9 +81,10 @@ struct IsaKernels {
                         const uint32_t* rand);
   void (*decode_master)(int32_t master, const void* param, const void* code, int64_t n,
                         float* out);
-  // Philox4x32-10 words of elements index[0..n): out[k*n + i] = word k of element i.
-  void (*philox)(uint32_t seed, uint32_t tensor_id, uint32_t step, const int64_t* index, int64_t n,
-                 uint32_t* out);
+  // Stochastic-rounding words of elements index[0..n) (memopt_core.rng.stream_words):
+  // out[k*n + i] = word of stream k (0 master, 1 first moment, 2 second moment) of element i.
+  void (*stream_words)(uint32_t seed, uint32_t tensor_id, uint32_t step, const int64_t* index,
+                       int64_t n, uint32_t* out);
 };
 
 extern const IsaKernels kernels_scalar;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from memopt_core.backends import KERNEL_API, GroupStep, supports_formats
+from memopt_core.backends import GroupStep, supports_formats
 from memopt_core.formats import StateSpec
 from memopt_kernels_cpu import _core
 
@@ -22,7 +22,10 @@ class CpuBackend:
     """Fused C++ kernels on a thread pool: one call per group for every rule x format."""
 
     name = "cpu"
-    KERNEL_API = KERNEL_API
+    #: the KERNEL_API level whose stochastic-rounding words (memopt_core.rng) these kernels
+    #: compute; a literal rather than core's constant, so a core of another level refuses the
+    #: package instead of getting other bits
+    KERNEL_API = 3
     #: ``step`` writes ``work.staging`` (the bf16 copies) in the update's own pass
     fused_staging = True
 

@@ -7,13 +7,14 @@ the gradient (4 fp32, 2 bf16/fp16) plus, read and written, the parameter (4 fp32
 the master code (1 ECC-24, 2 ECC-32) and each moment (4 fp32, 2 bf16, 1 + 1/32 fp8/q8), plus
 2 for an optional bf16 staging copy: 28 B for fp32 AdamW, about 12.1 B for ECC-24 + q8.
 With stochastic rounding, element ``i`` of ``work.params[k]`` (padding included) draws the
-Philox words of index ``work.index_base(k) + i`` (the slot table's ``index_base`` column): 0 for
-a whole tensor, a shard's offset in its whole flattened tensor (FSDP2), so the shard rounds with
-the whole tensor's words and gives its bits.
+words (:mod:`memopt_core.rng`) of index ``work.index_base(k) + i`` (the slot table's
+``index_base`` column: 0 for a whole tensor, a shard's offset in its whole flattened tensor
+(FSDP2), so the shard rounds with the whole tensor's words and gives its bits); a step computes
+only the streams its formats round.
 
 Standalone kernels (same bits as the ``memopt_core.formats`` codecs / ``memopt_core.rng``):
 :func:`encode_moment` / :func:`decode_moment` (every moment format), :func:`encode_master` /
-:func:`decode_master` (fp32, none, ECC-24/32 masters), :func:`philox_words`.
+:func:`decode_master` (fp32, none, ECC-24/32 masters), :func:`stream_words`.
 
 Every function validates all its tensors before any kernel runs (CPU, dtype, sizes, contiguity
 where memory is written in place, aliasing) and raises :class:`~memopt_core.errors.ConfigError`
@@ -68,11 +69,11 @@ __all__ = [
     "grad_id",
     "master_id",
     "moment_id",
-    "philox_words",
     "set_chunk_size",
     "set_isa",
     "set_num_threads",
     "step_config",
+    "stream_words",
     "supported_isas",
 ]
 
@@ -94,9 +95,10 @@ NONE_ID = 5
 #: Gradient dtype -> ``Grad`` id.
 GRAD_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Columns of the int64 slot table (``SlotRow`` of ``kernel_api.hpp``), in order: addresses of
-#: the parameter and gradient, the gradient's ``Grad`` id, the Philox tensor id (low 32 bits),
-#: real and padded element counts, the offset in the state arena, the bf16 staging address (0:
-#: none) and ``index_base``, the Philox index of the tensor's element 0
+#: the parameter and gradient, the gradient's ``Grad`` id, the tensor id (low 32 bits; a key
+#: word of the step's random words), real and padded element counts, the offset in the state
+#: arena, the bf16 staging address (0: none) and ``index_base``, the stochastic-rounding index
+#: of the tensor's element 0
 #: (:meth:`memopt_core.backends.GroupStep.index_base`).
 SLOT_COLUMNS = (
     "param",
@@ -116,7 +118,14 @@ if getattr(_core, "SLOT_ROW_WORDS", None) != len(SLOT_COLUMNS):
         "stale build). Rebuild and reinstall it: "
         "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
-#: Philox indices (``index_base + padded``) stay below this (far from int64 overflow).
+if not hasattr(_core, "stream_words"):
+    raise ImportError(
+        "memopt_kernels_cpu's compiled _core has no stream_words: it predates the stochastic-"
+        "rounding words of KERNEL_API 3 and would round with other bits (a stale build). Rebuild "
+        "and reinstall it: pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
+    )
+#: Stochastic-rounding indices (``index_base + padded``) stay below this (far from int64
+#: overflow).
 INDEX_LIMIT = 2**62
 _RULE_IDS = {"sgd": 0, "adam": 1, "lion": 2}
 _U32 = 0xFFFFFFFF
@@ -346,11 +355,13 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
     return out.view(param.shape)
 
 
-def philox_words(
+def stream_words(
     seed: int, tensor_id: int, index: Tensor, step: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The four stream words (int64 in ``[0, 2**32)``) of elements ``index`` (an integer
-    tensor): ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar ids."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stochastic-rounding words (int64 in ``[0, 2**32)``) of streams 0, 1 and 2 (master,
+    first and second moment) of elements ``index`` (an integer tensor), computed by the fused
+    step's generator: ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar
+    ids."""
     for what, v in (("seed", seed), ("tensor_id", tensor_id), ("step", step)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{what} must be an int, got {type(v).__name__}")
@@ -359,8 +370,8 @@ def philox_words(
         raise FormatError(f"index must be an integer tensor, got {index.dtype}")
     idx = index.reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
-    out = torch.empty((4, n), dtype=torch.int32)
-    _core.philox(seed & _U32, tensor_id & _U32, step & _U32, _ptr(idx), n, _ptr(out))
+    out = torch.empty((3, n), dtype=torch.int32)
+    _core.stream_words(seed & _U32, tensor_id & _U32, step & _U32, _ptr(idx), n, _ptr(out))
     words = out.to(torch.int64) & _U32
     return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
 
@@ -536,7 +547,7 @@ def _prepare(
         not isinstance(bases, Sequence) or isinstance(bases, (str, bytes)) or len(bases) != n
     ):
         raise ConfigError(
-            "index_bases must be None or hold one Philox index base per parameter of the step "
+            "index_bases must be None or hold one index base per parameter of the step "
             f"({n}), got "
             + (f"{len(bases)} entries" if isinstance(bases, Sequence) else type(bases).__name__)
         )
@@ -578,12 +589,14 @@ def _prepare(
             raise ConfigError(f"index base of {what} must be an int, got {type(base).__name__}")
         if base < 0:
             raise ConfigError(
-                f"index base of {what} must be >= 0 (its first element's Philox index), got {base}"
+                f"index base of {what} must be >= 0 (its first element's stochastic-rounding "
+                f"index), got {base}"
             )
         if base + slot.padded >= INDEX_LIMIT:
             raise ConfigError(
                 f"index base of {what} is {base}: with its {slot.padded} padded elements the "
-                "Philox indices reach 2**62 (index base + padded must stay below 2**62)"
+                "stochastic-rounding indices reach 2**62 (index base + padded must stay below "
+                "2**62)"
             )
         written.append((p0, what))
         read.append((g, f"the gradient of {what}"))
