@@ -570,7 +570,7 @@ void enc_master_t(int32_t master, const float* __restrict x, int64_t n, int64_t 
                   void* code, uint16_t* __restrict staging, const uint32_t* __restrict r) {
   switch (master) {
     case MASTER_FP32: {
-      std::memcpy(param, x, static_cast<size_t>(real) * 4);
+      if (param != x) std::memcpy(param, x, static_cast<size_t>(real) * 4);  // else updated in place
       if (staging) {
         for (int64_t i = 0; i < real; ++i) staging[i] = static_cast<uint16_t>(bf16_round<false>(f2u(x[i]), 0));
       }
@@ -860,20 +860,32 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
     const int64_t a = s.arena_offset + t0;  // arena element of the tile's first element
     void* param = at<void>(s.param, t0 * pbytes);
     void* code = cbytes ? at<void>(c.code, a * cbytes) : nullptr;
-    dec_master(c.master, param, code, n, real, x);
-    load_grad(s.grad_kind, at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2)), n, real, g);
+    void* grad = at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2));
+    // A tile without padding updates an fp32 master in place and reads an fp32 gradient where it
+    // lies, as the fast paths above do: copying them in and out took a fifth of a q8 step. The
+    // rules write the gradient only for maximize and L2, which keep the copy.
+    float* xt = x;
+    if (c.master == MASTER_FP32 && real == n)
+      xt = static_cast<float*>(param);
+    else
+      dec_master(c.master, param, code, n, real, x);
+    float* gt = g;
+    if (s.grad_kind == GRAD_FP32 && real == n && !c.maximize && !c.has_l2)
+      gt = static_cast<float*>(grad);
+    else
+      load_grad(s.grad_kind, grad, n, real, g);
     if (read_m) dec_moment(c.fmt1, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), n, m);
     if (adam) dec_moment(c.fmt2, at<void>(c.v, a * vb), at<uint8_t>(c.vs, a / 32), n, v);
     if (sr_master || sr_m || sr_v)  // element t0 + i draws index index_base + t0 + i
       sr_words_tile(keys, s.index_base + t0, n, sr_master ? w0 : nullptr, sr_m ? w1 : nullptr,
                     sr_v ? w2 : nullptr);
     if (adam)
-      adam_rule(c, n, x, g, m, v);
+      adam_rule(c, n, xt, gt, m, v);
     else if (lion)
-      lion_rule(c, n, x, g, m);
+      lion_rule(c, n, xt, gt, m);
     else
-      sgd_rule(c, n, x, g, m);
-    enc_master(c.master, x, n, real, param, code, staging ? stage : nullptr,
+      sgd_rule(c, n, xt, gt, m);
+    enc_master(c.master, xt, n, real, param, code, staging ? stage : nullptr,
                sr_master ? w0 : nullptr);
     if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, real);
     if (has_m) enc_moment(c.fmt1, m, n, at<void>(c.m, a * mb), at<uint8_t>(c.ms, a / 32), sr_m ? w1 : nullptr);
