@@ -667,19 +667,20 @@ void adam_update(const StepConfig& c, int64_t n, float* __restrict x, const floa
 
 // adam_update over an fp32 master with bf16 moments, decoded and encoded in the same loop
 // (bf16 widening; bf16_round, stochastic with words r1/r2 when SR), and the bf16 staging copy of
-// the new weights (nearest even) when st is given.
-template <bool SR>
-void adam_bf16_moments(const StepConfig& c, int64_t n, float* __restrict x,
-                       const float* __restrict g, uint16_t* __restrict m, uint16_t* __restrict v,
-                       const uint32_t* __restrict r1, const uint32_t* __restrict r2,
-                       uint16_t* __restrict st) {
+// the new weights (nearest even) when STAGE. Decay and staging are template flags, not tests in
+// the loop: GCC vectorizes neither a conditional store nor a conditional multiply for AVX2 (only
+// AVX-512's masks if-convert them), and left the whole loop scalar there.
+template <bool SR, bool DECAY, bool STAGE>
+void adam_bf16_moments_t(const StepConfig& c, int64_t n, float* __restrict x,
+                         const float* __restrict g, uint16_t* __restrict m,
+                         uint16_t* __restrict v, const uint32_t* __restrict r1,
+                         const uint32_t* __restrict r2, uint16_t* __restrict st) {
   const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
               bc2 = c.s[5], dec = c.s[6];
-  const bool decay = c.has_decay != 0;
   for (int64_t i = 0; i < n; ++i) {
     const float m0 = u2f(static_cast<uint32_t>(m[i]) << 16);
     const float v0 = u2f(static_cast<uint32_t>(v[i]) << 16);
-    const float xi = decay ? x[i] * dec : x[i];
+    const float xi = DECAY ? x[i] * dec : x[i];
     const float mi = m0 + omb1 * (g[i] - m0);
     const float vi = b2 * v0 + omb2 * (g[i] * g[i]);
     const float d = std::sqrt(vi) / bc2 + eps;
@@ -687,8 +688,19 @@ void adam_bf16_moments(const StepConfig& c, int64_t n, float* __restrict x,
     x[i] = xn;
     m[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(mi), SR ? r1[i] : 0u));
     v[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(vi), SR ? r2[i] : 0u));
-    if (st) st[i] = static_cast<uint16_t>(bf16_round<false>(f2u(xn), 0u));
+    if constexpr (STAGE) st[i] = static_cast<uint16_t>(bf16_round<false>(f2u(xn), 0u));
   }
+}
+
+template <bool SR>
+void adam_bf16_moments(const StepConfig& c, int64_t n, float* x, const float* g, uint16_t* m,
+                       uint16_t* v, const uint32_t* r1, const uint32_t* r2, uint16_t* st) {
+  if (c.has_decay)
+    st ? adam_bf16_moments_t<SR, true, true>(c, n, x, g, m, v, r1, r2, st)
+       : adam_bf16_moments_t<SR, true, false>(c, n, x, g, m, v, r1, r2, st);
+  else
+    st ? adam_bf16_moments_t<SR, false, true>(c, n, x, g, m, v, r1, r2, st)
+       : adam_bf16_moments_t<SR, false, false>(c, n, x, g, m, v, r1, r2, st);
 }
 
 // reference.adam, in its order (maximize, L2 on the gradient, then adam_update).
