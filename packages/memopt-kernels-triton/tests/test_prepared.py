@@ -319,6 +319,12 @@ def test_default_geometry_depends_on_blocked_moments(monkeypatch):
         plain = triton_ops.kernel_config()
         assert (blocked.rows, blocked.num_warps) == (8, 4)
         assert (plain.rows, plain.num_warps) == (32, 8)
+        ecc24 = triton_ops.master_id("ecc24", torch.bfloat16)
+        for blk, want in ((True, (4, 4)), (False, (8, 2))):  # AdamW over an ECC-24 master
+            got = triton_ops.kernel_config(blocked=blk, master=ecc24)
+            assert (got.rows, got.num_warps) == want
+            lion = triton_ops.kernel_config(blocked=blk, rule="lion", master=ecc24)
+            assert lion is (blocked if blk else plain)
         mine = triton_ops.KernelConfig(rows=32, num_warps=2)
         assert triton_ops.kernel_config(mine) is mine
         assert triton_ops.kernel_config(blocked=True) is mine
@@ -335,14 +341,15 @@ def test_default_geometry_depends_on_blocked_moments(monkeypatch):
         ("adamw", "fp32", "fp32", torch.float32, True),
         ("lion", "bf16", "fp32", torch.float32, True),
         ("adamw", "bf16", "ecc24", torch.bfloat16, False),
-        ("adamw", "q8", "fp32", torch.float32, False),
+        ("adamw", "q8", "fp32", torch.float32, True),
+        ("adamw", "q8", "ecc24", torch.bfloat16, True),
+        ("adamw", "q8", "ecc32", torch.bfloat16, False),
         ("lion", "q8", "ecc24", torch.bfloat16, False),
+        ("lion", "q8", "fp32", torch.float32, False),
     ],
 )
-def test_loads_ahead_only_for_fp32_masters_with_unblocked_moments(
-    ops, rule, preset, master, dtype, ahead
-):
-    """The launcher's AHEAD choice: measured faster only there (ops._loads_ahead)."""
+def test_loads_ahead_where_it_measured_faster(ops, rule, preset, master, dtype, ahead):
+    """The launcher's AHEAD choice (ops._loads_ahead)."""
     kind, hyper = VARIANTS[rule]
     spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
     group = make_group(kind, spec, dtype, [65], "cpu", **hyper)

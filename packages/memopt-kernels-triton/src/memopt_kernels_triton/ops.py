@@ -468,28 +468,45 @@ class KernelConfig:
 _INTERP_CONFIG = KernelConfig(rows=4, chunk_size=256, num_warps=4, programs=3)
 # On the H200 (2026-11-30, docs/benchmarks/2026-11-30-prefetch.md) the groups with unblocked
 # moments run fastest in large tiles: 32 rows x 8 warps took 3.93 ms against 4.18 at 16 x 8 for an
-# fp32 master with bf16 moments on 8 x 64M (loading ahead), 4.61 against 4.87 for ECC-24 with bf16
-# moments (in place). Groups with a blocked 8-bit moment run faster in small programs
-# (2026-11-30-q8-codecs.md): 8 rows x 4 warps took 5.46 ms against 7.01 at 16 x 8 with q8
-# moments, 6.13 against 6.34 with ECC-24 + q8.
+# fp32 master with bf16 moments on 8 x 64M (loading ahead). Groups with a blocked 8-bit moment run
+# faster in small programs (2026-11-30-q8-codecs.md): 8 rows x 4 warps took 5.46 ms against 7.01
+# at 16 x 8 with q8 moments. With the cheaper rounding words of KERNEL_API 3 the AdamW kernel
+# with an ECC-24 master needs fewer registers and runs fastest in smaller programs still
+# (tools/bench/kernel_geometry.py, docs/benchmarks/2026-11-30-sr-words.md; 8 x 64M and
+# 4096 x 32K): with q8 moments 4 x 4 loading ahead, 5.60 and 1.44 ms against 6.27 and 1.59 at
+# 8 x 4 in place; with bf16 moments 8 x 2, 3.84 and 1.02 ms against 4.21 and 1.05 at 32 x 8.
 _GPU_CONFIG = KernelConfig(rows=32, num_warps=8)
 _GPU_BLOCKED_CONFIG = KernelConfig(rows=8, num_warps=4)
+_GPU_ECC24_CONFIG = KernelConfig(rows=8, num_warps=2)
+_GPU_ECC24_BLOCKED_CONFIG = KernelConfig(rows=4, num_warps=4)
 _config_override: KernelConfig | None = None
+_ECC24 = 3  # kernel_master_id("ecc24", torch.bfloat16)
 
 
-def _loads_ahead(block_size: int, master: int) -> bool:
-    """Whether the Adam and Lion kernels load each tile one tile ahead (their ``AHEAD``): for an
-    fp32 master with unblocked moments. On the H200 it made AdamW with bf16 moments 6-11% faster;
-    ECC masters and blocked 8-bit moments need more registers per element and ran 0-13% slower
-    with it (docs/benchmarks/2026-11-30-prefetch.md)."""
-    return block_size == 1 and master == 0
+def _loads_ahead(rule: str, block_size: int, master: int) -> bool:
+    """Whether the Adam and Lion kernels load each tile one tile ahead (their ``AHEAD``), where
+    it measured faster on the H200: an fp32 master with unblocked moments (AdamW with bf16
+    moments 6-11% faster, docs/benchmarks/2026-11-30-prefetch.md), and for AdamW also blocked
+    8-bit moments with an fp32 or ECC-24 master since the cheaper rounding words of KERNEL_API 3
+    (q8 moments 7%, ECC-24 + q8 11% on 8 x 64M, 2026-11-30-sr-words.md). Not for ECC masters
+    with unblocked moments, nor for Lion with blocked ones (0-13% slower when measured)."""
+    if block_size == 1:
+        return master == 0
+    return rule == "adam" and master in (0, _ECC24)
 
 
-def kernel_config(config: KernelConfig | None = None, *, blocked: bool = False) -> KernelConfig:
+def kernel_config(
+    config: KernelConfig | None = None,
+    *,
+    blocked: bool = False,
+    rule: str = "adam",
+    master: int = 0,
+) -> KernelConfig:
     """The fused step's launch configuration. ``config`` replaces it for every later step (until
-    :func:`reset_kernel_config`); without a replacement, the default for a group whose moments
-    are ``blocked`` (an 8-bit format with block scales: 8 rows x 4 warps on a GPU) or not (32 rows
-    x 8 warps)."""
+    :func:`reset_kernel_config`); without a replacement, the default on a GPU for a group whose
+    moments are ``blocked`` (an 8-bit format with block scales: 8 rows x 4 warps) or not (32 rows
+    x 8 warps), except AdamW over an ECC-24 master (``master``, a :func:`master_id`): 4 x 4
+    blocked, 8 x 2 unblocked."""
     global _config_override
     if config is not None:
         _config_override = config
@@ -497,6 +514,8 @@ def kernel_config(config: KernelConfig | None = None, *, blocked: bool = False) 
         return _config_override
     if interpreting():
         return _INTERP_CONFIG
+    if rule == "adam" and master == _ECC24:
+        return _GPU_ECC24_BLOCKED_CONFIG if blocked else _GPU_ECC24_CONFIG
     return _GPU_BLOCKED_CONFIG if blocked else _GPU_CONFIG
 
 
@@ -982,12 +1001,12 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
     if work.rule not in RULES:
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
     dev = plan.device
-    cfg = config or kernel_config(blocked=plan.block_size == 32)
+    mcodec = spec.master_for(plan.param_dtype)
+    mid = master_id(mcodec.name, plan.param_dtype)
+    cfg = config or kernel_config(blocked=plan.block_size == 32, rule=work.rule, master=mid)
     empty = PreparedStep(work.rule, None, (), {}, [], dev, len(work.slots))
     if not work.slots:
         return empty
-    mcodec = spec.master_for(plan.param_dtype)
-    mid = master_id(mcodec.name, plan.param_dtype)
     full = len(work.slots) == len(plan.slots)
 
     params, grads = work.params, work.grads
@@ -1054,12 +1073,14 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             FMT1=f1,
             FMT2=f2,
             NEED_RAND=sr and (rand_master or f1 != 0 or f2 != 0),
-            AHEAD=_loads_ahead(bs, mid),
+            AHEAD=_loads_ahead("adam", bs, mid),
         )
     elif work.rule == "lion":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         head += (m, ms)
-        kw.update(FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0), AHEAD=_loads_ahead(bs, mid))
+        kw.update(
+            FMT1=f1, NEED_RAND=sr and (rand_master or f1 != 0), AHEAD=_loads_ahead("lion", bs, mid)
+        )
     else:
         has_momentum = work.scalars.momentum != 0.0
         f1, b, bsc = _moment_args(arena, "momentum_buffer" if has_momentum else None, dev)

@@ -22,9 +22,9 @@ masters, a moment's (streams 1, 2) unless it is fp32.
 
 ``AHEAD``: each tile's loads are issued one tile ahead, before the previous tile's math, and its
 words stay undecoded until their own turn. The kernel otherwise waits on memory latency (Nsight
-Compute, docs/benchmarks/2026-11-30-q8-codecs.md). The extra registers cost more than that saves
-with an ECC master or blocked 8-bit moments, so the launcher turns it on for fp32 masters with
-unblocked moments only (``ops._loads_ahead``, docs/benchmarks/2026-11-30-prefetch.md).
+Compute, docs/benchmarks/2026-11-30-q8-codecs.md). The launcher turns it on where it measured
+faster (``ops._loads_ahead``): fp32 masters, and blocked 8-bit moments over an ECC-24 master;
+with an ECC master and unblocked moments the extra registers cost more than it saves.
 
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.ADAM_HYPER_FIELDS`) instead of the arguments, so a launch
