@@ -49,12 +49,13 @@ def test_check_core_version_directly():
         memopt_kernels_cpu._check_core_version(None, "0.1.0")
 
 
-def test_stale_slot_row_layout_is_refused(run_py):
-    # a _core of the same version built before the slot table's index_base column (8 words)
+def _import_ops_after(run_py, tamper: str) -> str:
+    """What importing memopt_kernels_cpu.ops prints once ``tamper`` (a statement on ``_core``)
+    made the extension look like a stale build."""
     code = (
         "import sys\n"
         "from memopt_kernels_cpu import _core\n"
-        "_core.SLOT_ROW_WORDS = 8\n"
+        f"{tamper}\n"
         "del sys.modules['memopt_kernels_cpu.ops']\n"
         "try:\n"
         "    import memopt_kernels_cpu.ops\n"
@@ -63,28 +64,22 @@ def test_stale_slot_row_layout_is_refused(run_py):
     )
     out = run_py(code).stdout
     assert out.startswith("ImportError:"), out
-    assert "rows of 8 words, this ops.py writes 9 (a stale build)" in out
     assert "pip install --force-reinstall" in out
+    return out
+
+
+def test_stale_slot_row_layout_is_refused(run_py):
+    # a _core of the same version built before the slot table's index_base column (8 words)
+    out = _import_ops_after(run_py, "_core.SLOT_ROW_WORDS = 8")
+    assert "rows of 8 words, this ops.py writes 9 (a stale build)" in out
 
 
 def test_stale_rounding_words_are_refused(run_py):
     # a _core of the same version built before KERNEL_API 3's words (it had philox, no
     # stream_words): its steps would round with other bits
-    code = (
-        "import sys\n"
-        "from memopt_kernels_cpu import _core\n"
-        "del _core.stream_words\n"
-        "del sys.modules['memopt_kernels_cpu.ops']\n"
-        "try:\n"
-        "    import memopt_kernels_cpu.ops\n"
-        "except ImportError as e:\n"
-        "    print('ImportError:', e)\n"
-    )
-    out = run_py(code).stdout
-    assert out.startswith("ImportError:"), out
+    out = _import_ops_after(run_py, "del _core.stream_words")
     assert "has no stream_words" in out
     assert "KERNEL_API 3" in out
-    assert "pip install --force-reinstall" in out
 
 
 def test_missing_extension_says_how_to_build(run_py):
