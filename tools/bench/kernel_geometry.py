@@ -1,9 +1,9 @@
-"""Launch-geometry sweep of the fused AdamW kernel, per state format, on a GPU: prepared
+"""Launch-geometry sweep of the fused AdamW (or Lion) kernel, per state format, on a GPU: prepared
 launches (``memopt_kernels_triton.ops.prepare_step``) timed between CUDA events, median of
 ``--iters``, for each (rows of 32 elements, warps) pair, on a few-large and a many-small profile.
 
     python tools/bench/kernel_geometry.py [--formats fp32m,bf16m,q8m,ecc24q8,ecc24bf16]
-        [--ahead default|on|off|both] [--out geo.json]
+        [--ahead default|on|off|both] [--rule adam|lion] [--out geo.json]
 
 Formats (AdamW, stochastic rounding on): ``fp32m`` fp32 parameters and moments, ``bf16m`` bf16
 moments, ``q8m`` q8 moments, ``ecc24q8`` bf16 parameters with the ECC-24 master and q8 moments,
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ahead", choices=["default", "on", "off", "both"], default="default")
+    ap.add_argument("--rule", choices=["adam", "lion"], default="adam")
     args = ap.parse_args()
     default_ahead = ops._loads_ahead
     aheads = {"default": [None], "on": [True], "off": [False], "both": [True, False]}[args.ahead]
@@ -76,19 +77,19 @@ def main() -> None:
         ops._loads_ahead = default_ahead if ahead is None else (lambda bs, mid, a=ahead: a)
         for name in args.formats.split(","):
             for n, numel in PROFILES:
-                work = group_work(name, n, numel)
+                work = group_work(name, n, numel, args.rule)
                 for r, w in GEOMETRIES:
                     p = ops.prepare_step(work, ops.KernelConfig(rows=r, num_warps=w))
                     ms = events_ms(
                         lambda p=p, s=work.scalars: p.launch(s, 10, 0, False), args.iters
                     )
                     rows.append(
-                        {"format": name, "tensors": n, "numel": numel, "rows": r, "warps": w,
-                         "ahead": ahead, "ms": ms}
+                        {"rule": args.rule, "format": name, "tensors": n, "numel": numel,
+                         "rows": r, "warps": w, "ahead": ahead, "ms": ms}
                     )  # fmt: skip
                     print(
-                        f"{name:8s} {n:5d} x {numel:9d} rows={r:2d} warps={w} ahead={ahead}: "
-                        f"{ms:7.3f} ms",
+                        f"{args.rule} {name:8s} {n:5d} x {numel:9d} rows={r:2d} warps={w} "
+                        f"ahead={ahead}: {ms:7.3f} ms",
                         flush=True,
                     )
                 del work
