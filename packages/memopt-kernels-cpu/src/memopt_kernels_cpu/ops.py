@@ -31,7 +31,7 @@ Runtime settings of the compiled module, re-exported here: :func:`supported_isas
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,10 +192,13 @@ def _label(t: Tensor) -> str:
 
 def _extent(t: Tensor) -> tuple[int, int] | None:
     """The byte range ``[start, end)`` ``t``'s elements lie in (None when empty)."""
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return None
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     return start, start + span * t.element_size()
 
 
@@ -220,8 +223,16 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     return bool(torch.isin(_byte_set(a), _byte_set(b)).any())
 
 
-def _check_aliasing(written: list[tuple[Tensor, str]], read: list[tuple[Tensor, str]]) -> None:
-    """ConfigError when a written tensor shares memory with any other tensor of the call."""
+Label = str | Callable[[], str]
+
+
+def _name(label: Label) -> str:
+    return label if isinstance(label, str) else label()
+
+
+def _check_aliasing(written: list[tuple[Tensor, Label]], read: list[tuple[Tensor, Label]]) -> None:
+    """ConfigError when a written tensor shares memory with any other tensor of the call (labels
+    may be callables: only an error message needs them)."""
     items = []
     for kind, group in ((True, written), (False, read)):
         for t, what in group:
@@ -235,10 +246,10 @@ def _check_aliasing(written: list[tuple[Tensor, str]], read: list[tuple[Tensor, 
         active = [a for a in active if a[1] > start]
         for other in active:
             if (item[2] or other[2]) and _overlap(item[3], other[3]):
+                a, b = _name(other[4]), _name(item[4])
                 raise ConfigError(
-                    f"{other[4]} and {item[4]} share memory; the kernel writes "
-                    f"{other[4] if other[2] else item[4]} in place, so they must not overlap "
-                    "(clone one of them)"
+                    f"{a} and {b} share memory; the kernel writes {a if other[2] else b} in "
+                    "place, so they must not overlap (clone one of them)"
                 )
         active.append(item)
 
@@ -520,6 +531,113 @@ def _staging_list(staging: object, work: GroupStep) -> list[Tensor | None]:
     )
 
 
+def _is_cpu_dense(t: object) -> bool:
+    return isinstance(t, Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _slot_ok(plan, slot, p0, g, st, tid, base) -> bool:
+    """Whether one slot's tensors pass every check of :func:`_check_slot`."""
+    f32 = torch.float32
+    return (
+        _is_cpu_dense(p0)
+        and p0.dtype == plan.param_dtype
+        and p0.numel() == slot.numel
+        and _is_cpu_dense(g)
+        and g.dtype in GRAD_IDS
+        and (g.dtype in (p0.dtype, f32) or p0.dtype == f32)
+        and g.shape == p0.shape
+        and _is_int(tid)
+        and _is_int(base)
+        and base >= 0
+        and base + slot.padded < INDEX_LIMIT
+        and (
+            st is None
+            or (
+                _is_cpu_dense(st)
+                and plan.param_dtype != torch.float16
+                and st.dtype == torch.bfloat16
+                and st.numel() == slot.numel
+                and st.is_contiguous()
+            )
+        )
+    )
+
+
+class _SlotLabel:
+    """The names of a slot's tensors in error messages, built only when one is needed."""
+
+    def __init__(self, k: int, si: int, p0: Tensor) -> None:
+        self.k, self.si, self.p0 = k, si, p0
+
+    def __call__(self) -> str:
+        return f"parameter {self.k} (slot {self.si}, {_label(self.p0)})"
+
+    def gradient(self) -> str:
+        return f"the gradient of {self()}"
+
+    def staging(self) -> str:
+        return f"staging of {self()}"
+
+
+def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
+    """ConfigError naming the first problem of one slot's parameter, gradient, staging tensor,
+    tensor id or index base."""
+    what = f"parameter {k} (slot {si}"
+    _check_tensor(p0, f"{what})")
+    what += f", {_label(p0)})"
+    if p0.dtype != plan.param_dtype:
+        raise ConfigError(f"{what}: the group holds {plan.param_dtype} parameters")
+    if p0.numel() != slot.numel:
+        raise ConfigError(
+            f"{what} has {p0.numel()} elements but the plan's slot {si} has {slot.numel} "
+            f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
+        )
+    _check_tensor(g, f"the gradient of {what}")
+    if g.dtype not in GRAD_IDS or not (
+        g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
+    ):
+        raise ConfigError(
+            f"the gradient of {what} is {g.dtype}; gradients have the parameter's dtype or "
+            "float32 (float32 parameters also bfloat16 or float16)"
+        )
+    if g.shape != p0.shape:
+        raise ConfigError(
+            f"the gradient of {what} has shape {tuple(g.shape)}; it must match the parameter"
+        )
+    if not _is_int(tid):
+        raise ConfigError(f"tensor id of {what} must be an int, got {type(tid).__name__}")
+    if not _is_int(base):
+        raise ConfigError(f"index base of {what} must be an int, got {type(base).__name__}")
+    if base < 0:
+        raise ConfigError(
+            f"index base of {what} must be >= 0 (its first element's stochastic-rounding "
+            f"index), got {base}"
+        )
+    if base + slot.padded >= INDEX_LIMIT:
+        raise ConfigError(
+            f"index base of {what} is {base}: with its {slot.padded} padded elements the "
+            "stochastic-rounding indices reach 2**62 (index base + padded must stay below "
+            "2**62)"
+        )
+    if st is not None:
+        _check_tensor(st, f"staging of {what}")
+        if plan.param_dtype == torch.float16:
+            raise ConfigError(
+                f"staging of {what}: bf16 staging copies are for float32 and bfloat16 "
+                "parameters; float16 parameters have none"
+            )
+        if st.dtype != torch.bfloat16 or st.numel() != slot.numel or not st.is_contiguous():
+            raise ConfigError(
+                f"staging of {what} must be a contiguous bfloat16 tensor of {slot.numel} "
+                f"elements, got {st.dtype}{tuple(st.shape)}"
+                + ("" if st.is_contiguous() else " (not contiguous)")
+            )
+
+
 def _prepare(
     work: GroupStep,
     params: list[Tensor],
@@ -553,67 +671,23 @@ def _prepare(
         )
     has_momentum = work.rule == "sgd" and work.scalars.momentum != 0.0
     arena_kw, arena_tensors = _arena_args(work, has_momentum)
-    written: list[tuple[Tensor, str]] = list(arena_tensors)
-    read: list[tuple[Tensor, str]] = []
+    written: list[tuple[Tensor, Label]] = list(arena_tensors)
+    read: list[tuple[Tensor, Label]] = []
     rows = []
     for k, (si, p0, p, g, st, tid) in enumerate(
         zip(work.slots, originals, params, grads, stage, work.tensor_ids, strict=True)
     ):
-        what = f"parameter {k} (slot {si}"
-        _check_tensor(p0, f"{what})")
-        what += f", {_label(p0)})"
         slot = plan.slots[si]
-        if p0.dtype != plan.param_dtype:
-            raise ConfigError(f"{what}: the group holds {plan.param_dtype} parameters")
-        if p0.numel() != slot.numel:
-            raise ConfigError(
-                f"{what} has {p0.numel()} elements but the plan's slot {si} has {slot.numel} "
-                f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
-            )
-        _check_tensor(g, f"the gradient of {what}")
-        if g.dtype not in GRAD_IDS or not (
-            g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
-        ):
-            raise ConfigError(
-                f"the gradient of {what} is {g.dtype}; gradients have the parameter's dtype or "
-                "float32 (float32 parameters also bfloat16 or float16)"
-            )
-        if g.shape != p0.shape:
-            raise ConfigError(
-                f"the gradient of {what} has shape {tuple(g.shape)}; it must match the parameter"
-            )
-        if isinstance(tid, bool) or not isinstance(tid, int):
-            raise ConfigError(f"tensor id of {what} must be an int, got {type(tid).__name__}")
         base = work.index_base(k)
-        if isinstance(base, bool) or not isinstance(base, int):
-            raise ConfigError(f"index base of {what} must be an int, got {type(base).__name__}")
-        if base < 0:
-            raise ConfigError(
-                f"index base of {what} must be >= 0 (its first element's stochastic-rounding "
-                f"index), got {base}"
-            )
-        if base + slot.padded >= INDEX_LIMIT:
-            raise ConfigError(
-                f"index base of {what} is {base}: with its {slot.padded} padded elements the "
-                "stochastic-rounding indices reach 2**62 (index base + padded must stay below "
-                "2**62)"
-            )
-        written.append((p0, what))
-        read.append((g, f"the gradient of {what}"))
+        # the common case is checked without building any message (a few microseconds per
+        # tensor): a step whose gradients moved validates every tensor again
+        if not _slot_ok(plan, slot, p0, g, st, tid, base):
+            _check_slot(plan, slot, k, si, p0, g, st, tid, base)  # raises the first problem
+        label = _SlotLabel(k, si, p0)
+        written.append((p0, label))
+        read.append((g, label.gradient))
         if st is not None:
-            _check_tensor(st, f"staging of {what}")
-            if plan.param_dtype == torch.float16:
-                raise ConfigError(
-                    f"staging of {what}: bf16 staging copies are for float32 and bfloat16 "
-                    "parameters; float16 parameters have none"
-                )
-            if st.dtype != torch.bfloat16 or st.numel() != slot.numel or not st.is_contiguous():
-                raise ConfigError(
-                    f"staging of {what} must be a contiguous bfloat16 tensor of {slot.numel} "
-                    f"elements, got {st.dtype}{tuple(st.shape)}"
-                    + ("" if st.is_contiguous() else " (not contiguous)")
-                )
-            written.append((st, f"staging of {what}"))
+            written.append((st, label.staging))
         rows.append(
             [
                 p.data_ptr(),
