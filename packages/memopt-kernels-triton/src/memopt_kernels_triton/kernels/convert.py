@@ -15,7 +15,13 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
+from memopt_kernels_triton.kernels.rng import (
+    fold_index,
+    r24_of,
+    step_keys,
+    stream_key,
+    stream_word,
+)
 
 
 @triton.jit
@@ -42,7 +48,7 @@ def _words(rand_ptr, offs, mask, seed, tensor_id, step, RAND: tl.constexpr, STRE
             key = k1
         else:
             key = k2
-        w = stream_word(fold_index(offs, k3), key)
+        w = stream_word(fold_index(offs, k3), stream_key(key))
     else:
         w = tl.zeros(offs.shape, tl.uint32)
     return r24_of(w)
@@ -123,6 +129,10 @@ def stream_words_kernel(index_ptr, out_ptr, n, seed, tensor_id, step, BLOCK: tl.
     idx = tl.load(index_ptr + offs, mask=mask, other=0)
     k0, k1, k2, k3 = step_keys(seed, tensor_id, step)
     y = fold_index(idx, k3)
-    tl.store(out_ptr + offs, stream_word(y, k0).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptr + n + offs, stream_word(y, k1).to(tl.int32, bitcast=True), mask=mask)
-    tl.store(out_ptr + 2 * n + offs, stream_word(y, k2).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(out_ptr + offs, stream_word(y, stream_key(k0)).to(tl.int32, bitcast=True), mask=mask)
+    tl.store(
+        out_ptr + n + offs, stream_word(y, stream_key(k1)).to(tl.int32, bitcast=True), mask=mask
+    )
+    tl.store(
+        out_ptr + 2 * n + offs, stream_word(y, stream_key(k2)).to(tl.int32, bitcast=True), mask=mask
+    )

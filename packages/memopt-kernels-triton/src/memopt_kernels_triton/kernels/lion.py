@@ -22,7 +22,13 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.rng import fold_index, r24_of, step_keys, stream_word
+from memopt_kernels_triton.kernels.rng import (
+    fold_index,
+    r24_of,
+    step_keys,
+    stream_key,
+    stream_word,
+)
 from memopt_kernels_triton.kernels.tiles import (
     ahead_masks,
     chunk_info,
@@ -141,9 +147,9 @@ def lion_kernel(
             if NEED_RAND:
                 y = fold_index(origin + offs, k3)
                 if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-                    r0 = r24_of(stream_word(y, k0))
+                    r0 = r24_of(stream_word(y, stream_key(k0)))
                 if FMT1 != C.FMT_FP32:
-                    r1 = r24_of(stream_word(y, k1))
+                    r1 = r24_of(stream_word(y, stream_key(k1)))
             if MAXIMIZE:
                 g = C.neg(g)
             if HAS_DECAY:

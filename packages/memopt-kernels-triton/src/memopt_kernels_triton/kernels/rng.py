@@ -9,10 +9,11 @@ takes, for each stream it rounds, a 32-bit hash of its index mixed with that str
     lowbias32(x)   : x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
 
 Streams: 0 master, 1 first moment, 2 second moment. The keys are scalars, computed once per
-chunk (a chunk belongs to one tensor); a tile computes ``y`` once (two 32-bit multiplies) and the
-words of the streams its formats round only (two 32-bit multiplies each). Every value is uint32, whose arithmetic
-wraps modulo ``2**32`` and whose right shifts are logical, on the GPU and in Triton's interpreter
-(numpy uint32) alike. The Philox round is Random123's (and Triton's own ``tl.philox``): 32x32 ->
+chunk (a chunk belongs to one tensor); a tile computes ``y`` once (two 32-bit multiplies, and
+``lowbias32``'s first xorshift, which every stream shares: :func:`fold_index`) and the words of
+the streams its formats round only (two 32-bit multiplies each). Every value is uint32, whose
+arithmetic wraps modulo ``2**32`` and whose right shifts are logical, on the GPU and in Triton's
+interpreter (numpy uint32) alike. The Philox round is Random123's (and Triton's own ``tl.philox``): 32x32 ->
 64-bit products split with ``umulhi`` and a wrapping multiply.
 """
 
@@ -60,27 +61,32 @@ def step_keys(seed, tensor_id, step):
 
 @triton.jit
 def fold_index(index, k3):
-    """``y`` (uint32) of int64 element indices ``index`` with the step's key ``k3``: the index's
-    low word times :data:`INDEX_M` plus its high word times ``k3``, modulo ``2**32``."""
+    """``h = y ^ (y >> 16)`` (uint32) of int64 element indices ``index`` with the step's key
+    ``k3``, where ``y`` is the index's low word times :data:`INDEX_M` plus its high word times
+    ``k3``, modulo ``2**32``: the folded index with ``lowbias32``'s first xorshift applied. That
+    xorshift commutes with the stream key's xor (``(y ^ K) >> 16 == (y >> 16) ^ (K >> 16)``), so
+    one ``h`` serves every stream, each xoring its :func:`stream_key` instead of ``K``."""
     lo = (index & 0xFFFFFFFF).to(tl.uint32)
     hi = (index >> 32).to(tl.uint32)
-    return lo * INDEX_M + hi * k3
+    y = lo * INDEX_M + hi * k3
+    return y ^ (y >> 16)
 
 
 @triton.jit
-def lowbias32(x):
-    """Wellons' ``lowbias32`` of uint32 ``x``: a bijection of 32-bit words."""
-    x = x ^ (x >> 16)
-    x = x * MIX_M0
+def stream_key(key):
+    """The step key ``K`` (uint32 scalar) of a stream as :func:`stream_word` takes it:
+    ``K ^ (K >> 16)``, a scalar (loop-invariant in a chunk's tile loop, so not per element)."""
+    return key ^ (key >> 16)
+
+
+@triton.jit
+def stream_word(h, skey):
+    """The word (uint32) ``lowbias32(y ^ K)`` of folded indices ``h`` (:func:`fold_index`) in the
+    stream whose :func:`stream_key` is ``skey``: ``lowbias32`` after its first xorshift."""
+    x = (h ^ skey) * MIX_M0
     x = x ^ (x >> 15)
     x = x * MIX_M1
     return x ^ (x >> 16)
-
-
-@triton.jit
-def stream_word(y, key):
-    """The word (uint32) of folded indices ``y`` in the stream whose step key is ``key``."""
-    return lowbias32(y ^ key)
 
 
 @triton.jit
