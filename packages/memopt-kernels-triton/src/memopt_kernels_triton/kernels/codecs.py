@@ -4,9 +4,11 @@ Every function here mirrors one reference function of ``memopt_core.formats`` on
 patterns: magnitudes are below ``2**31`` so int32 holds them, signs are handled separately, shift
 amounts are clamped below 32 (a shift by 32 or more is undefined on the GPU and differs in numpy),
 and the only float operations are exact ones (an int below ``2**23`` read back through an exact
-``2**23 + v - 2**23`` addition) or the single correctly rounded IEEE operations the formats define
-(``sqrt_rn``, ``div_rn``, one multiply). No float -> narrower float cast is used anywhere: the
-Triton interpreter truncates those while the GPU rounds them to nearest even.
+``2**23 + v - 2**23`` addition, fp64 products and sums of fp32 values) or the single correctly
+rounded IEEE operations the formats define (``sqrt_rn``, one multiply; ``q8_sqrt``'s SR division
+is replaced by an exact comparison that decides the same, :func:`sqrt_sr_up`). No float ->
+narrower float cast is used anywhere: the Triton interpreter truncates those while the GPU rounds
+them to nearest even.
 
 Moment formats are picked by a ``tl.constexpr`` format id (:data:`FMT_FP32` ...), master formats
 by a master id (:data:`MASTER_FP32` ...). Blocked formats work on 2-D tiles ``[ROWS, 32]``: one
@@ -257,6 +259,27 @@ def block_mf_decode(
 #   e5m2    2, -14, 0x47600000 (57344), 0x7B, 0x7E, 0x7C, signed
 #   e4m4    4, -14, 0x3FF00000 (1.875), 0xFE, 0xFF, -1,   unsigned (q8_sqrt's sqrt(v))
 @triton.jit
+def sqrt_sr_up(num, den, r24):
+    """Whether ``q8_sqrt``'s SR rounds up: ``r24 < floor(RN(num / den) * 2**24)`` (core's rule,
+    ``frac24`` from one correctly rounded fp32 division) for fp32 ``num`` and ``den > 0``, decided
+    without the division (``div_rn`` is a reciprocal, five FMAs and a slow-path branch).
+
+    ``r24 + 1`` is an integer, so the rule is ``RN(num / den) >= t`` with ``t = (r24 + 1) *
+    2**-24``, an fp32 number in ``[2**-24, 1]``. Rounding is monotone, so that holds iff
+    ``num / den`` lies above the midpoint ``mid`` of ``t`` and its fp32 predecessor (a tie would
+    go to the even one, but none occurs: ``mid`` has an odd 25-bit significand, so
+    ``num = mid * den`` would need a 25-bit ``num``). ``mid`` is exact in fp64, and so is
+    ``mid * den`` (25 + 24 significant bits, far inside fp64's exponent range), which leaves one
+    exact fp64 comparison. ``t`` and its predecessor are taken halved: both stay normal, halving
+    is exact, and their fp64 sum is then ``mid`` itself. ``num <= 0`` and NaN ``num`` never
+    round up, an infinite ``den`` neither (``num / den`` is 0); the caller excludes ``den = 0``.
+    """
+    half = (r24 + 1).to(tl.float32) * 2.9802322387695312e-08  # (r24 + 1) * 2**-25, exact
+    mid = half.to(tl.float64) + bits_f32(f32_bits(half) - 1).to(tl.float64)
+    return num.to(tl.float64) > mid * den.to(tl.float64)
+
+
+@triton.jit
 def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
     """``(codes [R, 32], scale bytes [R, 1])`` of tile ``x`` in blocked format ``FMT`` (RNE, or
     SR with ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway);
@@ -271,7 +294,7 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
     else:
         # v-unbiased SR between the neighbouring codes lo <= s <= hi (core's Q8SqrtCodec.encode).
         # The scale factor 2**k drops 2**-127 for 0: that k only scales all-zero blocks, whose
-        # lanes have v = +-0 (num > 0 fails) or a NaN code either way.
+        # lanes have v = +-0 (num <= 0, and den = 0) or a NaN code either way.
         lo_code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 2)
         finite = lo_code <= 0xFE
         hi_code = tl.minimum(lo_code + 1, 0xFE)
@@ -282,12 +305,8 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         hi2 = hi * hi
         num = x - lo2
         den = hi2 - lo2
-        ok = finite & (den > 0) & (num > 0)
-        frac = tl.div_rn(num, tl.where(ok, den, 1.0))
-        # 0 keeps NaN lanes out of the int conversion. Where ok, frac is in [0, 1] and core's
-        # clamp to [0, 2**24] does nothing: s < hi, so v < hi*hi and (monotone rounding) num <= den.
-        frac24 = tl.floor(tl.where(ok, frac, 0.0) * 16777216.0).to(tl.int32)
-        code = lo_code + (r24 < frac24).to(tl.int32)
+        up = finite & (den > 0) & sqrt_sr_up(num, den, r24)
+        code = lo_code + up.to(tl.int32)
     return code, s
 
 
