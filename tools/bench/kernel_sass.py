@@ -3,12 +3,15 @@ target on any machine (no GPU needed): Triton compiles the kernel ahead of time 
 ptxas, and its cuobjdump disassembles it.
 
     python tools/bench/kernel_sass.py [--formats fp32m,bf16m,q8m,ecc24q8,lion:ecc24q8] [--arch 90]
-        [--rows 16] [--warps 8] [--out DIR]
+        [--rows 16] [--warps 8] [--ahead launcher|on|off] [--out DIR]
 
 For each format (AdamW unless prefixed ``lion:``, stochastic rounding on; the names of
 ``kernel_geometry.py``) it prints the instruction count of the innermost loop (one ``[ROWS, 32]``
 tile), that count per element (tile elements over threads), and the opcodes that dominate it.
-``--out`` keeps the PTX and the cubin. The counts are static: how many instructions one tile
+``--ahead`` picks the kernels' loading one tile ahead (``AHEAD``): as the launcher does
+(``ops._loads_ahead``, the default: on for fp32 masters with unblocked moments and for AdamW's
+blocked moments over an fp32 or ECC-24 master), or forced on or off. ``--out`` keeps the PTX and
+the cubin. The counts are static: how many instructions one tile
 issues, not a timing; the GPU's Triton version may emit slightly different code. The kernels
 come from the ``memopt_kernels_triton`` on the path, so pointing ``PYTHONPATH`` at another
 checkout's ``src`` counts that version.
@@ -32,14 +35,17 @@ _MOMENT_PTR = {0: "*fp32", 1: "*i16", 2: "*u8", 4: "*u8"}
 _INTS = ("n_chunks", "seed", "step", "hstride")
 
 
-def compile_adam(name: str, arch: int, rows: int, warps: int):
+def compile_adam(name: str, arch: int, rows: int, warps: int, ahead: bool | None = None):
     """The AdamW kernel for format ``name`` (stochastic rounding on), compiled for ``arch``."""
-    return compile_kernel("adam", name, arch, rows, warps)
+    return compile_kernel("adam", name, arch, rows, warps, ahead)
 
 
-def compile_kernel(rule: str, name: str, arch: int, rows: int, warps: int):
+def compile_kernel(
+    rule: str, name: str, arch: int, rows: int, warps: int, ahead: bool | None = None
+):
     """The ``rule`` (adam or lion) kernel for format ``name`` (stochastic rounding on; Lion's one
-    moment takes the first moment's format), compiled for ``arch``."""
+    moment takes the first moment's format), compiled for ``arch``; ``ahead`` forces ``AHEAD``
+    (None: as the launcher chooses)."""
     if rule == "adam":
         from memopt_kernels_triton.kernels.adam import adam_kernel as kernel
     elif rule == "lion":
@@ -53,10 +59,13 @@ def compile_kernel(rule: str, name: str, arch: int, rows: int, warps: int):
         MASTER=master, FMT1=f1, FMT2=f2, SR=True, MAXIMIZE=False, HAS_L2=False, HAS_DECAY=True,
         BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
     )  # fmt: skip
-    # as ops.prepare_step chooses: words when some state rounds, loads ahead for unblocked moments
-    # with an fp32 master
+    # as ops.prepare_step chooses: words when some state rounds, loads ahead where it measured faster
     constexprs["NEED_RAND"] = master in (1, 2, 3) or f1 != 0 or f2 != 0
-    constexprs["AHEAD"] = constexprs["BS"] == 1 and master == 0
+    if ahead is None:
+        from memopt_kernels_triton.ops import _loads_ahead
+
+        ahead = _loads_ahead(rule, constexprs["BS"], master)
+    constexprs["AHEAD"] = ahead
     pointers = {
         "chunk_ptr": "*i64",
         "slot_ptr": "*i64",
@@ -116,6 +125,7 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (%(default)s)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--ahead", choices=["launcher", "on", "off"], default="launcher")
     ap.add_argument("--out", type=Path, default=Path("out/sass"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +133,8 @@ def main() -> None:
     for item in args.formats.split(","):
         rule, _, name = item.rpartition(":")
         rule = rule or "adam"
-        k = compile_kernel(rule, name, args.arch, args.rows, args.warps)
+        ahead = {"launcher": None, "on": True, "off": False}[args.ahead]
+        k = compile_kernel(rule, name, args.arch, args.rows, args.warps, ahead)
         label = name if rule == "adam" else f"{rule}:{name}"
         stem = label.replace(":", "_")
         (args.out / f"{stem}.ptx").write_text(k.asm["ptx"])
