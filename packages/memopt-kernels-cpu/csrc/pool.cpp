@@ -23,6 +23,11 @@ constexpr std::size_t kPage = 4096;
 
 thread_local bool t_in_worker = false;  // a part that starts another run runs it inline
 
+// A chunk counter on its own cache line: the parts' counters are bumped by different threads.
+struct alignas(64) AlignedCounter {
+  std::atomic<std::size_t> v{0};
+};
+
 class Pool {
  public:
   explicit Pool(int n) : n_(n) {}
@@ -286,15 +291,29 @@ void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* r
     }
     while (part < parts) first[++part] = chunks.size();
   }
-  auto body = [&](int p) {
-    for (std::size_t i = first[p]; i < first[p + 1]; ++i)
-      kernels.step_range(cfg, rows[chunks[i].row], chunks[i].begin, chunks[i].end);
-  };
   if (t_in_worker) {
-    body(0);
+    for (const Chunk& ch : chunks) kernels.step_range(cfg, rows[ch.row], ch.begin, ch.end);
     return;
   }
-  run_locked(s, parts, body);
+  // Part p's chunks are handed out from its own counter: pool thread p takes them in order, and
+  // a thread that has finished its part takes the next untaken chunks of the others (visited
+  // from p + 1 on). Without this, one thread the OS preempts (the training loop's own thread,
+  // the CUDA driver's, another process's) holds up the whole step: memopt-offload's updates
+  // run while the main thread drives backward. Stealing only starts where a part is behind, so
+  // the pages of a balanced step are still touched by their own thread (first_touch's rule).
+  // Each element's result is independent of which thread computes it: same bits.
+  std::vector<AlignedCounter> next(static_cast<std::size_t>(parts));
+  for (int p = 0; p < parts; ++p) next[p].v.store(first[p], std::memory_order_relaxed);
+  auto drain = [&](int q) {
+    for (;;) {
+      const std::size_t i = next[q].v.fetch_add(1, std::memory_order_relaxed);
+      if (i >= first[q + 1]) return;
+      kernels.step_range(cfg, rows[chunks[i].row], chunks[i].begin, chunks[i].end);
+    }
+  };
+  run_locked(s, parts, [&](int p) {
+    for (int k = 0; k < parts; ++k) drain((p + k) % parts);
+  });
 }
 
 void first_touch(void* addr, std::size_t nbytes) {

@@ -5,7 +5,9 @@
 // part p always runs on pool thread p: with the same tensors, chunk size and thread count, a
 // given range of memory is touched by the same thread at every step (and by first_touch, which
 // uses the same rule), so on a NUMA host its pages stay on that thread's node (first-touch
-// placement). The OS may still migrate threads; pin them (taskset, numactl) for strict locality.
+// placement). A fused step lets a thread that finished its part take chunks of a part that is
+// behind (run_step), so only an unbalanced step touches memory from another thread. The OS may
+// still migrate threads; pin them (taskset, numactl) for strict locality.
 #pragma once
 
 #include <cstddef>
@@ -36,9 +38,11 @@ void parallel_run(int n_parts, const std::function<void(int)>& fn);
 void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 
 // One fused step over a slot table: each slot's padded range [0, padded) is cut into chunks of
-// get_chunk_size() elements (never crossing a slot); the chunks, in table order, go to the
-// threads in a static contiguous partition balanced by element count (a chunk goes to the part
-// holding its midpoint), and each thread calls kernels.step_range on its chunks in order.
+// get_chunk_size() elements (never crossing a slot); the chunks, in table order, are split into
+// contiguous parts balanced by element count (a chunk goes to the part holding its midpoint),
+// one per thread. Thread p calls kernels.step_range on part p's chunks in order, then helps with
+// the untaken chunks of the parts still running (work stealing: a preempted thread does not hold
+// up the step). The results do not depend on which thread runs a chunk.
 void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
               int64_t n_rows);
 
