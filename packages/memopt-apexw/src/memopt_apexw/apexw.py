@@ -301,6 +301,7 @@ class ApexW(MemOptimizer):
         if self.capturable and names == {"triton"}:
             cached.prepare()  # the capture replays the prepared launches: check them now
             self._check_capturable(cached)
+            cached.fixed_grads = True  # the graph holds the gradients' addresses
         return cached
 
     def _check_capturable(self, cached: CachedStep) -> None:

@@ -13,12 +13,19 @@ edited hyperparameters take effect), launches and advances the counters.
 
 :meth:`CachedStep.current_grads` is the check before every replay: the same param group objects
 and lengths, the same resolution keys (backend choice, formats, kernel variants: what
-``MemOptimizer._resolution_keys`` returns), every parameter and every gradient at its address
-(or still None), and every gradient of its dtype: the ECC family takes float32 gradients of
-bfloat16 parameters, and a launch prepared for one gradient dtype must not read the other.
-Addresses, not tensors, are kept: a gradient freed by ``zero_grad(set_to_none=True)`` and
-allocated again at the same address is still valid, and holding gradients between steps would
-keep a whole model's freed gradients alive. What the check cannot see (plans rebuilt, state
+``MemOptimizer._resolution_keys`` returns), every parameter at its address, every gradient of
+its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
+launch prepared for one gradient dtype must not read the other. Addresses, not tensors, are
+kept: holding gradients between steps would keep a whole model's freed gradients alive.
+
+Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
+default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
+Qwen2.5-0.5B shape's 290 gradients moved at most steps, and each ordinary step then cost 3-5 ms of
+host time against about 1 ms for a replay). :meth:`CachedStep.follow_grads` points the prepared
+launches of the groups whose gradients moved at the new ones (the prepared launch's
+``with_grads``, or the backend's ``prepare`` again); works without a prepared launch read their gradients at every step
+anyway. A cached step built with ``fixed_grads=True`` (ApexW's CUDA graph, which captured the
+addresses) is still dropped when a gradient moves. What the check cannot see (plans rebuilt, state
 loaded, param groups added, ``step_parameters`` advancing some counters) the optimizer handles by
 dropping its cached steps. The counters are assumed to change only through the optimizer: a
 ``state[p]["step"]`` replaced by hand between replays is not seen. A cached step that is dropped
@@ -92,6 +99,9 @@ class CachedStep:
         self.entries = entries
         self.prepared = False
         self.replays = 0
+        #: True: a gradient at a new address invalidates the step (a captured graph holds them)
+        self.fixed_grads = False
+        self._moved: dict[int, tuple[int, ...]] = {}  # group -> new gradient addresses
         self._groups = list(groups)
         self._keys = keys
         self._counts = [len(g["params"]) for g in groups]
@@ -104,7 +114,9 @@ class CachedStep:
         self, groups: list[dict[str, Any]], keys: tuple
     ) -> list[list[Tensor | None]] | None:
         """Each param group's gradients when replaying is valid for ``groups`` (the optimizer's
-        ``param_groups``) with resolution ``keys`` now, else None."""
+        ``param_groups``) with resolution ``keys`` now, else None. Gradients at new addresses
+        are noted for :meth:`follow_grads` (None with ``fixed_grads``)."""
+        self._moved = {}
         if keys != self._keys or len(groups) != len(self._groups):
             return None
         out = []
@@ -116,15 +128,38 @@ class CachedStep:
                 if param_addresses(params) != self._pptrs[gi]:
                     return None
                 grads = list(map(_GRAD, params))
-                if (
-                    grad_addresses(grads) != self._gptrs[gi]
-                    or grad_dtypes(grads) != self._dtypes[gi]
-                ):
+                if grad_dtypes(grads) != self._dtypes[gi]:  # None where None, as before
                     return None
+                gptrs = grad_addresses(grads)
+                if gptrs != self._gptrs[gi]:
+                    if self.fixed_grads:
+                        return None
+                    self._moved[gi] = gptrs
                 out.append(grads)
         except RuntimeError:  # a tensor without storage (a sparse gradient): the ordinary step
             return None  # explains what is wrong
         return out
+
+    def follow_grads(self) -> None:
+        """Point the prepared launches of the groups whose gradients moved (found by the last
+        :meth:`current_grads`) at the gradients the works now hold (:meth:`hand_grads`)."""
+        if not self._moved:
+            return
+        for e in self.entries:
+            if e.prepared is None or e.group_index not in self._moved:
+                continue
+            with_grads = getattr(e.prepared, "with_grads", None)
+            prepared = with_grads(e.work.grads) if with_grads is not None else None
+            if prepared is None:  # no shortcut (or a strided gradient): resolve the work again
+                prepared = e.backend.prepare(e.work)
+            e.prepared = prepared if prepared is not None and prepared.reusable else None
+        self._settle_moved()
+
+    def _settle_moved(self) -> None:
+        """The prepared launches read the moved gradients: compare with those from now on."""
+        for gi, gptrs in self._moved.items():
+            self._gptrs[gi] = gptrs
+        self._moved = {}
 
     def hand_grads(self, grads: list[list[Tensor | None]]) -> None:
         """Give each work the current gradients of its parameters."""
@@ -145,3 +180,4 @@ class CachedStep:
             prepared = prepare(e.work) if prepare is not None else None
             e.prepared = prepared if prepared is not None and prepared.reusable else None
         self.prepared = True
+        self._settle_moved()

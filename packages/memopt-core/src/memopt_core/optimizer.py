@@ -1161,6 +1161,8 @@ class MemOptimizer(Optimizer):
                 self._check_finite([(e.backend, e.work) for e in cached.entries])
             if not cached.prepared:
                 cached.prepare()
+            else:
+                cached.follow_grads()
             self._launch_cached(cached)
         finally:
             cached.drop_grads()

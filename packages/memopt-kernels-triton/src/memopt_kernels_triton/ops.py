@@ -30,6 +30,7 @@ import math
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Sequence
 from operator import attrgetter
 
 import torch
@@ -583,13 +584,15 @@ _DTYPE = attrgetter("dtype")
 
 class _Tables:
     """Device tables of one (tensor set, chunk size, index bases): the chunk table and the slot
-    table (``rows`` rows)."""
+    table (``rows`` rows; ``host_slots`` its host copy, from which
+    :meth:`PreparedStep.with_grads` derives the table of moved gradients)."""
 
-    __slots__ = ("chunks", "n_chunks", "rows", "slots")
+    __slots__ = ("chunks", "host_slots", "n_chunks", "rows", "slots")
 
-    def __init__(self, chunks: Tensor, slots: Tensor) -> None:
+    def __init__(self, chunks: Tensor, slots: Tensor, host_slots: Tensor) -> None:
         self.chunks, self.n_chunks, self.slots = chunks, int(chunks.shape[0]), slots
         self.rows = int(slots.shape[0])
+        self.host_slots = host_slots
 
 
 def _table_cache_limits(n_slots: int) -> tuple[int, int]:
@@ -835,30 +838,64 @@ class PreparedStep:
 
     :meth:`launch` runs it with host scalars; :meth:`launch_hyper` reads them from a device
     tensor, which is what a captured CUDA graph replays. Reusing a prepared step is valid
-    while every parameter and gradient keeps its storage (the caller checks; ``memopt_apexw``
-    compares tensor identities and addresses); the tensor ids and index bases are those of the
-    prepared ``GroupStep``. ``reusable`` is False when strided tensors ran through contiguous
+    while every parameter and gradient keeps its storage (the caller checks: memopt_core's
+    cached step compares addresses); gradients that moved are followed with
+    :meth:`with_grads`. The tensor ids and index bases are those of the prepared
+    ``GroupStep``. ``reusable`` is False when strided tensors ran through contiguous
     copies: such a step must be prepared again each time.
     """
 
     __slots__ = (
         "_args",
         "_copies",
+        "_gdtypes",
         "_grid",
         "_head",
         "_kw",
+        "_rows",
         "device",
         "n_slots",
         "reusable",
         "rule",
     )
 
-    def __init__(self, rule, grid, head, kw, copies, device, n_slots) -> None:
+    def __init__(
+        self, rule, grid, head, kw, copies, device, n_slots, rows=None, gdtypes=()
+    ) -> None:
         self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
         self._copies = copies
         self.reusable = not copies
         self.device = device
         self.n_slots = n_slots  # rows of a per-tensor word table: the step's tensors
+        self._rows = rows  # the slot table on the host (the device copy is head[2])
+        self._gdtypes = gdtypes  # the gradients' dtypes, in the step's order
+
+    def with_grads(self, grads: Sequence[Tensor]) -> PreparedStep | None:
+        """This step reading ``grads``: the same tensors' gradients at new addresses (what
+        ``zero_grad(set_to_none=True)`` and the next backward make; memopt_core's cached step
+        calls this), with the chunk table, state pointers and geometry kept and a new slot
+        table (one host-to-device copy: O(1) launches, a C-level pass over the gradients).
+
+        ``grads`` are in the step's order; each is its parameter's ``.grad`` (torch gives it
+        the parameter's shape and device). ConfigError for another count or another dtype than
+        the prepared gradients'; None for a strided gradient (prepare the step again: it runs
+        through contiguous copies)."""
+        if self._grid is None or self._rows is None:
+            return self if self._grid is None else None
+        if len(grads) != self.n_slots or tuple(map(_DTYPE, grads)) != self._gdtypes:
+            raise ConfigError(
+                f"with_grads needs {self.n_slots} gradients of the prepared dtypes, in the step's "
+                "order; prepare the step again for other gradients"
+            )
+        if not all(map(Tensor.is_contiguous, grads)):
+            return None
+        rows = self._rows.clone()
+        rows[:, 1] = torch.tensor(tuple(map(Tensor.data_ptr, grads)), dtype=torch.int64)
+        head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
+        return PreparedStep(
+            self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
+            self._gdtypes,
+        )  # fmt: skip
 
     @property
     def hyper_fields(self) -> tuple[str, ...]:
@@ -1040,7 +1077,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         chunks = _chunk_table(plan, work.slots, full, cs)
         rows = _slot_rows(pp, gp, gd, work.tensor_ids, checked)
         slot_tab = _to_device(rows, dev)
-        tables = _Tables(chunks, slot_tab)
+        tables = _Tables(chunks, slot_tab, rows)
         if not copies:
             lru[key] = tables
             entries, rows = _table_cache_limits(len(plan.slots))
@@ -1090,7 +1127,9 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             NEED_RAND=sr and (rand_master or (has_momentum and f1 != 0)),
             _HAS_MOMENTUM=has_momentum,
         )
-    return PreparedStep(work.rule, grid, head, kw, copies, dev, len(work.slots))
+    return PreparedStep(
+        work.rule, grid, head, kw, copies, dev, len(work.slots), tables.host_slots, gd
+    )
 
 
 def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
