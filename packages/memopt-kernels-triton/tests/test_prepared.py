@@ -355,3 +355,47 @@ def test_loads_ahead_where_it_measured_faster(ops, rule, preset, master, dtype, 
     group = make_group(kind, spec, dtype, [65], "cpu", **hyper)
     prepared = ops.prepare_step(group_step(group, make_grads(group, 1), 1))
     assert prepared._kw["AHEAD"] is ahead
+
+
+@pytest.mark.parametrize(("preset", "master", "dtype"), CASES)
+def test_with_grads_follows_moved_gradients(ops, device, preset, master, dtype):
+    """A prepared step moved to gradients at new addresses (``with_grads``: what core's cached
+    step does after ``zero_grad(set_to_none=True)``) gives the bits of a fresh step, and reads
+    the new gradients, never the old ones (poisoned with NaN once replaced)."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
+    ref = make_group(rule, spec, dtype, _sizes(device), device, seed=11, **hyper)
+    mine = ref.clone()
+    prepared = old = None
+    for step in range(1, 5):
+        new = make_grads(ref, step)
+        TORCH.step(group_step(ref, new, step))
+        grads = [n.clone() for n in new]  # new tensors every step
+        work = group_step(mine, grads, step)
+        if prepared is None:
+            prepared = ops.prepare_step(work)
+        else:
+            for g in old:
+                g.fill_(float("nan"))
+            prepared = prepared.with_grads(grads)
+            assert prepared is not None
+            assert prepared.reusable
+        prepared.launch(work.scalars, step, work.seed, step == 1)
+        old = grads
+        bad = diff_report(ref, mine)
+        assert not bad, f"step {step}: " + "; ".join(bad)
+
+
+def test_with_grads_refuses_other_gradients(ops, device):
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    group = make_group(rule, spec, torch.bfloat16, [33, 65], device, seed=5, **hyper)
+    grads = make_grads(group, 1)
+    prepared = ops.prepare_step(group_step(group, grads, 1))
+    with pytest.raises(ConfigError, match="2 gradients of the prepared dtypes"):
+        prepared.with_grads(grads[:1])
+    with pytest.raises(ConfigError, match="prepared dtypes"):
+        prepared.with_grads([g.float() for g in grads])  # float32 where bf16 was prepared
+    strided = [torch.stack([g, g], dim=-1)[..., 0] for g in grads]
+    assert not strided[0].is_contiguous()
+    assert prepared.with_grads(strided) is None  # prepare again: contiguous copies
