@@ -3,7 +3,8 @@ launches (``memopt_kernels_triton.ops.prepare_step``) timed between CUDA events,
 ``--iters``, for each (rows of 32 elements, warps) pair, on a few-large and a many-small profile.
 
     python tools/bench/kernel_geometry.py [--formats fp32m,bf16m,q8m,ecc24q8,ecc24bf16]
-        [--ahead default|on|off|both] [--rule adam|lion] [--out geo.json]
+        [--ahead default|on|off|both] [--rule adam|lion] [--geometries 8x4,16x4]
+        [--maxnreg none,64] [--out geo.json]
 
 Formats (AdamW, stochastic rounding on): ``fp32m`` fp32 parameters and moments, ``bf16m`` bf16
 moments, ``q8m`` q8 moments, ``ecc24q8`` bf16 parameters with the ECC-24 master and q8 moments,
@@ -16,6 +17,7 @@ What chose the default geometries of ``memopt_kernels_triton.ops.kernel_config``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -69,27 +71,37 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--ahead", choices=["default", "on", "off", "both"], default="default")
     ap.add_argument("--rule", choices=["adam", "lion"], default="adam")
+    ap.add_argument(
+        "--geometries",
+        default=",".join(f"{r}x{w}" for r, w in GEOMETRIES),
+        help="rows x warps list (default: %(default)s)",
+    )
+    ap.add_argument("--maxnreg", default="none", help="register caps, e.g. none,64,96")
     args = ap.parse_args()
+    geometries = [tuple(map(int, g.split("x"))) for g in args.geometries.split(",")]
+    caps = [None if c == "none" else int(c) for c in args.maxnreg.split(",")]
     default_ahead = ops._loads_ahead
     aheads = {"default": [None], "on": [True], "off": [False], "both": [True, False]}[args.ahead]
     rows = []
     for ahead in aheads:
-        ops._loads_ahead = default_ahead if ahead is None else (lambda bs, mid, a=ahead: a)
+        # ops._loads_ahead(rule, block_size, master): a forced choice ignores all three
+        ops._loads_ahead = default_ahead if ahead is None else (lambda *_, a=ahead: a)
         for name in args.formats.split(","):
             for n, numel in PROFILES:
                 work = group_work(name, n, numel, args.rule)
-                for r, w in GEOMETRIES:
-                    p = ops.prepare_step(work, ops.KernelConfig(rows=r, num_warps=w))
+                for (r, w), cap in itertools.product(geometries, caps):
+                    cfg = ops.KernelConfig(rows=r, num_warps=w, maxnreg=cap)
+                    p = ops.prepare_step(work, cfg)
                     ms = events_ms(
                         lambda p=p, s=work.scalars: p.launch(s, 10, 0, False), args.iters
                     )
                     rows.append(
                         {"rule": args.rule, "format": name, "tensors": n, "numel": numel,
-                         "rows": r, "warps": w, "ahead": ahead, "ms": ms}
+                         "rows": r, "warps": w, "maxnreg": cap, "ahead": ahead, "ms": ms}
                     )  # fmt: skip
                     print(
                         f"{args.rule} {name:8s} {n:5d} x {numel:9d} rows={r:2d} warps={w} "
-                        f"ahead={ahead}: {ms:7.3f} ms",
+                        f"maxnreg={cap} ahead={ahead}: {ms:7.3f} ms",
                         flush=True,
                     )
                 del work

@@ -8,7 +8,8 @@ ptxas, and its cuobjdump disassembles it.
 For each format (AdamW unless prefixed ``lion:``, stochastic rounding on; the names of
 ``kernel_geometry.py``) it prints the instruction count of the innermost loop (one ``[ROWS, 32]``
 tile), that count per element (tile elements over threads), and the opcodes that dominate it.
-``--ahead`` picks the kernels' loading one tile ahead (``AHEAD``): as the launcher does
+The kernels are compiled as a launch on aligned tensors specializes them (pointer arguments
+16-byte aligned, ``ALIGNED``). ``--ahead`` picks the kernels' loading one tile ahead (``AHEAD``): as the launcher does
 (``ops._loads_ahead``, the default: on for fp32 masters with unblocked moments and for AdamW's
 blocked moments over an fp32 or ECC-24 master), or forced on or off. ``--out`` keeps the PTX and
 the cubin. The counts are static: how many instructions one tile
@@ -57,7 +58,7 @@ def compile_kernel(
         f2 = 0
     constexprs = dict(
         MASTER=master, FMT1=f1, FMT2=f2, SR=True, MAXIMIZE=False, HAS_L2=False, HAS_DECAY=True,
-        BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False,
+        BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False, ALIGNED=True,
     )  # fmt: skip
     # as ops.prepare_step chooses: words when some state rounds, loads ahead where it measured faster
     constexprs["NEED_RAND"] = master in (1, 2, 3) or f1 != 0 or f2 != 0
@@ -83,7 +84,10 @@ def compile_kernel(
             values[(i,)] = constexprs[arg]
         else:
             signature[arg] = pointers.get(arg, "i32" if arg in _INTS else "fp32")
-    src = ASTSource(fn=kernel, signature=signature, constexprs=values)
+    # as a launch specializes them: tensor arguments 16-byte aligned (Triton's divisibility 16)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if signature[a].startswith("*")}  # fmt: skip
+    src = ASTSource(fn=kernel, signature=signature, constexprs=values, attrs=attrs)
     return triton.compile(
         src,
         target=GPUTarget("cuda", arch, 32),

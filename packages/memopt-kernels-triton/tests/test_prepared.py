@@ -9,7 +9,14 @@ import torch
 
 from memopt_core.errors import ConfigError
 from memopt_core.formats import StateSpec
-from memopt_core.testing import VARIANTS, diff_report, group_step, make_grads, make_group
+from memopt_core.testing import (
+    VARIANTS,
+    at_offset,
+    diff_report,
+    group_step,
+    make_grads,
+    make_group,
+)
 from memopt_core.torch_backend import TorchBackend
 
 TORCH = TorchBackend()
@@ -307,24 +314,27 @@ def test_table_cache_keeps_one_step_per_tensor(ops, device):
     assert group.plan.cache("triton_table_rows", None)[0] <= rows
 
 
-def test_default_geometry_depends_on_blocked_moments(monkeypatch):
-    """On a GPU a group with a blocked 8-bit moment gets smaller programs than the others by
-    default; a configuration set by the caller wins for both until reset."""
+def test_default_geometry(monkeypatch):
+    """On a GPU every group gets 16 rows x 4 warps by default, AdamW with blocked moments over an
+    fp32 or ECC-24 master with a register cap; a configuration set by the caller wins for all
+    until reset."""
     from memopt_kernels_triton import ops as triton_ops
 
     monkeypatch.setattr(triton_ops, "interpreting", lambda: False)
     triton_ops.reset_kernel_config()
     try:
+        ecc24 = triton_ops.master_id("ecc24", torch.bfloat16)
+        ecc32 = triton_ops.master_id("ecc32", torch.bfloat16)
         blocked = triton_ops.kernel_config(blocked=True)
         plain = triton_ops.kernel_config()
-        assert (blocked.rows, blocked.num_warps) == (8, 4)
-        assert (plain.rows, plain.num_warps) == (32, 8)
-        ecc24 = triton_ops.master_id("ecc24", torch.bfloat16)
-        for blk, want in ((True, (4, 4)), (False, (8, 2))):  # AdamW over an ECC-24 master
-            got = triton_ops.kernel_config(blocked=blk, master=ecc24)
-            assert (got.rows, got.num_warps) == want
-            lion = triton_ops.kernel_config(blocked=blk, rule="lion", master=ecc24)
-            assert lion is (blocked if blk else plain)
+        for cfg in (blocked, plain):
+            assert (cfg.rows, cfg.num_warps) == (16, 4)
+        assert (blocked.maxnreg, plain.maxnreg) == (64, None)
+        assert triton_ops.kernel_config(blocked=True, master=ecc24).maxnreg == 80
+        assert triton_ops.kernel_config(blocked=False, master=ecc24) is plain
+        assert triton_ops.kernel_config(blocked=True, master=ecc32) is plain
+        for master in (0, ecc24):
+            assert triton_ops.kernel_config(blocked=True, rule="lion", master=master) is plain
         mine = triton_ops.KernelConfig(rows=32, num_warps=2)
         assert triton_ops.kernel_config(mine) is mine
         assert triton_ops.kernel_config(blocked=True) is mine
@@ -334,17 +344,27 @@ def test_default_geometry_depends_on_blocked_moments(monkeypatch):
         triton_ops.reset_kernel_config()
 
 
+def test_kernel_config_refuses_bad_register_caps():
+    from memopt_kernels_triton import ops as triton_ops
+
+    for cap in (0, 23, 256, 1000):
+        with pytest.raises(ConfigError, match="maxnreg"):
+            triton_ops.KernelConfig(maxnreg=cap)
+    assert triton_ops.KernelConfig(maxnreg=24).maxnreg == 24
+
+
 @pytest.mark.parametrize(
     ("rule", "preset", "master", "dtype", "ahead"),
     [
         ("adamw", "bf16", "fp32", torch.float32, True),
         ("adamw", "fp32", "fp32", torch.float32, True),
         ("lion", "bf16", "fp32", torch.float32, True),
-        ("adamw", "bf16", "ecc24", torch.bfloat16, False),
-        ("adamw", "q8", "fp32", torch.float32, True),
+        ("adamw", "bf16", "ecc24", torch.bfloat16, True),
+        ("adamw", "bf16", "ecc32", torch.bfloat16, False),
+        ("adamw", "q8", "fp32", torch.float32, False),
         ("adamw", "q8", "ecc24", torch.bfloat16, True),
         ("adamw", "q8", "ecc32", torch.bfloat16, False),
-        ("lion", "q8", "ecc24", torch.bfloat16, False),
+        ("lion", "q8", "ecc24", torch.bfloat16, True),
         ("lion", "q8", "fp32", torch.float32, False),
     ],
 )
@@ -399,3 +419,35 @@ def test_with_grads_refuses_other_gradients(ops, device):
     strided = [torch.stack([g, g], dim=-1)[..., 0] for g in grads]
     assert not strided[0].is_contiguous()
     assert prepared.with_grads(strided) is None  # prepare again: contiguous copies
+
+
+@pytest.mark.parametrize("rule", ["adamw", "lion", "sgd-mom-damp-l2"])
+@pytest.mark.parametrize(
+    ("preset", "master", "dtype"),
+    [("q8", "ecc24", torch.bfloat16), ("bf16", "fp32", torch.float32)],
+    ids=["ecc24-q8", "fp32-bf16"],
+)
+def test_unaligned_tensors_take_the_unaligned_kernel(ops, device, rule, preset, master, dtype):
+    """Parameters and gradients one element into their buffers (contiguous, off the 16-byte
+    alignment the vectorized kernel assumes) get the kernel without the assumption, and its bits;
+    a prepared aligned step refuses such gradients (``with_grads`` gives None: prepare again)."""
+    variant, hyper = VARIANTS[rule]
+    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
+    ref = make_group(variant, spec, dtype, _sizes(device), device, seed=3, **hyper)
+    mine = ref.clone(offset=1)
+    assert all(p.data_ptr() % 16 for p in mine.params if p.numel())
+    for step in range(1, 4):
+        grads = make_grads(ref, step)
+        TORCH.step(group_step(ref, grads, step))
+        work = group_step(mine, at_offset(grads, 1), step)
+        prepared = ops.prepare_step(work)
+        assert prepared._kw["ALIGNED"] is False
+        prepared.launch(work.scalars, step, work.seed, step == 1)
+        bad = diff_report(ref, mine)
+        assert not bad, f"step {step}: " + "; ".join(bad)
+    aligned = ref.clone()
+    grads = make_grads(aligned, 4)
+    prepared = ops.prepare_step(group_step(aligned, grads, 4))
+    assert prepared._kw["ALIGNED"] is True
+    assert prepared.with_grads(at_offset(grads, 1)) is None
+    assert prepared.with_grads(at_offset(grads, 8)) is not None  # 16 or 32 bytes: still aligned

@@ -29,6 +29,7 @@ __all__ = [
     "Fsdp2Job",
     "Group",
     "assert_same_optimizers",
+    "at_offset",
     "bits",
     "diff_report",
     "fsdp2_worker",
@@ -104,9 +105,11 @@ class Group:
     def params(self) -> list[Tensor]:
         return self.plan.params
 
-    def clone(self) -> Group:
-        """An independent copy (new parameter tensors, new plan, arena fields copied)."""
-        params = [p.detach().clone() for p in self.params]
+    def clone(self, offset: int = 0) -> Group:
+        """An independent copy (new parameter tensors, new plan, arena fields copied). With
+        ``offset``, each new parameter starts ``offset`` elements into a larger buffer: contiguous,
+        at an address a kernel cannot assume aligned."""
+        params = [_at_offset(p.detach(), offset) for p in self.params]
         plan = GroupPlan(
             params, self.spec, device=self.plan.device, param_dtype=self.plan.param_dtype
         )
@@ -122,6 +125,20 @@ class Group:
             list(self.tensor_ids),
             None if self.index_bases is None else list(self.index_bases),
         )  # fmt: skip
+
+
+def _at_offset(t: Tensor, offset: int) -> Tensor:
+    """A contiguous copy of ``t`` that starts ``offset`` elements into its own buffer."""
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    out = buf[offset:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def at_offset(tensors: list[Tensor], offset: int) -> list[Tensor]:
+    """Copies of ``tensors``, each ``offset`` elements into a larger buffer (unaligned data
+    pointers for ``offset`` not a multiple of the alignment in question)."""
+    return [_at_offset(t, offset) for t in tensors]
 
 
 def make_group(

@@ -124,7 +124,13 @@ def _check_device(t: Tensor, what: str) -> None:
 
 
 def _launch(
-    kernel, grid, *args, num_warps: int | None = None, num_stages: int | None = None, **constexprs
+    kernel,
+    grid,
+    *args,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
+    **constexprs,
 ) -> None:
     opts = {"enable_fp_fusion": False}
     if not interpreting():
@@ -132,6 +138,8 @@ def _launch(
             opts["num_warps"] = num_warps
         if num_stages is not None:
             opts["num_stages"] = num_stages
+        if maxnreg is not None:
+            opts["maxnreg"] = maxnreg
     kernel[grid](*args, **constexprs, **opts)
 
 
@@ -439,8 +447,9 @@ def triton_cdiv(a: int, b: int) -> int:
 class KernelConfig:
     """Launch geometry of the fused step: tile ``rows`` (x32 elements), ``chunk_size`` (elements
     per chunk-table row; None: chosen from the group size), ``num_warps``, ``programs``
-    (persistent grid size; None: a multiple of the SM count) and ``num_stages`` (Triton's
-    software pipelining depth; None: Triton's default)."""
+    (persistent grid size; None: a multiple of the SM count), ``num_stages`` (Triton's
+    software pipelining depth; None: Triton's default) and ``maxnreg`` (a cap on registers per
+    thread, ptxas' ``.maxnreg``: more programs fit on an SM; None: the compiler's choice)."""
 
     def __init__(
         self,
@@ -451,49 +460,50 @@ class KernelConfig:
         max_chunk: int = 16384,
         waves: int = 64,
         num_stages: int | None = None,
+        maxnreg: int | None = None,
     ) -> None:
         if rows <= 0 or rows & (rows - 1):
             raise ConfigError(f"rows must be a power of two, got {rows}")
+        if maxnreg is not None and not 24 <= maxnreg <= 255:
+            raise ConfigError(f"maxnreg must be None or in [24, 255], got {maxnreg}")
         self.rows, self.chunk_size, self.num_warps = rows, chunk_size, num_warps
         self.programs, self.max_chunk, self.waves = programs, max_chunk, waves
-        self.num_stages = num_stages
+        self.num_stages, self.maxnreg = num_stages, maxnreg
 
     def __repr__(self) -> str:
         return (
             f"KernelConfig(rows={self.rows}, chunk_size={self.chunk_size}, num_warps="
             f"{self.num_warps}, programs={self.programs}, max_chunk={self.max_chunk}, "
-            f"waves={self.waves}, num_stages={self.num_stages})"
+            f"waves={self.waves}, num_stages={self.num_stages}, maxnreg={self.maxnreg})"
         )
 
 
 _INTERP_CONFIG = KernelConfig(rows=4, chunk_size=256, num_warps=4, programs=3)
-# On the H200 (2026-11-30, docs/benchmarks/2026-11-30-prefetch.md) the groups with unblocked
-# moments run fastest in large tiles: 32 rows x 8 warps took 3.93 ms against 4.18 at 16 x 8 for an
-# fp32 master with bf16 moments on 8 x 64M (loading ahead). Groups with a blocked 8-bit moment run
-# faster in small programs (2026-11-30-q8-codecs.md): 8 rows x 4 warps took 5.46 ms against 7.01
-# at 16 x 8 with q8 moments. With the cheaper rounding words of KERNEL_API 3 the AdamW kernel
-# with an ECC-24 master needs fewer registers and runs fastest in smaller programs still
-# (tools/bench/kernel_geometry.py, docs/benchmarks/2026-11-30-sr-words.md; 8 x 64M and
-# 4096 x 32K): with q8 moments 4 x 4 loading ahead, 5.60 and 1.44 ms against 6.27 and 1.59 at
-# 8 x 4 in place; with bf16 moments 8 x 2, 3.84 and 1.02 ms against 4.21 and 1.05 at 32 x 8.
-_GPU_CONFIG = KernelConfig(rows=32, num_warps=8)
-_GPU_BLOCKED_CONFIG = KernelConfig(rows=8, num_warps=4)
-_GPU_ECC24_CONFIG = KernelConfig(rows=8, num_warps=2)
-_GPU_ECC24_BLOCKED_CONFIG = KernelConfig(rows=4, num_warps=4)
+# On the H200 (2026-11-30, tools/bench/kernel_geometry.py, docs/benchmarks/2026-11-30-vector-tiles.md;
+# 8 x 64M and 4096 x 32K): since the whole tiles' accesses are vectorized, a thread wants several
+# contiguous elements of a row, 4 at 16 rows x 4 warps, for every rule and format measured. AdamW
+# with q8 moments over an fp32 master, in place, registers capped at 64: 3.36 and 0.89 ms against
+# 4.92 and 1.31 at the former 8 x 4 loading ahead; over an ECC-24 master, loading ahead, capped at
+# 80: 4.54 and 1.22 against 5.33 and 1.41 at the former 4 x 4 (the caps gain 3-5%: more programs
+# per SM); bf16 moments over an fp32 master, loading ahead: 3.17 and 0.84 against 3.59 and 0.82 at
+# the former 32 x 8; over an ECC-24 master: 4.20 and 1.16.
+_GPU_CONFIG = KernelConfig(rows=16, num_warps=4)
+_GPU_ADAM_Q8_CONFIG = KernelConfig(rows=16, num_warps=4, maxnreg=64)
+_GPU_ADAM_ECC24_Q8_CONFIG = KernelConfig(rows=16, num_warps=4, maxnreg=80)
 _config_override: KernelConfig | None = None
 _ECC24 = 3  # kernel_master_id("ecc24", torch.bfloat16)
 
 
 def _loads_ahead(rule: str, block_size: int, master: int) -> bool:
-    """Whether the Adam and Lion kernels load each tile one tile ahead (their ``AHEAD``), where
-    it measured faster on the H200: an fp32 master with unblocked moments (AdamW with bf16
-    moments 6-11% faster, docs/benchmarks/2026-11-30-prefetch.md), and for AdamW also blocked
-    8-bit moments with an fp32 or ECC-24 master since the cheaper rounding words of KERNEL_API 3
-    (q8 moments 7%, ECC-24 + q8 11% on 8 x 64M, 2026-11-30-sr-words.md). Not for ECC masters
-    with unblocked moments, nor for Lion with blocked ones (0-13% slower when measured)."""
+    """Whether the Adam and Lion kernels load each whole tile one tile ahead (their ``AHEAD``),
+    where it measured faster on the H200 with the vectorized tiles (2026-11-30-vector-tiles.md):
+    an fp32 or ECC-24 master with unblocked moments (AdamW with bf16 moments: 3.17 against 3.63 ms
+    over an fp32 master, 4.20 against 5.44 over ECC-24, on 8 x 64M), an ECC-24 master with blocked
+    ones (AdamW with q8 moments 4.76 against 6.03 ms, Lion 2.61 against 2.95). Not an fp32 master
+    with blocked moments (AdamW 3.49 in place against 3.57 ahead), nor the masters not measured."""
     if block_size == 1:
-        return master == 0
-    return rule == "adam" and master in (0, _ECC24)
+        return master in (0, _ECC24)
+    return master == _ECC24
 
 
 def kernel_config(
@@ -504,10 +514,9 @@ def kernel_config(
     master: int = 0,
 ) -> KernelConfig:
     """The fused step's launch configuration. ``config`` replaces it for every later step (until
-    :func:`reset_kernel_config`); without a replacement, the default on a GPU for a group whose
-    moments are ``blocked`` (an 8-bit format with block scales: 8 rows x 4 warps) or not (32 rows
-    x 8 warps), except AdamW over an ECC-24 master (``master``, a :func:`master_id`): 4 x 4
-    blocked, 8 x 2 unblocked."""
+    :func:`reset_kernel_config`); without a replacement, the default on a GPU: 16 rows x 4 warps,
+    with registers capped for AdamW with ``blocked`` moments (an 8-bit format with block scales)
+    over an fp32 master (64) or an ECC-24 master (80; ``master`` is a :func:`master_id`)."""
     global _config_override
     if config is not None:
         _config_override = config
@@ -515,9 +524,9 @@ def kernel_config(
         return _config_override
     if interpreting():
         return _INTERP_CONFIG
-    if rule == "adam" and master == _ECC24:
-        return _GPU_ECC24_BLOCKED_CONFIG if blocked else _GPU_ECC24_CONFIG
-    return _GPU_BLOCKED_CONFIG if blocked else _GPU_CONFIG
+    if rule == "adam" and blocked and master in (0, _ECC24):
+        return _GPU_ADAM_ECC24_Q8_CONFIG if master == _ECC24 else _GPU_ADAM_Q8_CONFIG
+    return _GPU_CONFIG
 
 
 def reset_kernel_config() -> None:
@@ -536,6 +545,12 @@ def _sm_count(device: torch.device) -> int:
     if key not in _SM_COUNT:
         _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[key]
+
+
+def _aligned(addresses: Sequence[int]) -> bool:
+    """Whether every address is a multiple of 16 bytes: the kernels' ``ALIGNED`` (vector accesses
+    of the parameters and gradients, tiles.chunk_info)."""
+    return all(a % 16 == 0 for a in addresses)
 
 
 def _chunk_size(cfg: KernelConfig, plan, total: int) -> int:
@@ -879,7 +894,8 @@ class PreparedStep:
         ``grads`` are in the step's order; each is its parameter's ``.grad`` (torch gives it
         the parameter's shape and device). ConfigError for another count or another dtype than
         the prepared gradients'; None for a strided gradient (prepare the step again: it runs
-        through contiguous copies)."""
+        through contiguous copies) and for a gradient off the 16-byte alignment the prepared
+        kernel was compiled for (prepare again: the unaligned variant)."""
         if self._grid is None or self._rows is None:
             return self if self._grid is None else None
         if len(grads) != self.n_slots or tuple(map(_DTYPE, grads)) != self._gdtypes:
@@ -889,8 +905,11 @@ class PreparedStep:
             )
         if not all(map(Tensor.is_contiguous, grads)):
             return None
+        addresses = tuple(map(Tensor.data_ptr, grads))
+        if self._kw.get("ALIGNED") and not _aligned(addresses):
+            return None
         rows = self._rows.clone()
-        rows[:, 1] = torch.tensor(tuple(map(Tensor.data_ptr, grads)), dtype=torch.int64)
+        rows[:, 1] = torch.tensor(addresses, dtype=torch.int64)
         head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
         return PreparedStep(
             self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
@@ -1099,7 +1118,14 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         raise ConfigError(f"the triton kernels handle blocks of 32 elements, got {bs}")
     rand_master = mid in (1, 2, 3)
     kw: dict = dict(
-        MASTER=mid, SR=sr, BS=bs, ROWS=cfg.rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+        MASTER=mid,
+        SR=sr,
+        BS=bs,
+        ROWS=cfg.rows,
+        ALIGNED=_aligned(pp) and _aligned(gp) and cs % 32 == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        maxnreg=cfg.maxnreg,
     )
     head: tuple = (chunks, n_chunks, slots, _kernel_view(code))
     if work.rule == "adam":

@@ -20,11 +20,16 @@ chunk belongs to one tensor), and each tile computes the folded index of its ele
 words of the streams its formats round only: the master's (stream 0) for bf16/fp16/ECC-24
 masters, a moment's (streams 1, 2) unless it is fp32.
 
-``AHEAD``: each tile's loads are issued one tile ahead, before the previous tile's math, and its
-words stay undecoded until their own turn. The kernel otherwise waits on memory latency (Nsight
-Compute, docs/benchmarks/2026-11-30-q8-codecs.md). The launcher turns it on where it measured
-faster (``ops._loads_ahead``): fp32 masters, and blocked 8-bit moments over an ECC-24 master;
-with an ECC master and unblocked moments the extra registers cost more than it saves.
+Tiles: the chunk's whole tiles run first with per-row masks (constant along a row), so Triton
+gives each thread several contiguous elements of a row and one vector access for them
+(``ALIGNED``: the launcher checked the addresses, :func:`~memopt_kernels_triton.kernels.tiles.chunk_info`);
+the partial last tile, if any, runs after them with per-element masks.
+
+``AHEAD``: each whole tile's loads are issued one tile ahead, before the previous tile's math,
+and its words stay undecoded until their own turn. The kernel otherwise waits on memory latency
+(Nsight Compute, docs/benchmarks/2026-11-30-q8-codecs.md). The launcher turns it on where it
+measured faster (``ops._loads_ahead``): fp32 and ECC-24 masters with unblocked moments, and
+ECC-24 masters with blocked 8-bit ones.
 
 ``HYPER``: the scalars, seed and step are read from ``hyper_ptr`` (int32 words, layout
 :data:`memopt_kernels_triton.ops.ADAM_HYPER_FIELDS`) instead of the arguments, so a launch
@@ -50,27 +55,71 @@ from memopt_kernels_triton.kernels.rng import (
     stream_word,
 )
 from memopt_kernels_triton.kernels.tiles import (
-    ahead_masks,
     chunk_info,
     hyper_f32,
     hyper_word,
     master_ptrs,
-    tile_masks,
+    row_masks,
+    tail_masks,
+    whole_tiles,
 )
 
 
 @triton.jit
 def _tile_words(
-    t, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+    t, lofs, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
     ROWS: tl.constexpr, MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """The undecoded words (master, gradient, both moments) of the tile at chunk element ``t``."""
-    offs, emask, amask, soffs, first = ahead_masks(t, lofs, length, limit, ROWS)
+    """The undecoded words (master, gradient, both moments) of the whole tile at chunk element
+    ``t``; rows at or past ``limit`` (the end of the whole tiles) are not read, so the load after
+    the last whole tile touches no memory."""
+    offs, emask, amask, rmask = row_masks(t, lofs, limit, ROWS)
+    soffs = C.scale_offsets(t // 32, ROWS)
     xp, xc = C.load_master_raw(pp, cp, offs, emask, amask, MASTER)
-    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER)
-    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, first, amask, FMT1)
-    vc, vs = C.load_moment_raw(vp, vsp, offs, soffs, first, amask, FMT2)
+    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, rmask, amask, FMT1)
+    vc, vs = C.load_moment_raw(vp, vsp, offs, soffs, rmask, amask, FMT2)
     return xp, xc, gw, mc, ms, vc, vs
+
+
+@triton.jit
+def _update(
+    x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
+    origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+    MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, SR: tl.constexpr,
+    NEED_RAND: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr,
+    HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
+):  # fmt: skip
+    """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
+    if UNSCALE:
+        g = g * inv
+    # the words of the rounded streams only (constexpr conditions)
+    r0 = 0
+    r1 = 0
+    r2 = 0
+    if NEED_RAND:
+        y = fold_index(origin + offs, k3)
+        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+            r0 = r24_of(stream_word(y, stream_key(k0)))
+        if FMT1 != C.FMT_FP32:
+            r1 = r24_of(stream_word(y, stream_key(k1)))
+        if FMT2 != C.FMT_FP32:
+            r2 = r24_of(stream_word(y, stream_key(k2)))
+    if MAXIMIZE:
+        g = C.neg(g)
+    if HAS_L2:
+        g = g + l2_ * x
+    if HAS_DECAY:
+        x = x * dec
+    m = m + omb1 * (g - m)
+    v = b2 * v + omb2 * (g * g)
+    s = tl.sqrt_rn(v)
+    d = tl.div_rn(s, bc2) + eps_
+    x = x - lr_t * tl.div_rn(m, d)
+    C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
+    C.store_moment(m, mp, msp, offs, soffs, rmask, amask, r1, FMT1, SR, m)
+    C.store_moment(v, vp, vsp, offs, soffs, rmask, amask, r2, FMT2, SR, s)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
@@ -108,6 +157,7 @@ def adam_kernel(
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
     AHEAD: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -115,7 +165,7 @@ def adam_kernel(
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
         start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
-            chunk_ptr, slot_ptr, c, BS
+            chunk_ptr, slot_ptr, c, BS, ALIGNED
         )
         if HYPER:
             omb1 = hyper_f32(hyper_ptr, slot, hstride, 0)
@@ -147,25 +197,29 @@ def adam_kernel(
         if NEED_RAND:  # the chunk's tensor at this step
             k0, k1, k2, k3 = step_keys(seed_, tid, step_)
             origin = base + start  # index of the chunk's element 0
-        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        else:
+            k0, k1, k2, k3 = 0, 0, 0, 0
+            origin = 0
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER, ALIGNED)
         mp = m_ptr + aoff
         vp = v_ptr + aoff
         msp = ms_ptr + aoff // 32
         vsp = vs_ptr + aoff // 32
         tile = ROWS * 32
+        whole = whole_tiles(length, limit, ROWS)
         if AHEAD:
             xp, xc, gw, mc, ms, vc, vs = _tile_words(
-                0, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
-                ROWS, MASTER, FMT1, FMT2,
+                0, lofs, whole, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+                ROWS, MASTER, FMT1, FMT2, ALIGNED,
             )  # fmt: skip
-        for t in range(0, limit, tile):
+        for t in range(0, whole, tile):
             if AHEAD:
                 nxp, nxc, ngw, nmc, nms, nvc, nvs = _tile_words(
-                    t + tile, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
-                    ROWS, MASTER, FMT1, FMT2,
+                    t + tile, lofs, whole, pp, cp, gaddr, gkind, start, mp, msp, vp, vsp,
+                    ROWS, MASTER, FMT1, FMT2, ALIGNED,
                 )  # fmt: skip
-            offs, emask, amask = tile_masks(t, lofs, length, padded)
-            soffs, first = C.scale_offsets(t // 32, ROWS)
+            offs, emask, amask, rmask = row_masks(t, lofs, whole, ROWS)
+            soffs = C.scale_offsets(t // 32, ROWS)
             if AHEAD:
                 x = C.decode_master(xp, xc, MASTER)
                 g = C.grad_value(gw, gkind, MASTER)
@@ -173,36 +227,25 @@ def adam_kernel(
                 v = C.decode_moment(vc, vs, FMT2)
             else:
                 x = C.load_master(pp, cp, offs, emask, amask, MASTER)
-                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
-                m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
-                v = C.load_moment(vp, vsp, offs, soffs, first, amask, FMT2)
-            if UNSCALE:
-                g = g * inv
-            # the words of the rounded streams only (constexpr conditions)
-            r0 = 0
-            r1 = 0
-            r2 = 0
-            if NEED_RAND:
-                y = fold_index(origin + offs, k3)
-                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-                    r0 = r24_of(stream_word(y, stream_key(k0)))
-                if FMT1 != C.FMT_FP32:
-                    r1 = r24_of(stream_word(y, stream_key(k1)))
-                if FMT2 != C.FMT_FP32:
-                    r2 = r24_of(stream_word(y, stream_key(k2)))
-            if MAXIMIZE:
-                g = C.neg(g)
-            if HAS_L2:
-                g = g + l2_ * x
-            if HAS_DECAY:
-                x = x * dec
-            m = m + omb1 * (g - m)
-            v = b2 * v + omb2 * (g * g)
-            s = tl.sqrt_rn(v)
-            d = tl.div_rn(s, bc2) + eps_
-            x = x - lr_t * tl.div_rn(m, d)
-            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
-            C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)
-            C.store_moment(v, vp, vsp, offs, soffs, first, amask, r2, FMT2, SR, s)
+                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+                m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
+                v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
+            _update(
+                x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+                MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
+            )  # fmt: skip
             if AHEAD:
                 xp, xc, gw, mc, ms, vc, vs = nxp, nxc, ngw, nmc, nms, nvc, nvs
+        if whole < limit:  # the partial last tile
+            offs, emask, amask, rmask = tail_masks(whole, lofs, length, padded, ROWS, BS)
+            soffs = C.scale_offsets(whole // 32, ROWS)
+            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+            m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
+            v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
+            _update(
+                x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+                MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
+            )  # fmt: skip

@@ -206,7 +206,7 @@ def block_mf_encode(
     SIGNED: tl.constexpr,
     MODE: tl.constexpr,
 ):
-    """Codes (int32 ``[R, 32]``) and scale bytes ``k + 127`` (int32 ``[R, 1]``) of fp32 tile
+    """Codes (int32 ``[R, 32]``) and scale bytes ``k + 127`` (int32 ``[R]``) of fp32 tile
     ``x`` (core's ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply
     (or lands below ``2**-126``, which rounds to code 0 on every grid).
 
@@ -219,8 +219,8 @@ def block_mf_encode(
     mag = u & 0x7FFFFFFF
     finite = mag < F32_INF
     magf = tl.where(finite, mag, 0)
-    s = block_scale(tl.max(magf, axis=1, keep_dims=True), FMAX)
-    y = magf.to(tl.float32, bitcast=True) * bits_f32((254 - s) << 23)  # 2**-k
+    s = block_scale(tl.max(magf, axis=1), FMAX)
+    y = magf.to(tl.float32, bitcast=True) * bits_f32((254 - s[:, None]) << 23)  # 2**-k
     code = mf8_round(f32_bits(y), MAN, EMIN, r24, MODE)
     if INFC >= 0:
         special = tl.where(mag == F32_INF, INFC, NANC)
@@ -281,7 +281,7 @@ def sqrt_sr_up(num, den, r24):
 
 @triton.jit
 def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
-    """``(codes [R, 32], scale bytes [R, 1])`` of tile ``x`` in blocked format ``FMT`` (RNE, or
+    """``(codes [R, 32], scale bytes [R])`` of tile ``x`` in blocked format ``FMT`` (RNE, or
     SR with ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway);
     the other formats ignore it."""
     MODE: tl.constexpr = 1 if SR else 0
@@ -298,7 +298,7 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         lo_code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 2)
         finite = lo_code <= 0xFE
         hi_code = tl.minimum(lo_code + 1, 0xFE)
-        sf = bits_f32(s << 23)
+        sf = bits_f32(s[:, None] << 23)
         lo = mf_value(lo_code, 4, -14) * sf
         hi = mf_value(hi_code, 4, -14) * sf
         lo2 = lo * lo
@@ -335,26 +335,23 @@ def decode_blocked(c, s, FMT: tl.constexpr):
 # ---------------------------------------------------------------------------------- moments I/O
 @triton.jit
 def scale_offsets(b0, ROWS: tl.constexpr):
-    """Scale-byte offsets of a tile whose first block is ``b0`` (``[ROWS, 32]``; lane 0 of row
-    ``r`` addresses block ``b0 + r``) and the lane-0 mask. Only lane 0 touches memory; the other
-    lanes' offsets make the access contiguous along the row (and the row index is marked
-    non-contiguous), so Triton keeps the codes' row-major layout for the scale bytes instead of
-    laying the tile out column-major and converting every tensor through shared memory."""
-    r = tl.max_contiguous(tl.arange(0, ROWS), [1])
-    c = tl.arange(0, 32)
-    return b0 + r[:, None] + c[None, :], (c == 0)[None, :]
+    """Scale-byte offsets ``[ROWS]`` of a tile whose first block is ``b0`` (row ``r`` of the tile
+    is block ``b0 + r``). A row's scale byte is loaded and stored once, as a 1-D tensor in the
+    layout of the tile's rows (a row reduction's), and broadcast along the row: the codes keep a
+    layout with several contiguous elements per thread, so their accesses stay vectorized."""
+    return b0 + tl.arange(0, ROWS)
 
 
 @triton.jit
-def load_moment_raw(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
+def load_moment_raw(ptr, sptr, offs, soffs, rmask, amask, FMT: tl.constexpr):
     """The moment tile's stored words at element offsets ``offs`` ``[R, 32]`` (scale offsets
-    ``soffs`` and lane-0 mask ``first`` from :func:`scale_offsets`), undecoded: ``(values or
-    codes, scale bytes)`` for :func:`decode_moment`. A kernel that issues the next tile's loads
-    before this tile's math decodes them only when it needs them, so nothing waits on the loads.
+    ``soffs`` from :func:`scale_offsets`, row mask ``rmask`` ``[R]``), undecoded: ``(values or
+    codes, scale bytes [R])`` for :func:`decode_moment`. A kernel that issues the next tile's
+    loads before this tile's math decodes them only when it needs them, so nothing waits on the
+    loads.
 
     ``ptr`` points at the field ``""`` (fp32, int16 for bf16, uint8 for the 8-bit codes) and
-    ``sptr`` at the per-block ``uint8`` scales, both already offset to the chunk. Only the first
-    lane of each block loads its scale byte."""
+    ``sptr`` at the per-block ``uint8`` scales, both already offset to the chunk."""
     if FMT == FMT_FP32:
         c = tl.load(ptr + offs, mask=amask, other=0.0)
         s = 0
@@ -363,36 +360,36 @@ def load_moment_raw(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
         s = 0
     else:
         c = tl.load(ptr + offs, mask=amask, other=0).to(tl.int32) & 0xFF
-        s = tl.load(sptr + soffs, mask=amask & first, other=0).to(tl.int32) & 0xFF
+        s = tl.load(sptr + soffs, mask=rmask, other=0).to(tl.int32) & 0xFF
     return c, s
 
 
 @triton.jit
 def decode_moment(c, s, FMT: tl.constexpr):
-    """fp32 moment tile from :func:`load_moment_raw`'s words; a row reduction hands each block's
-    scale byte from lane 0 to the other 31."""
+    """fp32 moment tile from :func:`load_moment_raw`'s words; each row's scale byte is
+    broadcast along the row."""
     if FMT == FMT_FP32:
         m = c
     elif FMT == FMT_BF16:
         m = bf16_widen(c)
     else:
-        m = decode_blocked(c, tl.max(s, axis=1, keep_dims=True), FMT)  # the row's one byte
+        m = decode_blocked(c, s[:, None], FMT)
     return m
 
 
 @triton.jit
-def load_moment(ptr, sptr, offs, soffs, first, amask, FMT: tl.constexpr):
+def load_moment(ptr, sptr, offs, soffs, rmask, amask, FMT: tl.constexpr):
     """The decoded moment tile (:func:`load_moment_raw`, then :func:`decode_moment`)."""
-    c, s = load_moment_raw(ptr, sptr, offs, soffs, first, amask, FMT)
+    c, s = load_moment_raw(ptr, sptr, offs, soffs, rmask, amask, FMT)
     return decode_moment(c, s, FMT)
 
 
 @triton.jit
 def store_moment(
-    m, ptr, sptr, offs, soffs, first, amask, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_m
+    m, ptr, sptr, offs, soffs, rmask, amask, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_m
 ):
-    """Encode tile ``m`` in format ``FMT`` and store it (see :func:`load_moment`); the first
-    lane of each block stores its scale byte."""
+    """Encode tile ``m`` in format ``FMT`` and store it (see :func:`load_moment`), each block's
+    scale byte once."""
     if FMT == FMT_FP32:
         tl.store(ptr + offs, m, mask=amask)
     elif FMT == FMT_BF16:
@@ -400,8 +397,7 @@ def store_moment(
     else:
         code, s = encode_blocked(m, r24, FMT, SR, sqrt_m)
         tl.store(ptr + offs, code.to(tl.uint8), mask=amask)
-        sbyte = tl.broadcast_to(s.to(tl.uint8), code.shape)
-        tl.store(sptr + soffs, sbyte, mask=amask & first)
+        tl.store(sptr + soffs, s.to(tl.uint8), mask=rmask)
 
 
 # ---------------------------------------------------------------------------------- masters
@@ -496,18 +492,20 @@ def store_master(x, pptr, cptr, offs, emask, amask, r24, MASTER: tl.constexpr, S
 
 
 @triton.jit
-def load_grad_raw(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
+def load_grad_raw(gptr, gkind, start, offs, emask, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """The gradient tile's stored words from int64 address ``gptr`` (elements ``start + offs``),
     undecoded (for :func:`grad_value`): fp32 values with an fp32 master, else int32 holding the
     fp32 bits (``gkind`` 1, a float32 gradient) or the 16-bit pattern (``gkind`` 0, the
-    parameter's dtype). Padding reads 0."""
+    parameter's dtype). Padding reads 0. ``ALIGNED``: ``gptr`` is a multiple of 16 bytes."""
     if MASTER == MASTER_FP32:
-        g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+        g = tl.load(typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0)
     else:
         if gkind != 0:
-            g = tl.load(gptr.to(tl.pointer_type(tl.int32)) + start + offs, mask=emask, other=0)
+            g = tl.load(typed_pointer(gptr, tl.int32, ALIGNED) + start + offs, mask=emask, other=0)
         else:
-            g16 = tl.load(gptr.to(tl.pointer_type(tl.int16)) + start + offs, mask=emask, other=0)
+            g16 = tl.load(
+                typed_pointer(gptr, tl.int16, ALIGNED) + start + offs, mask=emask, other=0
+            )
             g = g16.to(tl.int32)
     return g
 
@@ -526,18 +524,22 @@ def grad_value(g, gkind, MASTER: tl.constexpr):
 
 
 @triton.jit
-def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
+def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """Gradient tile as fp32 from int64 address ``gptr`` (elements ``start + offs``): ``gkind`` 1 =
     float32 gradient, 0 = the parameter's 16-bit dtype (widened exactly on the pattern). Padding
     reads 0. Not :func:`load_grad_raw` then :func:`grad_value`: one branch on ``gkind`` instead
     of two, which the blocked formats' kernels (loading in place) feel."""
     if MASTER == MASTER_FP32:
-        g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+        g = tl.load(typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0)
     else:
         if gkind != 0:
-            g = tl.load(gptr.to(tl.pointer_type(tl.float32)) + start + offs, mask=emask, other=0.0)
+            g = tl.load(
+                typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0
+            )
         else:
-            g16 = tl.load(gptr.to(tl.pointer_type(tl.int16)) + start + offs, mask=emask, other=0)
+            g16 = tl.load(
+                typed_pointer(gptr, tl.int16, ALIGNED) + start + offs, mask=emask, other=0
+            )
             if MASTER == MASTER_FP16:
                 g = fp16_widen(g16.to(tl.int32))
             else:
@@ -546,9 +548,20 @@ def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr):
 
 
 @triton.jit
-def param_pointer(pptr, MASTER: tl.constexpr):
+def typed_pointer(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The int64 address ``addr`` as a pointer to ``DTYPE``; with ``ALIGNED`` (the launcher checked
+    that it is a multiple of 16 bytes) marked so, which lets Triton vectorize accesses through it
+    (the mark has to be on the pointer: Triton drops it across the integer-to-pointer cast)."""
+    p = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def param_pointer(pptr, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """The int64 parameter address as a typed pointer (fp32, else 16-bit patterns)."""
     if MASTER == MASTER_FP32:
-        return pptr.to(tl.pointer_type(tl.float32))
+        return typed_pointer(pptr, tl.float32, ALIGNED)
     else:
-        return pptr.to(tl.pointer_type(tl.int16))
+        return typed_pointer(pptr, tl.int16, ALIGNED)

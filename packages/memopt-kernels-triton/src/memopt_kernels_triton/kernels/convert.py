@@ -32,8 +32,10 @@ def _tile(ROWS: tl.constexpr):
 
 
 @triton.jit
-def _scales(ROWS: tl.constexpr):
-    return C.scale_offsets(tl.program_id(0).to(tl.int64) * ROWS, ROWS)
+def _scales(n, ROWS: tl.constexpr):
+    """Scale offsets and row mask of the program's blocks (``n`` is a whole number of blocks)."""
+    soffs = C.scale_offsets(tl.program_id(0).to(tl.int64) * ROWS, ROWS)
+    return soffs, soffs * 32 < n
 
 
 @triton.jit
@@ -77,16 +79,16 @@ def moment_encode_kernel(
         s = tl.sqrt_rn(x)
     else:
         s = x
-    soffs, first = _scales(ROWS)
-    C.store_moment(x, code_ptr, scale_ptr, offs, soffs, first, emask, r24, FMT, RAND != 0, s)
+    soffs, rmask = _scales(n, ROWS)
+    C.store_moment(x, code_ptr, scale_ptr, offs, soffs, rmask, emask, r24, FMT, RAND != 0, s)
 
 
 @triton.jit(do_not_specialize=["n"])
 def moment_decode_kernel(code_ptr, scale_ptr, out_ptr, n, FMT: tl.constexpr, ROWS: tl.constexpr):
     offs = _tile(ROWS)
     emask = offs < n
-    soffs, first = _scales(ROWS)
-    m = C.load_moment(code_ptr, scale_ptr, offs, soffs, first, emask, FMT)
+    soffs, rmask = _scales(n, ROWS)
+    m = C.load_moment(code_ptr, scale_ptr, offs, soffs, rmask, emask, FMT)
     tl.store(out_ptr + offs, m, mask=emask)
 
 

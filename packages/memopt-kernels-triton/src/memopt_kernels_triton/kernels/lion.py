@@ -6,7 +6,8 @@ u = beta1 * m + one_minus_beta1 * g
 p = p - lr * sign(u)                (sign(±0) = sign(NaN) = +0, as torch.sign)
 m = beta2 * m + one_minus_beta2 * g
 
-``AHEAD``: loads run one tile ahead of the math, as in :mod:`~memopt_kernels_triton.kernels.adam`.
+Whole tiles first with per-row masks, then the partial last tile; ``AHEAD``: loads run one whole
+tile ahead of the math; both as in :mod:`~memopt_kernels_triton.kernels.adam`.
 
 Stochastic rounding draws the words of the rounded streams only (master: stream 0, moment:
 stream 1), from keys computed once per chunk, as in :mod:`~memopt_kernels_triton.kernels.adam`.
@@ -30,26 +31,60 @@ from memopt_kernels_triton.kernels.rng import (
     stream_word,
 )
 from memopt_kernels_triton.kernels.tiles import (
-    ahead_masks,
     chunk_info,
     hyper_f32,
     hyper_word,
     master_ptrs,
-    tile_masks,
+    row_masks,
+    tail_masks,
+    whole_tiles,
 )
 
 
 @triton.jit
 def _tile_words(
-    t, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp,
-    ROWS: tl.constexpr, MASTER: tl.constexpr, FMT1: tl.constexpr,
+    t, lofs, limit, pp, cp, gaddr, gkind, start, mp, msp,
+    ROWS: tl.constexpr, MASTER: tl.constexpr, FMT1: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """The undecoded words (master, gradient, moment) of the tile at chunk element ``t``."""
-    offs, emask, amask, soffs, first = ahead_masks(t, lofs, length, limit, ROWS)
+    """The undecoded words (master, gradient, moment) of the whole tile at chunk element ``t``
+    (nothing at or past ``limit``, the end of the whole tiles)."""
+    offs, emask, amask, rmask = row_masks(t, lofs, limit, ROWS)
+    soffs = C.scale_offsets(t // 32, ROWS)
     xp, xc = C.load_master_raw(pp, cp, offs, emask, amask, MASTER)
-    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER)
-    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, first, amask, FMT1)
+    gw = C.load_grad_raw(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+    mc, ms = C.load_moment_raw(mp, msp, offs, soffs, rmask, amask, FMT1)
     return xp, xc, gw, mc, ms
+
+
+@triton.jit
+def _update(
+    x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
+    origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+    MASTER: tl.constexpr, FMT1: tl.constexpr, SR: tl.constexpr, NEED_RAND: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
+):  # fmt: skip
+    """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
+    if UNSCALE:
+        g = g * inv
+    # the words of the rounded streams only (constexpr conditions)
+    r0 = 0
+    r1 = 0
+    if NEED_RAND:
+        y = fold_index(origin + offs, k3)
+        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+            r0 = r24_of(stream_word(y, stream_key(k0)))
+        if FMT1 != C.FMT_FP32:
+            r1 = r24_of(stream_word(y, stream_key(k1)))
+    if MAXIMIZE:
+        g = C.neg(g)
+    if HAS_DECAY:
+        x = x * dec
+    u = b1 * m + omb1 * g
+    sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
+    x = x - lr_ * sgn
+    m = b2 * m + omb2 * g
+    C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
+    C.store_moment(m, mp, msp, offs, soffs, rmask, amask, r1, FMT1, SR, m)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
@@ -81,6 +116,7 @@ def lion_kernel(
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
     AHEAD: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -88,7 +124,7 @@ def lion_kernel(
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
         start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
-            chunk_ptr, slot_ptr, c, BS
+            chunk_ptr, slot_ptr, c, BS, ALIGNED
         )
         if HYPER:
             lr_ = hyper_f32(hyper_ptr, slot, hstride, 0)
@@ -115,50 +151,49 @@ def lion_kernel(
         if NEED_RAND:  # the chunk's tensor at this step
             k0, k1, _k2, k3 = step_keys(seed_, tid, step_)
             origin = base + start  # index of the chunk's element 0
-        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        else:
+            k0, k1, k3 = 0, 0, 0
+            origin = 0
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER, ALIGNED)
         mp = m_ptr + aoff
         msp = ms_ptr + aoff // 32
         tile = ROWS * 32
+        whole = whole_tiles(length, limit, ROWS)
         if AHEAD:
             xp, xc, gw, mc, ms = _tile_words(
-                0, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp, ROWS, MASTER, FMT1
+                0, lofs, whole, pp, cp, gaddr, gkind, start, mp, msp, ROWS, MASTER, FMT1, ALIGNED
             )
-        for t in range(0, limit, tile):
+        for t in range(0, whole, tile):
             if AHEAD:
                 nxp, nxc, ngw, nmc, nms = _tile_words(
-                    t + tile, lofs, length, limit, pp, cp, gaddr, gkind, start, mp, msp,
-                    ROWS, MASTER, FMT1,
+                    t + tile, lofs, whole, pp, cp, gaddr, gkind, start, mp, msp,
+                    ROWS, MASTER, FMT1, ALIGNED,
                 )  # fmt: skip
-            offs, emask, amask = tile_masks(t, lofs, length, padded)
-            soffs, first = C.scale_offsets(t // 32, ROWS)
+            offs, emask, amask, rmask = row_masks(t, lofs, whole, ROWS)
+            soffs = C.scale_offsets(t // 32, ROWS)
             if AHEAD:
                 x = C.decode_master(xp, xc, MASTER)
                 g = C.grad_value(gw, gkind, MASTER)
                 m = C.decode_moment(mc, ms, FMT1)
             else:
                 x = C.load_master(pp, cp, offs, emask, amask, MASTER)
-                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
-                m = C.load_moment(mp, msp, offs, soffs, first, amask, FMT1)
-            if UNSCALE:
-                g = g * inv
-            # the words of the rounded streams only (constexpr conditions)
-            r0 = 0
-            r1 = 0
-            if NEED_RAND:
-                y = fold_index(origin + offs, k3)
-                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-                    r0 = r24_of(stream_word(y, stream_key(k0)))
-                if FMT1 != C.FMT_FP32:
-                    r1 = r24_of(stream_word(y, stream_key(k1)))
-            if MAXIMIZE:
-                g = C.neg(g)
-            if HAS_DECAY:
-                x = x * dec
-            u = b1 * m + omb1 * g
-            sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
-            x = x - lr_ * sgn
-            m = b2 * m + omb2 * g
-            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
-            C.store_moment(m, mp, msp, offs, soffs, first, amask, r1, FMT1, SR, m)
+                g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+                m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
+            _update(
+                x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
+                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+                MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_DECAY, UNSCALE,
+            )  # fmt: skip
             if AHEAD:
                 xp, xc, gw, mc, ms = nxp, nxc, ngw, nmc, nms
+        if whole < limit:  # the partial last tile
+            offs, emask, amask, rmask = tail_masks(whole, lofs, length, padded, ROWS, BS)
+            soffs = C.scale_offsets(whole // 32, ROWS)
+            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+            m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
+            _update(
+                x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
+                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+                MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_DECAY, UNSCALE,
+            )  # fmt: skip

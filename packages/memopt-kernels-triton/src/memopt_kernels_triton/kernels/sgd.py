@@ -41,8 +41,59 @@ from memopt_kernels_triton.kernels.tiles import (
     hyper_f32,
     hyper_word,
     master_ptrs,
-    tile_masks,
+    row_masks,
+    tail_masks,
+    whole_tiles,
 )
+
+
+@triton.jit
+def _tile(
+    offs, emask, amask, rmask, soffs, pp, cp, bp, bsp, gaddr, gkind, start,
+    origin, k0, k1, k3, lr_, mom, omd, dec, l2_, fst, inv,
+    MASTER: tl.constexpr, FMT1: tl.constexpr, SR: tl.constexpr, NEED_RAND: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr, HAS_DECAY: tl.constexpr,
+    NESTEROV: tl.constexpr, FIRST: tl.constexpr, HYPER: tl.constexpr, UNSCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """One tile: load, update (the module doc's order), encode and store."""
+    x = C.load_master(pp, cp, offs, emask, amask, MASTER)
+    g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
+    if UNSCALE:
+        g = g * inv
+    # the words of the rounded streams only (constexpr conditions)
+    r0 = 0
+    r1 = 0
+    if NEED_RAND:
+        y = fold_index(origin + offs, k3)
+        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+            r0 = r24_of(stream_word(y, stream_key(k0)))
+        if FMT1 != C.FMT_FP32 and FMT1 != C.FMT_NONE:
+            r1 = r24_of(stream_word(y, stream_key(k1)))
+    if MAXIMIZE:
+        g = C.neg(g)
+    if HAS_L2:
+        g = g + l2_ * x
+    if HAS_DECAY:
+        x = x * dec
+    if FMT1 != C.FMT_NONE:
+        if HYPER:  # first step from the device: select, bit for bit
+            old = C.load_moment(bp, bsp, offs, soffs, rmask, amask, FMT1)
+            buf = tl.where(fst, g, mom * old + omd * g)
+        elif FIRST:
+            buf = g
+        else:
+            buf = C.load_moment(bp, bsp, offs, soffs, rmask, amask, FMT1)
+            buf = mom * buf + omd * g
+        if NESTEROV:  # noqa: SIM108 (constexpr branch)
+            d = g + mom * buf
+        else:
+            d = buf
+        C.store_moment(buf, bp, bsp, offs, soffs, rmask, amask, r1, FMT1, SR, buf)
+    else:
+        d = g
+    x = x - lr_ * d
+    C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
 
 
 @triton.jit(do_not_specialize=["n_chunks", "seed", "step", "hstride"])
@@ -75,6 +126,7 @@ def sgd_kernel(
     ROWS: tl.constexpr,
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -82,7 +134,7 @@ def sgd_kernel(
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
         start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
-            chunk_ptr, slot_ptr, c, BS
+            chunk_ptr, slot_ptr, c, BS, ALIGNED
         )
         if HYPER:
             lr_ = hyper_f32(hyper_ptr, slot, hstride, 0)
@@ -109,46 +161,26 @@ def sgd_kernel(
         if NEED_RAND:  # the chunk's tensor at this step
             k0, k1, _k2, k3 = step_keys(seed_, tid, step_)
             origin = base + start  # index of the chunk's element 0
-        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER)
+        else:
+            k0, k1, k3 = 0, 0, 0
+            origin = 0
+        pp, cp = master_ptrs(paddr, code_ptr, start, aoff, MASTER, ALIGNED)
         bp = b_ptr + aoff
         bsp = bs_ptr + aoff // 32
-        for t in range(0, limit, ROWS * 32):
-            offs, emask, amask = tile_masks(t, lofs, length, padded)
-            soffs, first = C.scale_offsets(t // 32, ROWS)
-            x = C.load_master(pp, cp, offs, emask, amask, MASTER)
-            g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER)
-            if UNSCALE:
-                g = g * inv
-            # the words of the rounded streams only (constexpr conditions)
-            r0 = 0
-            r1 = 0
-            if NEED_RAND:
-                y = fold_index(origin + offs, k3)
-                if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-                    r0 = r24_of(stream_word(y, stream_key(k0)))
-                if FMT1 != C.FMT_FP32 and FMT1 != C.FMT_NONE:
-                    r1 = r24_of(stream_word(y, stream_key(k1)))
-            if MAXIMIZE:
-                g = C.neg(g)
-            if HAS_L2:
-                g = g + l2_ * x
-            if HAS_DECAY:
-                x = x * dec
-            if FMT1 != C.FMT_NONE:
-                if HYPER:  # first step from the device: select, bit for bit
-                    old = C.load_moment(bp, bsp, offs, soffs, first, amask, FMT1)
-                    buf = tl.where(fst, g, mom * old + omd * g)
-                elif FIRST:
-                    buf = g
-                else:
-                    buf = C.load_moment(bp, bsp, offs, soffs, first, amask, FMT1)
-                    buf = mom * buf + omd * g
-                if NESTEROV:  # noqa: SIM108 (constexpr branch)
-                    d = g + mom * buf
-                else:
-                    d = buf
-                C.store_moment(buf, bp, bsp, offs, soffs, first, amask, r1, FMT1, SR, buf)
-            else:
-                d = g
-            x = x - lr_ * d
-            C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
+        whole = whole_tiles(length, limit, ROWS)
+        for t in range(0, whole, ROWS * 32):
+            offs, emask, amask, rmask = row_masks(t, lofs, whole, ROWS)
+            _tile(
+                offs, emask, amask, rmask, C.scale_offsets(t // 32, ROWS), pp, cp, bp, bsp,
+                gaddr, gkind, start, origin, k0, k1, k3, lr_, mom, omd, dec, l2_, fst, inv,
+                MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, NESTEROV, FIRST, HYPER,
+                UNSCALE, ALIGNED,
+            )  # fmt: skip
+        if whole < limit:  # the partial last tile
+            offs, emask, amask, rmask = tail_masks(whole, lofs, length, padded, ROWS, BS)
+            _tile(
+                offs, emask, amask, rmask, C.scale_offsets(whole // 32, ROWS), pp, cp, bp, bsp,
+                gaddr, gkind, start, origin, k0, k1, k3, lr_, mom, omd, dec, l2_, fst, inv,
+                MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, NESTEROV, FIRST, HYPER,
+                UNSCALE, ALIGNED,
+            )  # fmt: skip

@@ -21,10 +21,15 @@ from memopt_kernels_triton.kernels import codecs as C
 
 
 @triton.jit
-def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
+def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr, ALIGNED: tl.constexpr):
     """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id, index
     base, slot)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is
-    below 2**31)."""
+    below 2**31).
+
+    ``ALIGNED``: the launcher checked that every parameter and gradient address is a multiple of
+    16 bytes and every chunk start a multiple of 32 elements; saying so lets Triton load and store
+    a thread's elements of a row with one vector access. Blocked arenas (``BS`` 32) are aligned
+    by construction (whole 32-element blocks)."""
     row = chunk_ptr + c * 4  # n_chunks < 2**29
     slot = tl.load(row)
     start = tl.load(row + 1)
@@ -37,34 +42,50 @@ def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr):
     tid = tl.load(srow + 3)
     base = tl.load(srow + 4)
     padded = (length + (BS - 1)) // BS * BS
+    if BS == 32:
+        aoff = tl.multiple_of(aoff, 32)
+    if ALIGNED:
+        start = tl.multiple_of(start, 32)
     return start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot
 
 
 @triton.jit
-def tile_masks(t, lofs, length, padded):
-    """Offsets ``[ROWS, 32]`` of the tile starting at chunk element ``t``, with the real-element
-    and the arena (whole blocks) masks."""
-    offs = t + lofs
-    return offs, offs < length, offs < padded
+def whole_tiles(length, limit, ROWS: tl.constexpr):
+    """End of the chunk's whole tiles: the tiles below it hold only real elements, so their masks
+    can be per row (:func:`row_masks`) and Triton vectorizes their accesses; the rest of the chunk
+    (below ``limit``) is one partial tile (:func:`tail_masks`). 0 when ``limit`` is 0 (a skipped
+    step)."""
+    return tl.minimum(length // (ROWS * 32) * (ROWS * 32), limit)
 
 
 @triton.jit
-def ahead_masks(t, lofs, length, limit, ROWS: tl.constexpr):
-    """Offsets, real-element and arena masks, scale offsets and lane-0 mask for loading the
-    tile at chunk element ``t`` one tile ahead of its math: nothing at or past ``limit`` (the
-    chunk's arena end, or 0 for a skipped step) is read, so the load after a chunk's last tile
-    touches no memory."""
-    offs = t + lofs
-    amask = offs < limit
-    soffs, first = C.scale_offsets(t // 32, ROWS)
-    return offs, (offs < length) & amask, amask, soffs, first
+def row_masks(t, lofs, limit, ROWS: tl.constexpr):
+    """``(offs, emask, amask, rmask)`` of the tile at chunk element ``t`` when every row is either
+    wholly real or wholly past ``limit`` (a multiple of 32): element offsets ``[ROWS, 32]``, the
+    element and arena masks (both ``rmask[:, None]``: constant along a row, which keeps accesses
+    vectorizable) and the row mask ``[ROWS]`` for the blocks' scale bytes."""
+    rmask = t + tl.arange(0, ROWS) * 32 < limit
+    return t + lofs, rmask[:, None], rmask[:, None], rmask
 
 
 @triton.jit
-def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr):
+def tail_masks(t, lofs, length, padded, ROWS: tl.constexpr, BS: tl.constexpr):
+    """:func:`row_masks` for the chunk's partial last tile: real elements below ``length``, arena
+    elements below ``padded`` (whole blocks when ``BS`` is 32)."""
+    offs = t + lofs
+    rmask = t + tl.arange(0, ROWS) * 32 < padded
+    if BS == 32:  # noqa: SIM108 (constexpr branch)
+        amask = rmask[:, None]
+    else:
+        amask = offs < padded
+    return offs, offs < length, amask, rmask
+
+
+@triton.jit
+def master_ptrs(paddr, code_ptr, start, aoff, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """Typed parameter pointer at the chunk's first element and master-code pointer at its arena
     offset."""
-    return C.param_pointer(paddr, MASTER) + start, code_ptr + aoff
+    return C.param_pointer(paddr, MASTER, ALIGNED) + start, code_ptr + aoff
 
 
 @triton.jit
