@@ -21,6 +21,8 @@ magnitude rounds up iff ``r24 < frac24`` (core's ``sr_round_up``).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -41,6 +43,10 @@ MASTER_ECC32: tl.constexpr = tl.constexpr(4)
 F32_INF: tl.constexpr = tl.constexpr(0x7F800000)
 F32_QNAN: tl.constexpr = tl.constexpr(0x7FC00000)
 SCALE_BIAS: tl.constexpr = tl.constexpr(127)
+# Triton's CPU interpreter (decided at import, as Triton decides it): no inline PTX there
+INTERPRETED: tl.constexpr = tl.constexpr(
+    os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
+)
 
 # memopt_core.backends.KERNEL_MOMENT_IDS maps core's format names to these ids.
 
@@ -397,7 +403,28 @@ def store_moment(
     else:
         code, s = encode_blocked(m, r24, FMT, SR, sqrt_m)
         tl.store(ptr + offs, code.to(tl.uint8), mask=amask)
-        tl.store(sptr + soffs, s.to(tl.uint8), mask=rmask)
+        store_row_bytes(sptr + soffs, s, rmask, offs)
+
+
+@triton.jit
+def store_row_bytes(ptrs, vals, rmask, offs):
+    """Store byte ``vals[r]`` (int32 ``[R]``) at ``ptrs[r]`` where ``rmask[r]``: a tile's scale
+    bytes. On the GPU the thread holding a row's first element stores it, with inline PTX on the
+    tile's own layout: ``tl.store`` of a 1-D tensor gets a layout of its own, and converting the
+    bytes to it costs two barriers per store. ``offs`` only gives the tile's shape."""
+    if INTERPRETED:
+        tl.store(ptrs, vals.to(tl.uint8), mask=rmask)
+    else:
+        first = ((tl.arange(0, 32) == 0)[None, :] & rmask[:, None]).to(tl.int32)
+        zero = tl.zeros_like(offs)
+        tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.u8 [$1], $2; mov.b32 $0, 0; }",
+            constraints="=r,l,r,r",
+            args=[ptrs.to(tl.int64, bitcast=True)[:, None] + zero, vals[:, None] + zero, first],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
 
 # ---------------------------------------------------------------------------------- masters
