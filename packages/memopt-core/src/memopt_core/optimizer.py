@@ -599,8 +599,7 @@ class MemOptimizer(Optimizer):
                             )
                         view.copy_(src)
                     elif key == "master_code":
-                        _, code = master.encode(t.detach().float().reshape(-1))
-                        view.copy_(code.view(slot.shape))
+                        master.encode_into(t.detach(), None, view)
                 step = prev.get("step")
                 state = {"step": _step_tensor(step if step is not None else 0)}
                 state.update(views)

@@ -191,10 +191,13 @@ def set_fp32_model_state_dict(
                 p.detach().copy_(x)  # not optimized here: a plain (nearest) cast
                 continue
             codec = master_codec(_master_name(p, group), p.dtype)
-            low, code = codec.encode(x.reshape(-1))
-            p.detach().copy_(low.view(p.shape))
             slot = optimizer.state.get(param, {}).get("master_code")
-            if slot is not None and code is not None:
-                slot.copy_(code.view(slot.shape))
+            if p.is_contiguous():  # in slices: no whole-tensor temporaries
+                codec.encode_into(x, p.detach(), slot)
+            else:
+                low, code = codec.encode(x.reshape(-1))
+                p.detach().copy_(low.view(p.shape))
+                if slot is not None and code is not None:
+                    slot.copy_(code.view(slot.shape))
         for b, value in buffers:
             b.detach().copy_(value.detach())

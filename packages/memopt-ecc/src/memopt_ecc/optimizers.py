@@ -397,7 +397,7 @@ class FlashOptimizer(MemOptimizer):
                     flat = torch.zeros(padded, dtype=torch.float32, device=t.device)
                     flat[: p.numel()] = t.reshape(-1)
                     del new[name]
-                    for sfx, value in codec.encode(flat).items():
+                    for sfx, value in codec.encode_sliced(flat).items():
                         new[state_key(name, sfx)] = value
                     changed = True
                 state[key] = new

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FieldSpec", "MasterCodec", "MomentCodec"]
+__all__ = ["ENCODE_SLICE", "FieldSpec", "MasterCodec", "MomentCodec"]
+
+#: Elements per slice of the sliced encoders (a multiple of every block size): the reference
+#: codecs hold bit patterns in int64 temporaries, tens of bytes per element, so encoding a whole
+#: embedding at once (136M elements in Qwen2.5-0.5B) takes gigabytes; slices bound that.
+ENCODE_SLICE = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,20 @@ class MomentCodec(ABC):
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
         """The fp32 vector the fields hold."""
 
+    def encode_sliced(self, x: Tensor, *, slice_elems: int = ENCODE_SLICE) -> dict[str, Tensor]:
+        """:meth:`encode` (round to nearest) of fp32 vector ``x``, a slice of whole blocks at a
+        time: the same bits, with temporaries bounded by the slice instead of ``x``."""
+        self.check_length(x.numel())
+        if slice_elems <= 0 or slice_elems % self.block_size:
+            raise ValueError(f"slice_elems must be a positive multiple of {self.block_size}")
+        out = self.allocate(x.numel(), x.device)
+        for i in range(0, x.numel(), slice_elems):
+            j = min(i + slice_elems, x.numel())
+            for k, v in self.encode(x[i:j]).items():
+                per = self.block_size if self.fields[k].per_block else 1  # j is a whole block
+                out[k][i // per : j // per].copy_(v)
+        return out
+
 
 class MasterCodec(ABC):
     """A master-weight format: fp32 master -> (parameter in ``param_dtype``, optional code)."""
@@ -108,3 +127,29 @@ class MasterCodec(ABC):
     @abstractmethod
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         """The fp32 master weight held by ``param`` and ``code``."""
+
+    def encode_into(
+        self,
+        x: Tensor,
+        param: Tensor | None,
+        code: Tensor | None,
+        *,
+        slice_elems: int = ENCODE_SLICE,
+    ) -> None:
+        """:meth:`encode` (round to nearest) of ``x`` written into ``param`` and/or ``code``
+        (either may be None: not wanted), a slice at a time. Every master format is elementwise,
+        so the bits are :meth:`encode`'s, with temporaries bounded by the slice instead of ``x``.
+        ``x`` is converted to fp32 a slice at a time; the outputs must be contiguous with
+        ``x``'s number of elements."""
+        if slice_elems <= 0:
+            raise ValueError("slice_elems must be positive")
+        flat = x.reshape(-1)
+        outs = [t.view(-1) if t is not None else None for t in (param, code)]
+        for o in outs:
+            if o is not None and o.numel() != flat.numel():
+                raise ValueError(f"an output holds {o.numel()} elements, x {flat.numel()}")
+        for i in range(0, flat.numel(), slice_elems):
+            j = min(i + slice_elems, flat.numel())
+            for o, v in zip(outs, self.encode(flat[i:j].float()), strict=True):
+                if o is not None and v is not None:
+                    o[i:j].copy_(v)
