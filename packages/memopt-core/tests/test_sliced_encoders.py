@@ -1,6 +1,7 @@
-"""Sliced encoders (``MasterCodec.encode_into``, ``MomentCodec.encode_sliced``): the bits of one
-whole-tensor ``encode``, with temporaries bounded by a slice (what a 136M-element embedding needs
-when the optimizer creates its state)."""
+"""Sliced encoders and decoders (``MasterCodec.encode_into`` / ``decode_sliced``,
+``MomentCodec.encode_sliced`` / ``decode_sliced``): the bits of one whole-tensor ``encode`` or
+``decode``, with temporaries bounded by a slice (what a 136M-element embedding needs when the
+optimizer creates its state or exports fp32 weights)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def test_master_encode_into_equals_encode(name, dtype, n):
     assert _same(param.reshape(-1), want_p)
     if code is not None:
         assert torch.equal(code, want_c)
+    want_x = codec.decode(want_p, want_c)
+    assert _same(codec.decode_sliced(want_p, want_c, slice_elems=64), want_x)
+    assert _same(codec.decode_sliced(want_p.view(x.shape), want_c, slice_elems=5), want_x)
     if want_c is not None:  # the code alone, as the optimizer's state creation asks for it
         code2 = torch.zeros_like(want_c)
         codec.encode_into(x, None, code2, slice_elems=5)
@@ -67,6 +71,9 @@ def test_moment_encode_sliced_equals_encode(name, blocks):
     assert got.keys() == want.keys()
     for k in want:
         assert _same(got[k], want[k]), k
+    assert _same(codec.decode_sliced(want, slice_elems=64), codec.decode(want).reshape(-1))
     if codec.block_size > 1:  # a slice must hold whole blocks
         with pytest.raises(ValueError, match="multiple"):
             codec.encode_sliced(x, slice_elems=codec.block_size + 1)
+        with pytest.raises(ValueError, match="multiple"):
+            codec.decode_sliced(want, slice_elems=codec.block_size + 1)

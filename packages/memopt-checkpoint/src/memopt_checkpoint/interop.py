@@ -235,7 +235,7 @@ def _decode(entry: Mapping[str, Any], name: str, codec: MomentCodec, p: Tensor) 
     keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
     if not all(k in entry for k in keys.values()):
         return None
-    x = codec.decode({sfx: entry[k] for sfx, k in keys.items()})
+    x = codec.decode_sliced({sfx: entry[k] for sfx, k in keys.items()})
     x = x.reshape(-1)[: p.numel()].reshape(p.shape).to(torch.float32)
     return x.clone(memory_format=torch.contiguous_format)  # never a view of memopt's arena
 
@@ -463,7 +463,7 @@ def _encode(
     if x is not None:
         flat[: p.numel()] = x.detach().reshape(-1).to(device=p.device, dtype=torch.float32)
     out = {}
-    for sfx, value in codec.encode(flat).items():
+    for sfx, value in codec.encode_sliced(flat).items():
         if codec.block_size == 1:
             value = value[: p.numel()].reshape(p.shape)
         out[state_key(name, sfx)] = value.clone(memory_format=torch.contiguous_format)

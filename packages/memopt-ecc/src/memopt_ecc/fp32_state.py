@@ -60,7 +60,7 @@ def _decode(optimizer: MemOptimizer, param: Tensor, group: Mapping[str, Any] | N
         out = p.float().clone() if p.dtype != torch.float32 else p.clone()
     else:
         codec = master_codec(_master_name(param, group), p.dtype)
-        out = codec.decode(p.reshape(-1), code.reshape(-1)).reshape(p.shape)
+        out = codec.decode_sliced(p, code).reshape(p.shape)
     return sharded_like(param, out)
 
 

@@ -334,7 +334,7 @@ class FlashOptimizer(MemOptimizer):
                     keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
                     if codec.name == "fp32" or not all(k in entry for k in keys.values()):
                         continue
-                    flat = codec.decode({sfx: entry.pop(k) for sfx, k in keys.items()})
+                    flat = codec.decode_sliced({sfx: entry.pop(k) for sfx, k in keys.items()})
                     shard = local_shard(p)
                     entry[name] = flat[: shard.numel()].reshape(shard.shape).clone()
                 state[key] = entry

@@ -111,6 +111,30 @@ class MomentCodec(ABC):
                 out[k][i // per : j // per].copy_(v)
         return out
 
+    def decode_sliced(
+        self, fields: dict[str, Tensor], *, slice_elems: int = ENCODE_SLICE
+    ) -> Tensor:
+        """:meth:`decode`, a slice of whole blocks at a time: the same values, with temporaries
+        bounded by the slice (the output, 4 bytes per element, is the only full-size tensor)."""
+        if slice_elems <= 0 or slice_elems % self.block_size:
+            raise ValueError(f"slice_elems must be a positive multiple of {self.block_size}")
+        n = next(
+            (t.numel() for k, t in fields.items() if not self.fields[k].per_block),
+            None,
+        )
+        if n is None:
+            raise ValueError(f"format {self.name!r} needs its per-element field")
+        first = next(iter(fields.values()))
+        out = torch.empty(n, dtype=torch.float32, device=first.device)
+        for i in range(0, n, slice_elems):
+            j = min(i + slice_elems, n)
+            part = {}
+            for k, t in fields.items():
+                per = self.block_size if self.fields[k].per_block else 1
+                part[k] = t.reshape(-1)[i // per : -(-j // per)]
+            out[i:j] = self.decode(part)
+        return out
+
 
 class MasterCodec(ABC):
     """A master-weight format: fp32 master -> (parameter in ``param_dtype``, optional code)."""
@@ -153,3 +177,18 @@ class MasterCodec(ABC):
             for o, v in zip(outs, self.encode(flat[i:j].float()), strict=True):
                 if o is not None and v is not None:
                     o[i:j].copy_(v)
+
+    def decode_sliced(
+        self, param: Tensor, code: Tensor | None, *, slice_elems: int = ENCODE_SLICE
+    ) -> Tensor:
+        """:meth:`decode` of flat ``param`` and ``code``, a slice at a time: the same values,
+        with temporaries bounded by the slice (the fp32 output is the only full-size tensor)."""
+        if slice_elems <= 0:
+            raise ValueError("slice_elems must be positive")
+        p = param.reshape(-1)
+        c = None if code is None else code.reshape(-1)
+        out = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
+        for i in range(0, p.numel(), slice_elems):
+            j = min(i + slice_elems, p.numel())
+            out[i:j] = self.decode(p[i:j], None if c is None else c[i:j])
+        return out
