@@ -47,18 +47,14 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.rng import (
-    fold_index,
-    r24_of,
-    step_keys,
-    stream_key,
-    stream_word,
-)
+from memopt_kernels_triton.kernels.rng import step_keys
 from memopt_kernels_triton.kernels.tiles import (
     chunk_info,
+    gradient_and_decay,
     hyper_f32,
     hyper_word,
     master_ptrs,
+    rounding_words,
     row_masks,
     tail_masks,
     whole_tiles,
@@ -92,26 +88,8 @@ def _update(
     HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
 ):  # fmt: skip
     """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
-    if UNSCALE:
-        g = g * inv
-    # the words of the rounded streams only (constexpr conditions)
-    r0 = 0
-    r1 = 0
-    r2 = 0
-    if NEED_RAND:
-        y = fold_index(origin + offs, k3)
-        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-            r0 = r24_of(stream_word(y, stream_key(k0)))
-        if FMT1 != C.FMT_FP32:
-            r1 = r24_of(stream_word(y, stream_key(k1)))
-        if FMT2 != C.FMT_FP32:
-            r2 = r24_of(stream_word(y, stream_key(k2)))
-    if MAXIMIZE:
-        g = C.neg(g)
-    if HAS_L2:
-        g = g + l2_ * x
-    if HAS_DECAY:
-        x = x * dec
+    r0, r1, r2 = rounding_words(offs, origin, k0, k1, k2, k3, MASTER, FMT1, FMT2, NEED_RAND)
+    g, x = gradient_and_decay(g, x, inv, l2_, dec, UNSCALE, MAXIMIZE, HAS_L2, HAS_DECAY)
     m = m + omb1 * (g - m)
     v = b2 * v + omb2 * (g * g)
     s = tl.sqrt_rn(v)

@@ -23,18 +23,14 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
-from memopt_kernels_triton.kernels.rng import (
-    fold_index,
-    r24_of,
-    step_keys,
-    stream_key,
-    stream_word,
-)
+from memopt_kernels_triton.kernels.rng import step_keys
 from memopt_kernels_triton.kernels.tiles import (
     chunk_info,
+    gradient_and_decay,
     hyper_f32,
     hyper_word,
     master_ptrs,
+    rounding_words,
     row_masks,
     tail_masks,
     whole_tiles,
@@ -64,21 +60,8 @@ def _update(
     MAXIMIZE: tl.constexpr, HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
 ):  # fmt: skip
     """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
-    if UNSCALE:
-        g = g * inv
-    # the words of the rounded streams only (constexpr conditions)
-    r0 = 0
-    r1 = 0
-    if NEED_RAND:
-        y = fold_index(origin + offs, k3)
-        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
-            r0 = r24_of(stream_word(y, stream_key(k0)))
-        if FMT1 != C.FMT_FP32:
-            r1 = r24_of(stream_word(y, stream_key(k1)))
-    if MAXIMIZE:
-        g = C.neg(g)
-    if HAS_DECAY:
-        x = x * dec
+    r0, r1, _r2 = rounding_words(offs, origin, k0, k1, 0, k3, MASTER, FMT1, C.FMT_NONE, NEED_RAND)
+    g, x = gradient_and_decay(g, x, inv, 0.0, dec, UNSCALE, MAXIMIZE, False, HAS_DECAY)
     u = b1 * m + omb1 * g
     sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
     x = x - lr_ * sgn

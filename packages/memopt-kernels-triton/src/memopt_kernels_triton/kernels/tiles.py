@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
+from memopt_kernels_triton.kernels.rng import fold_index, r24_of, stream_key, stream_word
 
 
 @triton.jit
@@ -100,3 +101,44 @@ def hyper_word(hyper_ptr, slot, HSTRIDE, k: tl.constexpr):
 def hyper_f32(hyper_ptr, slot, HSTRIDE, k: tl.constexpr):
     """:func:`hyper_word` read as the fp32 value whose bits it holds."""
     return hyper_word(hyper_ptr, slot, HSTRIDE, k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def rounding_words(
+    offs, origin, k0, k1, k2, k3, MASTER: tl.constexpr, FMT1: tl.constexpr,
+    FMT2: tl.constexpr, NEED_RAND: tl.constexpr,
+):  # fmt: skip
+    """``(r0, r1, r2)``: the tile's 24-bit rounding words (``r24``) of the streams its formats
+    round, 0 for the others: the master's (stream 0) for bf16, fp16 and ECC-24 masters, the first
+    and second moment's (streams 1, 2) unless fp32 or absent (``FMT_NONE``). ``origin`` is the
+    random-word index of the chunk's element 0 and ``k0..k3`` its tensor's step keys."""
+    r0 = 0
+    r1 = 0
+    r2 = 0
+    if NEED_RAND:
+        y = fold_index(origin + offs, k3)
+        if MASTER == C.MASTER_BF16 or MASTER == C.MASTER_FP16 or MASTER == C.MASTER_ECC24:
+            r0 = r24_of(stream_word(y, stream_key(k0)))
+        if FMT1 != C.FMT_FP32 and FMT1 != C.FMT_NONE:
+            r1 = r24_of(stream_word(y, stream_key(k1)))
+        if FMT2 != C.FMT_FP32 and FMT2 != C.FMT_NONE:
+            r2 = r24_of(stream_word(y, stream_key(k2)))
+    return r0, r1, r2
+
+
+@triton.jit
+def gradient_and_decay(
+    g, x, inv, l2, decay, UNSCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_L2: tl.constexpr, HAS_DECAY: tl.constexpr,
+):  # fmt: skip
+    """``(g, x)`` after the steps every rule starts with, in core's order: unscale (a
+    GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``), decay ``x``."""
+    if UNSCALE:
+        g = g * inv
+    if MAXIMIZE:
+        g = C.neg(g)
+    if HAS_L2:
+        g = g + l2 * x
+    if HAS_DECAY:
+        x = x * decay
+    return g, x
