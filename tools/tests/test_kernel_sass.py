@@ -1,5 +1,5 @@
 """kernel_sass.py compiles the fused AdamW kernel for sm_90 without a GPU and counts its tile
-loop: the figures docs/benchmarks/2026-11-30-q8-codecs.md quotes."""
+loop: the figures docs/benchmarks/2026-11-30-q8-codecs.md and 2026-11-30-vector-tiles.md quote."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ def test_counts_the_tile_loop(tmp_path) -> None:
         assert body[-1] == "BRA"
         assert any(op.startswith("LDG") for op in body)
         counts[name] = len(body)
-    # q8 moments (codecs, stochastic-rounding words) cost several times fp32 moments' tile
-    assert 2 * counts["fp32m"] < counts["q8m"]
+    # q8 moments (codecs, stochastic-rounding words) cost about twice fp32 moments' tile
+    # (16 x 8: 199 against 395 instructions since the vectorized tiles)
+    assert 1.5 * counts["fp32m"] < counts["q8m"]
 
 
 def test_counts_lion(tmp_path) -> None:
