@@ -59,6 +59,7 @@ def compile_kernel(
     constexprs = dict(
         MASTER=master, FMT1=f1, FMT2=f2, SR=True, MAXIMIZE=False, HAS_L2=False, HAS_DECAY=True,
         BS=32 if f1 >= 2 or f2 >= 2 else 1, ROWS=rows, HYPER=False, UNSCALE=False, ALIGNED=True,
+        ARENA_ALIGNED=True,
     )  # fmt: skip
     # as ops.prepare_step chooses: words when some state rounds, loads ahead where it measured faster
     constexprs["NEED_RAND"] = master in (1, 2, 3) or f1 != 0 or f2 != 0

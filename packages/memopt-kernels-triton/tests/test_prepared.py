@@ -451,3 +451,31 @@ def test_unaligned_tensors_take_the_unaligned_kernel(ops, device, rule, preset, 
     assert prepared._kw["ALIGNED"] is True
     assert prepared.with_grads(at_offset(grads, 1)) is None
     assert prepared.with_grads(at_offset(grads, 8)) is not None  # 16 or 32 bytes: still aligned
+
+
+@pytest.mark.parametrize(
+    ("preset", "sizes", "want"),
+    [
+        ("bf16", [64, 8, 1000, 24], True),  # every tensor starts at a multiple of 8
+        ("bf16", [8, 33, 64], False),  # the third starts at 41
+        ("fp32", [7], True),  # one tensor, at 0
+        ("q8", [8, 33, 64], True),  # blocked arenas pad every tensor to 32
+    ],
+)
+def test_arena_alignment_is_checked(ops, device, preset, sizes, want):
+    """The launcher marks an unblocked arena aligned (``ARENA_ALIGNED``: vector accesses of its
+    states) only when every tensor starts at a multiple of 8 elements, and the step's bits do not
+    depend on it."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="fp32", moments=preset, stochastic_rounding=True)
+    ref = make_group(rule, spec, torch.float32, sizes, device, seed=9, **hyper)
+    mine = ref.clone()
+    for step in (1, 2):
+        grads = make_grads(ref, step)
+        TORCH.step(group_step(ref, grads, step))
+        work = group_step(mine, grads, step)
+        prepared = ops.prepare_step(work)
+        assert prepared._kw["ARENA_ALIGNED"] is want
+        prepared.launch(work.scalars, step, work.seed, step == 1)
+        bad = diff_report(ref, mine)
+        assert not bad, f"step {step}: " + "; ".join(bad)

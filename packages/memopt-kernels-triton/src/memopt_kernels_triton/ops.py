@@ -553,6 +553,14 @@ def _aligned(addresses: Sequence[int]) -> bool:
     return all(a % 16 == 0 for a in addresses)
 
 
+def _arena_aligned(plan) -> bool:
+    """Whether every tensor of the plan starts at a multiple of 8 elements of its arena, so that
+    every chunk does (chunk starts are multiples of 32): the kernels' ``ARENA_ALIGNED`` (vector
+    accesses of unblocked states; blocked arenas always are). True for most models (layer widths
+    are multiples of 8); one odd-sized tensor makes it false for the tensors after it."""
+    return all(s.offset % 8 == 0 for s in plan.slots)
+
+
 def _chunk_size(cfg: KernelConfig, plan, total: int) -> int:
     unit = 32 * cfg.rows
     if cfg.chunk_size is not None:
@@ -1123,6 +1131,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         BS=bs,
         ROWS=cfg.rows,
         ALIGNED=_aligned(pp) and _aligned(gp) and cs % 32 == 0,
+        ARENA_ALIGNED=bs == 32 or plan.cache("triton_arena_aligned", lambda: _arena_aligned(plan)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,

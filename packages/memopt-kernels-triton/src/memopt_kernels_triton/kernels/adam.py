@@ -136,6 +136,7 @@ def adam_kernel(
     UNSCALE: tl.constexpr,
     AHEAD: tl.constexpr,
     ALIGNED: tl.constexpr,
+    ARENA_ALIGNED: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -143,7 +144,7 @@ def adam_kernel(
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
         start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
-            chunk_ptr, slot_ptr, c, BS, ALIGNED
+            chunk_ptr, slot_ptr, c, BS, ALIGNED, ARENA_ALIGNED
         )
         if HYPER:
             omb1 = hyper_f32(hyper_ptr, slot, hstride, 0)

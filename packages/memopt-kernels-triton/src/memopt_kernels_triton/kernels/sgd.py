@@ -108,6 +108,7 @@ def sgd_kernel(
     HYPER: tl.constexpr,
     UNSCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
+    ARENA_ALIGNED: tl.constexpr,
 ):
     r = tl.arange(0, ROWS)
     lofs = r[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -115,7 +116,7 @@ def sgd_kernel(
     nprog = tl.num_programs(0)
     for c in range(pid, n_chunks, nprog):
         start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot = chunk_info(
-            chunk_ptr, slot_ptr, c, BS, ALIGNED
+            chunk_ptr, slot_ptr, c, BS, ALIGNED, ARENA_ALIGNED
         )
         if HYPER:
             lr_ = hyper_f32(hyper_ptr, slot, hstride, 0)

@@ -22,7 +22,9 @@ from memopt_kernels_triton.kernels.rng import fold_index, r24_of, stream_key, st
 
 
 @triton.jit
-def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr, ALIGNED: tl.constexpr):
+def chunk_info(
+    chunk_ptr, slot_ptr, c, BS: tl.constexpr, ALIGNED: tl.constexpr, ARENA_ALIGNED: tl.constexpr
+):
     """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id, index
     base, slot)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is
     below 2**31).
@@ -30,7 +32,9 @@ def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr, ALIGNED: tl.constexpr):
     ``ALIGNED``: the launcher checked that every parameter and gradient address is a multiple of
     16 bytes and every chunk start a multiple of 32 elements; saying so lets Triton load and store
     a thread's elements of a row with one vector access. Blocked arenas (``BS`` 32) are aligned
-    by construction (whole 32-element blocks)."""
+    by construction (whole 32-element blocks); ``ARENA_ALIGNED``: the launcher checked that every
+    tensor of an unblocked arena starts at a multiple of 8 elements (so does every chunk), which
+    does the same for the states there."""
     row = chunk_ptr + c * 4  # n_chunks < 2**29
     slot = tl.load(row)
     start = tl.load(row + 1)
@@ -45,6 +49,8 @@ def chunk_info(chunk_ptr, slot_ptr, c, BS: tl.constexpr, ALIGNED: tl.constexpr):
     padded = (length + (BS - 1)) // BS * BS
     if BS == 32:
         aoff = tl.multiple_of(aoff, 32)
+    elif ARENA_ALIGNED:
+        aoff = tl.multiple_of(aoff, 8)
     if ALIGNED:
         start = tl.multiple_of(start, 32)
     return start, length, padded, aoff, paddr, gaddr, gkind, tid, base, slot
