@@ -96,11 +96,11 @@ def scaled(shapes: list[Shape], scale: int) -> list[Shape]:
 class BenchConfig:
     """One optimizer configuration; ``module`` is imported first and its absence skips it.
 
-    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows (a CUDA graph captured, or a mode
-    picked, during the first steps) run ``--full-warmup`` untimed steps whatever the time budget,
-    then get the budget again for the timed ones; ``settled(opt)``, where given, must be true
-    before timing starts (untimed steps run until it is, ``SETTLE_STEPS`` at most).
-    ``notes(opt)`` fills the row's notes column.
+    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows (a CUDA graph captured, a mode
+    picked, or the peers' kernels compiled per shape during the first steps) run
+    ``--full-warmup`` untimed steps whatever the time budget, then get the budget again for the
+    timed ones; ``settled(opt)``, where given, must be true before timing starts (untimed steps
+    run until it is, ``SETTLE_STEPS`` at most). ``notes(opt)`` fills the row's notes column.
     """
 
     name: str
@@ -243,9 +243,9 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("apexw-q8-graph", "ApexW q8 state graph", APEXW, torch.float32, _apexw("q8", capturable=True), cuda_only=True, full_warmup=True, notes=_graph_notes),
     BenchConfig("apexw-auto-bf16", "ApexW bf16 state auto", APEXW, torch.float32, _apexw("bf16", mode="auto"), full_warmup=True, settled=_mode_decided, notes=_mode_notes),
     BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True),
-    BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True),
-    BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True),
-    BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit),
+    BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True, full_warmup=True),
+    BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True, full_warmup=True),
+    BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit, full_warmup=True),
 )  # fmt: skip
 
 
