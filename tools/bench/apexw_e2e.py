@@ -164,6 +164,7 @@ class Row:
     mode_decision: dict[str, Any] | None = None
     notes: str = ""
     vs_torch_adamw: dict[str, float | None] = field(default_factory=dict)
+    round_median_ms: list[float] = field(default_factory=list)  # --rounds: each round's median
     skipped: str | None = None
     error: str | None = None
 
@@ -545,6 +546,41 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def merge_rounds(runs: list[Row]) -> Row:
+    """One row from its runs in ``--rounds`` rounds: the medians and minima over every timed
+    step of every round, the phase medians' median, the largest peaks, each round's median in
+    ``round_median_ms``; losses and state from the first round that ran (every round starts
+    from the same seed and batches, so they agree: a round whose losses differ is an error)."""
+    ran = [r for r in runs if r.median_ms is not None]
+    if not ran:
+        return runs[0]
+    out = dataclasses.replace(ran[0])
+    out.step_ms = [t for r in ran for t in r.step_ms]
+    out.opt_ms = [t for r in ran for t in r.opt_ms]
+    out.median_ms, out.min_ms = statistics.median(out.step_ms), min(out.step_ms)
+    if out.opt_ms:
+        out.opt_median_ms, out.opt_min_ms = statistics.median(out.opt_ms), min(out.opt_ms)
+    for name in ("fwd_ms", "bwd_ms", "zero_grad_ms"):
+        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
+        setattr(out, name, statistics.median(values) if values else None)
+    for name in ("peak_gib", "timed_peak_gib", "reserved_gib", "leftover_gib"):
+        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
+        setattr(out, name, max(values) if values else None)
+    out.round_median_ms = [r.median_ms for r in ran]
+    problems = [r.error for r in runs if r.error]
+    if any(r.losses != out.losses for r in ran):
+        problems.append("rounds gave different losses")
+    out.error = "; ".join(problems) or None
+    return out
+
+
+def round_order(names: list[str], rounds: int) -> list[list[str]]:
+    """The rows' order in each round: as given, then reversed, alternately, so that every row
+    sits at the same mean position (on the H200, backward times drifted by up to 30% from the
+    first row of a run to the second, whatever the optimizer)."""
+    return [names if k % 2 == 0 else names[::-1] for k in range(rounds)]
+
+
 def compare(rows: list[Row]) -> None:
     """Fill each row's ratios to torch-adamw's (step, opt.step, peak VRAM, state bytes)."""
     base = next((r for r in rows if r.name == "torch-adamw" and r.median_ms is not None), None)
@@ -696,6 +732,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--iters", type=int, default=20, help="timed steps (%(default)s)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the rows this many times, in reverse order every other round, and report "
+        "each row over all its rounds (%(default)s)",
+    )
+    p.add_argument(
         "--distinct-batches", type=int, default=2, help="random batches, cycled (%(default)s)"
     )
     p.add_argument("--seed", type=int, default=0, help="model and data seed (%(default)s)")
@@ -740,8 +783,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mlp-* options are for --model mlp")
     if args.model == "mlp" and (args.seq is not None or args.layers is not None):
         p.error("--seq and --layers are for --model qwen")
-    if args.warmup < 0 or args.iters < 1 or args.distinct_batches < 1:
-        p.error("--warmup must be at least 0, --iters and --distinct-batches at least 1")
+    if args.warmup < 0 or min(args.iters, args.distinct_batches, args.rounds) < 1:
+        p.error("--warmup must be at least 0, --iters, --distinct-batches and --rounds at least 1")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
     if args.model == "qwen":
@@ -786,6 +829,21 @@ def write_report(
     return report
 
 
+def report_row(spec: RowSpec, row: Row, k: int, rounds: int) -> None:
+    """One line on stderr for a row just run (in round ``k`` of ``rounds``)."""
+    if row.median_ms is not None:
+        done = (
+            f"median {row.median_ms:.2f} ms (opt.step {row.opt_median_ms:.2f}), peak "
+            f"{_fmt(row.peak_gib, '.2f')} GiB, state "
+            f"{row.state_bytes_per_param:.2f} B/param, loss {row.final_loss:.6f}"
+            + (f"; {row.notes}" if row.notes else "")
+        )
+    else:
+        done = f"skipped: {row.skipped}" if row.skipped else f"failed: {row.error}"
+    where = f" (round {k + 1} of {rounds})" if rounds > 1 else ""
+    print(f"{spec.name:>20}{where}: {done}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -828,7 +886,13 @@ def main(argv: list[str] | None = None) -> int:
         "timing": f"{args.warmup} untimed then {args.iters} timed steps "
         f"({'CUDA events' if device.type == 'cuda' else 'perf_counter'} around forward + loss, "
         "backward, opt.step() and zero_grad, synchronized, and around opt.step() alone); "
-        "ratios: this row / torch-adamw's (median step, median opt.step, peak, state bytes)",
+        "ratios: this row / torch-adamw's (median step, median opt.step, peak, state bytes)"
+        + (
+            f"; {args.rounds} rounds, rows in reverse order every other round, medians over "
+            "every round's timed steps (round medians in the JSON)"
+            if args.rounds > 1
+            else ""
+        ),
         "peak VRAM": "max_memory_allocated since before the first step; timed peak: over the "
         "timed steps only",
         "isolation": "each row in its own process"
@@ -836,28 +900,28 @@ def main(argv: list[str] | None = None) -> int:
         else "one process, rows freed in between (del, gc, cuBLAS workspaces, empty_cache)",
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
     }
-    rows: list[Row] = []
+    runs: dict[str, list[Row]] = {spec.name: [] for spec in specs}
+
+    def merged() -> list[Row]:
+        return [merge_rounds(runs[spec.name]) for spec in specs if runs[spec.name]]
+
     with tempfile.TemporaryDirectory(prefix="apexw_e2e_") as tmp:
-        for spec in specs:
-            if spec.name in skipped:
-                row = Row(spec.name, spec.label, skipped=skipped[spec.name])
-            elif args.isolate:
-                row = run_isolated(spec, args, Path(tmp))
-            else:
-                row = run_row(spec, modules[spec.name], ctx)
-            rows.append(row)
-            if row.median_ms is not None:
-                done = (
-                    f"median {row.median_ms:.2f} ms (opt.step {row.opt_median_ms:.2f}), peak "
-                    f"{_fmt(row.peak_gib, '.2f')} GiB, state "
-                    f"{row.state_bytes_per_param:.2f} B/param, loss {row.final_loss:.6f}"
-                    + (f"; {row.notes}" if row.notes else "")
-                )
-            else:
-                done = f"skipped: {row.skipped}" if row.skipped else f"failed: {row.error}"
-            print(f"{spec.name:>20}: {done}", file=sys.stderr)
-            header["seconds"] = f"{time.perf_counter() - began:.0f}"
-            write_report(args, work, header, rows, info, f"partial: {len(rows)} rows so far")
+        for k, order in enumerate(round_order([spec.name for spec in specs], args.rounds)):
+            for spec in (SPECS[name] for name in order):
+                if spec.name in skipped:
+                    row = Row(spec.name, spec.label, skipped=skipped[spec.name])
+                    if k:
+                        continue
+                elif args.isolate:
+                    row = run_isolated(spec, args, Path(tmp))
+                else:
+                    row = run_row(spec, modules[spec.name], ctx)
+                runs[spec.name].append(row)
+                report_row(spec, row, k, args.rounds)
+                header["seconds"] = f"{time.perf_counter() - began:.0f}"
+                rows = merged()
+                write_report(args, work, header, rows, info, f"partial: {len(rows)} rows so far")
+    rows = merged()
     report = write_report(args, work, header, rows, info, "complete")
     print(report)
     print(f"wrote {args.out / f'apexw_e2e_{work.tag}.md'} and .json", file=sys.stderr)

@@ -228,8 +228,56 @@ def test_flash_rows(tmp_path) -> None:
         ["--model", "qwen", "--mlp-small"],
         ["--model", "mlp", "--seq", "16"],
         ["--iters", "0"],
+        ["--rounds", "0"],
     ],
 )
 def test_bad_arguments_are_refused(argv) -> None:
     with pytest.raises(SystemExit):
         apexw_e2e.parse_args(["--device", "cpu", *argv])
+
+
+def test_rounds_alternate_the_order() -> None:
+    assert apexw_e2e.round_order(["a", "b", "c"], 3) == [
+        ["a", "b", "c"],
+        ["c", "b", "a"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_merge_rounds() -> None:
+    def row(steps, bwd, peak, losses=(1.0, 0.5)):
+        return apexw_e2e.Row(
+            "r", "r", median_ms=sorted(steps)[len(steps) // 2], min_ms=min(steps),
+            step_ms=list(steps), opt_median_ms=1.0, opt_ms=[1.0, 2.0], bwd_ms=bwd,
+            peak_gib=peak, losses=list(losses),
+        )  # fmt: skip
+
+    merged = apexw_e2e.merge_rounds([row([10, 11, 30], 5.0, 2.0), row([12, 13, 14], 7.0, 3.0)])
+    assert merged.step_ms == [10, 11, 30, 12, 13, 14]
+    assert merged.median_ms == 12.5
+    assert merged.min_ms == 10
+    assert merged.round_median_ms == [11, 13]
+    assert merged.opt_ms == [1.0, 2.0, 1.0, 2.0]
+    assert merged.opt_median_ms == 1.5
+    assert merged.bwd_ms == 6.0
+    assert merged.peak_gib == 3.0
+    assert merged.error is None
+    differ = apexw_e2e.merge_rounds([row([1], 1.0, 1.0), row([1], 1.0, 1.0, losses=(1.0, 0.6))])
+    assert differ.error == "rounds gave different losses"
+    skipped = apexw_e2e.Row("r", "r", skipped="no package")
+    assert apexw_e2e.merge_rounds([skipped]) is skipped
+
+
+def test_tiny_run_in_rounds(tmp_path, capsys) -> None:
+    data = _run(tmp_path, ["torch-adamw", "apexw-bf16-torch"], "--rounds", "2")
+    rows = {r["name"]: r for r in data["rows"]}
+    assert list(rows) == ["torch-adamw", "apexw-bf16-torch"]
+    for r in rows.values():
+        assert len(r["step_ms"]) == 4
+        assert len(r["round_median_ms"]) == 2
+        assert r["error"] is None
+    err = capsys.readouterr().err
+    # the second round runs the rows in reverse order
+    assert err.index("apexw-bf16-torch (round 1 of 2)") < err.index("torch-adamw (round 2 of 2)")
+    assert err.index("torch-adamw (round 2 of 2)") > err.index("apexw-bf16-torch (round 2 of 2)")
+    assert "2 rounds" in data["header"]["timing"]
