@@ -713,8 +713,9 @@ def report_header(
         "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
         "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
-        "warmup of graph and auto rows": f"{args.full_warmup} untimed steps whatever the budget "
-        f"(CUDA graph capture, mode choice), then the timed ones with a fresh budget",
+        "warmup of graph, auto and peer rows": f"{args.full_warmup} untimed steps whatever the "
+        "budget (CUDA graph capture, mode choice, the peers' per-shape compilation), then the "
+        "timed ones with a fresh budget",
     }
 
 
