@@ -547,38 +547,18 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def merge_rounds(runs: list[Row]) -> Row:
-    """One row from its runs in ``--rounds`` rounds: the medians and minima over every timed
-    step of every round, the phase medians' median, the largest peaks, each round's median in
-    ``round_median_ms``; losses and state from the first round that ran (every round starts
-    from the same seed and batches, so they agree: a round whose losses differ is an error)."""
-    ran = [r for r in runs if r.median_ms is not None]
-    if not ran:
-        return runs[0]
-    out = dataclasses.replace(ran[0])
-    out.step_ms = [t for r in ran for t in r.step_ms]
-    out.opt_ms = [t for r in ran for t in r.opt_ms]
-    out.median_ms, out.min_ms = statistics.median(out.step_ms), min(out.step_ms)
-    if out.opt_ms:
-        out.opt_median_ms, out.opt_min_ms = statistics.median(out.opt_ms), min(out.opt_ms)
-    for name in ("fwd_ms", "bwd_ms", "zero_grad_ms"):
-        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
-        setattr(out, name, statistics.median(values) if values else None)
-    for name in ("peak_gib", "timed_peak_gib", "reserved_gib", "leftover_gib"):
-        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
-        setattr(out, name, max(values) if values else None)
-    out.round_median_ms = [r.median_ms for r in ran]
-    problems = [r.error for r in runs if r.error]
-    if any(r.losses != out.losses for r in ran):
-        problems.append("rounds gave different losses")
-    out.error = "; ".join(problems) or None
+    """One row from its runs in ``--rounds`` rounds (``offload_e2e.merge_rounds``), with the
+    median and minimum ``opt.step()`` over every round's timed steps."""
+    out = offload_e2e.merge_rounds(
+        runs,
+        medians=("fwd_ms", "bwd_ms", "zero_grad_ms"),
+        maxima=("peak_gib", "timed_peak_gib", "reserved_gib", "leftover_gib"),
+    )
+    if len(runs) > 1 and out.median_ms is not None:
+        out.opt_ms = [t for r in runs if r.median_ms is not None for t in r.opt_ms]
+        if out.opt_ms:
+            out.opt_median_ms, out.opt_min_ms = statistics.median(out.opt_ms), min(out.opt_ms)
     return out
-
-
-def round_order(names: list[str], rounds: int) -> list[list[str]]:
-    """The rows' order in each round: as given, then reversed, alternately, so that every row
-    sits at the same mean position (on the H200, backward times drifted by up to 30% from the
-    first row of a run to the second, whatever the optimizer)."""
-    return [names if k % 2 == 0 else names[::-1] for k in range(rounds)]
 
 
 def compare(rows: list[Row]) -> None:
@@ -906,7 +886,9 @@ def main(argv: list[str] | None = None) -> int:
         return [merge_rounds(runs[spec.name]) for spec in specs if runs[spec.name]]
 
     with tempfile.TemporaryDirectory(prefix="apexw_e2e_") as tmp:
-        for k, order in enumerate(round_order([spec.name for spec in specs], args.rounds)):
+        for k, order in enumerate(
+            offload_e2e.round_order([spec.name for spec in specs], args.rounds)
+        ):
             for spec in (SPECS[name] for name in order):
                 if spec.name in skipped:
                     row = Row(spec.name, spec.label, skipped=skipped[spec.name])

@@ -75,7 +75,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,7 @@ class Row:
     final_loss: float | None = None
     vs_torch_adamw: float | None = None
     bound: dict[str, Any] | None = None
+    round_median_ms: list[float] = field(default_factory=list)  # --rounds: each round's median
     skipped: str | None = None
     error: str | None = None
 
@@ -762,6 +763,44 @@ def child_argv(args: argparse.Namespace, choice: ModelChoice) -> list[str]:
     return argv
 
 
+def round_order(names: list[str], rounds: int) -> list[list[str]]:
+    """The rows' order in each of ``--rounds`` rounds: as given, then reversed, alternately, so
+    that every row sits at the same mean position in the run (on the H200, the Qwen shape's
+    backward took 40.5 ms in a run's first row and 69.5 ms in its second, whatever the
+    optimizer). ``apexw_e2e`` uses it too."""
+    return [names if k % 2 == 0 else names[::-1] for k in range(rounds)]
+
+
+def merge_rounds(
+    runs: list[Any],
+    medians: tuple[str, ...] = ("fwd_ms", "bwd_ms", "opt_ms"),
+    maxima: tuple[str, ...] = ("peak_gib", "reserved_gib", "leftover_gib", "host_gib"),
+) -> Any:
+    """One row from its runs in several rounds (this module's ``Row`` or ``apexw_e2e``'s, with
+    their per-phase ``medians`` and memory ``maxima`` fields): median and minimum over every
+    timed step of every round, the phase medians' median, the largest memory figures, each
+    round's median in ``round_median_ms``; losses from the first round that ran (every round
+    starts from the same seed and batches: rounds whose losses differ are an error)."""
+    ran = [r for r in runs if r.median_ms is not None]
+    if not ran:
+        return runs[0]
+    out = replace(ran[0])
+    out.step_ms = [t for r in ran for t in r.step_ms]
+    out.median_ms, out.min_ms = statistics.median(out.step_ms), min(out.step_ms)
+    for name in medians:
+        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
+        setattr(out, name, statistics.median(values) if values else None)
+    for name in maxima:
+        values = [getattr(r, name) for r in ran if getattr(r, name) is not None]
+        setattr(out, name, max(values) if values else None)
+    out.round_median_ms = [r.median_ms for r in ran]
+    problems = [r.error for r in runs if r.error]
+    if any(r.losses != out.losses for r in ran):
+        problems.append("rounds gave different losses")
+    out.error = "; ".join(problems) or None
+    return out
+
+
 def run_isolated(
     spec: RowSpec, args: argparse.Namespace, choice: ModelChoice, tmp: Path
 ) -> tuple[Row, list[dict[str, Any]] | None]:
@@ -827,6 +866,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (%(default)s)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (%(default)s)")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the rows this many times, in reverse order every other round, and report "
+        "each row over all its rounds (%(default)s)",
+    )
+    p.add_argument(
         "--distinct-batches", type=int, default=2, help="random batches, cycled (%(default)s)"
     )
     p.add_argument(
@@ -871,11 +917,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown rows: {sorted(unknown)} (known: {', '.join(SPECS)})")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
-    if args.warmup < 0 or args.iters < 1 or args.distinct_batches < 1:
-        p.error("--warmup must be at least 0, --iters and --distinct-batches at least 1")
+    if args.warmup < 0 or min(args.iters, args.distinct_batches, args.rounds) < 1:
+        p.error("--warmup must be at least 0, --iters, --distinct-batches and --rounds at least 1")
     args.batch = args.batch or (2 if args.tiny else 8)
     args.seq = args.seq or (32 if args.tiny else 512)
     return args
+
+
+def report_row(spec: RowSpec, row: Row, k: int, rounds: int) -> None:
+    """One line on stderr for a row just run (in round ``k`` of ``rounds``)."""
+    done = row.error or (
+        f"median {row.median_ms:.1f} ms, min {row.min_ms:.1f}, peak "
+        f"{_fmt(row.peak_gib, '.2f')} GiB, loss {row.final_loss:.4f}"
+    )
+    where = f" (round {k + 1} of {rounds})" if rounds > 1 else ""
+    print(f"{spec.name:>20}{where}: {done}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -910,31 +966,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipping {name}: {reason}", file=sys.stderr)
     ctx = make_context(args, device, choice, shape)
     # the no-optimizer row first: its gradient-ready order feeds the bounds
-    order = sorted(specs, key=lambda s: s.kind != "none")
-    results: dict[str, Row] = {}
+    order = [s.name for s in sorted(specs, key=lambda s: s.kind != "none")]
+    runs: dict[str, list[Row]] = {name: [] for name in order}
     with tempfile.TemporaryDirectory(prefix="offload_e2e_") as tmp:
-        for spec in order:
-            if spec.name in skipped:
-                results[spec.name] = Row(spec.name, spec.label, spec.precision, spec.hooks,
-                                         skipped=skipped[spec.name])  # fmt: skip
-                continue
-            if args.isolate:
-                row, ready = run_isolated(spec, args, choice, Path(tmp))
-                ctx.grad_ready = ready or ctx.grad_ready
-            else:
-                row = run_row(spec, modules.get(spec.name), ctx)
-            results[spec.name] = row
-            done = row.error or (
-                f"median {row.median_ms:.1f} ms, min {row.min_ms:.1f}, peak "
-                f"{_fmt(row.peak_gib, '.2f')} GiB, loss {row.final_loss:.4f}"
+        for k, names in enumerate(round_order(order, args.rounds)):
+            for spec in (SPECS[name] for name in names):
+                if spec.name in skipped:
+                    if not k:
+                        runs[spec.name].append(Row(spec.name, spec.label, spec.precision,
+                                                   spec.hooks, skipped=skipped[spec.name]))  # fmt: skip
+                    continue
+                if args.isolate:
+                    row, ready = run_isolated(spec, args, choice, Path(tmp))
+                    ctx.grad_ready = ready or ctx.grad_ready
+                else:
+                    row = run_row(spec, modules.get(spec.name), ctx)
+                runs[spec.name].append(row)
+                report_row(spec, row, k, args.rounds)
+    results = {name: merge_rounds(rows) for name, rows in runs.items()}
+    for row in results.values():
+        if (row.leftover_gib or 0) > LEFTOVER_GIB:
+            print(
+                f"{row.name:>20}: began with {row.leftover_gib:.2f} GiB still allocated by "
+                "earlier rows (a leak; --isolate runs each row in its own process)",
+                file=sys.stderr,
             )
-            print(f"{spec.name:>20}: {done}", file=sys.stderr)
-            if (row.leftover_gib or 0) > LEFTOVER_GIB:
-                print(
-                    f"{spec.name:>20}: began with {row.leftover_gib:.2f} GiB still allocated by "
-                    "earlier rows (a leak; --isolate runs each row in its own process)",
-                    file=sys.stderr,
-                )
     rows = [results[s.name] for s in specs]
 
     base = results.get("fwd-bwd-bf16")
@@ -963,7 +1019,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.distinct_batches} distinct batches cycled",
         "timing": f"{args.warmup} untimed then {args.iters} timed steps "
         f"({'CUDA events' if device.type == 'cuda' else 'perf_counter'} around forward + "
-        "backward + optimizer, synchronized); vs torch AdamW = step time / torch AdamW's",
+        "backward + optimizer, synchronized); vs torch AdamW = step time / torch AdamW's"
+        + (
+            f"; {args.rounds} rounds, rows in reverse order every other round, medians over "
+            "every round's timed steps (round medians in the JSON)"
+            if args.rounds > 1
+            else ""
+        ),
         "bandwidth": f"pinned D2H {_fmt(bw.d2h_gbs, '.1f')}, H2D {_fmt(bw.h2d_gbs, '.1f')}, both "
         f"{_fmt(bw.both_gbs, '.1f')} GB/s; host copy_ {bw.host_gbs:.1f} GB/s read + write "
         f"({bw.mib} MiB buffers)",

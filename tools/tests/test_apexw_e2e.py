@@ -237,7 +237,7 @@ def test_bad_arguments_are_refused(argv) -> None:
 
 
 def test_rounds_alternate_the_order() -> None:
-    assert apexw_e2e.round_order(["a", "b", "c"], 3) == [
+    assert apexw_e2e.offload_e2e.round_order(["a", "b", "c"], 3) == [
         ["a", "b", "c"],
         ["c", "b", "a"],
         ["a", "b", "c"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import types
 import warnings
@@ -204,3 +205,37 @@ def test_replica_matches_transformers() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         expected = theirs.to(dtype)(input_ids=ids, use_cache=False).logits
         assert torch.equal(ours.to(dtype)(ids), expected)
+
+
+def test_tiny_run_in_rounds(tmp_path, capsys) -> None:
+    data = _run(tmp_path, ["torch-adamw", "fwd-bwd-bf16"], "--rounds", "2")
+    rows = {r["name"]: r for r in data["rows"]}
+    for r in rows.values():
+        assert r["error"] is None
+        assert len(r["step_ms"]) == 4  # 2 rounds x 2 timed steps
+        assert len(r["round_median_ms"]) == 2
+    err = capsys.readouterr().err
+    # the floor row first (its gradient-ready order feeds the bounds), reversed in round 2
+    assert err.index("fwd-bwd-bf16 (round 1 of 2)") < err.index("torch-adamw (round 1 of 2)")
+    assert err.index("torch-adamw (round 2 of 2)") < err.index("fwd-bwd-bf16 (round 2 of 2)")
+    assert "2 rounds" in data["header"]["timing"]
+
+
+def test_merge_rounds() -> None:
+    def row(steps, bwd, host, losses=(2.0, 1.5)):
+        return offload_e2e.Row(
+            "bridge-bf16", "", median_ms=statistics.median(steps), min_ms=min(steps),
+            step_ms=list(steps), bwd_ms=bwd, host_gib=host, losses=list(losses),
+        )  # fmt: skip
+
+    merged = offload_e2e.merge_rounds([row([100, 110, 300], 50.0, 4.0), row([120, 130], 70.0, 5.0)])
+    assert merged.step_ms == [100, 110, 300, 120, 130]
+    assert merged.median_ms == 120
+    assert merged.min_ms == 100
+    assert merged.round_median_ms == [110, 125]
+    assert merged.bwd_ms == 60.0
+    assert merged.host_gib == 5.0
+    assert merged.error is None
+    bad = offload_e2e.merge_rounds([row([1], 1.0, 1.0), row([1], 1.0, 1.0, losses=(2.0, 1.4))])
+    assert bad.error == "rounds gave different losses"
+    assert offload_e2e.round_order(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
