@@ -711,13 +711,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="untimed steps (%(default)s: covers mode='auto''s trial)",
     )
     p.add_argument("--iters", type=int, default=20, help="timed steps (%(default)s)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the rows this many times, in reverse order every other round, and report "
-        "each row over all its rounds (%(default)s)",
-    )
+    offload_e2e.add_rounds_argument(p)
     p.add_argument(
         "--distinct-batches", type=int, default=2, help="random batches, cycled (%(default)s)"
     )

@@ -763,6 +763,17 @@ def child_argv(args: argparse.Namespace, choice: ModelChoice) -> list[str]:
     return argv
 
 
+def add_rounds_argument(p: argparse.ArgumentParser) -> None:
+    """``--rounds`` (this benchmark's and ``apexw_e2e``'s): see :func:`round_order`."""
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the rows this many times, in reverse order every other round, and report "
+        "each row over all its rounds (%(default)s)",
+    )
+
+
 def round_order(names: list[str], rounds: int) -> list[list[str]]:
     """The rows' order in each of ``--rounds`` rounds: as given, then reversed, alternately, so
     that every row sits at the same mean position in the run (on the H200, the Qwen shape's
@@ -865,13 +876,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, help="tokens per sequence (default 512; tiny 32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (%(default)s)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (%(default)s)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run the rows this many times, in reverse order every other round, and report "
-        "each row over all its rounds (%(default)s)",
-    )
+    add_rounds_argument(p)
     p.add_argument(
         "--distinct-batches", type=int, default=2, help="random batches, cycled (%(default)s)"
     )
