@@ -96,10 +96,11 @@ def scaled(shapes: list[Shape], scale: int) -> list[Shape]:
 class BenchConfig:
     """One optimizer configuration; ``module`` is imported first and its absence skips it.
 
-    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows (a CUDA graph captured, a mode
-    picked, or the peers' kernels compiled per shape during the first steps) run
-    ``--full-warmup`` untimed steps whatever the time budget, then get the budget again for the
-    timed ones; ``settled(opt)``, where given, must be true before timing starts (untimed steps
+    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows run ``--full-warmup`` untimed
+    steps whatever the time budget, then get the budget again for the timed ones: their first
+    steps differ from the rest (a CUDA graph captured, a mode picked, the peers' kernels
+    compiled per shape, memopt's cached step resolved at the first step and its launch prepared
+    at the second, which on 4096 bf16 tensors left one step to time, the first replay, 5.7 ms); ``settled(opt)``, where given, must be true before timing starts (untimed steps
     run until it is, ``SETTLE_STEPS`` at most). ``notes(opt)`` fills the row's notes column.
     """
 
@@ -230,19 +231,19 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("adamw", "torch AdamW fp32 fused", "torch", torch.float32, _torch_adamw("fused")),
     BenchConfig("adamw-foreach", "torch AdamW fp32 foreach", "torch", torch.float32, _torch_adamw("foreach")),
     BenchConfig("adamw-bf16", "torch AdamW pure bf16 fused", "torch", BF16, _torch_adamw("fused")),
-    BenchConfig("memopt-fp32", "memopt fp32 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "fp32")),
-    BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8")),
-    BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16")),
-    BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8")),
-    BenchConfig("flash-adamw", "memopt_ecc FlashAdamW (ecc24+q8)", "memopt_ecc", BF16, _flash_adamw),
-    BenchConfig("flash-adamw-capturable", "memopt_ecc FlashAdamW capturable", "memopt_ecc", BF16, _flash_adamw_capturable, cuda_only=True),
+    BenchConfig("memopt-fp32", "memopt fp32 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "fp32"), full_warmup=True),
+    BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8"), full_warmup=True),
+    BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16"), full_warmup=True),
+    BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8"), full_warmup=True),
+    BenchConfig("flash-adamw", "memopt_ecc FlashAdamW (ecc24+q8)", "memopt_ecc", BF16, _flash_adamw, full_warmup=True),
+    BenchConfig("flash-adamw-capturable", "memopt_ecc FlashAdamW capturable", "memopt_ecc", BF16, _flash_adamw_capturable, cuda_only=True, full_warmup=True),
     BenchConfig("flash-adamw-graph", "memopt_ecc FlashAdamW capturable, graph", "memopt_ecc", BF16, _flash_adamw_graph, cuda_only=True, full_warmup=True, notes=_captured_notes),
-    BenchConfig("apexw-bf16", "ApexW bf16 state fused", APEXW, torch.float32, _apexw("bf16"), cuda_only=True),
-    BenchConfig("apexw-q8", "ApexW q8 state fused", APEXW, torch.float32, _apexw("q8"), cuda_only=True),
+    BenchConfig("apexw-bf16", "ApexW bf16 state fused", APEXW, torch.float32, _apexw("bf16"), cuda_only=True, full_warmup=True),
+    BenchConfig("apexw-q8", "ApexW q8 state fused", APEXW, torch.float32, _apexw("q8"), cuda_only=True, full_warmup=True),
     BenchConfig("apexw-bf16-graph", "ApexW bf16 state graph", APEXW, torch.float32, _apexw("bf16", capturable=True), cuda_only=True, full_warmup=True, notes=_graph_notes),
     BenchConfig("apexw-q8-graph", "ApexW q8 state graph", APEXW, torch.float32, _apexw("q8", capturable=True), cuda_only=True, full_warmup=True, notes=_graph_notes),
     BenchConfig("apexw-auto-bf16", "ApexW bf16 state auto", APEXW, torch.float32, _apexw("bf16", mode="auto"), full_warmup=True, settled=_mode_decided, notes=_mode_notes),
-    BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True),
+    BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True, full_warmup=True),
     BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True, full_warmup=True),
     BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True, full_warmup=True),
     BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit, full_warmup=True),
@@ -574,8 +575,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--full-warmup",
         type=int,
         default=5,
-        help="untimed steps that always run for rows that capture a CUDA graph or pick a mode "
-        "in their first steps (%(default)s)",
+        help="untimed steps that always run for rows whose first steps differ from the rest "
+        "(graph capture, mode choice, per-shape compilation, memopt's cached step) (%(default)s)",
     )
     p.add_argument(
         "--max-seconds",
@@ -713,9 +714,9 @@ def report_header(
         "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
         "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
-        "warmup of graph, auto and peer rows": f"{args.full_warmup} untimed steps whatever the "
-        "budget (CUDA graph capture, mode choice, the peers' per-shape compilation), then the "
-        "timed ones with a fresh budget",
+        "warmup of memopt and peer rows": f"{args.full_warmup} untimed steps whatever the "
+        "budget (CUDA graph capture, mode choice, the peers' per-shape compilation, memopt's "
+        "cached step resolved and prepared), then the timed ones with a fresh budget",
     }
 
 
