@@ -229,6 +229,7 @@ def test_flash_rows(tmp_path) -> None:
         ["--model", "mlp", "--seq", "16"],
         ["--iters", "0"],
         ["--rounds", "0"],
+        ["--paired", "--isolate"],
     ],
 )
 def test_bad_arguments_are_refused(argv) -> None:
@@ -262,6 +263,10 @@ def test_merge_rounds() -> None:
     assert merged.bwd_ms == 6.0
     assert merged.peak_gib == 3.0
     assert merged.error is None
+    paired = [row([10, 20], 5.0, 2.0), row([30], 5.0, 2.0)]
+    paired[0].paired_ratios, paired[1].paired_ratios = [1.0, 1.2], [0.9]
+    assert apexw_e2e.merge_rounds(paired).paired_ratios == [1.0, 1.2, 0.9]
+    assert apexw_e2e.merge_rounds(paired).paired_vs_torch_adamw == 1.0
     differ = apexw_e2e.merge_rounds([row([1], 1.0, 1.0), row([1], 1.0, 1.0, losses=(1.0, 0.6))])
     assert differ.error == "rounds gave different losses"
     skipped = apexw_e2e.Row("r", "r", skipped="no package")
@@ -281,3 +286,33 @@ def test_tiny_run_in_rounds(tmp_path, capsys) -> None:
     assert err.index("apexw-bf16-torch (round 1 of 2)") < err.index("torch-adamw (round 2 of 2)")
     assert err.index("torch-adamw (round 2 of 2)") > err.index("apexw-bf16-torch (round 2 of 2)")
     assert "2 rounds" in data["header"]["timing"]
+
+
+def test_paired_run_interleaves_the_rows(tmp_path, monkeypatch) -> None:
+    rows = ["torch-adamw", "apexw-bf16-torch", "torch-adamw-bf16"]
+    alone = {r["name"]: r for r in _run(tmp_path / "alone", rows, "--iters", "3")["rows"]}
+    order = []
+    step = apexw_e2e.RowRun.step
+
+    def recorded(self):
+        order.append(self.spec.name)
+        return step(self)
+
+    monkeypatch.setattr(apexw_e2e.RowRun, "step", recorded)
+    data = _run(tmp_path / "paired", rows, "--iters", "3", "--paired", "--warmup", "1")
+    a, b, c = rows
+    # each row's untimed steps, then every timed iteration steps each row once, in reverse
+    # order every other iteration
+    assert order == [a, b, c, a, b, c, c, b, a, a, b, c]
+    paired = {r["name"]: r for r in data["rows"]}
+    base = paired[a]["step_ms"]
+    for name, r in paired.items():
+        assert r["error"] is None
+        assert r["peak_gib"] is None  # every row's model was resident: no per-row peak
+        assert r["losses"] == alone[name]["losses"][:4]  # the same training, interleaved
+        want = [x / y for x, y in zip(r["step_ms"], base, strict=True)]
+        assert r["paired_ratios"] == pytest.approx(want)
+        assert r["paired_vs_torch_adamw"] == pytest.approx(sorted(want)[1])
+    assert paired[a]["paired_ratios"] == [1.0, 1.0, 1.0]
+    assert "interleaved" in data["header"]["isolation"]
+    assert "paired step vs" in (tmp_path / "paired" / "apexw_e2e_mlp-tiny.md").read_text()
