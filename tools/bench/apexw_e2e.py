@@ -61,8 +61,8 @@ smoke runs.
 
 ``--paired`` runs every row in one process at once, each with its own model, and interleaves
 their timed steps: each iteration steps every row once, in reverse order every other iteration.
-On the H200 the whole machine drifted during a run (the same row's step from 117 to 75 ms
-within 30 steps), which moved verdicts taken from separate rows by more than the differences
+On the H200 the whole machine drifted during a run (one row's steps from 123 ms in one round
+to 75 ms in the next), which moved verdicts taken from separate rows by more than the differences
 they judged; steps taken side by side drift together. "paired step vs" is the median over
 iterations of a row's step over torch-adamw's in the same iteration (the targets use it when
 present). Every model stays resident, so there is no per-row peak memory: take that from an
