@@ -573,7 +573,7 @@ def run_paired(specs: list[RowSpec], modules: dict[str, Any], ctx: Context) -> l
             row.paired_ratios = [a / b for a, b in zip(row.step_ms, base.step_ms, strict=True)]
             row.paired_vs_torch_adamw = statistics.median(row.paired_ratios)
         row.notes = "; ".join(filter(None, [row.notes, "paired: peak VRAM not per row"]))
-    runs = []
+    runs = run = None  # every model and optimizer, before the allocator is emptied
     release(ctx.device)
     return [done.get(spec.name) or failed[spec.name] for spec in specs]
 
