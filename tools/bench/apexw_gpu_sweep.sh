@@ -2,8 +2,8 @@
 # The step benchmark of ApexW (memopt-apexw) against torch AdamW and the peers, in one command
 # from the repository root of an offline CUDA host with torch and triton: installs the carried
 # wheels (.whl/: torchao, bitsandbytes, flashoptim; numpy from .whl/optional/ only where the host
-# lacks it) into $SITE, puts packages/*/src on PYTHONPATH (memopt-kernels-cpu, which needs a
-# build, left out) and runs tools/bench/step_bench.py once per profile, each run under its own
+# lacks it) and memopt's packages (memopt-kernels-cpu, which needs a build, left out) into $SITE
+# and runs tools/bench/step_bench.py once per profile, each run under its own
 # timeout and all of them within $SWEEP_SECONDS, so that one stuck row cannot eat the device call.
 # The slow peer (torchao's AdamW8bit: compiles per shape, about 3 s a step on 4096x32K) runs in a
 # second pass, after the other rows of every profile. step_bench rewrites its report after every
@@ -43,12 +43,17 @@ if ! python3 -c "import numpy" 2>/dev/null; then  # bitsandbytes imports it
     echo "no numpy on this host and none carried: the bitsandbytes row will be skipped"
   fi
 fi
-SRC=
-for d in "$ROOT"/packages/*/src; do
-  case $d in */memopt-kernels-cpu/src) continue ;; esac
-  SRC=$SRC:$d
+# The packages are installed, not put on PYTHONPATH as src folders: their .dist-info registers the
+# kernel backends' entry points, without which ApexW(mode="fused") finds no backend on a fresh
+# checkout (src/*.egg-info is not in the repository).
+PKGS=()
+for d in "$ROOT"/packages/*/; do
+  case $d in */memopt-kernels-cpu/) continue ;; esac
+  PKGS+=("$d")
 done
-export PYTHONPATH=$SITE$SRC${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-build-isolation --no-deps --no-index --no-compile --target "$SITE" \
+  "${PKGS[@]}" 2>&1 | tail -3
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; } \
   | tee "$OUT/env.log"
