@@ -6,7 +6,12 @@ set -o pipefail
 OUT=${OUT:-/tmp/memopt-triton-sweep}
 mkdir -p "$OUT"
 ROOT=$(pwd)
-export PYTHONPATH=$ROOT/packages/memopt-core/src:$ROOT/packages/memopt-kernels-triton/src${PYTHONPATH:+:$PYTHONPATH}
+# installed, not src folders on PYTHONPATH: the .dist-info registers the triton backend's entry
+# point (src/*.egg-info is not in the repository)
+SITE=${SITE:-/tmp/memopt-triton-site}
+python3 -m pip install -q --no-build-isolation --no-deps --no-index --no-compile --target "$SITE" \
+  "$ROOT/packages/memopt-core" "$ROOT/packages/memopt-kernels-triton" 2>&1 | tail -3
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 cd packages/memopt-kernels-triton || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/env.log"
