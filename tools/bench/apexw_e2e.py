@@ -435,7 +435,7 @@ class RowRun:
 
     def __init__(self, spec: RowSpec, module: Any, ctx: Context) -> None:
         self.spec, self.ctx = spec, ctx
-        self.row = Row(spec.name, spec.label, str(spec.dtype).removeprefix("torch."), spec.autocast)
+        self.row = _blank_row(spec)
         self.times: list[tuple[float, ...]] = []
         self.steps = 0
         torch.manual_seed(ctx.args.seed)
@@ -497,8 +497,13 @@ class RowRun:
         return row
 
 
+def _blank_row(spec: RowSpec) -> Row:
+    """A row of ``spec`` with nothing measured yet."""
+    return Row(spec.name, spec.label, str(spec.dtype).removeprefix("torch."), spec.autocast)
+
+
 def _failed(spec: RowSpec, exc: BaseException) -> Row:
-    row = Row(spec.name, spec.label, str(spec.dtype).removeprefix("torch."), spec.autocast)
+    row = _blank_row(spec)
     if is_backend_unavailable(exc):
         row.skipped = f"no kernel backend for mode='fused' here: {_error(exc)}"
     else:
