@@ -742,6 +742,54 @@ void adam_bf16_moments(const StepConfig& c, int64_t n, float* x, const float* g,
        : adam_bf16_moments_t<SR, false, false>(c, n, x, g, m, v, r1, r2, st);
 }
 
+// adam_bf16_moments over an ECC-24 master (bf16 parameter p + 8-bit code, decoded and encoded as
+// dec_master / enc_master do; stochastic with words r0 when SR) instead of an fp32 one: the
+// configuration that moves the fewest host bytes at bf16 moments' CPU cost. The staging copy is
+// the new bf16 parameter itself.
+template <bool SR, bool DECAY, bool STAGE>
+void adam_bf16_moments_ecc24_t(const StepConfig& c, int64_t n, uint16_t* __restrict p,
+                               uint8_t* __restrict code, const float* __restrict g,
+                               uint16_t* __restrict m, uint16_t* __restrict v,
+                               const uint32_t* __restrict r0, const uint32_t* __restrict r1,
+                               const uint32_t* __restrict r2, uint16_t* __restrict st) {
+  const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
+              bc2 = c.s[5], dec = c.s[6];
+  for (int64_t i = 0; i < n; ++i) {
+    const float x0 = u2f((static_cast<uint32_t>(p[i]) << 16) +
+                         (static_cast<uint32_t>(static_cast<int8_t>(code[i])) << 8));
+    const float m0 = u2f(static_cast<uint32_t>(m[i]) << 16);
+    const float v0 = u2f(static_cast<uint32_t>(v[i]) << 16);
+    const float xi = DECAY ? x0 * dec : x0;
+    const float mi = m0 + omb1 * (g[i] - m0);
+    const float vi = b2 * v0 + omb2 * (g[i] * g[i]);
+    const float d = std::sqrt(vi) / bc2 + eps;
+    const uint32_t u = f2u(xi - lr_t * (mi / d));
+    const uint32_t mag = u & F32_MAG;
+    uint32_t top24 = round_drop_bits<8, SR>(mag, SR ? r0[i] : 0u);
+    top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
+    top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
+    top24 |= (u >> 31) << 23;
+    const uint32_t pv = (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8;
+    code[i] = static_cast<uint8_t>(top24);
+    p[i] = static_cast<uint16_t>(pv);
+    m[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(mi), SR ? r1[i] : 0u));
+    v[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(vi), SR ? r2[i] : 0u));
+    if constexpr (STAGE) st[i] = static_cast<uint16_t>(pv);
+  }
+}
+
+template <bool SR>
+void adam_bf16_moments_ecc24(const StepConfig& c, int64_t n, uint16_t* p, uint8_t* code,
+                             const float* g, uint16_t* m, uint16_t* v, const uint32_t* r0,
+                             const uint32_t* r1, const uint32_t* r2, uint16_t* st) {
+  if (c.has_decay)
+    st ? adam_bf16_moments_ecc24_t<SR, true, true>(c, n, p, code, g, m, v, r0, r1, r2, st)
+       : adam_bf16_moments_ecc24_t<SR, true, false>(c, n, p, code, g, m, v, r0, r1, r2, st);
+  else
+    st ? adam_bf16_moments_ecc24_t<SR, false, true>(c, n, p, code, g, m, v, r0, r1, r2, st)
+       : adam_bf16_moments_ecc24_t<SR, false, false>(c, n, p, code, g, m, v, r0, r1, r2, st);
+}
+
 // reference.adam, in its order (maximize, L2 on the gradient, then adam_update). root: see
 // adam_update.
 void adam_rule(const StepConfig& c, int64_t n, float* __restrict x, float* __restrict g,
@@ -901,6 +949,36 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
         sr_words_tile(keys, s.index_base + t0, n, nullptr, w1, w2);
       c.sr ? adam_bf16_moments<true>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr)
            : adam_bf16_moments<false>(c, n, xp, gp, mp, vp, w1, w2, staging ? stage : nullptr);
+      if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
+    }
+#if defined(__AVX2__)
+    if (staging) _mm_sfence();
+#endif
+    return;
+  }
+  if (adam && c.master == MASTER_ECC24 && c.fmt1 == FMT_BF16 && c.fmt2 == FMT_BF16 &&
+      !c.maximize && !c.has_l2 && s.padded == s.numel) {
+    // ECC-24 master with bf16 moments: the same one-loop form (the same operations as the staged
+    // path: dec_master, adam_update, enc_master, bf16_round, so the same bits)
+    const int64_t a = s.arena_offset;
+    for (int64_t t0 = begin; t0 < end; t0 += TILE) {
+      const int64_t n = vmin(TILE, end - t0);
+      const float* gp = at<const float>(s.grad, t0 * 4);
+      if (s.grad_kind != GRAD_FP32) {
+        load_grad(s.grad_kind, at<void>(s.grad, t0 * 2), n, n, g);
+        gp = g;
+      }
+      auto* pp = at<uint16_t>(s.param, t0 * 2);
+      auto* cp = at<uint8_t>(c.code, a + t0);
+      auto* mp = at<uint16_t>(c.m, (a + t0) * 2);
+      auto* vp = at<uint16_t>(c.v, (a + t0) * 2);
+      uint16_t* st = staging ? stage : nullptr;
+      if (c.sr) {
+        sr_words_tile(keys, s.index_base + t0, n, w0, w1, w2);
+        adam_bf16_moments_ecc24<true>(c, n, pp, cp, gp, mp, vp, w0, w1, w2, st);
+      } else {
+        adam_bf16_moments_ecc24<false>(c, n, pp, cp, gp, mp, vp, w0, w1, w2, st);
+      }
       if (staging) stream_store_u16(at<uint16_t>(s.staging, t0 * 2), stage, n);
     }
 #if defined(__AVX2__)

@@ -106,6 +106,7 @@ def test_low_precision_gradients_of_fp32_parameters(variant, preset, grad_dtype)
         ("adamw", "q8", "ecc24", torch.bfloat16),
         ("adamw", "fp32", "fp32", torch.float32),
         ("adamw", "q8", "fp32", torch.float32),  # fp32 master updated in place, tile by tile
+        ("adamw", "bf16", "ecc24", torch.bfloat16),  # the one-loop ECC-24 + bf16 moments path
         ("lion", "bf16", "none", torch.bfloat16),
         ("sgd-nesterov", "fp8", "ecc32", torch.bfloat16),
     ],
@@ -222,7 +223,8 @@ def test_callers_flush_to_zero_mode_does_not_change_bits():
 @pytest.mark.parametrize(
     ("master", "dtype", "preset"),
     [("fp32", torch.float32, "fp32"), ("fp32", torch.float32, "q8"), ("ecc24", torch.bfloat16, "q8"),
-     ("none", torch.bfloat16, "bf16"), ("fp32", torch.float32, "bf16")],
+     ("none", torch.bfloat16, "bf16"), ("fp32", torch.float32, "bf16"),
+     ("ecc24", torch.bfloat16, "bf16")],
 )  # fmt: skip
 def test_bf16_staging_copy_of_the_updated_weights(isa, master, dtype, preset):
     # memopt-offload's output: the new weights as bf16 (nearest even), written in the same pass
