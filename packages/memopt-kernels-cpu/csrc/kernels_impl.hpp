@@ -31,7 +31,11 @@ namespace memopt_cpu {
 namespace MEMOPT_ISA_NS {
 namespace {
 
-constexpr int64_t TILE = 1024;  // elements per tile: a multiple of the 32-element block
+// Elements per tile, a multiple of the 32-element block. step_range's tile arrays take 34 B per
+// element: 256 keeps them (8.5 KiB) well inside a 32-48 KiB L1d with room for the streams, where
+// 1024 (34 KiB) did not; on the H200's 16-core host, 256 ran the generic ECC-24 paths 7-18% and
+// the bf16 path 3-13% faster (docs/benchmarks/2026-11-30-paired-e2e-and-tiles.md).
+constexpr int64_t TILE = 256;
 constexpr uint32_t F32_INF = 0x7F800000u;
 constexpr uint32_t F32_MAG = 0x7FFFFFFFu;
 constexpr uint32_t F32_QNAN = 0x7FC00000u;
