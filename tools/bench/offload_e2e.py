@@ -6,7 +6,7 @@ Rows (``--rows`` picks a subset; each in a fresh model built with the same seed)
   ``torch.autocast(bf16)``, backward outside it (PyTorch's recipe). The "vs torch AdamW" base.
 - ``torchao-offload``: bf16 model, torchao's ``CPUOffloadOptimizer(params, torch.optim.AdamW,
   offload_gradients=True, fused=True)`` (CUDA only), ``step()`` then ``zero_grad()``.
-- ``bridge-fp32``, ``bridge-bf16``, ``bridge-fp8``, ``bridge-compact``: bf16 model,
+- ``bridge-fp32``, ``bridge-bf16``, ``bridge-fp8``, ``bridge-bf16-ecc24``, ``bridge-compact``: bf16 model,
   ``memopt_offload.AdamBridge(precision=...)`` with ``attach_hooks(model)``; the step is
   ``step_sync()``. ``bridge-bf16-nohooks``: plain ``step()`` and ``zero_grad()``.
 - ``fwd-bwd-bf16``: the bf16 model's forward and backward with no optimizer: the floor every
@@ -39,12 +39,13 @@ Byte model of an AdamBridge step, bytes per parameter (r+w = read and written):
 | fp32    | fp32 4 r+w = 8            | 2 x (4 r+w) = 16 | 2 | 2 | 28 | 2 + 2 | 32 | 2 down + 2 up |
 | bf16    | fp32 4 r+w = 8            | 2 x (2 r+w) = 8  | 2 | 2 | 20 | 2 + 2 | 24 | 2 down + 2 up |
 | fp8     | fp32 4 r+w = 8            | 2 x (1 r+w) = 4  | 2 | 2 | 16 | 2 + 2 | 20 | 2 down + 2 up |
+| bf16-ecc24 | bf16 2 r+w + ECC 1 r+w = 6 | 2 x (2 r+w) = 8 | 2 | 0 | 16 | 2 + 2 | 20 | 2 down + 2 up |
 | compact | bf16 2 r+w + ECC 1 r+w = 6 | 2 x (q8 1 r+w) = 4 | 2 | 0 | 12 | 2 + 2 | 16 | 2 down + 2 up |
 
 "kernel" is what the CPU update reads and writes; the DMA legs (the copy engine writing the bf16
 gradient into pinned host memory and reading the bf16 weight back out) load the same host memory,
-so the host-memory bound uses the total. compact needs no staging: its bf16 parameter is the
-weight that goes up. q8 and fp8 group scales (a few hundredths of a byte) are left out.
+so the host-memory bound uses the total. The ECC-24 masters (bf16-ecc24, compact) need no
+staging: their bf16 parameter is the weight that goes up. q8 and fp8 group scales (a few hundredths of a byte) are left out.
 (memopt_offload.bridge's docstring gives the kernel column.)
 
 Lower bound per AdamBridge row: link time = max(2 B·n / D2H, 2 B·n / H2D, 4 B·n / both at once),
@@ -116,6 +117,7 @@ BYTE_MODEL: dict[str, ByteModel] = {
     "fp32": ByteModel(master=8, moments=16, grad=2, staging=2, dma=4),
     "bf16": ByteModel(master=8, moments=8, grad=2, staging=2, dma=4),
     "fp8": ByteModel(master=8, moments=4, grad=2, staging=2, dma=4),
+    "bf16-ecc24": ByteModel(master=6, moments=8, grad=2, staging=0, dma=4),
     "compact": ByteModel(master=6, moments=4, grad=2, staging=0, dma=4),
 }
 
@@ -147,6 +149,7 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("bridge-fp32", "AdamBridge fp32", "bridge", BF16, precision="fp32", hooks=True),
     RowSpec("bridge-bf16", "AdamBridge bf16", "bridge", BF16, precision="bf16", hooks=True),
     RowSpec("bridge-fp8", "AdamBridge fp8", "bridge", BF16, precision="fp8", hooks=True),
+    RowSpec("bridge-bf16-ecc24", "AdamBridge bf16-ecc24", "bridge", BF16, precision="bf16-ecc24", hooks=True),
     RowSpec("bridge-compact", "AdamBridge compact", "bridge", BF16, precision="compact", hooks=True),
     RowSpec("bridge-bf16-nohooks", "AdamBridge bf16, step() without hooks", "bridge", BF16, precision="bf16"),
     RowSpec("fwd-bwd-bf16", "bf16 forward + backward, no optimizer", "none", BF16),

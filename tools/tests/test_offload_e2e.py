@@ -79,6 +79,7 @@ def test_byte_model_table() -> None:
         "fp32": (28, 32, 4),
         "bf16": (20, 24, 4),
         "fp8": (16, 20, 4),
+        "bf16-ecc24": (16, 20, 4),
         "compact": (12, 16, 4),
     }
 

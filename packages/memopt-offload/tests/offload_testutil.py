@@ -1,9 +1,9 @@
 """Twin training for AdamBridge's tests: the same model trained by AdamBridge and by a reference.
 
 The reference is core's ``MemOptimizer`` on its pure-torch backend over host copies of the
-masters (fp32, or bf16 + ECC-24 code for ``"compact"``), fed the same bf16 gradients, with the
-device weights rewritten from the masters after each step exactly as AdamBridge's upload does
-(round to nearest even). Both models compute the same forward and backward, so every step's
+masters (fp32, or bf16 + ECC-24 code for ``"bf16-ecc24"`` and ``"compact"``), fed the same bf16
+gradients, with the device weights rewritten from the masters after each step exactly as
+AdamBridge's upload does (round to nearest even). Both models compute the same forward and backward, so every step's
 gradients, masters and weights must be equal bit for bit.
 """
 
@@ -47,7 +47,7 @@ class Reference:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters: dict[int, Tensor] = {}
         for p in self.params:
-            keep_bf16 = precision == "compact" and p.dtype == torch.bfloat16
+            keep_bf16 = master == "ecc24" and p.dtype == torch.bfloat16
             m = p.detach().to("cpu", torch.bfloat16 if keep_bf16 else torch.float32).clone()
             self.masters[id(p)] = m.requires_grad_(True)
         if groups is None:

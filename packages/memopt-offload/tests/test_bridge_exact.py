@@ -13,7 +13,7 @@ from offload_testutil import Reference, assert_same_params, batch, loss_of, make
 from memopt_core.errors import ConfigError
 from memopt_offload import AdamBridge
 
-PRECISIONS = ["fp32", "bf16", "fp8", "compact"]
+PRECISIONS = ["fp32", "bf16", "fp8", "bf16-ecc24", "compact"]
 
 
 def train_pair(model, ref_model, opt, ref, steps, device, *, hooks, start=0, dtype=torch.bfloat16):
@@ -63,7 +63,7 @@ def test_matches_reference_120_steps(device, precision, hooks):
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         m = opt.master_weight(p)
         r = ref.masters[id(q)].detach()
-        if precision == "compact":
+        if precision in ("bf16-ecc24", "compact"):
             code = ref.opt.state[ref.masters[id(q)]]["master_code"]
             from memopt_kernels_cpu import ops
 

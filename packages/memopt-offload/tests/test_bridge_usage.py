@@ -185,9 +185,12 @@ def test_host_bytes_are_exact(device):
     model = make_model(device)
     n = sum(p.numel() for p in model.parameters())
     fp32 = AdamBridge(model.parameters(), precision="fp32")
+    ecc = AdamBridge(model.parameters(), precision="bf16-ecc24")
     compact = AdamBridge(model.parameters(), precision="compact")
-    # fp32: master 4 + grad 2 + staging 2 + m 4 + v 4; compact: bf16 2 + grad 2 + code 1 + q8
+    # fp32: master 4 + grad 2 + staging 2 + m 4 + v 4; bf16-ecc24: bf16 2 + grad 2 + code 1 +
+    # m 2 + v 2; compact: bf16 2 + grad 2 + code 1 + q8
     assert 16 * n <= fp32.host_bytes() <= 16 * n + 6 * 3 * 64 + 64
+    assert 9 * n <= ecc.host_bytes() <= 9 * n + 6 * 3 * 64 + 64
     assert 5 * n + 2 * n / 32 * 0 < compact.host_bytes() <= 7.2 * n + 6 * 64 * 3
 
 
@@ -213,7 +216,7 @@ def test_load_state_dict_errors(device):
         opt.load_state_dict(sd)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "compact"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "bf16-ecc24", "compact"])
 def test_long_run_tracks_fp32(device, precision):
     """1500 steps on a fixed regression task with a small learning rate: compact host states
     (stochastic rounding) must keep decreasing the loss like fp32 does, not stall."""

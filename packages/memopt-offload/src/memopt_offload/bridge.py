@@ -3,19 +3,25 @@
 Only the model's weights (bfloat16, or float32) stay on the GPU. For each trainable parameter the
 host holds, in a few exact-size slabs (:mod:`memopt_offload.host_memory`):
 
-=========== ================================= =============================================
-precision   host state per parameter          host bytes moved per update
-=========== ================================= =============================================
-``fp32``    fp32 master + fp32 m, v: 12 B     master 4 r+w, m 4 r+w, v 4 r+w, bf16 gradient
-                                              2 r, bf16 staging copy 2 w: 28 B
-``bf16``    fp32 master + bf16 m, v: 8 B      20 B
-``fp8``     fp32 master + fp8 m, v: ~6.1 B    ~16.1 B
-``compact`` bf16 weight + ECC-24 code + q8    weight 2 r+w, code 1 r+w, m, v ~1 r+w each,
-            m, v: ~5.1 B                      gradient 2 r (no staging copy): ~12.1 B
-=========== ================================= =============================================
+============== ================================= =============================================
+precision      host state per parameter          host bytes moved per update
+============== ================================= =============================================
+``fp32``       fp32 master + fp32 m, v: 12 B     master 4 r+w, m 4 r+w, v 4 r+w, bf16 gradient
+                                                 2 r, bf16 staging copy 2 w: 28 B
+``bf16``       fp32 master + bf16 m, v: 8 B      20 B
+``fp8``        fp32 master + fp8 m, v: ~6.1 B    ~16.1 B
+``bf16-ecc24`` bf16 weight + ECC-24 code + bf16  weight 2 r+w, code 1 r+w, m 2 r+w, v 2 r+w,
+               m, v: 7 B                         gradient 2 r (no staging copy): 16 B
+``compact``    bf16 weight + ECC-24 code + q8    weight 2 r+w, code 1 r+w, m, v ~1 r+w each,
+               m, v: ~5.1 B                      gradient 2 r (no staging copy): ~12.1 B
+============== ================================= =============================================
 
-plus the pinned bf16 gradient buffer (2 B) and, except for ``"compact"`` (whose bf16 host
-parameter is itself the copy sent back), a pinned bf16 staging copy (2 B). The link carries 2 B
+plus the pinned bf16 gradient buffer (2 B) and, except for the ECC-24 masters (``"bf16-ecc24"``
+and ``"compact"``, whose bf16 host parameter is itself the copy sent back), a pinned bf16
+staging copy (2 B). An ECC-24 master holds about 16 significant bits and rounds its last one
+stochastically, so small updates are not lost on average (memopt-ecc's format). ``"bf16-ecc24"``
+moves 16 B where ``"bf16"`` moves 20, through one fused loop like bf16's, which pays where
+host memory bandwidth bounds the step. The link carries 2 B
 per parameter down (the bf16 gradient) and 2 B up (the updated bf16 weight); float32 parameters
 4 B each way. Low-precision moments and the ECC master round stochastically (core's
 counter-based generator), so they do not stall; every update is bit-exact with
@@ -84,6 +90,7 @@ PRECISIONS: dict[str, tuple[str, str]] = {
     "fp32": ("fp32", "none"),
     "bf16": ("bf16", "none"),
     "fp8": ("fp8", "none"),
+    "bf16-ecc24": ("bf16", "ecc24"),
     "compact": ("q8", "ecc24"),
 }
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -114,7 +121,7 @@ class _Slot:
 
     param: Tensor
     group: int
-    master: Tensor  # host master the kernel updates (fp32, or bf16 for "compact")
+    master: Tensor  # host master the kernel updates (fp32, or bf16 with an ECC-24 code)
     grad: Tensor  # pinned host gradient buffer (the parameter's dtype and shape)
     upload: Tensor  # host tensor copied back to the parameter (staging or master)
     staging: Tensor | None  # bf16 copy the kernel writes, when the master is fp32
@@ -197,8 +204,9 @@ class AdamBridge(Optimizer):
         params: the model's parameters (bfloat16 or float32, all on one device: a GPU, or the
             CPU), or param-group dicts; frozen parameters get no host memory.
         lr, betas, eps, weight_decay: AdamW's (decoupled decay ``lr * weight_decay``), per group.
-        precision: host state format: ``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"compact"`` (bf16
-            parameters: ECC-24 master + q8 moments; float32 parameters keep an fp32 master).
+        precision: host state format: ``"fp32"``, ``"bf16"``, ``"fp8"``, ``"bf16-ecc24"`` or
+            ``"compact"`` (the last two: an ECC-24 master for bf16 parameters, with bf16 or q8
+            moments; float32 parameters keep an fp32 master).
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
         clip_mode: ``"wait"`` (exact) or ``"overlap"`` (previous step's norm), see module doc.
         bucket_mb: gradient megabytes per host update call (latency vs. call overhead).
@@ -327,8 +335,7 @@ class AdamBridge(Optimizer):
         pinned, plain = SlabLayout(), SlabLayout()
         layout: list[tuple[int, int, int, int | None]] = []  # master, grad, upload, staging
         for p in train:
-            compact_bf16 = self.precision == "compact" and p.dtype == torch.bfloat16
-            if p.dtype == torch.float32 or compact_bf16:
+            if p.dtype == torch.float32 or self._ecc_master(p):
                 # the master itself is what goes back to the device: it must be pinned
                 m = pinned.add(p.shape, p.dtype)
                 g = pinned.add(p.shape, p.dtype)
@@ -394,7 +401,7 @@ class AdamBridge(Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on the host: the masters (fp32, or the bf16 copy of
-        ``"compact"``) plus moments, scales and ECC codes; not the transfer buffers."""
+        ECC-24 masters) plus moments, scales and ECC codes; not the transfer buffers."""
         assert self._host is not None
         masters = sum(s.master.numel() * s.master.element_size() for s in self._slots.values())
         return masters + self._host.state_bytes()
@@ -404,13 +411,17 @@ class AdamBridge(Optimizer):
         return sum(s.nbytes for s in self._slabs if s.pinned)
 
     def master_weight(self, p: Tensor) -> Tensor:
-        """The host fp32 master of parameter ``p`` (a copy, decoded for ``"compact"``)."""
+        """The host fp32 master of parameter ``p`` (a copy; an ECC-24 master decoded)."""
         slot = self._slot(p)
         with torch.no_grad():
-            if self.precision == "compact" and slot.master.dtype == torch.bfloat16:
+            if self._ecc_master(slot.param):
                 code = self._host.state[slot.master]["master_code"]
                 return cpu_ops.decode_master("ecc24", slot.master.detach(), code)
             return slot.master.detach().clone()
+
+    def _ecc_master(self, p: Tensor) -> bool:
+        """Whether ``p``'s host master is its bf16 weight plus an ECC-24 code."""
+        return PRECISIONS[self.precision][1] == "ecc24" and p.dtype == torch.bfloat16
 
     def _slot(self, p: Tensor) -> _Slot:
         slot = self._slots.get(id(p))
@@ -654,7 +665,7 @@ class AdamBridge(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout: ``state`` by parameter index with the host optimizer's named state
         (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
-        host master: fp32, or the bf16 weight of ``"compact"``), ``param_groups`` as torch
+        host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
         saves them, and ``memopt`` (precision, seed, version). Tensors are live host views;
         ``torch.save`` writes them without a trip through the device."""
         if self._pending:
