@@ -672,7 +672,7 @@ def targets(rows: list[Row], full_size: bool) -> list[str]:
     memory = (
         f"peak VRAM < torch-adamw's {base.peak_gib:.2f} GiB"
         if base.peak_gib is not None
-        else "no CUDA: optimizer state bytes"
+        else "optimizer state bytes: no per-row peak without CUDA or with --paired"
     )
     lines = [
         "target: at least as fast as torch fused AdamW (median step ≤ torch-adamw's "
