@@ -630,13 +630,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def merge_rounds(runs: list[Row]) -> Row:
-    """One row from its runs in ``--rounds`` rounds (``offload_e2e.merge_rounds``), with the
-    median and minimum ``opt.step()`` over every round's timed steps."""
+def merge_rounds(runs: list[Row], loss_rtol: float = 0.0) -> Row:
+    """One row from its runs in ``--rounds`` rounds (``offload_e2e.merge_rounds``, losses within
+    ``loss_rtol``), with the median and minimum ``opt.step()`` over every round's timed steps."""
     out = offload_e2e.merge_rounds(
         runs,
         medians=("fwd_ms", "bwd_ms", "zero_grad_ms"),
         maxima=("peak_gib", "timed_peak_gib", "reserved_gib", "leftover_gib"),
+        loss_rtol=loss_rtol,
     )
     if len(runs) > 1 and out.median_ms is not None:
         out.opt_ms = [t for r in runs if r.median_ms is not None for t in r.opt_ms]
@@ -986,8 +987,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs: dict[str, list[Row]] = {spec.name: [] for spec in specs}
 
+    rtol = offload_e2e.CUDA_LOSS_RTOL if torch.device(args.device).type == "cuda" else 0.0
+
     def merged() -> list[Row]:
-        return [merge_rounds(runs[spec.name]) for spec in specs if runs[spec.name]]
+        return [merge_rounds(runs[spec.name], rtol) for spec in specs if runs[spec.name]]
 
     with tempfile.TemporaryDirectory(prefix="apexw_e2e_") as tmp:
         for k, order in enumerate(

@@ -68,6 +68,7 @@ import argparse
 import gc
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -785,16 +786,26 @@ def round_order(names: list[str], rounds: int) -> list[list[str]]:
     return [names if k % 2 == 0 else names[::-1] for k in range(rounds)]
 
 
+#: Relative difference allowed between the rounds' losses of a CUDA run. Backward on the GPU is
+#: not deterministic (atomic additions in backward kernels), so two runs of the same training
+#: drift apart slowly: on the Qwen2.5-0.5B shape, two rounds' final losses after 13 steps
+#: differed by 0.002-0.11% (torchao 8.9788 and 8.9790, AdamBridge bf16-ecc24 9.2147 and 9.2042),
+#: while the forward alone repeated exactly. A CPU run must repeat bit for bit.
+CUDA_LOSS_RTOL = 0.01
+
+
 def merge_rounds(
     runs: list[Any],
     medians: tuple[str, ...] = ("fwd_ms", "bwd_ms", "opt_ms"),
     maxima: tuple[str, ...] = ("peak_gib", "reserved_gib", "leftover_gib", "host_gib"),
+    loss_rtol: float = 0.0,
 ) -> Any:
     """One row from its runs in several rounds (this module's ``Row`` or ``apexw_e2e``'s, with
     their per-phase ``medians`` and memory ``maxima`` fields): median and minimum over every
     timed step of every round, the phase medians' median, the largest memory figures, each
     round's median in ``round_median_ms``; losses from the first round that ran (every round
-    starts from the same seed and batches: rounds whose losses differ are an error)."""
+    starts from the same seed and batches: rounds whose losses differ by more than ``loss_rtol``
+    relative, or differ at all where it is 0, are an error)."""
     ran = [r for r in runs if r.median_ms is not None]
     if not ran:
         return runs[0]
@@ -809,8 +820,14 @@ def merge_rounds(
         setattr(out, name, max(values) if values else None)
     out.round_median_ms = [r.median_ms for r in ran]
     problems = [r.error for r in runs if r.error]
-    if any(r.losses != out.losses for r in ran):
-        problems.append("rounds gave different losses")
+    rel = [
+        abs(a - b) / max(abs(b), 1e-30)
+        for r in ran
+        for a, b in zip(r.losses, out.losses, strict=False)
+    ]
+    if any(len(r.losses) != len(out.losses) for r in ran) or not all(x <= loss_rtol for x in rel):
+        worst = max((x for x in rel if not math.isnan(x)), default=0.0)
+        problems.append(f"rounds gave different losses (largest relative difference {worst:.2g})")
     out.error = "; ".join(problems) or None
     return out
 
@@ -991,7 +1008,8 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_row(spec, modules.get(spec.name), ctx)
                 runs[spec.name].append(row)
                 report_row(spec, row, k, args.rounds)
-    results = {name: merge_rounds(rows) for name, rows in runs.items()}
+    rtol = CUDA_LOSS_RTOL if torch.device(args.device).type == "cuda" else 0.0
+    results = {name: merge_rounds(rows, loss_rtol=rtol) for name, rows in runs.items()}
     for row in results.values():
         if (row.leftover_gib or 0) > LEFTOVER_GIB:
             print(
