@@ -33,7 +33,7 @@ namespace {
 
 // Elements per tile, a multiple of the 32-element block. step_range's tile arrays take 34 B per
 // element: 256 keeps them (8.5 KiB) well inside a 32-48 KiB L1d with room for the streams, where
-// 1024 (34 KiB) did not; on the H200's 16-core host, 256 ran the generic ECC-24 paths 7-18% and
+// 1024 (34 KiB) did not; on the H200's 16-core host, 256 ran the generic ECC-24 paths 6-19% and
 // the bf16 path 3-13% faster (docs/benchmarks/2026-11-30-paired-e2e-and-tiles.md).
 constexpr int64_t TILE = 256;
 constexpr uint32_t F32_INF = 0x7F800000u;
