@@ -1,0 +1,53 @@
+"""The offload host-step benchmark at toy size: every row runs and its figures agree."""
+
+from __future__ import annotations
+
+import json
+
+import offload_e2e
+import offload_host_step
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_rows_in_one_process(tmp_path, capsys) -> None:
+    out = tmp_path / "host.json"
+    rows = "copy,torch,fp32,bf16,fp8,bf16-ecc24,compact"
+    argv = ["--rows", rows, "--log2n", "12", "--iters", "2", "--threads", "1", "--no-isolate"]
+    assert offload_host_step.main([*argv, "--rounds", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["n"] == 4096
+    assert data["threads"] == 1
+    names = [r["name"] for r in data["rows"]]
+    assert names == rows.split(",") + rows.split(",")[::-1]  # round 2 reversed
+    for r in data["rows"]:
+        want = {"copy": 8, "torch": 28}.get(r["name"])
+        want = want or offload_e2e.BYTE_MODEL[r["name"]].kernel
+        assert r["bytes_per_param"] == want
+        assert r["gbs"] == pytest.approx(want * 4096 / (r["ms"] / 1e3) / 1e9)
+        assert r["ns_per_param"] == pytest.approx(r["ms"] * 1e6 / 4096)
+    table = capsys.readouterr().out
+    assert "| bf16-ecc24 | 1 |" in table
+    assert "| torch | 2 |" in table
+
+
+def test_the_steps_update_the_weights() -> None:
+    # each timed step is a real update: the master moves (a bf16 ECC-24 weight too)
+    for name in ("torch", "fp32", "bf16", "bf16-ecc24", "compact"):
+        step, _, weight = offload_host_step.row_step(name, 64)
+        before = weight.detach().clone()
+        with torch.no_grad():
+            step()
+        assert not torch.equal(weight.detach(), before), name
+
+
+def test_isolated_row_and_unknown_row() -> None:
+    assert offload_host_step.main(["--rows", "bf16", "--log2n", "10", "--iters", "1"]) == 0
+    assert offload_host_step.main(["--rows", "nope", "--log2n", "10", "--iters", "1"]) == 1
