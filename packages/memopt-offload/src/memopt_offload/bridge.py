@@ -20,8 +20,9 @@ plus the pinned bf16 gradient buffer (2 B) and, except for the ECC-24 masters (`
 and ``"compact"``, whose bf16 host parameter is itself the copy sent back), a pinned bf16
 staging copy (2 B). An ECC-24 master holds about 16 significant bits and rounds its last one
 stochastically, so small updates are not lost on average (memopt-ecc's format). ``"bf16-ecc24"``
-moves 16 B where ``"bf16"`` moves 20, through one fused loop like bf16's, which pays where
-host memory bandwidth bounds the step. The link carries 2 B
+holds 9 B of host memory per parameter where ``"bf16"`` holds 12 and moves 16 B where it moves
+20, through the same kind of one-loop C++ kernel; on the H200's host its step took 0.75-1.07x
+bf16's (docs/benchmarks/2026-11-30-paired-e2e-and-tiles.md). The link carries 2 B
 per parameter down (the bf16 gradient) and 2 B up (the updated bf16 weight); float32 parameters
 4 B each way. Low-precision moments and the ECC master round stochastically (core's
 counter-based generator), so they do not stall; every update is bit-exact with
