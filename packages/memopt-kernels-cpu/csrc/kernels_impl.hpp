@@ -550,6 +550,24 @@ void dec_moment(int32_t fmt, const void* codes, const uint8_t* scales, int64_t n
 }
 
 // ------------------------------------------------------------------------------ masters
+// ecc.Ecc24Master's split of fp32 pattern u: top24 (sign, exponent and 15 mantissa bits, rounded
+// to nearest even, or stochastically with word r; finite values saturate below inf, NaN stays
+// quiet), whose low byte is the code, and the bf16 parameter. The parameter is top16 +
+// (mid8 >= 0x80) as one rounding addition (no carry reaches the sign: top24's magnitude is at
+// most 0x7F8000); NaN keeps its top16.
+struct Ecc24 {
+  uint32_t top24, param;
+};
+template <bool SR>
+inline Ecc24 ecc24_encode(uint32_t u, uint32_t r) {
+  const uint32_t mag = u & F32_MAG;
+  uint32_t top24 = round_drop_bits<8, SR>(mag, r);
+  top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
+  top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
+  top24 |= (u >> 31) << 23;
+  return {top24, (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8};
+}
+
 // Master decode of n elements; parameter entries at and after `real` read as 0 (padding),
 // codes are read for all n (the arena holds codes for the padding too).
 void dec_master(int32_t master, const void* param, const void* code, int64_t n, int64_t real,
@@ -623,17 +641,9 @@ void enc_master_t(int32_t master, const float* __restrict x, int64_t n, int64_t 
       auto* p = static_cast<uint16_t*>(param);
       auto* c = static_cast<uint8_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t u = f2u(x[i]);
-        const uint32_t mag = u & F32_MAG;
-        uint32_t top24 = round_drop_bits<8, SR>(mag, SR ? r[i] : 0u);
-        top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
-        top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
-        top24 |= (u >> 31) << 23;
-        // top16 + (mid8 >= 0x80) is one rounding addition (no carry reaches the sign: top24's
-        // magnitude is at most 0x7F8000); NaN keeps its top16
-        const uint32_t pv = (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8;
-        c[i] = static_cast<uint8_t>(top24);
-        if (i < real) p[i] = static_cast<uint16_t>(pv);
+        const Ecc24 e = ecc24_encode<SR>(f2u(x[i]), SR ? r[i] : 0u);
+        c[i] = static_cast<uint8_t>(e.top24);
+        if (i < real) p[i] = static_cast<uint16_t>(e.param);
       }
       break;
     }
@@ -767,18 +777,12 @@ void adam_bf16_moments_ecc24_t(const StepConfig& c, int64_t n, uint16_t* __restr
     const float mi = m0 + omb1 * (g[i] - m0);
     const float vi = b2 * v0 + omb2 * (g[i] * g[i]);
     const float d = std::sqrt(vi) / bc2 + eps;
-    const uint32_t u = f2u(xi - lr_t * (mi / d));
-    const uint32_t mag = u & F32_MAG;
-    uint32_t top24 = round_drop_bits<8, SR>(mag, SR ? r0[i] : 0u);
-    top24 = mag < F32_INF ? vmin(top24, 0x7F7FFFu) : (mag >> 8);
-    top24 = mag > F32_INF ? ((mag >> 8) | 0x4000u) : top24;
-    top24 |= (u >> 31) << 23;
-    const uint32_t pv = (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8;
-    code[i] = static_cast<uint8_t>(top24);
-    p[i] = static_cast<uint16_t>(pv);
+    const Ecc24 e = ecc24_encode<SR>(f2u(xi - lr_t * (mi / d)), SR ? r0[i] : 0u);
+    code[i] = static_cast<uint8_t>(e.top24);
+    p[i] = static_cast<uint16_t>(e.param);
     m[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(mi), SR ? r1[i] : 0u));
     v[i] = static_cast<uint16_t>(bf16_round<SR>(f2u(vi), SR ? r2[i] : 0u));
-    if constexpr (STAGE) st[i] = static_cast<uint16_t>(pv);
+    if constexpr (STAGE) st[i] = static_cast<uint16_t>(e.param);
   }
 }
 
