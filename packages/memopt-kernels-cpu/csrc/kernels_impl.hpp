@@ -757,9 +757,9 @@ void adam_bf16_moments(const StepConfig& c, int64_t n, float* x, const float* g,
 }
 
 // adam_bf16_moments over an ECC-24 master (bf16 parameter p + 8-bit code, decoded and encoded as
-// dec_master / enc_master do; stochastic with words r0 when SR) instead of an fp32 one: the
-// configuration that moves the fewest host bytes at bf16 moments' CPU cost. The staging copy is
-// the new bf16 parameter itself.
+// dec_master / enc_master do; stochastic with words r0 when SR) instead of an fp32 one:
+// memopt-offload's "bf16-ecc24", 16 B per parameter where an fp32 master moves 20. The staging
+// copy is the new bf16 parameter itself.
 template <bool SR, bool DECAY, bool STAGE>
 void adam_bf16_moments_ecc24_t(const StepConfig& c, int64_t n, uint16_t* __restrict p,
                                uint8_t* __restrict code, const float* __restrict g,

@@ -3,8 +3,8 @@
 The reference is core's ``MemOptimizer`` on its pure-torch backend over host copies of the
 masters (fp32, or bf16 + ECC-24 code for ``"bf16-ecc24"`` and ``"compact"``), fed the same bf16
 gradients, with the device weights rewritten from the masters after each step exactly as
-AdamBridge's upload does (round to nearest even). Both models compute the same forward and backward, so every step's
-gradients, masters and weights must be equal bit for bit.
+AdamBridge's upload does (round to nearest even). Both models compute the same forward and
+backward, so every step's gradients, masters and weights must be equal bit for bit.
 """
 
 from __future__ import annotations
