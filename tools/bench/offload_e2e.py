@@ -6,8 +6,8 @@ Rows (``--rows`` picks a subset; each in a fresh model built with the same seed)
   ``torch.autocast(bf16)``, backward outside it (PyTorch's recipe). The "vs torch AdamW" base.
 - ``torchao-offload``: bf16 model, torchao's ``CPUOffloadOptimizer(params, torch.optim.AdamW,
   offload_gradients=True, fused=True)`` (CUDA only), ``step()`` then ``zero_grad()``.
-- ``bridge-fp32``, ``bridge-bf16``, ``bridge-fp8``, ``bridge-bf16-ecc24``, ``bridge-compact``: bf16 model,
-  ``memopt_offload.AdamBridge(precision=...)`` with ``attach_hooks(model)``; the step is
+- ``bridge-fp32``, ``bridge-bf16``, ``bridge-fp8``, ``bridge-bf16-ecc24``, ``bridge-compact``:
+  bf16 model, ``memopt_offload.AdamBridge(precision=...)`` with ``attach_hooks(model)``; the step is
   ``step_sync()``. ``bridge-bf16-nohooks``: plain ``step()`` and ``zero_grad()``.
 - ``fwd-bwd-bf16``: the bf16 model's forward and backward with no optimizer: the floor every
   offload row is measured against; it also records when each gradient becomes final.
@@ -45,7 +45,8 @@ Byte model of an AdamBridge step, bytes per parameter (r+w = read and written):
 "kernel" is what the CPU update reads and writes; the DMA legs (the copy engine writing the bf16
 gradient into pinned host memory and reading the bf16 weight back out) load the same host memory,
 so the host-memory bound uses the total. The ECC-24 masters (bf16-ecc24, compact) need no
-staging: their bf16 parameter is the weight that goes up. q8 and fp8 group scales (a few hundredths of a byte) are left out.
+staging: their bf16 parameter is the weight that goes up. q8 and fp8 group scales (a few
+hundredths of a byte) are left out.
 (memopt_offload.bridge's docstring gives the kernel column.)
 
 Lower bound per AdamBridge row: link time = max(2 B·n / D2H, 2 B·n / H2D, 4 B·n / both at once),
