@@ -76,11 +76,13 @@ def test_matches_reference_120_steps(device, precision, hooks):
     )
 
 
-def test_float32_parameters(device):
+@pytest.mark.parametrize("precision", ["bf16", "bf16-ecc24", "compact"])
+def test_float32_parameters(device, precision):
+    # float32 parameters keep an fp32 master whatever the precision names for bf16 ones
     model = make_model(device, dtype=torch.float32)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16")
-    ref = Reference(ref_model, "bf16", lr=1e-3)
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision)
+    ref = Reference(ref_model, precision, lr=1e-3)
     train_pair(model, ref_model, opt, ref, 12, device, hooks=True, dtype=torch.float32)
 
 
