@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -298,3 +300,25 @@ def test_state_bytes_counts_masters_and_moments(device):
     bf16 = AdamBridge(model.parameters(), precision="bf16")
     assert bf16.state_bytes() == 8 * n
     assert bf16.host_bytes() > bf16.state_bytes()  # plus the transfer buffers
+
+
+def test_exit_with_updates_in_flight_is_clean(tmp_path):
+    # a script that ends between backward and step_sync(): the dispatcher thread must not still
+    # be inside the C++ kernels when the interpreter tears their thread pool down (that aborted
+    # the process with "terminate called without an active exception")
+    script = tmp_path / "exit_in_flight.py"
+    script.write_text(
+        "import torch\n"
+        "from memopt_offload import AdamBridge\n"
+        "model = torch.nn.Linear(2048, 8192, dtype=torch.bfloat16)  # 16.8M parameters\n"
+        "opt = AdamBridge(model.parameters(), lr=1e-3)\n"
+        "opt.attach_hooks(model)\n"
+        "model(torch.randn(4, 2048, dtype=torch.bfloat16)).float().sum().backward()\n"
+        "print('update queued at exit')\n"
+    )
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "update queued at exit" in done.stdout

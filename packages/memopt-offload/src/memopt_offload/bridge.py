@@ -177,8 +177,14 @@ class _Dispatcher:
         return err
 
     def stop(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        """End the thread once the queued items ran, and wait for it (unless called on it):
+        at interpreter exit no update may still be inside the C++ kernels when their thread
+        pool is torn down (that aborts the process)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._queue.put(None)
+            if thread is not threading.current_thread():
+                thread.join()
 
 
 def _dispatch_loop(dispatcher: _Dispatcher) -> None:
