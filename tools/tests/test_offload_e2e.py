@@ -37,7 +37,7 @@ class StandInBridge(torch.optim.AdamW):
         self.hooked = 0
         self.handles = []
 
-    def attach_hooks(self, model):
+    def attach_hooks(self, model, overlap_forward=False):
         def hook(_):
             self.hooked += 1
 
@@ -104,6 +104,16 @@ def test_lower_bound_exposes_the_last_gradient() -> None:
     plain = offload_e2e.Row("bridge-bf16-nohooks", "", precision="bf16", median_ms=150.0)
     b = offload_e2e.lower_bound(plain, n, bw, base, ready)
     assert b["step_ms"] == pytest.approx(100.0 + b["host_ms"])
+    # overlap_forward: the next forward may hide as much of the excess (24 ms) as it lasts
+    overlap = offload_e2e.Row(
+        "bridge-bf16-overlap", "", precision="bf16", hooks=True, overlap=True, median_ms=120.0
+    )
+    b = offload_e2e.lower_bound(overlap, n, bw, base, ready)
+    assert b["tail_ms"] == 0.0  # a 40 ms forward hides all of it
+    short = offload_e2e.Row("fwd-bwd-bf16", "", median_ms=70.0, fwd_ms=10.0, bwd_ms=60.0)
+    b = offload_e2e.lower_bound(overlap, n, bw, short, ready)
+    assert b["tail_ms"] == pytest.approx(24 * 10**8 / 100e9 * 1e3 - 10.0)
+    assert b["step_ms"] == pytest.approx(70.0 + b["tail_ms"])
 
 
 def test_tiny_run_times_torch_adamw_and_the_floor(tmp_path, capsys) -> None:
@@ -173,12 +183,16 @@ def test_bridge_rows_with_a_stand_in(tmp_path, monkeypatch) -> None:
     importlib.util.find_spec("memopt_offload") is None, reason="memopt_offload is not installed"
 )
 def test_the_real_bridge_runs_its_rows(tmp_path) -> None:
-    data = _run(tmp_path, ["bridge-bf16", "bridge-bf16-nohooks"])
-    for r in data["rows"]:
+    data = _run(tmp_path, ["bridge-bf16", "bridge-bf16-nohooks", "bridge-bf16-overlap"])
+    rows = {r["name"]: r for r in data["rows"]}
+    for r in rows.values():
         assert r["error"] is None
         assert r["median_ms"] > 0
         assert r["host_gib"] > 0
         assert math.isfinite(r["final_loss"])
+    # the same updates whether the next forward waits for them all or overlaps them
+    assert rows["bridge-bf16-overlap"]["overlap"]
+    assert rows["bridge-bf16-overlap"]["losses"] == rows["bridge-bf16"]["losses"]
 
 
 def test_isolated_row_runs_in_its_own_process(tmp_path) -> None:

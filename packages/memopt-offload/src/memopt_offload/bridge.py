@@ -47,6 +47,23 @@ weight in backward after the weight's gradient is final (rare) should use :meth:
 hooks; the in-place upload bumps the weight's version counter, so autograd reports such a read
 instead of using a changed value where it can.
 
+Overlapping the next forward (``attach_hooks(model, overlap_forward=True)``): the host is
+usually behind when backward ends (the tied embedding of a language model, final only then, and
+whatever the host has not caught up with), and the next forward needs only one module's weights
+at a time. With this option :meth:`AdamBridge.step_sync` closes the step and returns at once; a
+forward pre-hook on every module that holds parameters of this optimizer waits for those
+parameters' updates and orders their uploads before the module's kernels. The dispatcher runs
+the newest bucket whose gradients have arrived first, so the buckets left when backward ends are
+updated in the order the next forward reads them (backward's order reversed). The contract is
+that every weight is read through a module that holds it; the first forward that overlaps
+updates runs under a check (a ``TorchFunctionMode``) that raises :class:`OffloadError` when a
+torch function reads a weight before its module's pre-hook waited (metadata such as ``shape``
+excepted), and a weight that receives a gradient although no pre-hook waited for it raises too.
+Reading weights outside the model's forward needs :meth:`AdamBridge.synchronize` first
+(``model.state_dict()`` and this optimizer's own methods do it by themselves). The updates are
+the same bits either way; hyperparameters are taken when a bucket is queued, so an LR scheduler
+stepped right after ``step_sync()`` changes the next step, not the one in flight.
+
 Gradient clipping by global norm (``max_grad_norm``) cannot use ``clip_grad_norm_`` with hooks
 (the gradients have left the GPU when backward returns). ``clip_mode="wait"`` (the default)
 computes each gradient's fp32 norm on the device as it arrives (the total is the L2 norm of
@@ -62,8 +79,8 @@ holds the total norm of the latest step either way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-import queue
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -74,6 +91,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
@@ -131,43 +150,73 @@ class _Slot:
 
 
 class _Dispatcher:
-    """The thread that runs host updates in submission order. It holds no reference to the
-    optimizer (only to the callables queued), so an unused AdamBridge is collected, and the
-    first error of a step is kept for :meth:`wait` (later updates of that step are skipped)."""
+    """The thread that runs host updates, one bucket at a time, newest ready bucket first.
+
+    Newest first because backward produces gradients in the reverse of the order the next
+    forward reads the weights: when the host falls behind backward, the buckets left at its end
+    are then updated in the order the next forward needs them (``overlap_forward``). A bucket is
+    ready when its device-to-host copy has finished; when none is, the oldest runs (its copy
+    finishes first). It holds no reference to the optimizer (only to the callables queued), so
+    an unused AdamBridge is collected, and the first error of a step is kept for :meth:`wait`
+    (later updates of that step are skipped)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
+        self._items: list[tuple[_Bucket, Any, tuple]] = []  # in submission order
         self._submitted = 0
         self._done = 0
         self._error: BaseException | None = None
+        self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, fn: Any, *args: Any) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(
-                target=_dispatch_loop, args=(self,), name="memopt-offload-dispatcher", daemon=True
-            )
-            self._thread.start()
+    def submit(self, bucket: _Bucket, fn: Any, *args: Any) -> None:
         with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=_dispatch_loop,
+                    args=(self,),
+                    name="memopt-offload-dispatcher",
+                    daemon=True,
+                )
+                self._thread.start()
+            self._items.append((bucket, fn, args))
             self._submitted += 1
-        self._queue.put((fn, args))
+            self._cond.notify_all()
 
-    def run(self, fn: Any, args: tuple) -> None:
+    def next_item(self) -> tuple[_Bucket, Any, tuple] | None:
+        """The next item to run (blocks while there is none); None once stopped."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._items or self._stopped)
+            if self._stopped:
+                return None
+            items = self._items
+            for i in range(len(items) - 1, 0, -1):
+                if items[i][0].ready():
+                    return items.pop(i)
+            return items.pop(0)
+
+    def run(self, bucket: _Bucket, fn: Any, args: tuple) -> None:
         """Run one item (skipped after an earlier error of the same step) and record it."""
         with self._cond:
             failed = self._error is not None
         error = None
         if not failed:
             try:
-                fn(*args)
+                fn(bucket, *args)
             except BaseException as e:  # handed to step_sync()
                 error = e
         with self._cond:
             if error is not None and self._error is None:
                 self._error = error
+            bucket.done = True
             self._done += 1
             self._cond.notify_all()
+
+    def wait_bucket(self, bucket: _Bucket) -> bool:
+        """Block until ``bucket`` ran (or was skipped); False when a step's update failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: bucket.done)
+            return self._error is None
 
     def wait(self) -> BaseException | None:
         """Block until every submitted item ran; returns (and clears) the first error."""
@@ -177,27 +226,74 @@ class _Dispatcher:
         return err
 
     def stop(self) -> None:
-        """End the thread once the queued items ran, and wait for it (unless called on it):
-        at interpreter exit no update may still be inside the C++ kernels when their thread
-        pool is torn down (that aborts the process)."""
+        """Drop the queued items and end the thread after the one it runs. Joined (unless
+        called on the thread itself), so that at interpreter exit no update is still inside
+        the C++ kernels when their thread pool is torn down."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
         thread = self._thread
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
-            if thread is not threading.current_thread():
-                thread.join()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def _dispatch_loop(dispatcher: _Dispatcher) -> None:
-    q = dispatcher._queue
     while True:
-        item = q.get()
+        item = dispatcher.next_item()
         if item is None:
             return
         dispatcher.run(*item)
         del item  # drop the optimizer reference before blocking again
 
 
-@dataclass
+#: Tensor methods and attributes that read only metadata: using them on a weight in flight is
+#: safe (``.data``, ``.T`` and other views are not in these lists: they read values later)
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "ndimension", "numel", "nelement", "element_size", "stride",
+     "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device"}
+)  # fmt: skip
+_METADATA_ATTRIBUTES = frozenset(
+    {"shape", "dtype", "device", "layout", "ndim", "requires_grad", "is_leaf", "grad", "grad_fn",
+     "names", "itemsize", "nbytes", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+     "is_nested", "_version"}
+)  # fmt: skip
+
+
+class _ReadGuard(TorchFunctionMode):
+    """The check of the first forward that overlaps updates (``overlap_forward``): a torch
+    function that reads a parameter whose update is still in flight, before any forward
+    pre-hook waited for it, raises :class:`OffloadError` instead of reading a stale weight.
+    Metadata (``shape``, ``dtype``, ``numel()``...) may be read; ``.data`` may not."""
+
+    def __init__(self, bridge: AdamBridge) -> None:
+        super().__init__()
+        self._bridge = bridge
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        inflight = self._bridge._inflight
+        if inflight and not _reads_metadata_only(func):
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, Tensor) and id(t) in inflight:
+                    slot = self._bridge._slots[id(t)]
+                    raise OffloadError(
+                        f"{getattr(func, '__name__', func)} read {slot.label} before the "
+                        "forward pre-hook of a module holding it waited for its update "
+                        "(overlap_forward): read each weight through the module that holds "
+                        "it, call optimizer.synchronize() first, or attach the hooks without "
+                        "overlap_forward"
+                    )
+        return func(*args, **kwargs)
+
+
+def _reads_metadata_only(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # an attribute: the descriptor's name says which
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_ATTRIBUTES
+    return name in _METADATA_METHODS and getattr(func, "__qualname__", "").startswith("TensorBase.")
+
+
+@dataclass(eq=False)
 class _Bucket:
     slots: list[_Slot] = field(default_factory=list)
     nbytes: int = 0
@@ -205,6 +301,13 @@ class _Bucket:
     # until the bucket closes: the gradients to copy, and whether to free each after its copy
     grads: list[Tensor] = field(default_factory=list)
     free: list[bool] = field(default_factory=list)
+    uploaded: Any = None  # torch.cuda.Event after the bucket's host-to-device copies
+    hyper: dict[int, dict[str, Any]] = field(default_factory=dict)  # group -> lr, betas, ...
+    done: bool = False  # set by the dispatcher once the update ran (or was skipped)
+
+    def ready(self) -> bool:
+        """Whether the gradients are in host memory (the device-to-host copies finished)."""
+        return self.event is None or self.event.query()
 
 
 class AdamBridge(Optimizer):
@@ -423,6 +526,7 @@ class AdamBridge(Optimizer):
     def master_weight(self, p: Tensor) -> Tensor:
         """The host fp32 master of parameter ``p`` (a copy; an ECC-24 master decoded)."""
         slot = self._slot(p)
+        self.synchronize()
         with torch.no_grad():
             if self._ecc_master(slot.param):
                 code = self._host.state[slot.master]["master_code"]
@@ -443,13 +547,20 @@ class AdamBridge(Optimizer):
         return slot
 
     # ------------------------------------------------------------------------------ hooks
-    def attach_hooks(self, model: torch.nn.Module) -> None:
+    def attach_hooks(self, model: torch.nn.Module, *, overlap_forward: bool = False) -> None:
         """Update each parameter of ``model`` from a post-accumulate-grad hook as soon as its
         gradient is final (see the module doc); a forward pre-hook on ``model`` raises
         :class:`~memopt_core.errors.OffloadError` when a forward starts before
         :meth:`step_sync` collected the updates of the last backward. DDP and FSDP1 models
         are refused (``TypeError``: their hooks see un-reduced gradients); with DDP, call
-        :meth:`step` after backward instead, one AdamBridge per process."""
+        :meth:`step` after backward instead, one AdamBridge per process.
+
+        ``overlap_forward=True``: :meth:`step_sync` returns without waiting for the updates,
+        and the next forward overlaps them: a forward pre-hook on every module that holds one
+        of the optimizer's parameters waits for that module's own parameters (module doc,
+        "Overlapping the next forward")."""
+        if not isinstance(overlap_forward, bool):
+            raise ConfigError(f"overlap_forward must be True or False, got {overlap_forward!r}")
         if self._hooks:
             raise ConfigError("hooks are already attached: call detach_hooks() first")
         if not isinstance(model, torch.nn.Module):
@@ -467,14 +578,31 @@ class AdamBridge(Optimizer):
                 "attach_hooks found none of this optimizer's trainable parameters in the model"
             )
         self._hooks.append(model.register_forward_pre_hook(self._check_synced))
+        self._overlap = overlap_forward
+        if overlap_forward:
+            for module in model.modules():
+                own = tuple(
+                    id(p)
+                    for p in module._parameters.values()
+                    if p is not None and id(p) in self._slots and self._slots[id(p)].param is p
+                )
+                if own:
+                    await_own = functools.partial(self._await_params, own)
+                    self._hooks.append(module.register_forward_pre_hook(await_own))
+            self._hooks.append(model.register_forward_hook(self._end_read_guard, always_call=True))
+            # model.state_dict() reads the weights outside any forward
+            self._hooks.append(model.register_state_dict_pre_hook(self._sync_before_read))
+            self._guard_next_forward = True
 
     def detach_hooks(self) -> None:
         """Remove the hooks (waits for in-flight updates first); idempotent."""
-        if self._pending:
+        if self._pending or self._inflight:
             self._finish()
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._overlap = False
+        self._guard_next_forward = False
 
     @property
     def hooks_attached(self) -> bool:
@@ -498,6 +626,38 @@ class AdamBridge(Optimizer):
                 "optimizer.step_sync() (or step()) after backward and before the next forward, "
                 "or the forward could read half-updated weights"
             )
+        if self._guard_next_forward and self._inflight and self._read_guard is None:
+            # the first forward that overlaps updates checks that no weight is read before
+            # its module's pre-hook waited for it
+            self._guard_next_forward = False
+            self._read_guard = _ReadGuard(self)
+            self._read_guard.__enter__()
+
+    def _end_read_guard(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        guard, self._read_guard = self._read_guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
+
+    def _await_params(self, ids: tuple[int, ...], module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook (overlap_forward): wait for the updates of the module's own
+        parameters and order their uploads before the current stream's next kernel."""
+        if not self._inflight:
+            return
+        for i in ids:
+            bucket = self._inflight.pop(i, None)
+            if bucket is not None:
+                self._await_bucket(bucket)
+
+    def _await_bucket(self, bucket: _Bucket) -> None:
+        if not self._dispatcher.wait_bucket(bucket):
+            self._finish()  # raises the failed update's error
+        if bucket.uploaded is not None:
+            torch.cuda.current_stream(self._device).wait_event(bucket.uploaded)
+            bucket.uploaded = None  # one wait per bucket is enough
+
+    def _sync_before_read(self, *args: Any) -> None:
+        if self._inflight:
+            self.synchronize()
 
     def _on_grad(self, p: Tensor) -> None:
         if self._accumulating:
@@ -513,7 +673,14 @@ class AdamBridge(Optimizer):
 
     # --------------------------------------------------------------------------- pipeline
     def _reset_pipeline(self) -> None:
-        self._pending: dict[int, _Slot] = {}
+        # parameter id -> its bucket: gradients taken but the step not closed yet
+        self._pending: dict[int, _Bucket] = {}
+        # parameter id -> its bucket: updates of a closed step that no forward waited for yet
+        # (overlap_forward)
+        self._inflight: dict[int, _Bucket] = {}
+        self._overlap = False
+        self._guard_next_forward = False
+        self._read_guard: _ReadGuard | None = None
         self._bucket = _Bucket()
         self._held: list[_Bucket] = []
         self._norms: dict[int, Tensor] = {}
@@ -543,14 +710,22 @@ class AdamBridge(Optimizer):
                 "micro-batches inside `with optimizer.no_update():`, and call step_sync() "
                 "after each optimizer step's last backward"
             )
+        if id(p) in self._inflight:
+            raise OffloadError(
+                f"{slot.label} has a new gradient, but no forward pre-hook waited for its "
+                "update of the last step (overlap_forward): the forward read it outside the "
+                "module that holds it, or the loss read it outside the model's forward. Call "
+                "optimizer.synchronize() before reading weights outside the model's forward, "
+                "or attach the hooks without overlap_forward"
+            )
         g = p.grad
         if g.shape != p.shape or g.dtype != p.dtype or g.layout != torch.strided:
             raise OffloadError(
                 f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
                 f"AdamBridge takes dense gradients of the parameter's dtype and shape"
             )
-        self._pending[id(p)] = slot
         bucket = self._bucket
+        self._pending[id(p)] = bucket
         bucket.slots.append(slot)
         bucket.grads.append(g)
         bucket.free.append(free)
@@ -597,17 +772,20 @@ class AdamBridge(Optimizer):
             self._submit(bucket, self._prev_coef)
 
     def _submit(self, bucket: _Bucket, coef: float | None) -> None:
-        self._dispatcher.submit(self._update, bucket, coef)
+        # the hyperparameters as they are now: an LR scheduler stepped while the update is still
+        # queued (overlap_forward) must not change it
+        for gi in {s.group for s in bucket.slots}:
+            outer = self.param_groups[gi]
+            bucket.hyper[gi] = {k: outer[k] for k in _HYPER}
+        self._dispatcher.submit(bucket, self._update, coef)
 
     def _update(self, bucket: _Bucket, coef: float | None) -> None:
         """Dispatcher thread: one host update of a bucket, then its upload."""
         if bucket.event is not None:
             bucket.event.synchronize()  # the gradients are in host memory
         host = self._host
-        for gi in {s.group for s in bucket.slots}:  # LR schedulers change the outer groups
-            outer, inner = self.param_groups[gi], host.param_groups[gi]
-            for k in _HYPER:
-                inner[k] = outer[k]
+        for gi, hyper in bucket.hyper.items():
+            host.param_groups[gi].update(hyper)
         with torch.no_grad():
             if coef is not None and coef < 1.0:
                 for s in bucket.slots:
@@ -621,8 +799,11 @@ class AdamBridge(Optimizer):
             weights = [s.param for s in bucket.slots]
             uploads = [s.upload for s in bucket.slots]
             if self._cuda:
-                with torch.cuda.stream(self._stream_pair()[1]):
+                h2d = self._stream_pair()[1]
+                with torch.cuda.stream(h2d):
                     torch._foreach_copy_(weights, uploads, non_blocking=True)
+                bucket.uploaded = torch.cuda.Event()
+                bucket.uploaded.record(h2d)
             else:
                 torch._foreach_copy_(weights, uploads)
 
@@ -630,15 +811,16 @@ class AdamBridge(Optimizer):
         err = self._dispatcher.wait()
         if err is not None:
             self._pending.clear()
+            self._inflight.clear()
             self._held.clear()
             raise OffloadError(
                 f"a host update failed ({type(err).__name__}: {err}); the parameters of that "
                 "step are in an undefined state: reload the last checkpoint"
             ) from err
 
-    def _finish(self) -> None:
-        """Collect the step: clip (when waiting for the norm), run held buckets, wait for every
-        update and order the uploads before the current stream's next work."""
+    def _close_step(self) -> None:
+        """Close the step: its last bucket and, when clipping waits for the norm, the norm and
+        the held buckets."""
         self._close_bucket()
         if self.max_grad_norm is not None and self._norms:
             # summed in parameter order, whatever order backward produced the gradients in
@@ -652,10 +834,28 @@ class AdamBridge(Optimizer):
                 self._submit(bucket, coef)
             if self.clip_mode == "overlap":
                 self._prev_coef = coef
+
+    def _finish(self) -> None:
+        """Collect the step and every update in flight, and order the uploads before the
+        current stream's next work."""
+        self._close_step()
         self._wait_all()
         if self._cuda and self._streams is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
         self._pending.clear()
+        self._inflight.clear()
+
+    def synchronize(self) -> None:
+        """Wait until every update of the closed steps has landed and order the uploads before
+        the current stream's next kernel. Needed with ``overlap_forward`` before reading
+        weights outside the model's forward (``model.state_dict()`` does it by itself, and
+        this optimizer's methods that read state do too); without it, :meth:`step_sync`
+        already did this. A step whose backward ran but whose :meth:`step_sync` did not is
+        left open."""
+        if self._inflight:
+            for bucket in dict.fromkeys(self._inflight.values()):
+                self._await_bucket(bucket)
+            self._inflight.clear()
 
     # --------------------------------------------------------------------------- stepping
     @torch.no_grad()
@@ -663,23 +863,35 @@ class AdamBridge(Optimizer):
         """One step. With hooks attached: collect the updates the hooks started (this is what
         :meth:`step_sync` calls). Any parameter holding a gradient the hooks did not take (no
         hooks, or a parameter outside the hooked model) is offloaded and updated now; its
-        gradient is left in place, as torch's ``step`` does. Returns the closure's loss."""
+        gradient is left in place, as torch's ``step`` does. With ``overlap_forward`` it
+        returns once the updates are queued (the next forward waits for them). Returns the
+        closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.synchronize()  # overlap_forward: the last step's updates no forward waited for
         for slot in self._slots.values():
             p = slot.param
             if p.grad is not None and id(p) not in self._pending:
                 self._offload(slot, free=False)
-        self._finish()
+        if self._overlap:
+            self._close_step()
+            self._inflight.update(self._pending)
+            self._pending.clear()
+        else:
+            self._finish()
         return loss
 
     def step_sync(self) -> float | None:
         """Wait until every update of the last backward has landed and the new weights are
         back on the device (ordered before the current stream's next kernel). Calls
         :meth:`step` (so LR schedulers and step hooks see a step); a second call without new
-        gradients does nothing. Returns the total gradient norm when clipping, else None."""
+        gradients does nothing. Returns the total gradient norm when clipping, else None.
+
+        With ``attach_hooks(model, overlap_forward=True)`` it closes the step and returns
+        without waiting: each module's forward pre-hook waits for its own weights, and
+        :meth:`synchronize` waits for all of them."""
         self.step()
         return self.last_grad_norm if self.max_grad_norm is not None else None
 
@@ -694,7 +906,7 @@ class AdamBridge(Optimizer):
         host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
         saves them, and ``memopt`` (precision, seed, version). Tensors are live host views;
         ``torch.save`` writes them without a trip through the device."""
-        if self._pending:
+        if self._pending or self._inflight:
             self._finish()
         sd = super().state_dict()
         host_sd = self._host.state_dict()
@@ -732,7 +944,7 @@ class AdamBridge(Optimizer):
                 f"the state dict holds precision={meta.get('precision')!r} state; this "
                 f"AdamBridge uses precision={self.precision!r}"
             )
-        if self._pending:
+        if self._pending or self._inflight:
             self._finish()
         params = [p for g in self.param_groups for p in g["params"]]
         saved_groups = state_dict["param_groups"]
