@@ -87,6 +87,21 @@ class Reference:
                 p.copy_(self.masters[id(p)])
 
 
+class Tied(torch.nn.Module):
+    """An embedding whose weight is also the output head's (one tensor, two modules), as in
+    language models with tied embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
 def clone_model(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 

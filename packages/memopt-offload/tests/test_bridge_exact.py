@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from offload_testutil import Reference, assert_same_params, batch, loss_of, make_model
+from offload_testutil import Reference, Tied, assert_same_params, batch, loss_of, make_model
 
 from memopt_core.errors import ConfigError
 from memopt_offload import AdamBridge
@@ -201,18 +201,6 @@ def test_lr_scheduler_and_param_groups(device):
         sched.step()
         assert_same_params(model, ref_model, f"step {t}")
     assert opt.param_groups[1]["lr"] == pytest.approx(5e-3 / 7)
-
-
-class Tied(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 16)
-        self.mid = torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight  # one tensor, two uses
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.emb(ids))))
 
 
 def test_tied_and_frozen_weights(device):

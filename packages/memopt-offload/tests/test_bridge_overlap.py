@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from offload_testutil import Reference, assert_same_params, batch, loss_of, make_model
+from offload_testutil import Reference, Tied, assert_same_params, batch, loss_of, make_model
 
 from memopt_core.errors import ConfigError, OffloadError
 from memopt_offload import AdamBridge
@@ -96,18 +96,6 @@ def test_overlap_equals_the_waiting_pipeline_with_clipping_and_a_scheduler(devic
     opt.synchronize()
     sync_device(device)
     assert_same_params(model, twin, "after 12 steps")
-
-
-class Tied(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 16)
-        self.mid = torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight  # one tensor, two modules
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.emb(ids))))
 
 
 def test_tied_weights_accumulation_and_state_dict(device, slow_updates):
