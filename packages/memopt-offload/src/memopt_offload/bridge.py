@@ -31,9 +31,10 @@ counter-based generator), so they do not stall; every update is bit-exact with
 The pipeline (:meth:`AdamBridge.attach_hooks`): a post-accumulate-grad hook on each parameter
 adds its final gradient to the open bucket; when the bucket holds about ``bucket_mb`` of
 gradients, they are copied to their pinned host buffers on a side stream (one copy call for the
-bucket) and freed on the GPU; a dispatcher thread waits for each bucket's copy, runs the fused C++ AdamW kernel (memopt-kernels-cpu, GIL released, its own thread
-pool) over the bucket, which writes the bf16 staging copy in the same pass, and queues the
-host-to-device copy of the new weights on another stream, all while backward continues.
+bucket) and freed on the GPU; a dispatcher thread waits for each bucket's copy, runs the fused
+C++ AdamW kernel (memopt-kernels-cpu, GIL released, its own thread pool) over the bucket,
+which writes the bf16 staging copy in the same pass, and queues the host-to-device copy of the
+new weights on another stream, all while backward continues.
 :meth:`AdamBridge.step_sync` waits until every update has landed and makes the current stream wait
 for the uploads, so the next forward never reads a half-updated weight. Without hooks,
 :meth:`AdamBridge.step` runs the same pipeline over all gradients at once. With the model on the
@@ -66,11 +67,12 @@ stepped right after ``step_sync()`` changes the next step, not the one in flight
 
 Gradient clipping by global norm (``max_grad_norm``) cannot use ``clip_grad_norm_`` with hooks
 (the gradients have left the GPU when backward returns). ``clip_mode="wait"`` (the default)
-computes each gradient's fp32 norm on the device as it arrives (the total is the L2 norm of
-those norms stacked in parameter order, so it does not depend on backward's order), starts no update before backward
-ends, then scales the host gradients by ``min(1, max_grad_norm / (total_norm + 1e-6))`` (the
-formula of ``torch.nn.utils.clip_grad_norm_``) and updates: exact clipping, transfers still
-overlap backward, updates do not. ``clip_mode="overlap"`` updates during backward with the
+computes each gradient's fp32 norm on the device when its bucket leaves (the total is the L2
+norm of those norms stacked in parameter order, so it does not depend on backward's order),
+starts no update before backward ends, then scales the host gradients by
+``min(1, max_grad_norm / (total_norm + 1e-6))`` (the formula of
+``torch.nn.utils.clip_grad_norm_``) and updates: exact clipping, transfers still overlap
+backward, updates do not. ``clip_mode="overlap"`` updates during backward with the
 coefficient of the *previous* step's total norm (one step stale; the first step waits), so
 updates overlap backward but a gradient spike is clipped one step late. ``last_grad_norm``
 holds the total norm of the latest step either way.
