@@ -7,6 +7,9 @@ upload itself), from a bf16 gradient, with stochastic rounding. Rows:
 
 - ``copy``: ``torch`` ``copy_`` of an fp32 buffer, read + write counted (the memory's speed);
 - ``torch``: ``torch.optim.AdamW(fused=True)`` on fp32 parameters and gradients (28 B/param);
+- ``deepspeed``: DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload's host optimizer, AdamW mode) on
+  the same fp32 tensors (28 B/param), when ``deepspeed`` is installed (its C++ op is built with
+  ninja at the first construction, outside the timed steps);
 - one row per AdamBridge precision (``fp32``, ``bf16``, ``fp8``, ``bf16-ecc24``, ``compact``).
 
 Each row runs ``--iters`` timed steps after 2 untimed ones over 2**``--log2n`` parameters and
@@ -32,7 +35,7 @@ from pathlib import Path
 import offload_e2e
 import torch
 
-PEERS = ("copy", "torch")
+PEERS = ("copy", "torch", "deepspeed")
 
 
 def row_step(name: str, n: int) -> tuple[Callable[[], object], int, torch.Tensor]:
@@ -45,6 +48,12 @@ def row_step(name: str, n: int) -> tuple[Callable[[], object], int, torch.Tensor
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n) * 1e-3
         return torch.optim.AdamW([p], lr=1e-3, fused=True).step, 28, p
+    if name == "deepspeed":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n) * 1e-3
+        return DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True).step, 28, p
     from memopt_core import MemOptimizer
     from memopt_offload import PRECISIONS
 
@@ -85,7 +94,7 @@ def set_threads(threads: int | None) -> None:
     if threads:
         import memopt_kernels_cpu
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # DeepSpeed's op runs in torch's OpenMP runtime
         memopt_kernels_cpu.set_num_threads(threads)
 
 

@@ -96,7 +96,7 @@ def scaled(shapes: list[Shape], scale: int) -> list[Shape]:
 class BenchConfig:
     """One optimizer configuration; ``module`` is imported first and its absence skips it.
 
-    ``cuda_only`` skips it on a CPU run. ``full_warmup`` rows run ``--full-warmup`` untimed
+    ``cuda_only`` skips it on a CPU run, ``cpu_only`` on a CUDA one. ``full_warmup`` rows run ``--full-warmup`` untimed
     steps whatever the time budget, then get the budget again for the timed ones: their first
     steps differ from the rest (a CUDA graph captured, a mode picked, the peers' kernels
     compiled per shape, memopt's cached step resolved at the first step and its launch prepared
@@ -110,6 +110,7 @@ class BenchConfig:
     param_dtype: torch.dtype
     build: Builder
     cuda_only: bool = False
+    cpu_only: bool = False
     full_warmup: bool = False
     settled: Callable[[Any], bool] | None = None
     notes: Callable[[Any], str] | None = None
@@ -210,6 +211,12 @@ def _graph_notes(_: Any) -> str:
     return "capturable=True; timed after the untimed full warmup (graph capture)"
 
 
+def _deepspeed_cpu_adam(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
+    # ZeRO-Offload's host optimizer: fp32 moments, AVX-512/AVX2 (as the host has them), OpenMP
+    # threads; built with ninja the first time it is constructed (outside the timed steps).
+    return mod.DeepSpeedCPUAdam(params, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+
+
 def _torchao_adamw8bit(mod: Any, params: Iterable[torch.nn.Parameter], _: torch.device):
     return mod.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
 
@@ -246,6 +253,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True, full_warmup=True),
     BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True, full_warmup=True),
     BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True, full_warmup=True),
+    BenchConfig("deepspeed-cpuadam", "DeepSpeed CPUAdam fp32 (peer)", "deepspeed.ops.adam", torch.float32, _deepspeed_cpu_adam, cpu_only=True),
     BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit, full_warmup=True),
 )  # fmt: skip
 
@@ -443,7 +451,8 @@ def measure(
 
 
 def set_threads(n: int) -> None:
-    """Use ``n`` CPU threads in torch and in memopt's C++ kernels (when installed)."""
+    """Use ``n`` CPU threads in torch (DeepSpeed's CPUAdam too: its op runs in torch's OpenMP
+    runtime) and in memopt's C++ kernels (when installed)."""
     torch.set_num_threads(n)
     try:
         import memopt_kernels_cpu
@@ -633,6 +642,9 @@ def importable(
             continue
         if config.cuda_only and not on_cuda:
             skipped[config.name] = f"needs a CUDA device ({config.label})"
+            continue
+        if config.cpu_only and on_cuda:
+            skipped[config.name] = f"steps CPU tensors only ({config.label})"
             continue
         modules[config.name] = module
     return modules, skipped

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import offload_e2e
 import offload_host_step
@@ -46,6 +48,27 @@ def test_the_steps_update_the_weights() -> None:
         with torch.no_grad():
             step()
         assert not torch.equal(weight.detach(), before), name
+
+
+class _FakeCPUAdam(torch.optim.AdamW):
+    """DeepSpeedCPUAdam's constructor over torch's AdamW (the row's plumbing, not DeepSpeed)."""
+
+    def __init__(self, params, lr, weight_decay, adamw_mode) -> None:
+        assert adamw_mode
+        super().__init__(params, lr=lr, weight_decay=weight_decay)
+
+
+def test_deepspeed_row_steps_fp32_tensors(monkeypatch) -> None:
+    adam = types.ModuleType("deepspeed.ops.adam")
+    adam.DeepSpeedCPUAdam = _FakeCPUAdam
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", adam)
+    step, nbytes, weight = offload_host_step.row_step("deepspeed", 64)
+    assert nbytes == 28
+    assert weight.dtype == torch.float32
+    before = weight.detach().clone()
+    with torch.no_grad():
+        step()
+    assert not torch.equal(weight.detach(), before)
 
 
 def test_isolated_row_and_unknown_row() -> None:

@@ -91,6 +91,17 @@ def test_cuda_only_rows_are_skipped_on_a_cpu(monkeypatch) -> None:
     assert skipped["apexw-q8"].startswith("needs a CUDA device")
 
 
+def test_cpu_only_rows_are_skipped_on_cuda(monkeypatch) -> None:
+    adam = types.ModuleType("deepspeed.ops.adam")  # found, installed or not
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.adam", adam)
+    modules, skipped = step_bench.importable({"deepspeed-cpuadam", "adamw"}, "cuda")
+    assert list(modules) == ["adamw"]
+    assert skipped["deepspeed-cpuadam"].startswith("steps CPU tensors only")
+    modules, skipped = step_bench.importable({"deepspeed-cpuadam"}, "cpu")
+    assert modules == {"deepspeed-cpuadam": adam}
+    assert skipped == {}
+
+
 class _FakeApexW(torch.optim.AdamW):
     """ApexW's interface over torch AdamW; mode="auto" decides at its 7th step."""
 
