@@ -13,6 +13,11 @@ Rows (``--rows`` picks a subset; each in a fresh model built with the same seed)
   overlap_forward=True)``: ``step_sync()`` returns at once and the next forward overlaps the
   updates (each module waits for its own weights), so their "forward" column holds that wait
   and "after backward" is only the closing of the step.
+- ``deepspeed-offload``: bf16 model under DeepSpeed's ZeRO-Offload (``deepspeed.initialize``,
+  one process: ZeRO stage 2, ``offload_optimizer`` on pinned CPU memory, ``overlap_comm`` and
+  ``contiguous_gradients``, 2e8-element buckets as DeepSpeed's ZeRO-Offload tutorial sets them,
+  AdamW through its ``DeepSpeedCPUAdam``: fp32 master, moments and gradients on the host); the
+  backward is ``engine.backward(loss)`` and the step ``engine.step()``.
 - ``fwd-bwd-bf16``: the bf16 model's forward and backward with no optimizer: the floor every
   offload row is measured against; it also records when each gradient becomes final.
 
@@ -144,7 +149,7 @@ class RowSpec:
 
     name: str
     label: str
-    kind: str  # "torch" | "torchao" | "bridge" | "none"
+    kind: str  # "torch" | "torchao" | "bridge" | "deepspeed" | "none"
     dtype: torch.dtype
     autocast: bool = False
     precision: str | None = None
@@ -164,6 +169,7 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("bridge-bf16-nohooks", "AdamBridge bf16, step() without hooks", "bridge", BF16, precision="bf16"),
     RowSpec("bridge-bf16-overlap", "AdamBridge bf16, overlap_forward", "bridge", BF16, precision="bf16", hooks=True, overlap=True),
     RowSpec("bridge-bf16-ecc24-overlap", "AdamBridge bf16-ecc24, overlap_forward", "bridge", BF16, precision="bf16-ecc24", hooks=True, overlap=True),
+    RowSpec("deepspeed-offload", "DeepSpeed ZeRO-2 Offload (CPUAdam), bf16 model", "deepspeed", BF16),
     RowSpec("fwd-bwd-bf16", "bf16 forward + backward, no optimizer", "none", BF16),
 )  # fmt: skip
 SPECS = {spec.name: spec for spec in ROWS}
@@ -398,6 +404,11 @@ def importable(specs: list[RowSpec], device: torch.device) -> tuple[dict[str, An
             if device.type != "cuda":
                 del modules[spec.name]
                 skipped[spec.name] = "torchao's CPUOffloadOptimizer supports CUDA and XPU only"
+        elif spec.kind == "deepspeed":
+            try:
+                modules[spec.name] = importlib.import_module("deepspeed")
+            except Exception as exc:  # its import pulls in many packages
+                skipped[spec.name] = f"deepspeed cannot be imported ({type(exc).__name__}: {exc})"
         elif spec.kind == "bridge":
             try:
                 module = importlib.import_module("memopt_offload")
@@ -414,11 +425,45 @@ def importable(specs: list[RowSpec], device: torch.device) -> tuple[dict[str, An
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
+def _deepspeed_engine(deepspeed: Any, model: torch.nn.Module, hyper: dict[str, Any], batch: int):
+    """A one-process ZeRO-Offload engine over ``model`` (``deepspeed-offload`` in the doc)."""
+    cuda = next(model.parameters()).is_cuda
+    if not torch.distributed.is_initialized():
+        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": cuda},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 2e8,
+            "allgather_bucket_size": 2e8,
+        },
+        "optimizer": {"type": "AdamW", "params": {**hyper, "betas": list(hyper["betas"])}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    return engine
+
+
 def make_optimizer(
-    spec: RowSpec, module: Any, model: torch.nn.Module, hyper: dict[str, Any]
-) -> tuple[Any, Callable[[], None]]:
-    """(optimizer, what ends a step after backward) for one row."""
+    spec: RowSpec, module: Any, model: torch.nn.Module, hyper: dict[str, Any], batch: int = 8
+) -> tuple[Any, Callable[[], None], Callable[[torch.Tensor], None]]:
+    """(optimizer, what ends a step after backward, the backward) for one row."""
     params = list(model.parameters())
+    backward = torch.Tensor.backward
+    if spec.kind == "deepspeed":  # its backward flushes the last gradient bucket to the host
+        engine = _deepspeed_engine(module, model, hyper, batch)
+        return engine.optimizer, engine.step, engine.backward
     if spec.kind == "torch":
         opt = torch.optim.AdamW(params, fused=True, **hyper)
     elif spec.kind == "torchao":
@@ -429,24 +474,31 @@ def make_optimizer(
         opt = module.AdamBridge(params, precision=spec.precision, **hyper)
         if spec.hooks:
             opt.attach_hooks(model, overlap_forward=spec.overlap)
-            return opt, opt.step_sync
+            return opt, opt.step_sync, backward
     else:
-        return None, lambda: model.zero_grad(set_to_none=True)
+        return None, lambda: model.zero_grad(set_to_none=True), backward
 
     def step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return opt, step
+    return opt, step, backward
 
 
 def host_bytes(opt: Any) -> int:
-    """Host RAM the optimizer holds: AdamBridge's own count, torchao's pinned copies and state."""
+    """Host RAM the optimizer holds: AdamBridge's own count, torchao's pinned copies and state,
+    DeepSpeed's fp32 partitions (with their gradients) and CPUAdam state."""
     if opt is None:
         return 0
     if callable(getattr(opt, "host_bytes", None)):
         return int(opt.host_bytes())
     total = 0
+    for part in getattr(opt, "single_partition_of_fp32_groups", ()):
+        total += part.nbytes + (part.grad.nbytes if part.grad is not None else 0)
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and hasattr(opt, "single_partition_of_fp32_groups"):
+        for state in inner.state.values():
+            total += sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
     for p_host in getattr(opt, "param_d2h_map", {}).values():
         total += p_host.nbytes + (p_host.grad.nbytes if p_host.grad is not None else 0)
     for inner in getattr(opt, "optim_dict", {}).values():
@@ -491,14 +543,14 @@ def _error(exc: BaseException) -> str:
 def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
     """Build a fresh model, time ``warmup + iters`` steps, then free everything."""
     row = Row(spec.name, spec.label, spec.precision, spec.hooks, spec.overlap)
-    model = opt = finish = None
+    model = opt = finish = backward = None
     if ctx.device.type == "cuda":
         release(ctx.device)
         row.leftover_gib = torch.cuda.memory_allocated(ctx.device) / GIB
     try:
         torch.manual_seed(ctx.args.seed)
         model = build_model(ctx.choice, ctx.shape, ctx.device, spec.dtype)
-        opt, finish = make_optimizer(spec, module, model, ctx.hyper)
+        opt, finish, backward = make_optimizer(spec, module, model, ctx.hyper, ctx.args.batch)
         cuda = ctx.device.type == "cuda"
         release(ctx.device)
         if cuda:
@@ -511,7 +563,7 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
             with torch.autocast(ctx.device.type, dtype=BF16, enabled=spec.autocast):
                 loss = loss_of(model, ids, labels)
             t1 = ctx.clock.mark()
-            loss.backward()
+            backward(loss)
             t2 = ctx.clock.mark()
             finish()
             t3 = ctx.clock.mark()
@@ -542,7 +594,9 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
                 opt.detach_hooks()
             except Exception as exc:
                 row.error = row.error or f"detach_hooks: {_error(exc)}"
-        model = opt = finish = None  # the bound step method holds the optimizer too
+        model = opt = finish = backward = None  # bound methods hold the optimizer too
+        if spec.kind == "deepspeed" and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # the engine's, which the row set up
         release(ctx.device)
     return row
 
@@ -652,7 +706,9 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if meminfo.exists():
         total = meminfo.read_text().splitlines()[0].split()
         info["host_ram_gib"] = round(int(total[1]) * 1024 / GIB, 1)
-    for name in ("triton", "transformers", "torchao", "memopt_offload", "memopt_kernels_cpu"):
+    for name in (
+        "triton", "transformers", "torchao", "deepspeed", "memopt_offload", "memopt_kernels_cpu"
+    ):  # fmt: skip
         try:
             info[name] = getattr(importlib.import_module(name), "__version__", "installed")
         except Exception:

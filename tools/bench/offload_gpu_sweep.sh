@@ -2,7 +2,8 @@
 # The GPU-host run of memopt-offload in one command (from the repository root of an offline CUDA
 # host with torch, pybind11, scikit-build-core, cmake and ninja): `nox -s gpu_tests` from the
 # carried nox wheels (.whl/), then the Qwen2.5-0.5B end-to-end benchmark (tools/bench/offload_e2e.py)
-# with torch AdamW, torchao's CPUOffloadOptimizer (carried wheel) and every AdamBridge row, then
+# with torch AdamW, torchao's CPUOffloadOptimizer (carried wheel), DeepSpeed's ZeRO-Offload (carried
+# wheels in .whl/ds/, if there) and every AdamBridge row, then
 # the AdamBridge bf16 and compact rows again at fewer kernel threads. Logs and JSON go to
 # ${OUT:-/tmp/memopt-offload-sweep}.
 set -o pipefail
@@ -14,6 +15,13 @@ export PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$ROOT"/.whl/*.whl \
   2>&1 | tail -3
+# DeepSpeed's ZeRO-Offload row, when its wheels and its dependencies' are carried in .whl/ds/
+# (numpy only where the host has none: never shadow its own)
+if ls "$ROOT"/.whl/ds/deepspeed-*.whl >/dev/null 2>&1; then
+  wheels=$(ls "$ROOT"/.whl/ds/*.whl)
+  python3 -c "import numpy" 2>/dev/null && wheels=$(echo "$wheels" | grep -v /numpy-)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" $wheels 2>&1 | tail -3
+fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-330}" python3 -m nox -s gpu_tests 2>&1 \

@@ -158,6 +158,62 @@ def test_bridge_rows_skip_without_the_package(tmp_path, capsys, monkeypatch) -> 
     assert "| AdamBridge bf16 | skipped: memopt_offload cannot be imported" in captured.out
 
 
+class StandInEngine:
+    """A DeepSpeed engine's API over torch AdamW: its backward must be the one the row calls (it
+    moves the last gradient bucket to the host), and its optimizer reports host partitions."""
+
+    calls: list[str] = []  # noqa: RUF012
+
+    def __init__(self, model, config) -> None:
+        assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        self.inner = torch.optim.AdamW(model.parameters(), **config["optimizer"]["params"])
+        self.optimizer = types.SimpleNamespace(
+            single_partition_of_fp32_groups=[torch.zeros(256)],  # 1 KiB
+            optimizer=types.SimpleNamespace(state={0: {"exp_avg": torch.zeros(512)}}),  # 2 KiB
+        )
+
+    def backward(self, loss) -> None:
+        StandInEngine.calls.append("backward")
+        loss.backward()
+
+    def step(self) -> None:
+        StandInEngine.calls.append("step")
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+
+
+def _stand_in_deepspeed() -> types.ModuleType:
+    fake = types.ModuleType("deepspeed")
+    fake.init_distributed = lambda dist_backend: StandInEngine.calls.append(dist_backend)
+
+    def initialize(model, model_parameters, config):
+        return StandInEngine(model, config), None, None, None
+
+    fake.initialize = initialize
+    return fake
+
+
+def test_deepspeed_row_steps_through_the_engine(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", _stand_in_deepspeed())
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "0" if "RANK" in key else "1")  # restored after the test
+    StandInEngine.calls = []
+    data = _run(tmp_path, ["deepspeed-offload"])
+    (row,) = data["rows"]
+    assert row["error"] is None
+    assert row["median_ms"] > 0
+    assert StandInEngine.calls == ["gloo"] + ["backward", "step"] * 3  # warmup 1 + iters 2
+    assert row["host_gib"] == pytest.approx(3 / 2**20)
+    assert row["losses"][0] != row["losses"][-1]
+
+
+def test_deepspeed_row_skips_without_the_package(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import raises ImportError
+    (row,) = _run(tmp_path, ["deepspeed-offload"])["rows"]
+    assert row["median_ms"] is None
+    assert row["skipped"].startswith("deepspeed cannot be imported")
+
+
 def test_bridge_rows_with_a_stand_in(tmp_path, monkeypatch) -> None:
     fake = types.ModuleType("memopt_offload")
     fake.AdamBridge = StandInBridge
