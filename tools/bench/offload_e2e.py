@@ -493,11 +493,10 @@ def host_bytes(opt: Any) -> int:
     if callable(getattr(opt, "host_bytes", None)):
         return int(opt.host_bytes())
     total = 0
-    for part in getattr(opt, "single_partition_of_fp32_groups", ()):
-        total += part.nbytes + (part.grad.nbytes if part.grad is not None else 0)
-    inner = getattr(opt, "optimizer", None)
-    if inner is not None and hasattr(opt, "single_partition_of_fp32_groups"):
-        for state in inner.state.values():
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # DeepSpeed's ZeRO optimizer
+        for part in opt.single_partition_of_fp32_groups:
+            total += part.nbytes + (part.grad.nbytes if part.grad is not None else 0)
+        for state in opt.optimizer.state.values():  # its DeepSpeedCPUAdam
             total += sum(t.nbytes for t in state.values() if isinstance(t, torch.Tensor))
     for p_host in getattr(opt, "param_d2h_map", {}).values():
         total += p_host.nbytes + (p_host.grad.nbytes if p_host.grad is not None else 0)
