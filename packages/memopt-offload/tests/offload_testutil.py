@@ -112,3 +112,53 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, what: str = "") -
                            q.detach().cpu().view(torch.int16 if q.dtype != torch.float32 else torch.int32)):  # fmt: skip
             diff = (p.detach().float() - q.detach().float()).abs().max().item()
             raise AssertionError(f"{what}: parameter {name} differs (max abs diff {diff})")
+
+
+def train_pair(model, ref_model, opt, ref, steps, device, *, hooks, start=0, dtype=torch.bfloat16):
+    if hooks:
+        opt.attach_hooks(model)
+    for t in range(start, start + steps):
+        x = batch(t, device, dtype)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        if hooks:
+            opt.step_sync()
+        else:
+            opt.step()
+            opt.zero_grad()
+        ref.step()
+        ref.opt.zero_grad()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+    if hooks:
+        opt.detach_hooks()
+
+
+def step_pair(model, ref_model, opt, ref, xs, *, hooks=True):
+    """One step of AdamBridge and the reference per input (loss: the model's output summed);
+    the weights must agree bit for bit after each."""
+    for t, x in enumerate(xs):
+        model(x).float().sum().backward()
+        ref_model(x).float().sum().backward()
+        if hooks:
+            opt.step_sync()
+        else:
+            opt.step()
+            opt.zero_grad()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+
+
+class OddSizes(torch.nn.Module):
+    """0-d, empty, 1-element and 33-element parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(()))
+        self.b = torch.nn.Parameter(torch.zeros(0, 3))
+        self.c = torch.nn.Parameter(torch.randn(1))
+        self.d = torch.nn.Parameter(torch.randn(33))
+
+    def forward(self, x):
+        return (self.a * x).sum() + (self.c * x[:1]).sum() + (self.d * x).sum() ** 2 + self.b.sum()

@@ -8,48 +8,22 @@ import copy
 
 import pytest
 import torch
-from offload_testutil import Reference, Tied, assert_same_params, batch, loss_of, make_model
+from offload_testutil import (
+    OddSizes,
+    Reference,
+    Tied,
+    assert_same_params,
+    batch,
+    loss_of,
+    make_model,
+    step_pair,
+    train_pair,
+)
 
 from memopt_core.errors import ConfigError
 from memopt_offload import AdamBridge
 
 PRECISIONS = ["fp32", "bf16", "fp8", "bf16-ecc24", "compact"]
-
-
-def train_pair(model, ref_model, opt, ref, steps, device, *, hooks, start=0, dtype=torch.bfloat16):
-    if hooks:
-        opt.attach_hooks(model)
-    for t in range(start, start + steps):
-        x = batch(t, device, dtype)
-        loss_of(model, x).backward()
-        loss_of(ref_model, x).backward()
-        if hooks:
-            opt.step_sync()
-        else:
-            opt.step()
-            opt.zero_grad()
-        ref.step()
-        ref.opt.zero_grad()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
-    if hooks:
-        opt.detach_hooks()
-
-
-def step_pair(model, ref_model, opt, ref, xs, *, hooks=True):
-    """One step of AdamBridge and the reference per input (loss: the model's output summed);
-    the weights must agree bit for bit after each."""
-    for t, x in enumerate(xs):
-        model(x).float().sum().backward()
-        ref_model(x).float().sum().backward()
-        if hooks:
-            opt.step_sync()
-        else:
-            opt.step()
-            opt.zero_grad()
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
@@ -106,12 +80,15 @@ class ManyTiny(torch.nn.Module):
         return sum((w * x[: w.numel()]).sum() ** 2 for w in self.ws).reshape(1)
 
 
-def test_many_tiny_tensors(device):
+@pytest.mark.parametrize(("precision", "update"), [("bf16", "host"), ("bf16-ecc24", "device")])
+def test_many_tiny_tensors(device, precision, update):
     torch.manual_seed(3)
     model = ManyTiny().to(device=device, dtype=torch.bfloat16)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16", bucket_mb=0.0005)
-    ref = Reference(ref_model, "bf16", lr=1e-3)
+    opt = AdamBridge(
+        model.parameters(), lr=1e-3, precision=precision, update=update, bucket_mb=0.0005
+    )
+    ref = Reference(ref_model, precision, lr=1e-3)
     opt.attach_hooks(model)
     step_pair(
         model, ref_model, opt, ref, [batch(t, device, n=1, d=41).reshape(-1) for t in range(6)]
@@ -133,12 +110,13 @@ class TransferHeavy(torch.nn.Module):
         return self.small(s).pow(2).sum() + sum(w.float().square().mean() for w in self.big)
 
 
-def test_transfers_far_larger_than_compute(device):
+@pytest.mark.parametrize(("precision", "update"), [("bf16", "host"), ("bf16-ecc24", "device")])
+def test_transfers_far_larger_than_compute(device, precision, update):
     torch.manual_seed(4)
     model = TransferHeavy().to(device=device, dtype=torch.bfloat16)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16", bucket_mb=0.5)
-    ref = Reference(ref_model, "bf16", lr=1e-3)
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision, update=update, bucket_mb=0.5)
+    ref = Reference(ref_model, precision, lr=1e-3)
     opt.attach_hooks(model)
     step_pair(
         model, ref_model, opt, ref, [batch(t, device, n=1, d=4).reshape(-1) for t in range(5)]
@@ -291,20 +269,6 @@ def test_state_dict_resume_is_bit_identical(device, tmp_path):
         loss_of(resumed, batch(t, device)).backward()
         ropt.step_sync()
     assert_same_params(straight, resumed, "resumed")
-
-
-class OddSizes(torch.nn.Module):
-    """0-d, empty, 1-element and 33-element parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Parameter(torch.randn(()))
-        self.b = torch.nn.Parameter(torch.zeros(0, 3))
-        self.c = torch.nn.Parameter(torch.randn(1))
-        self.d = torch.nn.Parameter(torch.randn(33))
-
-    def forward(self, x):
-        return (self.a * x).sum() + (self.c * x[:1]).sum() + (self.d * x).sum() ** 2 + self.b.sum()
 
 
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])

@@ -75,11 +75,18 @@ def test_backward_reading_an_updated_weight_is_loud(device):
         loss.backward()
 
 
-def test_repeated_attach_detach_matches_reference(device):
+#: (precision, update) pairs of the tests that run both places the update can run
+UPDATES = [("bf16", "host"), ("bf16-ecc24", "device")]
+
+
+@pytest.mark.parametrize(("precision", "update"), UPDATES)
+def test_repeated_attach_detach_matches_reference(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=2e-3, precision="bf16")
-    ref = Reference(ref_model, "bf16", lr=2e-3)
+    opt = AdamBridge(
+        model.parameters(), lr=2e-3, precision=precision, update=update, bucket_mb=0.002
+    )
+    ref = Reference(ref_model, precision, lr=2e-3)
     for t in range(8):
         hooks = t % 2 == 0
         if hooks:
@@ -98,11 +105,12 @@ def test_repeated_attach_detach_matches_reference(device):
         assert_same_params(model, ref_model, f"step {t}")
 
 
-def test_detach_collects_in_flight_updates(device):
+@pytest.mark.parametrize(("precision", "update"), UPDATES)
+def test_detach_collects_in_flight_updates(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=2e-3)
-    ref = Reference(ref_model, "bf16", lr=2e-3)
+    opt = AdamBridge(model.parameters(), lr=2e-3, precision=precision, update=update)
+    ref = Reference(ref_model, precision, lr=2e-3)
     opt.attach_hooks(model)
     loss_of(model, batch(0, device)).backward()
     opt.detach_hooks()  # without step_sync: detaching waits for the updates
@@ -161,15 +169,20 @@ def test_bad_arguments(device):
         AdamBridge(params[0])
     with pytest.raises(ValueError, match="learning rate"):
         AdamBridge(params, lr=-1.0)
+    with pytest.raises(ValueError, match="learning rate"):
+        AdamBridge(params, lr=-1.0, precision="bf16-ecc24", update="device")
+    with pytest.raises(ValueError, match="beta2"):
+        AdamBridge(params, betas=(0.9, 1.0), precision="bf16-ecc24", update="device")
 
 
-def test_failed_host_update_surfaces_in_step_sync(device):
+@pytest.mark.parametrize(("precision", "update"), UPDATES)
+def test_failed_update_surfaces_in_step_sync(device, precision, update):
     model = make_model(device)
-    opt = AdamBridge(model.parameters(), lr=1e-3)
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision, update=update)
     opt.attach_hooks(model)
     opt.param_groups[0]["lr"] = -1.0
     loss_of(model, batch(0, device)).backward()
-    with pytest.raises(OffloadError, match=r"host update failed.*learning rate"):
+    with pytest.raises(OffloadError, match=r"an update failed.*learning rate"):
         opt.step_sync()
     opt.param_groups[0]["lr"] = 1e-3
     loss_of(model, batch(1, device)).backward()

@@ -65,6 +65,19 @@ Reading weights outside the model's forward needs :meth:`AdamBridge.synchronize`
 the same bits either way; hyperparameters are taken when a bucket is queued, so an LR scheduler
 stepped right after ``step_sync()`` changes the next step, not the one in flight.
 
+The update on the device (``update="device"``, ``precision="bf16-ecc24"`` only): the host keeps
+only the state, an ECC-24 code and bf16 moments (5 B per bf16 parameter, pinned), and the GPU
+updates it. As the last gradient of a bucket becomes final, the bucket's state is copied to the
+device (or was, ahead of time), one fused Triton launch updates the bf16 weights and the state
+on a side stream, the gradients are freed and the state goes back to the host; the CPU does no
+arithmetic, and host memory carries 10 B per parameter, all of it DMA. The bits are those of
+``update="host"`` with the same precision (core's reference), and the state dicts are the
+same, so a checkpoint moves between the two. :meth:`AdamBridge.step_sync` does not block the
+host: it orders the updates before the current stream's next kernel (``overlap_forward`` is
+therefore refused). Clipping, accumulation, schedulers, tied and frozen weights and param
+groups work as below; with clipping the coefficient scales the device gradients in place.
+See :mod:`memopt_offload.device_update`.
+
 Gradient clipping by global norm (``max_grad_norm``) cannot use ``clip_grad_norm_`` with hooks
 (the gradients have left the GPU when backward returns). ``clip_mode="wait"`` (the default)
 computes each gradient's fp32 norm on the device when its bucket leaves (the total is the L2
@@ -103,9 +116,10 @@ from memopt_core.optimizer import MemOptimizer
 from memopt_core.plan import StateArena
 from memopt_core.sharding import is_dtensor
 from memopt_kernels_cpu import ops as cpu_ops
+from memopt_offload.device_update import DeviceUpdater, check_hyper
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
-__all__ = ["PRECISIONS", "AdamBridge"]
+__all__ = ["PRECISIONS", "UPDATES", "AdamBridge"]
 
 #: precision -> (moment preset, master format of bf16 parameters)
 PRECISIONS: dict[str, tuple[str, str]] = {
@@ -115,6 +129,9 @@ PRECISIONS: dict[str, tuple[str, str]] = {
     "bf16-ecc24": ("bf16", "ecc24"),
     "compact": ("q8", "ecc24"),
 }
+#: Where the update runs: the host's CPU kernels, or the device with the state in host RAM
+#: (:mod:`memopt_offload.device_update`).
+UPDATES = ("host", "device")
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _CLIP_MODES = ("wait", "overlap")
 _STATE_DICT_VERSION = 1
@@ -143,16 +160,19 @@ class _Slot:
 
     param: Tensor
     group: int
-    master: Tensor  # host master the kernel updates (fp32, or bf16 with an ECC-24 code)
-    grad: Tensor  # pinned host gradient buffer (the parameter's dtype and shape)
-    upload: Tensor  # host tensor copied back to the parameter (staging or master)
+    # update="host" only (None with update="device", which holds state only):
+    master: Tensor | None  # host master the kernel updates (fp32, or bf16 with an ECC-24 code)
+    grad: Tensor | None  # pinned host gradient buffer (the parameter's dtype and shape)
+    upload: Tensor | None  # host tensor copied back to the parameter (staging or master)
     staging: Tensor | None  # bf16 copy the kernel writes, when the master is fp32
     label: str
     index: int  # position among all parameters of the optimizer (orders the norm's sum)
+    pos: int = -1  # update="device": the parameter's position in the DeviceUpdater
 
 
 class _Dispatcher:
-    """The thread that runs host updates, one bucket at a time, newest ready bucket first.
+    """The thread that runs updates, one bucket at a time: newest ready bucket first
+    (``newest_first``, the host update), else in submission order (the device update).
 
     Newest first because backward produces gradients in the reverse of the order the next
     forward reads the weights: when the host falls behind backward, the buckets left at its end
@@ -162,7 +182,8 @@ class _Dispatcher:
     an unused AdamBridge is collected, and the first error of a step is kept for :meth:`wait`
     (later updates of that step are skipped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, newest_first: bool = True) -> None:
+        self._newest_first = newest_first
         self._cond = threading.Condition()
         self._items: list[tuple[_Bucket, Any, tuple]] = []  # in submission order
         self._submitted = 0
@@ -192,9 +213,10 @@ class _Dispatcher:
             if self._stopped:
                 return None
             items = self._items
-            for i in range(len(items) - 1, 0, -1):
-                if items[i][0].ready():
-                    return items.pop(i)
+            if self._newest_first:
+                for i in range(len(items) - 1, 0, -1):
+                    if items[i][0].ready():
+                        return items.pop(i)
             return items.pop(0)
 
     def run(self, bucket: _Bucket, fn: Any, args: tuple) -> None:
@@ -324,12 +346,21 @@ class AdamBridge(Optimizer):
             moments; float32 parameters keep an fp32 master).
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
         clip_mode: ``"wait"`` (exact) or ``"overlap"`` (previous step's norm), see module doc.
-        bucket_mb: gradient megabytes per host update call (latency vs. call overhead).
-        pin_memory: page-lock the host gradient and upload buffers (GPU parameters only).
+        bucket_mb: gradient megabytes per update call (latency vs. call overhead).
+        pin_memory: page-lock the host buffers (GPU parameters only).
         seed: key of the stochastic-rounding generator.
         autotune: an :class:`memopt_offload.autotune.AutoTuneConfig` to apply (kernel threads
             and chunk size), True to load or measure one, None to leave the settings as they are.
-        backend: host kernel backend (``"cpu"``: the C++ kernels; ``"torch"``: core's reference).
+        backend: kernel backend. ``update="host"``: ``"cpu"`` (the C++ kernels, what None
+            picks) or ``"torch"`` (core's reference). ``update="device"``: None picks the
+            Triton kernels on CUDA (the C++ kernels for a CPU model); ``"torch"`` forces core's
+            reference.
+        update: ``"host"`` (the CPU updates the host state, module doc) or ``"device"``: the
+            state stays in pinned host RAM and the GPU updates it, bucket by bucket, during
+            backward (:mod:`memopt_offload.device_update`); needs ``precision="bf16-ecc24"``
+            and no ``overlap_forward``.
+        prefetch_mb: ``update="device"``: device megabytes of state copied ahead of the
+            gradients (0: none).
 
     Host memory is allocated when a param group is added (at construction), with an
     :class:`~memopt_core.errors.OffloadError` before anything is allocated when the host lacks it.
@@ -350,10 +381,25 @@ class AdamBridge(Optimizer):
         pin_memory: bool = True,
         seed: int = 0,
         autotune: Any = None,
-        backend: str = "cpu",
+        backend: str | None = None,
+        update: str = "host",
+        prefetch_mb: float = 512.0,
     ) -> None:
         if precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}; choose one of {tuple(PRECISIONS)}")
+        if update not in UPDATES:
+            raise ConfigError(f"update must be one of {UPDATES}, got {update!r}")
+        if update == "device" and precision != "bf16-ecc24":
+            raise ConfigError(
+                f"update='device' keeps precision='bf16-ecc24' state (ECC-24 code and bf16 "
+                f"moments, 5 B per bf16 parameter), got precision={precision!r}"
+            )
+        if (
+            isinstance(prefetch_mb, bool)
+            or not isinstance(prefetch_mb, (int, float))
+            or not (prefetch_mb >= 0 and math.isfinite(prefetch_mb))
+        ):
+            raise ConfigError(f"prefetch_mb must be a number >= 0, got {prefetch_mb!r}")
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise ConfigError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
@@ -378,6 +424,7 @@ class AdamBridge(Optimizer):
                 )
             autotune.apply()
         self.precision = precision
+        self.update = update
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.clip_mode = clip_mode
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -387,7 +434,14 @@ class AdamBridge(Optimizer):
         self._slots: dict[int, _Slot] = {}
         self._slabs: list[HostSlab] = []
         self._host: _HostAdamW | None = None
-        self._host_args = dict(seed=seed, backend=backend)
+        self._host_args = dict(seed=seed, backend="cpu" if backend is None else backend)
+        self._dev: DeviceUpdater | None = None
+        self._dev_args = dict(
+            seed=seed,
+            bucket_bytes=self.bucket_bytes,
+            prefetch_bytes=int(prefetch_mb * 2**20),
+            backend=backend,
+        )
         self._hooks: list[Any] = []
         self._model_ref: Any = None
         self._accumulating = False
@@ -442,9 +496,21 @@ class AdamBridge(Optimizer):
         group = self.param_groups[-1]
         self._allocate_group(len(self.param_groups) - 1, group, raw)
 
+    def _label(
+        self, gi: int, group: dict[str, Any], names: list[Any], p: Tensor
+    ) -> tuple[str, int]:
+        """(label, index among all parameters of the optimizer) of ``p`` in group ``gi``."""
+        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+        label = names[idx] if idx < len(names) and names[idx] else f"#{idx}"
+        index = sum(len(g["params"]) for g in self.param_groups[:gi]) + idx
+        return f"parameter {label} of param group {gi} (shape {tuple(p.shape)})", index
+
     def _allocate_group(self, gi: int, group: dict[str, Any], raw: list[Any]) -> None:
         train = [p for p in group["params"] if p.requires_grad]
         names = [item[0] if isinstance(item, tuple) else None for item in raw]
+        if self.update == "device":
+            self._allocate_device_group(gi, group, names, train)
+            return
         moments, master = PRECISIONS[self.precision]
         pin = self.pin_memory and self._cuda
         pinned, plain = SlabLayout(), SlabLayout()
@@ -480,8 +546,7 @@ class AdamBridge(Optimizer):
                 mt = slab_m.view(m)
                 mt.copy_(p.detach())  # the device weight (bf16 widens exactly)
                 mt.requires_grad_(True)
-                idx = next(i for i, q in enumerate(group["params"]) if q is p)
-                label = names[idx] if idx < len(names) and names[idx] else f"#{idx}"
+                label, index = self._label(gi, group, names, p)
                 slot = _Slot(
                     param=p,
                     group=gi,
@@ -489,8 +554,8 @@ class AdamBridge(Optimizer):
                     grad=pslab.view(g),
                     upload=mt if s is None else pslab.view(u),
                     staging=None if s is None else pslab.view(s),
-                    label=f"parameter {label} of param group {gi} (shape {tuple(p.shape)})",
-                    index=sum(len(g["params"]) for g in self.param_groups[:gi]) + idx,
+                    label=label,
+                    index=index,
                 )
                 self._slots[id(p)] = slot
                 masters.append(mt)
@@ -509,26 +574,67 @@ class AdamBridge(Optimizer):
             self._host.add_param_group(host_group)
         self._host.init_state()
 
+    def _allocate_device_group(
+        self, gi: int, group: dict[str, Any], names: list[Any], train: list[Tensor]
+    ) -> None:
+        check_hyper(group, f"(param group {gi})")
+        if self._dev is None:
+            assert self._device is not None
+            self._dev = DeviceUpdater(
+                self._device, pin=self.pin_memory and self._cuda, **self._dev_args
+            )
+        first = len(self._dev.params)  # the host update's tensor ids: trainable ones in order
+        self._dev.add_group(gi, train, first, f"AdamBridge param group {gi}")
+        for k, p in enumerate(train):
+            label, index = self._label(gi, group, names, p)
+            self._slots[id(p)] = _Slot(
+                param=p,
+                group=gi,
+                master=None,
+                grad=None,
+                upload=None,
+                staging=None,
+                label=label,
+                index=index,
+                pos=first + k,
+            )
+
     def host_bytes(self) -> int:
-        """Host RAM held: the slabs (gradient, staging and master buffers) plus the moments."""
+        """Host RAM held: the slabs (gradient, staging and master buffers) plus the moments
+        (``update="device"``: the state slabs alone)."""
+        if self._dev is not None:
+            return self._dev.host_bytes()
         assert self._host is not None
         return sum(s.nbytes for s in self._slabs) + self._host.state_bytes()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on the host: the masters (fp32, or the bf16 copy of
-        ECC-24 masters) plus moments, scales and ECC codes; not the transfer buffers."""
+        ECC-24 masters) plus moments, scales and ECC codes; not the transfer buffers
+        (``update="device"``: moments and codes; the bf16 weights are on the device)."""
+        if self._dev is not None:
+            return self._dev.state_bytes()
         assert self._host is not None
         masters = sum(s.master.numel() * s.master.element_size() for s in self._slots.values())
         return masters + self._host.state_bytes()
 
     def pinned_bytes(self) -> int:
         """Page-locked host bytes (0 on a CPU model or with ``pin_memory=False``)."""
+        if self._dev is not None:
+            return self._dev.pinned_bytes()
         return sum(s.nbytes for s in self._slabs if s.pinned)
 
     def master_weight(self, p: Tensor) -> Tensor:
         """The host fp32 master of parameter ``p`` (a copy; an ECC-24 master decoded)."""
         slot = self._slot(p)
         self.synchronize()
+        if self._dev is not None:
+            self._dev.synchronize_host()
+            with torch.no_grad():
+                code = self._dev.views(slot.pos).get("master_code")
+                weight = slot.param.detach().to("cpu")
+                if code is None:
+                    return weight.to(torch.float32)
+                return cpu_ops.decode_master("ecc24", weight, code)
         with torch.no_grad():
             if self._ecc_master(slot.param):
                 code = self._host.state[slot.master]["master_code"]
@@ -563,6 +669,11 @@ class AdamBridge(Optimizer):
         "Overlapping the next forward")."""
         if not isinstance(overlap_forward, bool):
             raise ConfigError(f"overlap_forward must be True or False, got {overlap_forward!r}")
+        if overlap_forward and self.update == "device":
+            raise ConfigError(
+                "overlap_forward is for update='host': with update='device' step_sync() does "
+                "not block the host (the next forward is ordered after the updates on the GPU)"
+            )
         if self._hooks:
             raise ConfigError("hooks are already attached: call detach_hooks() first")
         if not isinstance(model, torch.nn.Module):
@@ -676,7 +787,7 @@ class AdamBridge(Optimizer):
     # --------------------------------------------------------------------------- pipeline
     def _reset_pipeline(self) -> None:
         # parameter id -> its bucket: gradients taken but the step not closed yet
-        self._pending: dict[int, _Bucket] = {}
+        self._pending: dict[int, _Bucket | None] = {}
         # parameter id -> its bucket: updates of a closed step that no forward waited for yet
         # (overlap_forward)
         self._inflight: dict[int, _Bucket] = {}
@@ -684,10 +795,11 @@ class AdamBridge(Optimizer):
         self._guard_next_forward = False
         self._read_guard: _ReadGuard | None = None
         self._bucket = _Bucket()
-        self._held: list[_Bucket] = []
+        self._held: list[Any] = []  # buckets of either update waiting for the step's norm
         self._norms: dict[int, Tensor] = {}
         self._callback_queued = False
-        self._dispatcher = _Dispatcher()
+        # the device update runs buckets in order: each waits for its own copies, not the host
+        self._dispatcher = _Dispatcher(newest_first=self.update == "host")
         # stops the thread when the optimizer is collected (the thread holds no reference to it)
         weakref.finalize(self, self._dispatcher.stop)
         self._streams: tuple[Any, Any] | None = None
@@ -726,6 +838,13 @@ class AdamBridge(Optimizer):
                 f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
                 f"AdamBridge takes dense gradients of the parameter's dtype and shape"
             )
+        if self._dev is not None:
+            self._pending[id(p)] = None
+            if self.max_grad_norm is not None:
+                self._norms[slot.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
+            for done in self._dev.arrived(slot.pos, free):
+                self._dispatch(done)
+            return
         bucket = self._bucket
         self._pending[id(p)] = bucket
         bucket.slots.append(slot)
@@ -768,14 +887,23 @@ class AdamBridge(Optimizer):
             return
         self._bucket = _Bucket()
         self._copy_out(bucket)
+        self._dispatch(bucket)
+
+    def _dispatch(self, bucket: Any) -> None:
+        """Submit a closed bucket's update, or hold it until the step's norm is known."""
         if self.max_grad_norm is not None and (self.clip_mode == "wait" or self._prev_coef is None):
             self._held.append(bucket)  # needs this step's norm: updates wait for backward's end
         else:
             self._submit(bucket, self._prev_coef)
 
-    def _submit(self, bucket: _Bucket, coef: float | None) -> None:
+    def _submit(self, bucket: Any, coef: float | None) -> None:
         # the hyperparameters as they are now: an LR scheduler stepped while the update is still
         # queued (overlap_forward) must not change it
+        if self._dev is not None:
+            gi = bucket.plan.group_index
+            hyper = {gi: {k: self.param_groups[gi][k] for k in _HYPER}}
+            self._dispatcher.submit(bucket, self._dev.run, hyper, coef)
+            return
         for gi in {s.group for s in bucket.slots}:
             outer = self.param_groups[gi]
             bucket.hyper[gi] = {k: outer[k] for k in _HYPER}
@@ -816,13 +944,16 @@ class AdamBridge(Optimizer):
             self._inflight.clear()
             self._held.clear()
             raise OffloadError(
-                f"a host update failed ({type(err).__name__}: {err}); the parameters of that "
+                f"an update failed ({type(err).__name__}: {err}); the parameters of that "
                 "step are in an undefined state: reload the last checkpoint"
             ) from err
 
     def _close_step(self) -> None:
         """Close the step: its last bucket and, when clipping waits for the norm, the norm and
         the held buckets."""
+        if self._dev is not None:
+            for bucket in self._dev.unfinished():  # some of their parameters got no gradient
+                self._dispatch(bucket)
         self._close_bucket()
         if self.max_grad_norm is not None and self._norms:
             # summed in parameter order, whatever order backward produced the gradients in
@@ -842,6 +973,8 @@ class AdamBridge(Optimizer):
         current stream's next work."""
         self._close_step()
         self._wait_all()
+        if self._dev is not None:
+            self._dev.finish()
         if self._cuda and self._streams is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
         self._pending.clear()
@@ -911,6 +1044,21 @@ class AdamBridge(Optimizer):
         if self._pending or self._inflight:
             self._finish()
         sd = super().state_dict()
+        if self._dev is not None:
+            self._dev.synchronize_host()
+            index = {
+                id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+            }
+            sd["state"] = {
+                index[id(s.param)]: self._dev.state_entry(s.pos) for s in self._slots.values()
+            }
+            sd["memopt"] = {
+                "family": "AdamBridge",
+                "precision": self.precision,
+                "seed": self._dev.seed,
+                "version": _STATE_DICT_VERSION,
+            }
+            return sd
         host_sd = self._host.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         host_index = {
@@ -955,6 +1103,9 @@ class AdamBridge(Optimizer):
                 f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
                 f"{len(self.param_groups)}"
             )
+        if self._dev is not None:
+            self._load_device_state(state_dict, params, saved_groups)
+            return
         host_params = [m for g in self._host.param_groups for m in g["params"]]
         host_index = {id(m): i for i, m in enumerate(host_params)}
         host_state: dict[int, Any] = {}
@@ -1007,6 +1158,45 @@ class AdamBridge(Optimizer):
                 if slot.staging is not None:
                     slot.staging.copy_(slot.master)
                 slot.param.copy_(slot.upload)
+        self.last_grad_norm = None
+        self._prev_coef = None
+
+    def _load_device_state(
+        self, state_dict: Mapping[str, Any], params: list[Tensor], saved_groups: list[Any]
+    ) -> None:
+        """load_state_dict of ``update="device"``: every entry checked before any is copied."""
+        dev = self._dev
+        assert dev is not None
+        seed = state_dict["memopt"].get("seed", dev.seed)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise StateDictError(
+                f"the state dict's seed must be an int in [0, 2**64), got {seed!r}"
+            )
+        pos = {}
+        for g in saved_groups:
+            for k in g["params"]:
+                pos[k] = len(pos)
+        loads: list[tuple[int, Mapping[str, Any]]] = []
+        for key, entry in state_dict["state"].items():
+            if key not in pos or pos[key] >= len(params):
+                raise StateDictError(f"the state dict holds state for unknown parameter {key!r}")
+            slot = self._slots.get(id(params[pos[key]]))
+            if slot is None:
+                raise StateDictError(
+                    f"the state dict holds state for parameter index {key!r}, which is frozen here"
+                )
+            if not isinstance(entry, Mapping):
+                raise StateDictError(f"the state of parameter index {key!r} is not a dict")
+            dev.check_entry(slot.pos, entry, key)
+            loads.append((slot.pos, entry))
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        dev.synchronize_host()
+        loaded = {p for p, _ in loads}
+        with torch.no_grad():
+            for p, entry in loads:
+                dev.load_entry(p, entry)
+            dev.reset_steps([s.pos for s in self._slots.values() if s.pos not in loaded])
+        dev.seed = seed
         self.last_grad_norm = None
         self._prev_coef = None
 

@@ -1,0 +1,367 @@
+"""``AdamBridge(update="device")`` against the reference, bit for bit: the state in host memory,
+the update on the device (on a CPU model: the same buckets, copies and launches, through the C++
+kernels). Buckets that cut parameters into pieces, odd sizes, parameters that miss a step,
+clipping, accumulation, schedulers, tied and frozen weights, state dicts (also across
+``update="host"``), and the errors of bad configurations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from offload_testutil import (
+    OddSizes,
+    Reference,
+    Tied,
+    assert_same_params,
+    batch,
+    loss_of,
+    make_model,
+    step_pair,
+    train_pair,
+)
+
+from memopt_core.errors import ConfigError, OffloadError, StateDictError
+from memopt_offload import AdamBridge
+
+PRECISION = "bf16-ecc24"
+#: 2 KiB of gradients per bucket: the 33x48 and 48x31 weights are cut into pieces
+TINY_BUCKETS = 0.002
+
+
+def device_bridge(params, **kw) -> AdamBridge:
+    kw.setdefault("lr", 3e-3)
+    return AdamBridge(params, precision=PRECISION, update="device", **kw)
+
+
+@pytest.mark.parametrize("bucket_mb", [32.0, TINY_BUCKETS], ids=["whole", "pieces"])
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
+def test_matches_reference_120_steps(device, hooks, bucket_mb):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), weight_decay=0.05, bucket_mb=bucket_mb)
+    if bucket_mb == TINY_BUCKETS:  # the test must cut a parameter into pieces
+        assert any(len(b.members) == 1 and b.starts[0] > 0 for b in opt._dev.buckets)
+    ref = Reference(ref_model, PRECISION, lr=3e-3, weight_decay=0.05)
+    train_pair(model, ref_model, opt, ref, 120, device, hooks=hooks)
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        master = ref.masters[id(q)]
+        code = ref.opt.state[master]["master_code"]
+        assert torch.equal(opt.master_weight(p), _decode(master.detach(), code))
+    # the state moved: stalled moments or skipped updates would leave the weights at init
+    init = make_model(device)
+    assert all(
+        not torch.equal(p, p0) for p, p0 in zip(model.parameters(), init.parameters(), strict=True)
+    )
+
+
+def _decode(weight, code):
+    from memopt_kernels_cpu import ops
+
+    return ops.decode_master("ecc24", weight, code)
+
+
+def test_state_matches_reference_state(device):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS)
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    train_pair(model, ref_model, opt, ref, 15, device, hooks=True)
+    sd = opt.state_dict()
+    for i, q in enumerate(ref_model.parameters()):
+        rs = ref.opt.state[ref.masters[id(q)]]
+        for key in ("exp_avg", "exp_avg_sq", "master_code"):
+            assert torch.equal(sd["state"][i][key], rs[key]), key
+        assert sd["state"][i]["step"].item() == rs["step"].item() == 15
+
+
+def test_float32_parameters(device):
+    # float32 parameters are their own master: bf16 moments only
+    model = make_model(device, dtype=torch.float32)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), lr=1e-3, bucket_mb=TINY_BUCKETS)
+    assert opt.state_bytes() == 4 * sum(p.numel() for p in model.parameters())
+    ref = Reference(ref_model, PRECISION, lr=1e-3)
+    train_pair(model, ref_model, opt, ref, 12, device, hooks=True, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
+def test_odd_sizes(device, hooks):
+    torch.manual_seed(0)
+    model = OddSizes().to(device=device, dtype=torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), lr=1e-2, bucket_mb=0.00005)  # 26 elements a bucket
+    ref = Reference(ref_model, PRECISION, lr=1e-2)
+    if hooks:
+        opt.attach_hooks(model)
+    xs = [batch(t, device, n=1, d=33).reshape(-1) for t in range(5)]
+    step_pair(model, ref_model, opt, ref, xs, hooks=hooks)
+
+
+class SometimesUnused(torch.nn.Module):
+    """``extra`` takes part in even steps only, and shares a bucket with ``main``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(33, 8)
+        self.extra = torch.nn.Linear(33, 8)
+        self.use_extra = True
+
+    def forward(self, x):
+        y = self.main(x)
+        return y + self.extra(x) if self.use_extra else y
+
+
+def test_parameters_that_miss_steps(device):
+    torch.manual_seed(6)
+    model = SometimesUnused().to(device=device, dtype=torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters())
+    assert len(opt._dev.buckets) == 1
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    opt.attach_hooks(model)
+    for t in range(7):
+        for m in (model, ref_model):
+            m.use_extra = t % 2 == 0
+            loss_of(m, batch(t, device)).backward()
+        opt.step_sync()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+    sd = opt.state_dict()["state"]
+    assert [sd[i]["step"].item() for i in range(4)] == [7, 7, 4, 4]
+
+
+def test_tied_and_frozen_weights(device):
+    torch.manual_seed(5)
+    model = Tied().to(device=device, dtype=torch.bfloat16)
+    model.mid.bias.requires_grad_(False)
+    frozen = model.mid.bias.detach().clone()
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), lr=1e-2, bucket_mb=0.001)
+    ref = Reference(ref_model, PRECISION, lr=1e-2)
+    # 5 B per trained element: emb (= head) weight and mid weight; the frozen bias has none
+    assert opt.state_bytes() == 5 * (50 * 16 + 16 * 16)
+    with pytest.raises(ConfigError, match="does not train"):
+        opt.master_weight(model.mid.bias)
+    opt.attach_hooks(model)
+    for t in range(8):
+        ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(t)).to(device)
+        for m in (model, ref_model):
+            torch.nn.functional.cross_entropy(
+                m(ids).float().flatten(0, 1), ids.flatten()
+            ).backward()
+        opt.step_sync()
+        assert all(p.grad is None for p in model.parameters())  # freed once used
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model.mid.bias, frozen)
+
+
+def test_lr_scheduler_and_param_groups(device):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    decay = [model[0].weight, model[3].weight]
+    rest = [model[0].bias, model[2].weight, model[2].bias, model[3].bias]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}]
+    opt = device_bridge(groups, lr=2e-3, weight_decay=0.1, bucket_mb=TINY_BUCKETS)
+    rdecay = [ref_model[0].weight, ref_model[3].weight]
+    rrest = [ref_model[0].bias, ref_model[2].weight, ref_model[2].bias, ref_model[3].bias]
+    ref = Reference(
+        ref_model,
+        PRECISION,
+        groups=[{"params": rdecay}, {"params": rrest, "weight_decay": 0.0, "lr": 5e-3}],
+        lr=2e-3,
+        weight_decay=0.1,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    opt.attach_hooks(model)
+    for t in range(6):
+        x = batch(t, device)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        opt.step_sync()
+        for g, rg in zip(opt.param_groups, ref.opt.param_groups, strict=True):
+            rg["lr"] = g["lr"]
+        ref.step()
+        ref_model.zero_grad()
+        sched.step()
+        assert_same_params(model, ref_model, f"step {t}")
+
+
+def test_gradient_accumulation(device):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), lr=2e-3, bucket_mb=TINY_BUCKETS)
+    ref = Reference(ref_model, PRECISION, lr=2e-3)
+    opt.attach_hooks(model)
+    for t in range(4):
+        for micro in range(3):
+            x = batch(10 * t + micro, device)
+            if micro < 2:
+                with opt.no_update():
+                    loss_of(model, x).backward()
+            else:
+                loss_of(model, x).backward()
+            loss_of(ref_model, x).backward()
+        opt.step_sync()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+
+
+@pytest.mark.parametrize("mode", ["wait", "overlap"])
+def test_clipping(device, mode):
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    max_norm = 0.05  # below the gradient norms here, so every step clips
+    opt = device_bridge(
+        model.parameters(),
+        lr=2e-3,
+        max_grad_norm=max_norm,
+        clip_mode=mode,
+        bucket_mb=TINY_BUCKETS,  # a piece's coefficient must scale its range only, once
+    )
+    ref = Reference(ref_model, PRECISION, lr=2e-3)
+    opt.attach_hooks(model)
+    prev = None
+    for t in range(6):
+        x = batch(t, device)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in ref_model.parameters()
+        ]
+        total = torch.linalg.vector_norm(torch.stack(norms)).item()
+        assert opt.step_sync() == total
+        coef = min(1.0, max_norm / (total + 1e-6))
+        use = coef if (mode == "wait" or prev is None) else prev
+        assert use < 1
+        ref.step(use)
+        ref_model.zero_grad()
+        prev = coef
+        assert_same_params(model, ref_model, f"step {t}")
+
+
+def test_state_dict_resume_and_across_updates(device, tmp_path):
+    """A device-update checkpoint resumes bit-identically, and loads into ``update="host"``
+    (and back): the two keep the same state in the same layout."""
+
+    def build(update, seed=0):
+        model = make_model(device, seed=seed)
+        opt = AdamBridge(
+            model.parameters(), lr=2e-3, precision=PRECISION, seed=7, update=update,
+            bucket_mb=TINY_BUCKETS,
+        )  # fmt: skip
+        opt.attach_hooks(model)
+        return model, opt
+
+    def train(model, opt, steps):
+        for t in steps:
+            loss_of(model, batch(t, device)).backward()
+            opt.step_sync()
+
+    straight, sopt = build("device")
+    train(straight, sopt, range(10))
+
+    first, fopt = build("device")
+    train(first, fopt, range(6))
+    torch.save({"model": first.state_dict(), "opt": fopt.state_dict()}, tmp_path / "ck.pt")
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    for update in ("device", "host"):
+        resumed, ropt = build(update, seed=99)  # everything must come from the checkpoint
+        ropt.load_state_dict(ck["opt"])  # the weights too: "master" holds them
+        train(resumed, ropt, range(6, 10))
+        assert_same_params(straight, resumed, f"resumed with update={update!r}")
+    # and a host-update checkpoint into a device update
+    host, hopt = build("host")
+    train(host, hopt, range(6))
+    back, bopt = build("device", seed=99)
+    bopt.load_state_dict(hopt.state_dict())
+    train(back, bopt, range(6, 10))
+    assert_same_params(straight, back, "host checkpoint resumed with update='device'")
+
+
+def test_bad_state_dict_changes_nothing(device):
+    model = make_model(device)
+    opt = device_bridge(model.parameters())
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    sd = opt.state_dict()
+    before = copy.deepcopy(sd)
+    weights = [p.detach().clone() for p in model.parameters()]
+    bad = copy.deepcopy(sd)
+    bad["state"][3]["exp_avg"] = bad["state"][3]["exp_avg"].float()
+    bad["state"][0]["master"] = torch.zeros_like(bad["state"][0]["master"])
+    with pytest.raises(StateDictError, match="'exp_avg' of parameter index 3 must be"):
+        opt.load_state_dict(bad)
+    missing = copy.deepcopy(sd)
+    del missing["state"][1]["master_code"]
+    with pytest.raises(StateDictError, match="lacks \\['master_code'\\]"):
+        opt.load_state_dict(missing)
+    after = opt.state_dict()
+    for i, entry in before["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+
+
+def test_memory_and_grads(device):
+    model = make_model(device)
+    n = sum(p.numel() for p in model.parameters())
+    opt = device_bridge(model.parameters())
+    assert opt.state_bytes() == 5 * n  # ECC-24 code + bf16 m and v
+    assert opt.state_bytes() <= opt.host_bytes() < 5 * n + 4096
+    assert opt.pinned_bytes() == (opt.host_bytes() if device.type == "cuda" else 0)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    with pytest.raises(OffloadError, match="step_sync"):
+        model(batch(1, device))  # the updates of the last backward were not collected
+    opt.step_sync()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step_sync()  # a second call without new gradients does nothing
+    model(batch(1, device))
+
+
+def test_bad_configurations(device):
+    model = make_model(device)
+    with pytest.raises(ConfigError, match="update must be one of"):
+        AdamBridge(model.parameters(), precision=PRECISION, update="gpu")
+    with pytest.raises(ConfigError, match=r"precision='bf16-ecc24'.*got precision='bf16'"):
+        AdamBridge(model.parameters(), precision="bf16", update="device")
+    for bad in (-1, float("nan"), True, "8"):
+        with pytest.raises(ConfigError, match="prefetch_mb"):
+            device_bridge(model.parameters(), prefetch_mb=bad)
+    opt = device_bridge(model.parameters())
+    with pytest.raises(ConfigError, match="overlap_forward is for update='host'"):
+        opt.attach_hooks(model, overlap_forward=True)
+    assert not opt.hooks_attached
+
+
+@pytest.mark.gpu
+def test_prefetch_follows_the_last_order(device):
+    if device.type != "cuda":
+        pytest.skip("prefetching overlaps copies with backward on a CUDA device")
+    model = make_model(device, width=512)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=0.01, prefetch_mb=0.02)
+    assert len(opt._dev.buckets) > 8
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    opt.attach_hooks(model)
+    for t in range(5):
+        x = batch(t, device)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        if t == 0:
+            assert not opt._dev.order  # nothing to prefetch from yet
+        opt.step_sync()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+    # backward's order: the last parameters' buckets ran first
+    order = [b.members[0] for b in opt._dev.order]
+    assert order[0] > order[-1]
