@@ -13,6 +13,9 @@ Rows (``--rows`` picks a subset; each in a fresh model built with the same seed)
   overlap_forward=True)``: ``step_sync()`` returns at once and the next forward overlaps the
   updates (each module waits for its own weights), so their "forward" column holds that wait
   and "after backward" is only the closing of the step.
+- ``bridge-device``: bf16 model, ``AdamBridge(precision="bf16-ecc24", update="device")`` with
+  ``attach_hooks(model)``: the state (ECC-24 code and bf16 moments) stays in pinned host memory
+  and the GPU updates it bucket by bucket during backward (memopt_offload.device_update).
 - ``deepspeed-offload``: bf16 model under DeepSpeed's ZeRO-Offload (``deepspeed.initialize``,
   one process: ZeRO stage 2, ``offload_optimizer`` on pinned CPU memory, ``overlap_comm`` and
   ``contiguous_gradients``, 2e8-element buckets as DeepSpeed's ZeRO-Offload tutorial sets them,
@@ -133,7 +136,19 @@ BYTE_MODEL: dict[str, ByteModel] = {
     "fp8": ByteModel(master=8, moments=4, grad=2, staging=2, dma=4),
     "bf16-ecc24": ByteModel(master=6, moments=8, grad=2, staging=0, dma=4),
     "compact": ByteModel(master=6, moments=4, grad=2, staging=0, dma=4),
+    # update="device": no CPU arithmetic; the state (ECC-24 code 1 + bf16 m, v 4) goes to the
+    # GPU and back by DMA
+    "bf16-ecc24 device": ByteModel(
+        master=0, moments=0, grad=0, staging=0, dma=10, link_down=5, link_up=5
+    ),
 }
+
+
+def byte_model_key(row: Any) -> str:
+    """The BYTE_MODEL entry of a row (or spec): its precision, and the update's place."""
+    precision = row.precision or "bf16"
+    return precision if row.update == "host" else f"{precision} {row.update}"
+
 
 # DESIGN section 7's peers and section 8's targets, for runs that do not measure the peers.
 PEER_TORCH_ADAMW_MS = 89.7
@@ -155,6 +170,7 @@ class RowSpec:
     precision: str | None = None
     hooks: bool = False
     overlap: bool = False  # attach_hooks(model, overlap_forward=True)
+    update: str = "host"  # AdamBridge(update=...)
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -169,6 +185,7 @@ ROWS: tuple[RowSpec, ...] = (
     RowSpec("bridge-bf16-nohooks", "AdamBridge bf16, step() without hooks", "bridge", BF16, precision="bf16"),
     RowSpec("bridge-bf16-overlap", "AdamBridge bf16, overlap_forward", "bridge", BF16, precision="bf16", hooks=True, overlap=True),
     RowSpec("bridge-bf16-ecc24-overlap", "AdamBridge bf16-ecc24, overlap_forward", "bridge", BF16, precision="bf16-ecc24", hooks=True, overlap=True),
+    RowSpec("bridge-device", "AdamBridge bf16-ecc24, update='device'", "bridge", BF16, precision="bf16-ecc24", hooks=True, update="device"),
     RowSpec("deepspeed-offload", "DeepSpeed ZeRO-2 Offload (CPUAdam), bf16 model", "deepspeed", BF16),
     RowSpec("fwd-bwd-bf16", "bf16 forward + backward, no optimizer", "none", BF16),
 )  # fmt: skip
@@ -184,6 +201,7 @@ class Row:
     precision: str | None = None
     hooks: bool = False
     overlap: bool = False
+    update: str = "host"
     median_ms: float | None = None
     min_ms: float | None = None
     step_ms: list[float] = field(default_factory=list)
@@ -201,6 +219,11 @@ class Row:
     round_median_ms: list[float] = field(default_factory=list)  # --rounds: each round's median
     skipped: str | None = None
     error: str | None = None
+
+
+def new_row(spec: RowSpec, **kw: Any) -> Row:
+    """An empty :class:`Row` of ``spec`` (``kw``: ``error``, ``skipped``...)."""
+    return Row(spec.name, spec.label, spec.precision, spec.hooks, spec.overlap, spec.update, **kw)
 
 
 # ----------------------------------------------------------------------------- model and data
@@ -456,9 +479,15 @@ def _deepspeed_engine(deepspeed: Any, model: torch.nn.Module, hyper: dict[str, A
 
 
 def make_optimizer(
-    spec: RowSpec, module: Any, model: torch.nn.Module, hyper: dict[str, Any], batch: int = 8
+    spec: RowSpec,
+    module: Any,
+    model: torch.nn.Module,
+    hyper: dict[str, Any],
+    batch: int = 8,
+    bridge: dict[str, Any] | None = None,
 ) -> tuple[Any, Callable[[], None], Callable[[torch.Tensor], None]]:
-    """(optimizer, what ends a step after backward, the backward) for one row."""
+    """(optimizer, what ends a step after backward, the backward) for one row; ``bridge``: more
+    AdamBridge arguments (``--bucket-mb``, ``--prefetch-mb``)."""
     params = list(model.parameters())
     backward = torch.Tensor.backward
     if spec.kind == "deepspeed":  # its backward flushes the last gradient bucket to the host
@@ -471,7 +500,12 @@ def make_optimizer(
             params, torch.optim.AdamW, offload_gradients=True, fused=True, **hyper
         )
     elif spec.kind == "bridge":
-        opt = module.AdamBridge(params, precision=spec.precision, **hyper)
+        extra = dict(bridge or {})
+        if spec.update == "host":
+            extra.pop("prefetch_mb", None)
+        opt = module.AdamBridge(
+            params, precision=spec.precision, update=spec.update, **extra, **hyper
+        )
         if spec.hooks:
             opt.attach_hooks(model, overlap_forward=spec.overlap)
             return opt, opt.step_sync, backward
@@ -541,7 +575,7 @@ def _error(exc: BaseException) -> str:
 
 def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
     """Build a fresh model, time ``warmup + iters`` steps, then free everything."""
-    row = Row(spec.name, spec.label, spec.precision, spec.hooks, spec.overlap)
+    row = new_row(spec)
     model = opt = finish = backward = None
     if ctx.device.type == "cuda":
         release(ctx.device)
@@ -549,7 +583,9 @@ def run_row(spec: RowSpec, module: Any, ctx: Context) -> Row:
     try:
         torch.manual_seed(ctx.args.seed)
         model = build_model(ctx.choice, ctx.shape, ctx.device, spec.dtype)
-        opt, finish, backward = make_optimizer(spec, module, model, ctx.hyper, ctx.args.batch)
+        opt, finish, backward = make_optimizer(
+            spec, module, model, ctx.hyper, ctx.args.batch, bridge_arguments(ctx.args)
+        )
         cuda = ctx.device.type == "cuda"
         release(ctx.device)
         if cuda:
@@ -633,7 +669,7 @@ def lower_bound(
     row: Row, n_params: int, bw: Bandwidth, base: Row | None, ready: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
     """The step-time lower bound of an AdamBridge row from its byte model (module docstring)."""
-    bm = BYTE_MODEL[row.precision or "bf16"]
+    bm = BYTE_MODEL[byte_model_key(row)]
 
     def cost(numel: int) -> tuple[float, float]:
         return bw.link_ms(bm.link_down * numel, bm.link_up * numel), bw.host_ms(bm.host * numel)
@@ -652,7 +688,12 @@ def lower_bound(
         "bwd_ms": bwd,
         "compute_from": src.name,
     }
-    if not row.hooks:
+    if row.update == "device":
+        # state copies go ahead of the gradients (prefetch) and back after the step (the next
+        # forward needs only the weights, updated on the GPU): they may span forward + backward
+        tail = max(0.0, max(link_ms, host_ms) - fwd - bwd)
+        exposed = "the link bytes beyond forward + backward" if tail else "nothing: fits in fwd+bwd"
+    elif not row.hooks:
         tail, exposed = max(link_ms, host_ms), "every parameter: the update starts after backward"
     elif ready:
         # the profile is one step: stretch its timeline to the median backward used here
@@ -822,6 +863,16 @@ def make_context(
     return Context(args, device, choice, shape, batches, Clock(device), {**HYPER, "lr": args.lr})
 
 
+def bridge_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The AdamBridge arguments the command line sets (none: AdamBridge's defaults)."""
+    out: dict[str, Any] = {}
+    if args.bucket_mb is not None:
+        out["bucket_mb"] = args.bucket_mb
+    if args.prefetch_mb is not None:
+        out["prefetch_mb"] = args.prefetch_mb
+    return out
+
+
 def child_argv(args: argparse.Namespace, choice: ModelChoice) -> list[str]:
     """The options that make a row's own process measure what this one would."""
     argv = ["--device", args.device, "--tiny" if args.tiny else "--no-tiny", "--no-isolate"]
@@ -834,6 +885,9 @@ def child_argv(args: argparse.Namespace, choice: ModelChoice) -> list[str]:
         argv += ["--threads", str(args.threads)]
     if args.autotune:
         argv.append("--autotune")
+    for flag, value in (("--bucket-mb", args.bucket_mb), ("--prefetch-mb", args.prefetch_mb)):
+        if value is not None:
+            argv += [flag, repr(value)]
     return argv
 
 
@@ -912,9 +966,7 @@ def run_isolated(
     proc = subprocess.run(cmd, check=False)
     if not out.exists():
         error = f"the row's process exited with status {proc.returncode} and no result"
-        return Row(
-            spec.name, spec.label, spec.precision, spec.hooks, spec.overlap, error=error
-        ), None
+        return new_row(spec, error=error), None
     data = json.loads(out.read_text())
     return Row(**data["row"]), data["grad_ready"]
 
@@ -932,14 +984,7 @@ def child_main(
     modules, skipped = importable([spec], device)
     ctx = make_context(args, device, choice, shape)
     if spec.name in skipped:
-        row = Row(
-            spec.name,
-            spec.label,
-            spec.precision,
-            spec.hooks,
-            spec.overlap,
-            skipped=skipped[spec.name],
-        )
+        row = new_row(spec, skipped=skipped[spec.name])
     else:
         row = run_row(spec, modules.get(spec.name), ctx)
     data = {"row": asdict(row), "grad_ready": ctx.grad_ready}
@@ -987,6 +1032,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--bw-mib", type=int, default=256, help="bandwidth buffers (%(default)s)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (%(default)s)")
+    p.add_argument("--bucket-mb", type=float, help="AdamBridge rows' bucket_mb (its default)")
+    p.add_argument(
+        "--prefetch-mb", type=float, help="update='device' rows' prefetch_mb (its default)"
+    )
     p.add_argument("--seed", type=int, default=0, help="model and data seed (%(default)s)")
     p.add_argument("--json", type=Path, help="write every number here")
     p.add_argument(
@@ -1077,8 +1126,7 @@ def main(argv: list[str] | None = None) -> int:
             for spec in (SPECS[name] for name in names):
                 if spec.name in skipped:
                     if not k:
-                        runs[spec.name].append(Row(spec.name, spec.label, spec.precision, spec.hooks,
-                                                   spec.overlap, skipped=skipped[spec.name]))  # fmt: skip
+                        runs[spec.name].append(new_row(spec, skipped=skipped[spec.name]))
                     continue
                 if args.isolate:
                     row, ready = run_isolated(spec, args, choice, Path(tmp))
@@ -1136,7 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({bw.mib} MiB buffers)",
         "byte model": "host B/param (kernel + DMA): "
         + ", ".join(f"{k} {v.kernel} + {v.dma} = {v.host}" for k, v in BYTE_MODEL.items())
-        + "; link 2 down + 2 up",
+        + "; link 2 down + 2 up (device update: 5 + 5)",
         "autotune": "not asked for (--autotune)" if tuned is None else json.dumps(tuned),
         "isolation": "each row in its own process"
         if args.isolate

@@ -28,10 +28,11 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     | grep -E "passed|failed|error|Error|nox >|FAILED" | tail -40 | tee "$OUT/gpu_tests.log"
   echo "gpu_tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.log"
 fi
-# the compiled kernels come from the build gpu_tests made (or a fresh one)
+# the compiled kernels come from the build gpu_tests made (or a fresh one); the Triton kernels
+# are installed too, since the device update finds them through their entry point
 MK=${MK:-/tmp/memopt-offload-mk}
 python3 -m pip install -q --no-build-isolation --no-deps --no-index --target "$MK" \
-  "$ROOT/packages/memopt-kernels-cpu" 2>&1 | tail -3
+  "$ROOT/packages/memopt-kernels-cpu" "$ROOT/packages/memopt-kernels-triton" 2>&1 | tail -3
 export PYTHONPATH=$MK:$ROOT/packages/memopt-core/src:$ROOT/packages/memopt-offload/src:$PYTHONPATH
 timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench/offload_e2e.py --json "$OUT/e2e.json" \
   ${ROWS:+--rows "$ROWS"} 2>&1 | grep -v SyntaxWarning | tail -60 | tee "$OUT/e2e.log"

@@ -31,8 +31,12 @@ def _keep_torch_threads():
 class StandInBridge(torch.optim.AdamW):
     """AdamBridge's API over torch AdamW, so the bridge rows' plumbing runs without the package."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, precision):
-        assert precision in offload_e2e.BYTE_MODEL
+    built: list[dict] = []  # noqa: RUF012  (the AdamBridge arguments of each row)
+
+    def __init__(self, params, lr, betas, eps, weight_decay, precision, update, **kw):
+        key = precision if update == "host" else f"{precision} {update}"
+        assert key in offload_e2e.BYTE_MODEL
+        StandInBridge.built.append({"precision": precision, "update": update, **kw})
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.hooked = 0
         self.handles = []
@@ -81,7 +85,10 @@ def test_byte_model_table() -> None:
         "fp8": (16, 20, 4),
         "bf16-ecc24": (16, 20, 4),
         "compact": (12, 16, 4),
+        "bf16-ecc24 device": (0, 10, 10),
     }
+    device = offload_e2e.SPECS["bridge-device"]
+    assert offload_e2e.byte_model_key(device) == "bf16-ecc24 device"
 
 
 def test_lower_bound_exposes_the_last_gradient() -> None:
@@ -114,6 +121,22 @@ def test_lower_bound_exposes_the_last_gradient() -> None:
     b = offload_e2e.lower_bound(overlap, n, bw, short, ready)
     assert b["tail_ms"] == pytest.approx(24 * 10**8 / 100e9 * 1e3 - 10.0)
     assert b["step_ms"] == pytest.approx(70.0 + b["tail_ms"])
+
+
+def test_lower_bound_of_the_device_update() -> None:
+    # 10 B per parameter of DMA, 5 each way over the link, spread over forward + backward
+    bw = offload_e2e.Bandwidth(d2h_gbs=50.0, h2d_gbs=50.0, both_gbs=60.0, host_gbs=100.0, mib=4)
+    base = offload_e2e.Row("fwd-bwd-bf16", "", median_ms=100.0, fwd_ms=40.0, bwd_ms=60.0)
+    ready = [{"name": "embed", "numel": 10**9, "ms": 60.0}, {"name": "<backward end>", "numel": 0, "ms": 60.0}]  # fmt: skip
+    row = offload_e2e.Row("bridge-device", "", precision="bf16-ecc24", hooks=True, update="device")
+    b = offload_e2e.lower_bound(row, 10**9, bw, base, ready)
+    assert b["link_ms"] == pytest.approx(10 * 10**9 / 60e9 * 1e3)  # both ways at once: 60 GB/s
+    assert b["host_ms"] == pytest.approx(10 * 10**9 / 100e9 * 1e3)
+    assert b["tail_ms"] == pytest.approx(b["link_ms"] - 100.0)
+    assert b["step_ms"] == pytest.approx(b["link_ms"])
+    b = offload_e2e.lower_bound(row, 10**8, bw, base, ready)
+    assert b["tail_ms"] == 0.0
+    assert b["step_ms"] == 100.0
 
 
 def test_tiny_run_times_torch_adamw_and_the_floor(tmp_path, capsys) -> None:
@@ -233,6 +256,25 @@ def test_bridge_rows_with_a_stand_in(tmp_path, monkeypatch) -> None:
     assert rows["bridge-compact"]["bound"]["host_bytes_per_param"] == 16
     assert rows["bridge-bf16"]["hooks"]
     assert not rows["bridge-bf16-nohooks"]["hooks"]
+
+
+def test_bridge_arguments_reach_their_rows(tmp_path, monkeypatch) -> None:
+    fake = types.ModuleType("memopt_offload")
+    fake.AdamBridge = StandInBridge
+    monkeypatch.setitem(sys.modules, "memopt_offload", fake)
+    StandInBridge.built = []
+    data = _run(
+        tmp_path, ["bridge-bf16", "bridge-device"], "--bucket-mb", "8", "--prefetch-mb", "64"
+    )
+    assert [r["update"] for r in data["rows"]] == ["host", "device"]
+    # the prefetch budget is the device update's alone
+    assert StandInBridge.built == [
+        {"precision": "bf16", "update": "host", "bucket_mb": 8.0},
+        {"precision": "bf16-ecc24", "update": "device", "bucket_mb": 8.0, "prefetch_mb": 64.0},
+    ]
+    args = offload_e2e.parse_args([*TINY, "--bucket-mb", "8", "--prefetch-mb", "64"])
+    argv = offload_e2e.child_argv(args, offload_e2e.choose_model("replica"))
+    assert argv[-4:] == ["--bucket-mb", "8.0", "--prefetch-mb", "64.0"]
 
 
 @pytest.mark.skipif(
