@@ -99,6 +99,40 @@ def test_odd_sizes(device, hooks):
     step_pair(model, ref_model, opt, ref, xs, hooks=hooks)
 
 
+def test_mixed_dtypes_in_one_group(device):
+    # bf16 weights (ECC-24 master) and fp32 LayerNorm parameters: one region per dtype, the
+    # host update's tensor ids across both
+    model = make_model(device)
+    model[2].float()
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS)
+    assert [r.plan.param_dtype for r in opt._dev.regions] == [torch.bfloat16, torch.float32]
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    train_pair(model, ref_model, opt, ref, 20, device, hooks=True)
+
+
+class Transposed(torch.nn.Module):
+    """A weight held transposed: a non-contiguous parameter (never cut into pieces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(31, 33).t())
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_non_contiguous_parameter(device):
+    torch.manual_seed(7)
+    model = Transposed().to(device=device, dtype=torch.bfloat16)
+    assert not model.w.is_contiguous()
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=0.0005)  # smaller than the weight
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    train_pair(model, ref_model, opt, ref, 10, device, hooks=True)
+    assert not model.w.is_contiguous()  # updated in place, layout kept
+
+
 class SometimesUnused(torch.nn.Module):
     """``extra`` takes part in even steps only, and shares a bucket with ``main``."""
 
@@ -337,6 +371,8 @@ def test_bad_configurations(device):
         with pytest.raises(ConfigError, match="prefetch_mb"):
             device_bridge(model.parameters(), prefetch_mb=bad)
     opt = device_bridge(model.parameters())
+    assert opt.bucket_bytes == 64 * 2**20  # the device update's default (32 on the host)
+    assert AdamBridge(model.parameters(), precision=PRECISION).bucket_bytes == 32 * 2**20
     with pytest.raises(ConfigError, match="overlap_forward is for update='host'"):
         opt.attach_hooks(model, overlap_forward=True)
     assert not opt.hooks_attached
