@@ -184,6 +184,8 @@ def test_failed_update_surfaces_in_step_sync(device, precision, update):
     loss_of(model, batch(0, device)).backward()
     with pytest.raises(OffloadError, match=r"an update failed.*learning rate"):
         opt.step_sync()
+    # the failed step's gradients are gone: the next backward does not add to them
+    assert all(p.grad is None for p in model.parameters())
     opt.param_groups[0]["lr"] = 1e-3
     loss_of(model, batch(1, device)).backward()
     opt.step_sync()  # usable again

@@ -946,6 +946,8 @@ class AdamBridge(Optimizer):
     def _wait_all(self) -> None:
         err = self._dispatcher.wait()
         if err is not None:
+            if self._dev is not None:
+                self._dev.abandon()
             self._pending.clear()
             self._inflight.clear()
             self._held.clear()

@@ -8,17 +8,21 @@ master and holds bf16 moments (4 B). No gradient buffer, no master copy, no uplo
 The parameters are cut, in parameter order, into buckets of about ``bucket_mb`` of gradients; a
 parameter larger than a bucket is cut into pieces, each stepped as a range of its tensor with the
 stochastic-rounding index base of its first element, so a piece draws the words the whole tensor
-would. When the last gradient of a bucket is final (post-accumulate-grad hooks), the bucket's
-state is copied to the device (unless it was prefetched), one fused multi-tensor launch on a side
-stream updates the weights and the state (core's backend registry: memopt-kernels-triton on CUDA,
-bit-exact with core's reference AdamW, so with ``update="host"``), the gradients are freed and the
-state is copied back. Per bf16 parameter the link carries 5 B each way and host memory 10 B, all
+would. When the last gradient of a bucket is final (post-accumulate-grad hooks), the hook
+records an event and AdamBridge's dispatcher thread runs the bucket (:meth:`DeviceUpdater.run`):
+the bucket's state is copied to the device (unless it was prefetched), one fused multi-tensor
+launch on a side stream updates the weights and the state (core's backend registry:
+memopt-kernels-triton on CUDA, bit-exact with core's reference AdamW, so with
+``update="host"``), the gradients are freed and the state is copied back. The backward thread
+does none of this: about 1 ms of Python and driver calls per bucket, which on the backward
+thread stretched backward (docs/benchmarks/2026-12-01-offload-device-update.md). Per bf16
+parameter the link carries 5 B each way and host memory 10 B, all
 of it DMA: the CPU does no arithmetic.
 
 Prefetch: the state of buckets whose gradients are not final yet is copied ahead, in the order the
 buckets became ready at the previous step, within ``prefetch_mb`` of device memory (staged,
-running and writing-back buckets count). It starts at the step's first gradient: state staged
-during the forward would add to the peak, which comes at the start of backward.
+running and writing-back buckets count). It starts when the step's first bucket runs: state
+staged during the forward would add to the peak, which comes at the start of backward.
 
 :meth:`DeviceUpdater.finish` makes the current stream wait for the updates, not for the copies
 of state back to the host: the next step's copies and every host read of the state wait for those.
@@ -366,6 +370,8 @@ class DeviceUpdater:
         """Update ``b``'s parameters that have a final gradient (scaled by ``coef`` when it is
         below 1: clipping) with ``groups[group index]``'s hyperparameters. AdamBridge calls it on
         its dispatcher thread: the backward thread only counts gradients (:meth:`arrived`)."""
+        group = groups[b.plan.group_index]
+        check_hyper(group, f"(param group {b.plan.group_index})")  # before anything changes
         arrived = self._step.arrived
         cuda = self.device.type == "cuda"
         if b.staged is None:
@@ -387,7 +393,6 @@ class DeviceUpdater:
                 g, a, n = grads[pos], b.starts[si], b.plan.slots[si].numel
                 pieces[si] = g if n == g.numel() else g.view(-1)[a : a + n]
                 by_step.setdefault(self.steps[pos], []).append(si)
-        group = groups[b.plan.group_index]
         if cuda:
             _, comp, d2h = self._stream_triple()
             comp.wait_event(b.ready_event)  # the gradients are final
@@ -428,7 +433,6 @@ class DeviceUpdater:
 
     def _launch(self, b, staged, slots, pieces, group, step) -> None:
         region = b.region
-        check_hyper(group, f"(param group {b.plan.group_index})")
         scalars = reference.adam_scalars(
             lr=float(group["lr"]),
             betas=tuple(float(x) for x in group["betas"]),
@@ -466,6 +470,19 @@ class DeviceUpdater:
             del self._in_flight[b]
         if self.device.type == "cuda" and self._streams is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[1])
+        self._step = _StepState()
+
+    def abandon(self) -> None:
+        """After a failed update: drop the step (its gradients too, so that the next backward
+        does not add to them) and the state staged for it; the step counts of the buckets
+        that did run stay advanced."""
+        for pos, free in self._step.arrived.items():
+            if free:
+                self.params[pos].grad = None
+        for b in list(self._in_flight):
+            if self._in_flight[b] is None:  # staged, never written back
+                b.staged = None
+                del self._in_flight[b]
         self._step = _StepState()
 
     def synchronize_host(self) -> None:
