@@ -11,11 +11,24 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import Tensor
 
 from memopt_core.optimizer import MemOptimizer
 from memopt_offload import PRECISIONS
+
+#: update -> extra AdamBridge arguments of the tests that run both updates: the device update with
+#: 2 KiB buckets, so that its tests cut the 33x48 and 48x31 weights into pieces
+BOTH = {"host": {}, "device": {"bucket_mb": 0.002}}
+
+
+def both_updates(host_precision: str = "bf16"):
+    """Parametrize a test over ``(precision, update)``: the host update at ``host_precision``,
+    the device update at its one precision (``bf16-ecc24``)."""
+    return pytest.mark.parametrize(
+        ("precision", "update"), [(host_precision, "host"), ("bf16-ecc24", "device")]
+    )
 
 
 def make_model(device, *, width: int = 48, dtype=torch.bfloat16, seed: int = 0) -> torch.nn.Module:
@@ -115,31 +128,26 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module, what: str = "") -
 
 
 def train_pair(model, ref_model, opt, ref, steps, device, *, hooks, start=0, dtype=torch.bfloat16):
+    """``steps`` steps of AdamBridge and the reference on :func:`batch` inputs from ``start``
+    with :func:`loss_of` (hooks attached for the run when ``hooks``)."""
     if hooks:
         opt.attach_hooks(model)
-    for t in range(start, start + steps):
-        x = batch(t, device, dtype)
-        loss_of(model, x).backward()
-        loss_of(ref_model, x).backward()
-        if hooks:
-            opt.step_sync()
-        else:
-            opt.step()
-            opt.zero_grad()
-        ref.step()
-        ref.opt.zero_grad()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
+    xs = [batch(t, device, dtype) for t in range(start, start + steps)]
+    step_pair(model, ref_model, opt, ref, xs, hooks=hooks, loss=loss_of, start=start)
     if hooks:
         opt.detach_hooks()
 
 
-def step_pair(model, ref_model, opt, ref, xs, *, hooks=True):
-    """One step of AdamBridge and the reference per input (loss: the model's output summed);
-    the weights must agree bit for bit after each."""
-    for t, x in enumerate(xs):
-        model(x).float().sum().backward()
-        ref_model(x).float().sum().backward()
+def _summed(model: torch.nn.Module, x: Tensor) -> Tensor:
+    return model(x).float().sum()
+
+
+def step_pair(model, ref_model, opt, ref, xs, *, hooks=True, loss=_summed, start=0):
+    """One step of AdamBridge and the reference per input (``loss``: by default the model's
+    output summed); the weights must agree bit for bit after each."""
+    for t, x in enumerate(xs, start):
+        loss(model, x).backward()
+        loss(ref_model, x).backward()
         if hooks:
             opt.step_sync()
         else:

@@ -9,11 +9,13 @@ import copy
 import pytest
 import torch
 from offload_testutil import (
+    BOTH,
     OddSizes,
     Reference,
     Tied,
     assert_same_params,
     batch,
+    both_updates,
     loss_of,
     make_model,
     step_pair,
@@ -80,7 +82,7 @@ class ManyTiny(torch.nn.Module):
         return sum((w * x[: w.numel()]).sum() ** 2 for w in self.ws).reshape(1)
 
 
-@pytest.mark.parametrize(("precision", "update"), [("bf16", "host"), ("bf16-ecc24", "device")])
+@both_updates("bf16")
 def test_many_tiny_tensors(device, precision, update):
     torch.manual_seed(3)
     model = ManyTiny().to(device=device, dtype=torch.bfloat16)
@@ -110,7 +112,7 @@ class TransferHeavy(torch.nn.Module):
         return self.small(s).pow(2).sum() + sum(w.float().square().mean() for w in self.big)
 
 
-@pytest.mark.parametrize(("precision", "update"), [("bf16", "host"), ("bf16-ecc24", "device")])
+@both_updates("bf16")
 def test_transfers_far_larger_than_compute(device, precision, update):
     torch.manual_seed(4)
     model = TransferHeavy().to(device=device, dtype=torch.bfloat16)
@@ -123,11 +125,14 @@ def test_transfers_far_larger_than_compute(device, precision, update):
     )
 
 
-def test_gradient_accumulation(device):
+@both_updates("bf16")
+def test_gradient_accumulation(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=2e-3, precision="bf16")
-    ref = Reference(ref_model, "bf16", lr=2e-3)
+    opt = AdamBridge(
+        model.parameters(), lr=2e-3, precision=precision, update=update, **BOTH[update]
+    )
+    ref = Reference(ref_model, precision, lr=2e-3)
     opt.attach_hooks(model)
     for t in range(4):
         for micro in range(3):
@@ -142,10 +147,11 @@ def test_gradient_accumulation(device):
         ref.step()
         ref_model.zero_grad()
         assert_same_params(model, ref_model, f"step {t}")
-        assert all(p.grad is None for p in model.parameters())  # freed after the copy
+        assert all(p.grad is None for p in model.parameters())  # freed once used
 
 
-def test_lr_scheduler_and_param_groups(device):
+@both_updates("fp32")
+def test_lr_scheduler_and_param_groups(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
     decay = [model[0].weight, model[3].weight]
@@ -154,13 +160,15 @@ def test_lr_scheduler_and_param_groups(device):
         [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}],
         lr=2e-3,
         weight_decay=0.1,
-        precision="fp32",
+        precision=precision,
+        update=update,
+        **BOTH[update],
     )
     rdecay = [ref_model[0].weight, ref_model[3].weight]
     rrest = [ref_model[0].bias, ref_model[2].weight, ref_model[2].bias, ref_model[3].bias]
     ref = Reference(
         ref_model,
-        "fp32",
+        precision,
         groups=[{"params": rdecay}, {"params": rrest, "weight_decay": 0.0, "lr": 5e-3}],
         lr=2e-3,
         weight_decay=0.1,
@@ -181,16 +189,19 @@ def test_lr_scheduler_and_param_groups(device):
     assert opt.param_groups[1]["lr"] == pytest.approx(5e-3 / 7)
 
 
-def test_tied_and_frozen_weights(device):
+@both_updates("compact")
+def test_tied_and_frozen_weights(device, precision, update):
     torch.manual_seed(5)
     model = Tied().to(device=device, dtype=torch.bfloat16)
     model.mid.bias.requires_grad_(False)
     frozen = model.mid.bias.detach().clone()
     ref_model = copy.deepcopy(model)
-    opt = AdamBridge(model.parameters(), lr=1e-2, precision="compact")
-    ref = Reference(ref_model, "compact", lr=1e-2)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    ref = Reference(ref_model, precision, lr=1e-2)
     # host memory for emb (= head) weight and mid weight only: the frozen bias has none
     assert opt.host_bytes() < 2 * (50 * 16 + 16 * 16) * 8
+    if update == "device":  # ECC-24 code + bf16 m, v
+        assert opt.state_bytes() == 5 * (50 * 16 + 16 * 16)
     with pytest.raises(ConfigError, match="does not train"):
         opt.master_weight(model.mid.bias)
     opt.attach_hooks(model)
@@ -201,6 +212,7 @@ def test_tied_and_frozen_weights(device):
                 m(ids).float().flatten(0, 1), ids.flatten()
             ).backward()
         opt.step_sync()
+        assert all(p.grad is None for p in model.parameters())  # freed once used
         ref.step()
         ref_model.zero_grad()
         assert_same_params(model, ref_model, f"step {t}")
@@ -209,14 +221,17 @@ def test_tied_and_frozen_weights(device):
 
 
 @pytest.mark.parametrize("mode", ["wait", "overlap"])
-def test_clipping(device, mode):
+@both_updates("bf16")
+def test_clipping(device, mode, precision, update):
+    # on the device, a piece's coefficient must scale its range of the gradient only, once
     model = make_model(device)
     ref_model = copy.deepcopy(model)
     max_norm = 0.05  # below the gradient norms here, so every step clips
     opt = AdamBridge(
-        model.parameters(), lr=2e-3, precision="bf16", max_grad_norm=max_norm, clip_mode=mode
-    )
-    ref = Reference(ref_model, "bf16", lr=2e-3)
+        model.parameters(), lr=2e-3, precision=precision, max_grad_norm=max_norm,
+        clip_mode=mode, update=update, **BOTH[update],
+    )  # fmt: skip
+    ref = Reference(ref_model, precision, lr=2e-3)
     opt.attach_hooks(model)
     prev = None
     clipped = 0

@@ -10,7 +10,14 @@ import sys
 
 import pytest
 import torch
-from offload_testutil import Reference, assert_same_params, batch, loss_of, make_model
+from offload_testutil import (
+    Reference,
+    assert_same_params,
+    batch,
+    both_updates,
+    loss_of,
+    make_model,
+)
 
 import memopt_offload.host_memory as host_memory
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
@@ -75,11 +82,7 @@ def test_backward_reading_an_updated_weight_is_loud(device):
         loss.backward()
 
 
-#: (precision, update) pairs of the tests that run both places the update can run
-UPDATES = [("bf16", "host"), ("bf16-ecc24", "device")]
-
-
-@pytest.mark.parametrize(("precision", "update"), UPDATES)
+@both_updates()
 def test_repeated_attach_detach_matches_reference(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
@@ -105,7 +108,7 @@ def test_repeated_attach_detach_matches_reference(device, precision, update):
         assert_same_params(model, ref_model, f"step {t}")
 
 
-@pytest.mark.parametrize(("precision", "update"), UPDATES)
+@both_updates()
 def test_detach_collects_in_flight_updates(device, precision, update):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
@@ -175,7 +178,7 @@ def test_bad_arguments(device):
         AdamBridge(params, betas=(0.9, 1.0), precision="bf16-ecc24", update="device")
 
 
-@pytest.mark.parametrize(("precision", "update"), UPDATES)
+@both_updates()
 def test_failed_update_surfaces_in_step_sync(device, precision, update):
     model = make_model(device)
     opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision, update=update)

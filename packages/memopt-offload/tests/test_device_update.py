@@ -1,8 +1,10 @@
 """``AdamBridge(update="device")`` against the reference, bit for bit: the state in host memory,
 the update on the device (on a CPU model: the same buckets, copies and launches, through the C++
-kernels). Buckets that cut parameters into pieces, odd sizes, parameters that miss a step,
-clipping, accumulation, schedulers, tied and frozen weights, state dicts (also across
-``update="host"``), and the errors of bad configurations."""
+kernels). Buckets that cut parameters into pieces, odd sizes, mixed dtypes, non-contiguous
+parameters, parameters that miss a step, state dicts (also across ``update="host"``), and the
+errors of bad configurations. Clipping, accumulation, schedulers, groups, tied and frozen
+weights, many tiny tensors and attach/detach run both updates in test_bridge_exact.py and
+test_bridge_usage.py (``both_updates``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import torch
 from offload_testutil import (
     OddSizes,
     Reference,
-    Tied,
     assert_same_params,
     batch,
     loss_of,
@@ -165,119 +166,6 @@ def test_parameters_that_miss_steps(device):
         assert_same_params(model, ref_model, f"step {t}")
     sd = opt.state_dict()["state"]
     assert [sd[i]["step"].item() for i in range(4)] == [7, 7, 4, 4]
-
-
-def test_tied_and_frozen_weights(device):
-    torch.manual_seed(5)
-    model = Tied().to(device=device, dtype=torch.bfloat16)
-    model.mid.bias.requires_grad_(False)
-    frozen = model.mid.bias.detach().clone()
-    ref_model = copy.deepcopy(model)
-    opt = device_bridge(model.parameters(), lr=1e-2, bucket_mb=0.001)
-    ref = Reference(ref_model, PRECISION, lr=1e-2)
-    # 5 B per trained element: emb (= head) weight and mid weight; the frozen bias has none
-    assert opt.state_bytes() == 5 * (50 * 16 + 16 * 16)
-    with pytest.raises(ConfigError, match="does not train"):
-        opt.master_weight(model.mid.bias)
-    opt.attach_hooks(model)
-    for t in range(8):
-        ids = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(t)).to(device)
-        for m in (model, ref_model):
-            torch.nn.functional.cross_entropy(
-                m(ids).float().flatten(0, 1), ids.flatten()
-            ).backward()
-        opt.step_sync()
-        assert all(p.grad is None for p in model.parameters())  # freed once used
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
-    assert model.head.weight is model.emb.weight
-    assert torch.equal(model.mid.bias, frozen)
-
-
-def test_lr_scheduler_and_param_groups(device):
-    model = make_model(device)
-    ref_model = copy.deepcopy(model)
-    decay = [model[0].weight, model[3].weight]
-    rest = [model[0].bias, model[2].weight, model[2].bias, model[3].bias]
-    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}]
-    opt = device_bridge(groups, lr=2e-3, weight_decay=0.1, bucket_mb=TINY_BUCKETS)
-    rdecay = [ref_model[0].weight, ref_model[3].weight]
-    rrest = [ref_model[0].bias, ref_model[2].weight, ref_model[2].bias, ref_model[3].bias]
-    ref = Reference(
-        ref_model,
-        PRECISION,
-        groups=[{"params": rdecay}, {"params": rrest, "weight_decay": 0.0, "lr": 5e-3}],
-        lr=2e-3,
-        weight_decay=0.1,
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    opt.attach_hooks(model)
-    for t in range(6):
-        x = batch(t, device)
-        loss_of(model, x).backward()
-        loss_of(ref_model, x).backward()
-        opt.step_sync()
-        for g, rg in zip(opt.param_groups, ref.opt.param_groups, strict=True):
-            rg["lr"] = g["lr"]
-        ref.step()
-        ref_model.zero_grad()
-        sched.step()
-        assert_same_params(model, ref_model, f"step {t}")
-
-
-def test_gradient_accumulation(device):
-    model = make_model(device)
-    ref_model = copy.deepcopy(model)
-    opt = device_bridge(model.parameters(), lr=2e-3, bucket_mb=TINY_BUCKETS)
-    ref = Reference(ref_model, PRECISION, lr=2e-3)
-    opt.attach_hooks(model)
-    for t in range(4):
-        for micro in range(3):
-            x = batch(10 * t + micro, device)
-            if micro < 2:
-                with opt.no_update():
-                    loss_of(model, x).backward()
-            else:
-                loss_of(model, x).backward()
-            loss_of(ref_model, x).backward()
-        opt.step_sync()
-        ref.step()
-        ref_model.zero_grad()
-        assert_same_params(model, ref_model, f"step {t}")
-
-
-@pytest.mark.parametrize("mode", ["wait", "overlap"])
-def test_clipping(device, mode):
-    model = make_model(device)
-    ref_model = copy.deepcopy(model)
-    max_norm = 0.05  # below the gradient norms here, so every step clips
-    opt = device_bridge(
-        model.parameters(),
-        lr=2e-3,
-        max_grad_norm=max_norm,
-        clip_mode=mode,
-        bucket_mb=TINY_BUCKETS,  # a piece's coefficient must scale its range only, once
-    )
-    ref = Reference(ref_model, PRECISION, lr=2e-3)
-    opt.attach_hooks(model)
-    prev = None
-    for t in range(6):
-        x = batch(t, device)
-        loss_of(model, x).backward()
-        loss_of(ref_model, x).backward()
-        norms = [
-            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in ref_model.parameters()
-        ]
-        total = torch.linalg.vector_norm(torch.stack(norms)).item()
-        assert opt.step_sync() == total
-        coef = min(1.0, max_norm / (total + 1e-6))
-        use = coef if (mode == "wait" or prev is None) else prev
-        assert use < 1
-        ref.step(use)
-        ref_model.zero_grad()
-        prev = coef
-        assert_same_params(model, ref_model, f"step {t}")
 
 
 def test_state_dict_resume_and_across_updates(device, tmp_path):

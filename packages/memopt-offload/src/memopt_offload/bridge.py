@@ -1060,12 +1060,7 @@ class AdamBridge(Optimizer):
             sd["state"] = {
                 index[id(s.param)]: self._dev.state_entry(s.pos) for s in self._slots.values()
             }
-            sd["memopt"] = {
-                "family": "AdamBridge",
-                "precision": self.precision,
-                "seed": self._dev.seed,
-                "version": _STATE_DICT_VERSION,
-            }
+            sd["memopt"] = self._state_dict_meta(self._dev.seed)
             return sd
         host_sd = self._host.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -1078,13 +1073,17 @@ class AdamBridge(Optimizer):
             entry["master"] = slot.master.detach()
             state[index[id(slot.param)]] = entry
         sd["state"] = state
-        sd["memopt"] = {
+        sd["memopt"] = self._state_dict_meta(self._host.seed)
+        return sd
+
+    def _state_dict_meta(self, seed: int) -> dict[str, Any]:
+        """The ``memopt`` entry of :meth:`state_dict` (the same for either update)."""
+        return {
             "family": "AdamBridge",
             "precision": self.precision,
-            "seed": self._host.seed,
+            "seed": seed,
             "version": _STATE_DICT_VERSION,
         }
-        return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (validated before anything changes); the host
