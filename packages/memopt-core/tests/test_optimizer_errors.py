@@ -88,6 +88,20 @@ def test_params_must_be_leaves():
         MemOptimizer([base * 2])
 
 
+def test_generator_params_in_a_group():
+    # a group's params as a generator (model.parameters()): every parameter lands in the group
+    ps = [P(3), P(2, 2)]
+    opt = MemOptimizer([{"params": (p for p in ps)}], lr=0.1)
+    extra = P(4)
+    opt.add_param_group({"params": (p for p in [extra])})
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 1]
+    for p in [*ps, extra]:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in [*ps, extra]]
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, [*ps, extra], strict=True))
+
+
 def test_duplicate_params():
     p = P(3)
     with pytest.raises(ConfigError, match="appears twice in the group"):

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import memopt_kernels_cpu
 from memopt_kernels_cpu import _core
 
 HAS_AFFINITY = hasattr(os, "sched_getaffinity")
@@ -50,6 +51,26 @@ def test_bad_thread_counts(n):
 def test_thread_count_type():
     with pytest.raises(TypeError):
         _core.set_num_threads(2.5)
+
+
+@pytest.mark.parametrize(
+    ("setter", "n", "error", "pattern"),
+    [
+        ("set_num_threads", True, TypeError, r"set_num_threads: n must be an int, got bool True"),
+        ("set_num_threads", 2.0, TypeError, r"n must be an int, got float 2.0"),
+        ("set_num_threads", 2**31, ValueError, r"set_num_threads: n = 2147483648 is out of range"),
+        ("set_num_threads", 0, ValueError, r"n must be between 1 and 4096, got 0"),
+        ("set_chunk_size", 2**64, ValueError, r"set_chunk_size: n = 18446744073709551616 is out"),
+        ("set_chunk_size", 64.0, TypeError, r"set_chunk_size: n must be an int, got float"),
+        ("set_chunk_size", 33, ValueError, r"positive multiple of 32 elements, got 33"),
+    ],
+)
+def test_setters_name_the_argument(setter, n, error, pattern):
+    """The public setters (not pybind's generic "incompatible function arguments")."""
+    before = (memopt_kernels_cpu.get_num_threads(), memopt_kernels_cpu.get_chunk_size())
+    with pytest.raises(error, match=pattern):
+        getattr(memopt_kernels_cpu, setter)(n)
+    assert (memopt_kernels_cpu.get_num_threads(), memopt_kernels_cpu.get_chunk_size()) == before
 
 
 def test_resize_starts_new_threads():

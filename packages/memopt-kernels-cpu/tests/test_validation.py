@@ -6,6 +6,7 @@ Meta tensors stand in for any non-CPU device."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 
 import pytest
@@ -657,6 +658,33 @@ def test_tables_are_cached_and_revalidated_on_change(ops, make_work, recorder, m
     work.index_bases = [0, 32.0, 0, 0, 0]  # equal to a cached key, but refused: validated again
     with pytest.raises(ConfigError, match=r"index base of parameter 1 .* must be an int"):
         ops.fused_step(work)
+
+
+def test_cached_tables_do_not_stand_in_for_smaller_tensors(ops, make_work, recorder):
+    """A tensor at a cached address but smaller, of another dtype, or a step with other
+    rounding is validated again (a hit keyed on addresses alone let the kernel write past a
+    1-element staging tensor or parameter)."""
+    work = make_work("adamw", "fp32", "bf16", torch.float32, sizes=(256,))
+    big = torch.zeros(512, dtype=torch.bfloat16)
+    ops.fused_step(work, staging=[big[:256]])
+    with pytest.raises(
+        ConfigError, match=r"staging of parameter 0 .*256 elements, got torch.bfloat16\(1,\)"
+    ):
+        ops.fused_step(work, staging=[big[:1]])
+    with pytest.raises(ConfigError, match=r"staging of parameter 0 .*got torch.int16"):
+        ops.fused_step(work, staging=[big[:256].view(torch.int16)])
+    param = work.params[0]
+    ops.fused_step(work)
+    work.params = [param.view(-1)[:1]]
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter 0 \(slot 0, shape \(1,\).* has 1 elements but the plan's slot 0 has 256",
+    ):
+        ops.fused_step(work)
+    work.params = [param]
+    rne = make_work("adamw", "fp32", "bf16", torch.float32, sizes=(256,), sr=False)
+    ops.fused_step(dataclasses.replace(work, spec=rne.spec))
+    assert [kw["sr"] for _, kw in recorder] == [True, True, False]  # the refused calls ran nothing
 
 
 def test_strided_parameters_are_written_back(ops, make_work, monkeypatch):

@@ -415,7 +415,8 @@ class MemOptimizer(Optimizer):
             raise ConfigError(
                 f"params {where} is a set, whose order changes between runs: pass a list"
             )
-        raw = list(raw)
+        # a generator is used up by the checks below: torch must get the same items
+        raw = param_group["params"] = list(raw)
         tensors, names = [], []
         for item in raw:
             if isinstance(item, tuple) and len(item) == 2:

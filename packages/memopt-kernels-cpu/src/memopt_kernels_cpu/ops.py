@@ -30,9 +30,11 @@ Runtime settings of the compiled module, re-exported here: :func:`supported_isas
 
 from __future__ import annotations
 
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -82,10 +84,31 @@ supported_isas = _core.supported_isas
 get_isa = _core.get_isa
 set_isa = _core.set_isa
 cpu_features = _core.cpu_features
-set_num_threads = _core.set_num_threads
 get_num_threads = _core.get_num_threads
-set_chunk_size = _core.set_chunk_size
 get_chunk_size = _core.get_chunk_size
+
+
+def _c_integer(n: object, fn: str, bits: int) -> int:
+    """``n`` for a C++ setter taking a ``bits``-bit signed integer: pybind11 would turn a bool
+    into 1 and refuse a float or a wider int with a generic message naming no argument."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{fn}: n must be an int, got {type(n).__name__} {n!r}")
+    if not -(2 ** (bits - 1)) <= int(n) < 2 ** (bits - 1):
+        raise ValueError(f"{fn}: n = {n} is out of range")
+    return int(n)
+
+
+def set_num_threads(n: int) -> None:
+    """Threads of the pool (1 to 4096); the pool restarts with ``n`` threads at its next run.
+    ValueError outside that range, TypeError for anything but an int."""
+    _core.set_num_threads(_c_integer(n, "set_num_threads", 32))
+
+
+def set_chunk_size(n: int) -> None:
+    """Elements per chunk of a fused step: a positive multiple of 32 (ValueError otherwise,
+    TypeError for anything but an int)."""
+    _core.set_chunk_size(_c_integer(n, "set_chunk_size", 64))
+
 
 # ----------------------------------------------------------------------------------- ids
 #: Moment format name -> ``Moment`` id of ``kernel_api.hpp`` (fp8_e4m3 and q8_signed share one).
@@ -734,26 +757,34 @@ def _check_group(work: GroupStep) -> None:
         )
 
 
+_DTYPE = attrgetter("dtype")
+
 # validated slot tables kept per plan: memopt-offload steps each plan in a few dozen buckets
 # (different slot subsets) per optimizer step; a table is 72 B per tensor
 _CACHE_SIZE = 128
 
 
 def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
-    """What a validated slot table depends on: the tensors' addresses, dtypes and sizes, the
-    ids and index bases (with their types: a bool or float base equal to a valid int is refused
-    by validation, so it must not find that int's table)."""
+    """Everything validation checked and the kernel call depends on, so that a hit stands in
+    for validation: the tensors' addresses, dtypes and sizes (a smaller tensor at a cached
+    address must not get the cached bounds), the ids and index bases (with their types: a bool
+    or float base equal to a valid int is refused by validation, so it must not find that
+    int's table), the formats and rounding (``work.spec``), the rule."""
     bases = work.index_bases
     return (
         tuple(work.slots),
         tuple(map(Tensor.data_ptr, params)),
+        tuple(map(_DTYPE, params)),
+        tuple(map(Tensor.numel, params)),
         tuple(map(Tensor.data_ptr, grads)),
-        tuple(g.dtype for g in grads),
+        tuple(map(_DTYPE, grads)),
         tuple(map(Tensor.numel, grads)),
         tuple(work.tensor_ids),
         None if bases is None else tuple((type(b), b) for b in bases),
         tuple(map(_ptr, stage)),
+        tuple(None if st is None else (st.dtype, st.numel()) for st in stage),
         tuple(map(Tensor.data_ptr, work.arena.tensors())),
+        work.spec,
         work.rule,
         work.rule == "sgd" and work.scalars.momentum != 0.0,
     )

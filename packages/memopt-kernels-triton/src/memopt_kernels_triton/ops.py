@@ -930,8 +930,8 @@ class PreparedStep:
         return HYPER_FIELDS[self.rule]
 
     def _finish(self) -> None:
-        for dst, tmp in self._copies:
-            dst.copy_(tmp)
+        for dst, tmp in self._copies:  # detached: dst may be a parameter, grad mode on
+            dst.detach().copy_(tmp)
 
     def launch(self, scalars, step: int, seed: int, first_step: bool) -> None:
         """Run the step with host ``scalars`` (core's ``adam_scalars``/``lion_scalars``/
