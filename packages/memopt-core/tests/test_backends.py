@@ -9,7 +9,7 @@ import torch
 
 from memopt_core import MemOptimizer, backends
 from memopt_core.backends import KERNEL_API, GroupStep
-from memopt_core.errors import BackendUnavailableError
+from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
 from memopt_core.reference import AdamScalars, SGDScalars
 from memopt_core.torch_backend import TorchBackend
@@ -142,6 +142,25 @@ def test_default_selection_order(monkeypatch, fresh_backends):
     assert isinstance(backends.select_backend("adam", SPEC, "meta", torch.float32), TorchBackend)
     assert backends.default_order("cuda") == ("triton", "torch")
     assert backends.default_order("cpu") == ("cpu", "torch")
+
+
+def test_no_backend_supports_the_group(monkeypatch, fresh_backends):
+    # the torch backend is the last resort only for groups it runs
+    install(monkeypatch)
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    for rule, spec, dtype in [
+        ("adamw", SPEC, torch.float32),  # an optimizer's rule name, not a backend rule
+        ("adam", SPEC, torch.float64),
+        ("adam", StateSpec("ecc24", "q8"), torch.float32),
+    ]:
+        with pytest.raises(
+            BackendUnavailableError, match=f"no memopt backend supports rule '{rule}'"
+        ):
+            backends.select_backend(rule, spec, "cpu", dtype)
+    with pytest.raises(
+        ConfigError, match=r"backend must be a backend name \(str\) or None, got int 5"
+    ):
+        backends.select_backend("adam", SPEC, "cpu", torch.float32, backend=5)
 
 
 def test_env_var_forces_torch(monkeypatch, fresh_backends):

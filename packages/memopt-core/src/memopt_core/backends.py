@@ -418,6 +418,10 @@ def forced_backend(backend: str | None = None) -> str | None:
     name = backend if backend is not None else os.environ.get(ENV_VAR)
     if name is None:
         return None
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"backend must be a backend name (str) or None, got {type(name).__name__} {name!r}"
+        )
     name = name.strip().lower()
     return None if name in ("", "auto") else name
 
@@ -458,4 +462,9 @@ def select_backend(
                 return status.backend
         except Exception:
             continue
-    return reg["torch"].backend
+    torch_backend = reg["torch"].backend
+    if not torch_backend.supports(rule, spec, device, param_dtype):  # nor does any other
+        raise BackendUnavailableError(
+            f"no memopt backend supports {_describe(rule, spec, device, param_dtype)}"
+        )
+    return torch_backend

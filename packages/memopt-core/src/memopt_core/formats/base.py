@@ -19,7 +19,7 @@ magnitude rounds up to ``hi`` iff ``(r >> 8) < frac24``; the sign is kept.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,13 +89,39 @@ class MomentCodec(ABC):
                 f"length of {n}: pad it to a multiple of {self.block_size} (memopt_core.plan does)"
             )
 
+    def check_fields(self, fields: Mapping[str, Tensor]) -> None:
+        """FormatError unless ``fields`` holds this format's fields, each of its dtype, with one
+        scale per block of the codes: :meth:`decode` reads bit patterns, so a field of another
+        dtype would be reinterpreted (a float32 tensor read as twice as many bf16 values)."""
+        from memopt_core.errors import FormatError
+
+        what = f"format {self.name!r}"
+        if not isinstance(fields, Mapping):
+            raise FormatError(f"{what} decodes a dict of fields, got {type(fields).__name__}")
+        missing = [k for k in self.fields if k not in fields]
+        if missing:
+            raise FormatError(f"{what} needs fields {list(self.fields)}; missing {missing}")
+        for k, spec in self.fields.items():
+            t = fields[k]
+            if not isinstance(t, Tensor) or t.dtype != spec.dtype:
+                got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+                raise FormatError(f"field {k!r} of {what} must be a {spec.dtype} tensor, got {got}")
+        n = next(fields[k].numel() for k, f in self.fields.items() if not f.per_block)
+        self.check_length(n)
+        for k, spec in self.fields.items():
+            if spec.per_block and fields[k].numel() != n // self.block_size:
+                raise FormatError(
+                    f"field {k!r} of {what} holds {fields[k].numel()} entries; {n} elements "
+                    f"take {n // self.block_size} (one per block of {self.block_size})"
+                )
+
     @abstractmethod
     def encode(self, x: Tensor, *, rand: Tensor | None = None) -> dict[str, Tensor]:
         """Fields holding fp32 vector ``x`` (round to nearest, or stochastically with ``rand``)."""
 
     @abstractmethod
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
-        """The fp32 vector the fields hold."""
+        """The fp32 vector the fields hold (checked by :meth:`check_fields`)."""
 
     def encode_sliced(self, x: Tensor, *, slice_elems: int = ENCODE_SLICE) -> dict[str, Tensor]:
         """:meth:`encode` (round to nearest) of fp32 vector ``x``, a slice of whole blocks at a
@@ -148,9 +174,34 @@ class MasterCodec(ABC):
     def encode(self, x: Tensor, *, rand: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """``(param, code)`` for fp32 ``x``."""
 
+    def check_decode(self, param: Tensor, code: Tensor | None) -> None:
+        """FormatError unless ``param`` has this format's parameter dtype and ``code`` its code
+        dtype (None where the format has no code) with one entry per element: :meth:`decode`
+        reads bit patterns, so another dtype would be reinterpreted, not refused."""
+        from memopt_core.errors import FormatError
+
+        what = f"master format {self.name!r}"
+        if not isinstance(param, Tensor) or param.dtype != self.param_dtype:
+            got = param.dtype if isinstance(param, Tensor) else type(param).__name__
+            raise FormatError(f"{what} decodes a {self.param_dtype} parameter, got {got}")
+        if self.code_dtype is None:
+            if code is not None:
+                raise FormatError(f"{what} has no code; got a {code.dtype} tensor")
+            return
+        if code is None:
+            raise FormatError(f"{what} decodes a parameter together with its code; got None")
+        if not isinstance(code, Tensor) or code.dtype != self.code_dtype:
+            got = code.dtype if isinstance(code, Tensor) else type(code).__name__
+            raise FormatError(f"{what} takes a {self.code_dtype} code, got {got}")
+        if code.numel() != param.numel():
+            raise FormatError(
+                f"{what}: the code holds {code.numel()} entries for {param.numel()} elements"
+            )
+
     @abstractmethod
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
-        """The fp32 master weight held by ``param`` and ``code``."""
+        """The fp32 master weight held by ``param`` and ``code`` (checked by
+        :meth:`check_decode`)."""
 
     def encode_into(
         self,

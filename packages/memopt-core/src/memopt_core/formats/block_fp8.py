@@ -90,6 +90,7 @@ class BlockMinifloatCodec(MomentCodec):
         return self._encode_codes(x, rand)
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        self.check_fields(fields)
         return self._decode_codes(fields)
 
 

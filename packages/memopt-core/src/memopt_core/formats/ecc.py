@@ -22,6 +22,7 @@ class Fp32Master(MasterCodec):
         return x.to(torch.float32), None
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
+        self.check_decode(param, code)
         return param.to(torch.float32)
 
 
@@ -52,6 +53,7 @@ class LowPrecisionMaster(MasterCodec):
         return bits.bits_to_int16(_fp16_round(u, rand)).view(torch.float16), None
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
+        self.check_decode(param, code)
         # exact widening on the pattern (NaN payloads identical on every device)
         p = bits.int16_to_bits(param)
         if self.param_dtype == torch.bfloat16:
@@ -104,8 +106,7 @@ class Ecc32Master(MasterCodec):
         return bits.bits_to_int16(param).view(torch.bfloat16), bits.bits_to_int16(low)
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
-        if code is None:
-            raise _missing_code(self.name)
+        self.check_decode(param, code)
         p, c = bits.int16_to_bits(param), bits.int16_to_bits(code)
         top = p - (c >= 0x8000).to(torch.int64)
         return bits.bits_to_f32((top << 16) | c)
@@ -138,16 +139,7 @@ class Ecc24Master(MasterCodec):
         return bits.bits_to_int16(param).view(torch.bfloat16), mid.to(torch.uint8)
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
-        if code is None:
-            raise _missing_code(self.name)
+        self.check_decode(param, code)
         p, c = bits.int16_to_bits(param), code.to(torch.int64)
         top = p - (c >= 0x80).to(torch.int64)
         return bits.bits_to_f32((top << 16) | (c << 8))
-
-
-def _missing_code(name: str) -> Exception:
-    from memopt_core.errors import FormatError
-
-    return FormatError(
-        f"master format {name!r} decodes a parameter together with its code; got None"
-    )

@@ -27,6 +27,7 @@ class Fp32Codec(MomentCodec):
         return {"": x.to(torch.float32)}
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        self.check_fields(fields)
         return fields[""]
 
 
@@ -42,4 +43,5 @@ class Bf16Codec(MomentCodec):
         return {"": bits_to_int16(bf16_round(f32_to_bits(x), rand)).view(torch.bfloat16)}
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        self.check_fields(fields)
         return bits_to_f32(int16_to_bits(fields[""]) << 16)  # exact widening, on the pattern

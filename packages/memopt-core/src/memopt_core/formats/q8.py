@@ -82,6 +82,7 @@ class Q8SqrtCodec(BlockMinifloatCodec):
         return {"": code.to(torch.uint8), "scale": lo_fields["scale"]}
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
+        self.check_fields(fields)
         q = self._decode_codes(fields)
         # NaN codes keep the decoder's NaN pattern (a NaN product's bits differ between devices)
         return torch.where(torch.isnan(q), q, q * q)
