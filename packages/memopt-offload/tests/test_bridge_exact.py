@@ -150,6 +150,35 @@ def test_gradient_accumulation(device, precision, update):
         assert all(p.grad is None for p in model.parameters())  # freed once used
 
 
+@both_updates("bf16")
+def test_step_sync_after_no_update_frees_the_gradients(device, precision, update):
+    # step_sync() after a backward inside no_update() applies the accumulated gradients; with
+    # hooks it frees them as the hooks do, so the next backward's are not added to them
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(
+        model.parameters(), lr=2e-3, precision=precision, update=update, **BOTH[update]
+    )
+    ref = Reference(ref_model, precision, lr=2e-3)
+    opt.attach_hooks(model)
+    with opt.no_update():
+        loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    assert all(p.grad is None for p in model.parameters())
+    for t in range(2):
+        if t:
+            loss_of(model, batch(t, device)).backward()
+            opt.step_sync()
+        loss_of(ref_model, batch(t, device)).backward()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
+    opt.detach_hooks()
+    loss_of(model, batch(2, device)).backward()
+    opt.step()
+    assert all(p.grad is not None for p in model.parameters())  # without hooks: torch's step
+
+
 @both_updates("fp32")
 def test_lr_scheduler_and_param_groups(device, precision, update):
     model = make_model(device)

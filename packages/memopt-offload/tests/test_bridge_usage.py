@@ -150,6 +150,51 @@ def test_add_param_group_allocates_and_trains(device):
     assert torch.all(extra < 1)
 
 
+def test_param_group_params_from_a_generator(device):
+    model = make_model(device)
+    opt = AdamBridge([{"params": model.parameters()}])
+    assert len(opt.param_groups[0]["params"]) == len(opt._slots) == 6
+
+
+@both_updates()
+def test_failed_add_param_group_changes_nothing(device, precision, update, monkeypatch):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    extra = torch.nn.Parameter(torch.ones(5, device=device, dtype=torch.bfloat16))
+
+    def snapshot():
+        host = opt._host and len(opt._host.param_groups)
+        dev = opt._dev and (len(opt._dev.regions), len(opt._dev.buckets), len(opt._dev.params))
+        return len(opt.param_groups), set(opt._slots), len(opt._slabs), host, dev, opt.host_bytes()
+
+    before = snapshot()
+    for bad in ({"lr": -1.0}, {"lr": float("inf")}, {"betas": (0.9, 1.0)}):
+        with pytest.raises(ConfigError):
+            opt.add_param_group({"params": [extra], **bad})
+        assert snapshot() == before
+    with monkeypatch.context() as m:
+        m.setattr(host_memory, "available_host_bytes", lambda: 0)
+        with pytest.raises(OffloadError, match="of host RAM"):
+            opt.add_param_group({"params": [extra]})
+    assert snapshot() == before
+    if update == "host":  # the host optimizer's own allocation, last of all, failing
+
+        def fail():
+            raise MemoryError("injected")
+
+        with monkeypatch.context() as m:
+            m.setattr(opt._host, "init_state", fail)
+            with pytest.raises(MemoryError):
+                opt.add_param_group({"params": [extra]})
+        assert snapshot() == before
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    loss_of(model, batch(0, device)).backward()
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    assert torch.all(extra < 1)
+    assert [len(g["params"]) for g in opt.state_dict()["param_groups"]] == [6, 1]
+
+
 def test_bad_arguments(device):
     model = make_model(device)
     params = list(model.parameters())
@@ -179,26 +224,118 @@ def test_bad_arguments(device):
 
 
 @both_updates()
-def test_failed_update_surfaces_in_step_sync(device, precision, update):
+def test_bad_arguments_of_both_updates(device, precision, update):
+    params = list(make_model(device).parameters())
+    for bad, match in (
+        ({"lr": float("inf")}, r"learning rate \(lr\) \(param group 0\) must be finite"),
+        ({"weight_decay": float("inf")}, "weight_decay .* must be finite"),
+        ({"eps": float("-inf")}, "eps .* must be finite"),
+        ({"betas": (0.9, float("nan"))}, "beta2 .* must be finite"),
+        ({"betas": (0.9, 1.0)}, r"betas must lie in \[0, 1\)"),
+        ({"lr": torch.tensor([1e-3, 1e-3])}, "must be a real number"),
+        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*64\)"),
+        ({"seed": 2**64}, "seed must be an int"),
+        ({"seed": "a"}, "seed must be an int"),
+        ({"bucket_mb": float("inf")}, "bucket_mb must be a finite number > 0"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            AdamBridge(params, precision=precision, update=update, **bad)
+    with pytest.raises(ConfigError, match=r"parameter #6 of param group 0 .* appears twice"):
+        AdamBridge([*params, params[0]], precision=precision, update=update)
+    meta = torch.nn.Parameter(torch.zeros(3, device="meta", dtype=torch.bfloat16))
+    with pytest.raises(ConfigError, match=r"meta device .* materialize the model first"):
+        AdamBridge([meta], precision=precision, update=update)
+
+
+@both_updates()
+def test_tensor_hyperparameters_count_as_numbers(device, precision, update):
+    models = [make_model(device), make_model(device)]
+    kw = {"precision": precision, "update": update}
+    opts = [
+        AdamBridge(models[0].parameters(), lr=1e-2, betas=(0.8, 0.99), **kw),
+        AdamBridge(
+            models[1].parameters(),
+            lr=torch.tensor(1e-2, dtype=torch.float64),
+            betas=(torch.tensor(0.8, dtype=torch.float64), 0.99),
+            **kw,
+        ),
+    ]
+    for model, opt in zip(models, opts, strict=True):
+        loss_of(model, batch(0, device)).backward()
+        opt.step()
+    assert_same_params(*models)
+
+
+@both_updates()
+def test_bad_hyperparameter_fails_the_step_before_any_update(device, precision, update):
+    # every group is checked once when the step opens, on the thread that opens it (the
+    # backward's, with hooks): a bad lr in one group never leaves a half-applied step
+    model = make_model(device)
+    params = list(model.parameters())
+    opt = AdamBridge(
+        [{"params": params[:3]}, {"params": params[3:]}],
+        lr=1e-2,
+        precision=precision,
+        update=update,
+        bucket_mb=0.002,
+    )
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    state = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in params]
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ConfigError, match=r"learning rate \(lr\) \(param group 1\) must be finite"):
+        loss_of(model, batch(1, device)).backward()
+    opt.detach_hooks()
+    with pytest.raises(ConfigError, match=r"\(param group 1\) must be finite"):
+        opt.step()  # without hooks: before any update too
+    assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+    after = opt.state_dict()
+    for i, entry in state["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    opt.param_groups[1]["lr"] = 1e-2
+    opt.zero_grad()
+    loss_of(model, batch(1, device)).backward()
+    opt.step()
+    assert all(e["step"].item() == 2 for e in opt.state_dict()["state"].values())
+
+
+@both_updates()
+def test_failed_update_surfaces_in_step_sync(device, precision, update, monkeypatch):
     model = make_model(device)
     opt = AdamBridge(model.parameters(), lr=1e-3, precision=precision, update=update)
     opt.attach_hooks(model)
-    opt.param_groups[0]["lr"] = -1.0
-    loss_of(model, batch(0, device)).backward()
-    with pytest.raises(OffloadError, match=r"an update failed.*learning rate"):
-        opt.step_sync()
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(*((opt._dev, "run") if update == "device" else (opt, "_update")), fail)
+        loss_of(model, batch(0, device)).backward()
+        with pytest.raises(OffloadError, match=r"an update failed \(RuntimeError: injected\)"):
+            opt.step_sync()
     # the failed step's gradients are gone: the next backward does not add to them
     assert all(p.grad is None for p in model.parameters())
-    opt.param_groups[0]["lr"] = 1e-3
     loss_of(model, batch(1, device)).backward()
     opt.step_sync()  # usable again
 
 
-def test_short_host_memory_is_refused_before_allocating(device, monkeypatch):
+@both_updates()
+def test_short_host_memory_is_refused_before_allocating(device, monkeypatch, precision, update):
     model = make_model(device)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)
-    with pytest.raises(OffloadError, match=r"needs 0\.\d\d GiB of host RAM .* only 0\.00 GiB"):
-        AdamBridge(model.parameters())
+    with pytest.raises(
+        OffloadError, match=r"needs 0\.\d\d GiB of host RAM .* only 0\.00 GiB"
+    ) as refused:
+        AdamBridge(model.parameters(), precision=precision, update=update)
+    # the hint fits the update: update="device" has one precision
+    assert ("precision='compact'" in str(refused.value)) == (update == "host")
+    if update == "host":
+        with pytest.raises(OffloadError) as refused:
+            AdamBridge(model.parameters(), precision="compact")
+        assert "precision=" not in str(refused.value)
 
 
 def test_host_bytes_are_exact(device):
@@ -220,6 +357,14 @@ def test_not_picklable(device):
         pickle.dumps(opt)
     with pytest.raises(TypeError, match="state_dict"):
         copy.deepcopy(opt)
+    # the hooks hold the optimizer: copying the model reaches it
+    model = make_model(device)
+    opt = AdamBridge(model.parameters())
+    opt.attach_hooks(model)
+    with pytest.raises(TypeError, match=r"call detach_hooks\(\) before copying or pickling"):
+        copy.deepcopy(model)
+    opt.detach_hooks()
+    copy.deepcopy(model)
 
 
 def test_load_state_dict_errors(device):
@@ -234,6 +379,72 @@ def test_load_state_dict_errors(device):
     sd["state"][0]["master"] = sd["state"][0]["master"][:1]
     with pytest.raises(StateDictError, match="'master' of parameter index 0"):
         opt.load_state_dict(sd)
+
+
+@both_updates()
+def test_bad_state_dict_is_refused_before_anything_changes(device, precision, update):
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    for t in range(4):
+        loss_of(model, batch(t, device)).backward()
+        opt.step()
+        opt.zero_grad()
+        if t == 2:
+            saved = copy.deepcopy(opt.state_dict())  # one step behind: loading it changes state
+    current = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+
+    def truncated(sd):  # group 0 lists 1 parameter, this optimizer's holds 6
+        sd["param_groups"][0]["params"] = [0]
+        sd["state"] = {0: sd["state"][0]}
+
+    cases = [
+        (truncated, "param group 0 of the state dict has 1 parameter"),
+        (
+            lambda sd: sd["param_groups"][0].update(lr=float("nan")),
+            r"learning rate \(lr\) \(param group 0 of the state dict\) must be finite",
+        ),
+        (lambda sd: sd["param_groups"][0].update(lr="x"), "must be a real number"),
+        (lambda sd: sd["param_groups"][0].update(weight_decay=float("inf")), "must be finite"),
+        (lambda sd: sd["param_groups"][0].update(betas=(0.9, 1.5)), "betas must lie in"),
+        (lambda sd: sd["param_groups"][0].pop("lr"), r"lacks \['lr'\]"),
+        (lambda sd: sd.update(state=[]), "'state' must be a dict, got list"),
+        (lambda sd: sd.update(param_groups=None), "'param_groups' must be a list of dicts"),
+        (lambda sd: sd.update(param_groups=[1]), "'param_groups' must be a list of dicts"),
+        (lambda sd: sd["param_groups"][0].update(params=None), "'params' of param group 0"),
+        (lambda sd: sd["memopt"].update(version=99), "version 99; this AdamBridge reads version 1"),
+    ]
+    for edit, match in cases:
+        bad = copy.deepcopy(saved)
+        edit(bad)
+        with pytest.raises(StateDictError, match=match):
+            opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == current["param_groups"]
+    for i, entry in current["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    opt.load_state_dict(saved)  # the unedited one loads
+    assert all(e["step"].item() == 3 for e in opt.state_dict()["state"].values())
+
+
+@both_updates()
+def test_a_parameter_frozen_when_added_warns_once_when_it_gets_a_gradient(
+    device, precision, update
+):
+    model = make_model(device)
+    model[0].weight.requires_grad_(False)
+    opt = AdamBridge(model.parameters(), precision=precision, update=update)
+    model[0].weight.requires_grad_(True)  # unfrozen later: it has no host state
+    frozen = model[0].weight.detach().clone()
+    loss_of(model, batch(0, device)).backward()
+    with pytest.warns(
+        UserWarning, match=r"parameter #0 of param group 0 .* is not trained.*add_param_group"
+    ):
+        opt.step()
+    assert torch.equal(model[0].weight, frozen)
+    opt.step()  # once: a second warning would fail here (filterwarnings = error)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "bf16-ecc24", "compact"])

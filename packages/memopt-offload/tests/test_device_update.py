@@ -9,6 +9,7 @@ test_bridge_usage.py (``both_updates``)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from offload_testutil import (
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_offload import AdamBridge
+from memopt_offload.bridge import _Dispatcher
 
 PRECISION = "bf16-ecc24"
 #: 2 KiB of gradients per bucket: the 33x48 and 48x31 weights are cut into pieces
@@ -87,6 +89,17 @@ def test_float32_parameters(device):
     train_pair(model, ref_model, opt, ref, 12, device, hooks=True, dtype=torch.float32)
 
 
+def test_master_weight_is_a_copy(device):
+    # a float32 parameter is its own master: on a CPU model the copy is the only one made
+    model = make_model(device, dtype=torch.float32)
+    opt = device_bridge(model.parameters())
+    before = model[0].weight.detach().clone()
+    master = opt.master_weight(model[0].weight)
+    assert torch.equal(master, before.cpu())
+    master.add_(1.0)
+    assert torch.equal(model[0].weight, before)
+
+
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
 def test_odd_sizes(device, hooks):
     torch.manual_seed(0)
@@ -100,11 +113,23 @@ def test_odd_sizes(device, hooks):
     step_pair(model, ref_model, opt, ref, xs, hooks=hooks)
 
 
+class Upcast(torch.nn.Module):
+    """``module`` (float32 parameters) on float32 inputs inside a bfloat16 model: CUDA's layer
+    norm refuses mixed dtypes."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module.float()
+
+    def forward(self, x):
+        return self.module(x.float()).to(x.dtype)
+
+
 def test_mixed_dtypes_in_one_group(device):
     # bf16 weights (ECC-24 master) and fp32 LayerNorm parameters: one region per dtype, the
     # host update's tensor ids across both
     model = make_model(device)
-    model[2].float()
+    model[2] = Upcast(model[2])
     ref_model = copy.deepcopy(model)
     opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS)
     assert [r.plan.param_dtype for r in opt._dev.regions] == [torch.bfloat16, torch.float32]
@@ -132,6 +157,20 @@ def test_non_contiguous_parameter(device):
     ref = Reference(ref_model, PRECISION, lr=3e-3)
     train_pair(model, ref_model, opt, ref, 10, device, hooks=True)
     assert not model.w.is_contiguous()  # updated in place, layout kept
+
+
+def test_dispatcher_thread_runs_without_grad_mode():
+    # grad mode is per thread and on in a new one: the updates it runs write parameters in
+    # place (a strided parameter is written back with copy_, which autograd refuses on a leaf)
+    dispatcher = _Dispatcher(newest_first=False)
+    seen = []
+    bucket = SimpleNamespace(done=False)
+    dispatcher.submit(bucket, lambda b: seen.append(torch.is_grad_enabled()))
+    assert dispatcher.wait() is None
+    dispatcher.stop()
+    assert torch.is_grad_enabled()
+    assert seen == [False]
+    assert bucket.done
 
 
 class SometimesUnused(torch.nn.Module):

@@ -62,8 +62,9 @@ torch function reads a weight before its module's pre-hook waited (metadata such
 excepted), and a weight that receives a gradient although no pre-hook waited for it raises too.
 Reading weights outside the model's forward needs :meth:`AdamBridge.synchronize` first
 (``model.state_dict()`` and this optimizer's own methods do it by themselves). The updates are
-the same bits either way; hyperparameters are taken when a bucket is queued, so an LR scheduler
-stepped right after ``step_sync()`` changes the next step, not the one in flight.
+the same bits either way; a step takes (and checks) every group's hyperparameters when it opens,
+at its first gradient, so an LR scheduler stepped right after ``step_sync()`` changes the next
+step, not the one in flight.
 
 The update on the device (``update="device"``, ``precision="bf16-ecc24"`` only): the host keeps
 only the state, an ECC-24 code and bf16 moments (5 B per bf16 parameter, pinned), and the GPU
@@ -97,6 +98,7 @@ import contextlib
 import functools
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from copy import deepcopy
@@ -112,11 +114,11 @@ from torch.utils._pytree import tree_leaves
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.hook_wrappers import reject_hook_wrappers
-from memopt_core.optimizer import MemOptimizer
+from memopt_core.optimizer import MemOptimizer, _as_float
 from memopt_core.plan import StateArena
 from memopt_core.sharding import is_dtensor
 from memopt_kernels_cpu import ops as cpu_ops
-from memopt_offload.device_update import DeviceUpdater, check_hyper
+from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
 __all__ = ["PRECISIONS", "UPDATES", "AdamBridge"]
@@ -149,11 +151,42 @@ def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Te
     return t
 
 
+def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``group``'s AdamW hyperparameters as floats, checked as the host update's optimizer
+    checks them (finite numbers or one-element tensors; lr, eps, weight_decay >= 0; betas in
+    [0, 1)): ConfigError otherwise. One check for both updates."""
+    hyper: dict[str, Any] = {}
+    for key in ("lr", "eps", "weight_decay"):
+        name = "learning rate (lr)" if key == "lr" else key
+        hyper[key] = _as_float(group[key], name, where)
+        if hyper[key] < 0:
+            raise ConfigError(f"invalid {name} {hyper[key]} {where}: it must be >= 0")
+    betas = group["betas"]
+    if isinstance(betas, Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
+    hyper["betas"] = tuple(_as_float(b, f"beta{i + 1}", where) for i, b in enumerate(betas))
+    for i, b in enumerate(hyper["betas"]):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"invalid beta{i + 1} {b} {where}: betas must lie in [0, 1)")
+    return hyper
+
+
 class _HostAdamW(MemOptimizer):
     """The host half of AdamBridge: AdamW over host tensors, state first-touched."""
 
     def _new_arena(self, plan, codecs, master) -> StateArena:
         return StateArena(plan, codecs, master, zeros=_first_touched_zeros)
+
+    def add_group_with_state(self, group: dict[str, Any]) -> None:
+        """add_param_group and the group's state, or neither (a failed AdamBridge
+        add_param_group leaves everything as it was)."""
+        self.add_param_group(group)
+        try:
+            self.init_state()
+        except BaseException:
+            self.param_groups.pop()
+            self._index = None  # may list the group's masters now
+            raise
 
 
 @dataclass
@@ -264,6 +297,8 @@ class _Dispatcher:
 
 
 def _dispatch_loop(dispatcher: _Dispatcher) -> None:
+    # grad mode is per thread, and a new thread's is on: the updates write parameters in place
+    torch.set_grad_enabled(False)
     while True:
         item = dispatcher.next_item()
         if item is None:
@@ -416,9 +451,11 @@ class AdamBridge(Optimizer):
         if (
             isinstance(bucket_mb, bool)
             or not isinstance(bucket_mb, (int, float))
-            or not (bucket_mb > 0)
+            or not (bucket_mb > 0 and math.isfinite(bucket_mb))
         ):
-            raise ConfigError(f"bucket_mb must be a positive number, got {bucket_mb!r}")
+            raise ConfigError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if autotune is True:
             from memopt_offload.autotune import AutoTuneConfig
 
@@ -449,8 +486,11 @@ class AdamBridge(Optimizer):
             backend=backend,
         )
         self._hooks: list[Any] = []
-        self._model_ref: Any = None
         self._accumulating = False
+        # (parameter, group) of params frozen when their group was added, until step() warns
+        # that one of them holds a gradient
+        self._untrained: list[tuple[Tensor, int]] = []
+        self._hyper: list[dict[str, Any]] = []  # the open step's hyperparameters, per group
         self._reset_pipeline()
         if isinstance(params, Tensor):
             raise ConfigError(
@@ -465,15 +505,19 @@ class AdamBridge(Optimizer):
         return self._device is not None and self._device.type == "cuda"
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (torch semantics) and allocate its host memory now."""
+        """Add a param group (torch semantics) and allocate its host memory now. When it
+        fails, the optimizer is left as it was."""
         if self._hooks:
             raise ConfigError("add_param_group while hooks are attached: call detach_hooks() first")
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ConfigError("a param group must be a dict with a 'params' entry")
         raw = param_group["params"]
-        raw = [raw] if isinstance(raw, Tensor) else list(raw)
+        # a generator is used up by the checks below: torch must get the same items
+        raw = param_group["params"] = [raw] if isinstance(raw, Tensor) else list(raw)
         params = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in raw]
         gi = len(self.param_groups)
+        device = self._device
+        seen: set[int] = set()
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
@@ -489,18 +533,38 @@ class AdamBridge(Optimizer):
                     "AdamBridge keeps bfloat16 (or float32) weights on the device: cast the "
                     "model, e.g. model.to(torch.bfloat16)"
                 )
-            if self._device is None:
-                self._device = p.device
-            if p.device != self._device:
+            if device is None:
+                device = p.device
+            if p.device != device:
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} is on {p.device}, the others on "
-                    f"{self._device}: AdamBridge runs one device per optimizer (one per process)"
+                    f"{device}: AdamBridge runs one device per optimizer (one per process)"
+                )
+            if p.is_meta:
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) is on the meta "
+                    "device and holds no data: materialize the model first (e.g. "
+                    "model.to_empty(device=...) and load its weights)"
                 )
             if p.layout != torch.strided:
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {p.layout} tensor")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        self._allocate_group(len(self.param_groups) - 1, group, raw)
+            if id(p) in seen:
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) appears twice "
+                    "in the group: list each parameter once"
+                )
+            seen.add(id(p))
+        _check_hyper({**self.defaults, **param_group}, f"(param group {gi})")
+        prev_device, self._device = self._device, device
+        try:
+            super().add_param_group(param_group)
+            self._allocate_group(gi, self.param_groups[-1], raw)
+        except BaseException:
+            # _allocate_group keeps what it built only once all of it succeeded
+            del self.param_groups[gi:]
+            self._device = prev_device
+            raise
+        self._untrained += [(p, gi) for p in self.param_groups[gi]["params"] if not p.requires_grad]
 
     def _label(
         self, gi: int, group: dict[str, Any], names: list[Any], p: Tensor
@@ -512,6 +576,7 @@ class AdamBridge(Optimizer):
         return f"parameter {label} of param group {gi} (shape {tuple(p.shape)})", index
 
     def _allocate_group(self, gi: int, group: dict[str, Any], raw: list[Any]) -> None:
+        """Allocate group ``gi``'s host memory and state; nothing of it is kept on failure."""
         train = [p for p in group["params"] if p.requires_grad]
         names = [item[0] if isinstance(item, tuple) else None for item in raw]
         if self.update == "device":
@@ -541,11 +606,14 @@ class AdamBridge(Optimizer):
             code = codec.code_dtype.itemsize if codec.code_dtype is not None else 0
             arena += p.numel() * (per + code)
         needed = pinned.nbytes + plain.nbytes + int(arena) + 64 * len(train)
-        check_host_memory(needed, pinned.nbytes if pin else 0, f"AdamBridge param group {gi}")
-        pslab = HostSlab(pinned, pin=pin, what=f"AdamBridge param group {gi}")
-        uslab = HostSlab(plain, pin=False, what=f"AdamBridge param group {gi}")
-        self._slabs += [pslab, uslab]
-        masters = []
+        hint = "; precision='compact' holds about 7 B per parameter"
+        if self.precision == "compact":
+            hint = ""
+        what = f"AdamBridge param group {gi}"
+        check_host_memory(needed, pinned.nbytes if pin else 0, what, hint)
+        pslab = HostSlab(pinned, pin=pin, what=what)
+        uslab = HostSlab(plain, pin=False, what=what)
+        slots, masters = [], []
         with torch.no_grad():
             for p, (m, g, u, s) in zip(train, layout, strict=True):
                 slab_m = pslab if p.dtype == torch.float32 or s is None else uslab
@@ -563,12 +631,12 @@ class AdamBridge(Optimizer):
                     label=label,
                     index=index,
                 )
-                self._slots[id(p)] = slot
+                slots.append(slot)
                 masters.append(mt)
         host_group = {k: group[k] for k in _HYPER}
         host_group["params"] = masters
         if self._host is None:
-            self._host = _HostAdamW(
+            host = _HostAdamW(
                 [host_group],
                 rule="adamw",
                 moments=moments,
@@ -576,21 +644,23 @@ class AdamBridge(Optimizer):
                 stochastic_rounding=True,
                 **self._host_args,
             )
+            host.init_state()
+            self._host = host
         else:
-            self._host.add_param_group(host_group)
-        self._host.init_state()
+            self._host.add_group_with_state(host_group)
+        self._slabs += [pslab, uslab]
+        self._slots.update((id(slot.param), slot) for slot in slots)
 
     def _allocate_device_group(
         self, gi: int, group: dict[str, Any], names: list[Any], train: list[Tensor]
     ) -> None:
-        check_hyper(group, f"(param group {gi})")
-        if self._dev is None:
+        dev = self._dev
+        if dev is None:
             assert self._device is not None
-            self._dev = DeviceUpdater(
-                self._device, pin=self.pin_memory and self._cuda, **self._dev_args
-            )
-        first = len(self._dev.params)  # the host update's tensor ids: trainable ones in order
-        self._dev.add_group(gi, train, first, f"AdamBridge param group {gi}")
+            dev = DeviceUpdater(self._device, pin=self.pin_memory and self._cuda, **self._dev_args)
+        first = len(dev.params)  # the host update's tensor ids: trainable ones in order
+        dev.add_group(gi, train, first, f"AdamBridge param group {gi}")  # all of it, or nothing
+        self._dev = dev
         for k, p in enumerate(train):
             label, index = self._label(gi, group, names, p)
             self._slots[id(p)] = _Slot(
@@ -637,10 +707,9 @@ class AdamBridge(Optimizer):
             self._dev.synchronize_host()
             with torch.no_grad():
                 code = self._dev.views(slot.pos).get("master_code")
-                weight = slot.param.detach().to("cpu")
-                if code is None:
-                    return weight.to(torch.float32)
-                return cpu_ops.decode_master("ecc24", weight, code)
+                if code is None:  # a float32 parameter is its own master
+                    return slot.param.detach().to("cpu", torch.float32, copy=True)
+                return cpu_ops.decode_master("ecc24", slot.param.detach().to("cpu"), code)
         with torch.no_grad():
             if self._ecc_master(slot.param):
                 code = self._host.state[slot.master]["master_code"]
@@ -730,7 +799,8 @@ class AdamBridge(Optimizer):
     @contextlib.contextmanager
     def no_update(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside leave their gradients on the device to
-        accumulate (like DDP's ``no_sync``); the next backward outside sends the sum."""
+        accumulate (like DDP's ``no_sync``); the next backward outside sends the sum (or
+        :meth:`step_sync` right after applies it, and frees it)."""
         prev, self._accumulating = self._accumulating, True
         try:
             yield
@@ -844,6 +914,10 @@ class AdamBridge(Optimizer):
                 f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
                 f"AdamBridge takes dense gradients of the parameter's dtype and shape"
             )
+        if not self._pending:  # the step opens: every group's hyperparameters, checked once
+            self._hyper = [
+                _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
+            ]
         if self._dev is not None:
             self._pending[id(p)] = None
             if self.max_grad_norm is not None:
@@ -903,16 +977,14 @@ class AdamBridge(Optimizer):
             self._submit(bucket, self._prev_coef)
 
     def _submit(self, bucket: Any, coef: float | None) -> None:
-        # the hyperparameters as they are now: an LR scheduler stepped while the update is still
-        # queued (overlap_forward) must not change it
+        # the hyperparameters the step opened with (checked then): an LR scheduler stepped
+        # while the update is still queued (overlap_forward) must not change it
         if self._dev is not None:
             gi = bucket.plan.group_index
-            hyper = {gi: {k: self.param_groups[gi][k] for k in _HYPER}}
-            self._dispatcher.submit(bucket, self._dev.run, hyper, coef)
+            self._dispatcher.submit(bucket, self._dev.run, {gi: self._hyper[gi]}, coef)
             return
         for gi in {s.group for s in bucket.slots}:
-            outer = self.param_groups[gi]
-            bucket.hyper[gi] = {k: outer[k] for k in _HYPER}
+            bucket.hyper[gi] = self._hyper[gi]
         self._dispatcher.submit(bucket, self._update, coef)
 
     def _update(self, bucket: _Bucket, coef: float | None) -> None:
@@ -1005,19 +1077,26 @@ class AdamBridge(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         """One step. With hooks attached: collect the updates the hooks started (this is what
         :meth:`step_sync` calls). Any parameter holding a gradient the hooks did not take (no
-        hooks, or a parameter outside the hooked model) is offloaded and updated now; its
-        gradient is left in place, as torch's ``step`` does. With ``overlap_forward`` it
-        returns once the updates are queued (the next forward waits for them). Returns the
-        closure's loss."""
+        hooks, a backward inside :meth:`no_update`, or a parameter outside the hooked model)
+        is offloaded and updated now; with hooks attached its gradient is then freed, as the
+        hooks free theirs, else it is left in place, as torch's ``step`` does. With
+        ``overlap_forward`` it returns once the updates are queued (the next forward waits for
+        them). Raises :class:`~memopt_core.errors.ConfigError`, changing nothing, when a
+        group's hyperparameter is invalid. Returns the closure's loss."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()  # overlap_forward: the last step's updates no forward waited for
+        if self._untrained:
+            self._warn_untrained()
+        # the loop with hooks has no zero_grad(): a gradient left here would be added to the
+        # next backward's and applied twice
+        free = bool(self._hooks)
         for slot in self._slots.values():
             p = slot.param
             if p.grad is not None and id(p) not in self._pending:
-                self._offload(slot, free=False)
+                self._offload(slot, free=free)
         if self._overlap:
             self._close_step()
             self._inflight.update(self._pending)
@@ -1029,14 +1108,35 @@ class AdamBridge(Optimizer):
     def step_sync(self) -> float | None:
         """Wait until every update of the last backward has landed and the new weights are
         back on the device (ordered before the current stream's next kernel). Calls
-        :meth:`step` (so LR schedulers and step hooks see a step); a second call without new
-        gradients does nothing. Returns the total gradient norm when clipping, else None.
+        :meth:`step` (so LR schedulers and step hooks see a step); with hooks attached a second
+        call without new gradients does nothing (without hooks, :meth:`step` applies the
+        gradients still present again). Returns the total gradient norm when clipping, else
+        None.
 
         With ``attach_hooks(model, overlap_forward=True)`` it closes the step and returns
         without waiting: each module's forward pre-hook waits for its own weights, and
         :meth:`synchronize` waits for all of them."""
         self.step()
         return self.last_grad_norm if self.max_grad_norm is not None else None
+
+    def _warn_untrained(self) -> None:
+        """Warn once that a parameter frozen when its group was added holds a gradient."""
+        held = [(p, gi) for p, gi in self._untrained if p.grad is not None]
+        if not held:
+            return
+        self._untrained = []
+        p, gi = held[0]
+        group = self.param_groups[gi]
+        label = self._label(gi, group, group.get("param_names", []), p)[0]
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        warnings.warn(
+            f"{label}{more} has a gradient but is not trained: it was frozen when its param "
+            "group was added, so it has no host state. To train it, leave it out of the "
+            "optimizer while it is frozen and add it in a new group with add_param_group() "
+            "when you unfreeze it",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch semantics (with hooks, gradients are already freed after their copy)."""
@@ -1089,27 +1189,11 @@ class AdamBridge(Optimizer):
         """Load :meth:`state_dict`'s output (validated before anything changes); the host
         masters, moments and step counts are restored and the device weights rewritten from
         the masters, so training continues bit-identically."""
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise StateDictError("expected the dict AdamBridge.state_dict() returns")
-        meta = state_dict.get("memopt")
-        if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
-            raise StateDictError(
-                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"
-            )
-        if meta.get("precision") != self.precision:
-            raise StateDictError(
-                f"the state dict holds precision={meta.get('precision')!r} state; this "
-                f"AdamBridge uses precision={self.precision!r}"
-            )
+        saved_groups = self._saved_groups(state_dict)
+        meta = state_dict["memopt"]
         if self._pending or self._inflight:
             self._finish()
         params = [p for g in self.param_groups for p in g["params"]]
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise StateDictError(
-                f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
-                f"{len(self.param_groups)}"
-            )
         if self._dev is not None:
             self._load_device_state(state_dict, params, saved_groups)
             return
@@ -1149,7 +1233,7 @@ class AdamBridge(Optimizer):
         host_groups = []
         for hg, saved in zip(self._host.state_dict()["param_groups"], saved_groups, strict=True):
             merged = dict(hg)
-            merged.update({k: deepcopy(saved[k]) for k in _HYPER if k in saved})
+            merged.update({k: deepcopy(saved[k]) for k in _HYPER})
             host_groups.append(merged)
         self._host.load_state_dict(
             {
@@ -1167,6 +1251,60 @@ class AdamBridge(Optimizer):
                 slot.param.copy_(slot.upload)
         self.last_grad_norm = None
         self._prev_coef = None
+
+    def _saved_groups(self, state_dict: Any) -> list[Mapping[str, Any]]:
+        """The param groups of ``state_dict`` once its containers, family, version and
+        precision, and each group's size and hyperparameters, are checked against this
+        optimizer (:class:`~memopt_core.errors.StateDictError` otherwise)."""
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise StateDictError("expected the dict AdamBridge.state_dict() returns")
+        meta = state_dict.get("memopt")
+        if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
+            raise StateDictError(
+                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"
+            )
+        if meta.get("version") != _STATE_DICT_VERSION:
+            raise StateDictError(
+                f"the state dict has version {meta.get('version')!r}; this AdamBridge reads "
+                f"version {_STATE_DICT_VERSION}"
+            )
+        if meta.get("precision") != self.precision:
+            raise StateDictError(
+                f"the state dict holds precision={meta.get('precision')!r} state; this "
+                f"AdamBridge uses precision={self.precision!r}"
+            )
+        if not isinstance(state_dict["state"], Mapping):
+            raise StateDictError(
+                f"the state dict's 'state' must be a dict, got {type(state_dict['state']).__name__}"
+            )
+        saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, list) or not all(
+            isinstance(g, Mapping) for g in saved_groups
+        ):
+            raise StateDictError("the state dict's 'param_groups' must be a list of dicts")
+        if len(saved_groups) != len(self.param_groups):
+            raise StateDictError(
+                f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            where = f"param group {gi} of the state dict"
+            indices = saved.get("params")
+            if not isinstance(indices, (list, tuple)):
+                raise StateDictError(f"'params' of {where} must be a list of parameter indices")
+            if len(indices) != len(group["params"]):
+                raise StateDictError(
+                    f"{where} has {len(indices)} parameter(s), this optimizer's has "
+                    f"{len(group['params'])}"
+                )
+            missing = [k for k in _HYPER if k not in saved]
+            if missing:
+                raise StateDictError(f"{where} lacks {missing}")
+            try:
+                _check_hyper(saved, f"({where})")
+            except ConfigError as e:
+                raise StateDictError(str(e)) from None
+        return saved_groups
 
     def _load_device_state(
         self, state_dict: Mapping[str, Any], params: list[Tensor], saved_groups: list[Any]
@@ -1209,7 +1347,13 @@ class AdamBridge(Optimizer):
 
     # ------------------------------------------------------------------------ lifetime
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
+        message = (
             "AdamBridge holds pinned host buffers and a worker thread and cannot be pickled or "
             "deep-copied: save optimizer.state_dict() instead"
         )
+        if self._hooks:  # they hold this optimizer: copying or pickling the model reaches it
+            message += (
+                "; its hooks are attached to a model: call detach_hooks() before copying or "
+                "pickling the model"
+            )
+        raise TypeError(message)

@@ -57,22 +57,6 @@ _NAMES = ("exp_avg", "exp_avg_sq")
 _PIECE_ALIGN = 1024
 
 
-def check_hyper(group: Mapping[str, Any], where: str) -> None:
-    """ConfigError unless ``group``'s AdamW hyperparameters are valid (what the host update's
-    optimizer checks before every step)."""
-    for key in ("lr", "eps", "weight_decay"):
-        v = group[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            name = "learning rate (lr)" if key == "lr" else key
-            raise ConfigError(f"invalid {name} {v!r} {where}: it must be a number >= 0")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ConfigError(f"invalid beta{i + 1} {b!r} {where}: betas must lie in [0, 1)")
-
-
 def _spec(dtype: torch.dtype) -> StateSpec:
     return StateSpec(
         master="fp32" if dtype == torch.float32 else "ecc24",
@@ -158,10 +142,11 @@ class DeviceUpdater:
     # ------------------------------------------------------------------------ allocation
     def add_group(self, gi: int, params: Sequence[Tensor], first_id: int, what: str) -> None:
         """Allocate the host state of param group ``gi``'s trainable ``params`` (tensor ids
-        ``first_id``, ``first_id + 1``, ...: the host update's ids, so the bits match it)."""
+        ``first_id``, ``first_id + 1``, ...: the host update's ids, so the bits match it).
+        On failure (no backend, host memory short) this updater is left as it was."""
         base = len(self.params)
-        plans = make_plans(params, _spec, group_index=gi)
-        for plan in plans:
+        regions = []
+        for plan in make_plans(params, _spec, group_index=gi):
             master = plan.spec.master_for(plan.param_dtype)
             backend = self._backend(plan)
             codecs = {n: plan.spec.first if n == "exp_avg" else plan.spec.second for n in _NAMES}
@@ -174,7 +159,8 @@ class DeviceUpdater:
                 if code is not None:
                     with torch.no_grad():
                         master.encode_into(p.detach().cpu(), None, code)
-            region = _Region(plan, arena, slabs, backend, positions)
+            regions.append(_Region(plan, arena, slabs, backend, positions))
+        for region in regions:
             self.regions.append(region)
             self._cut(region)
         for k, p in enumerate(params):
@@ -368,10 +354,10 @@ class DeviceUpdater:
 
     def run(self, b: _Bucket, groups: Mapping[int, Mapping[str, Any]], coef: float | None) -> None:
         """Update ``b``'s parameters that have a final gradient (scaled by ``coef`` when it is
-        below 1: clipping) with ``groups[group index]``'s hyperparameters. AdamBridge calls it on
-        its dispatcher thread: the backward thread only counts gradients (:meth:`arrived`)."""
+        below 1: clipping) with ``groups[group index]``'s hyperparameters (floats, checked when
+        the step opened). AdamBridge calls it on its dispatcher thread: the backward thread only
+        counts gradients (:meth:`arrived`)."""
         group = groups[b.plan.group_index]
-        check_hyper(group, f"(param group {b.plan.group_index})")  # before anything changes
         arrived = self._step.arrived
         cuda = self.device.type == "cuda"
         if b.staged is None:
@@ -434,10 +420,10 @@ class DeviceUpdater:
     def _launch(self, b, staged, slots, pieces, group, step) -> None:
         region = b.region
         scalars = reference.adam_scalars(
-            lr=float(group["lr"]),
-            betas=tuple(float(x) for x in group["betas"]),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
             step=step,
             decoupled=True,
         )

@@ -41,15 +41,16 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(needed: int, pinned: int, what: str) -> None:
+def check_host_memory(needed: int, pinned: int, what: str, hint: str = "") -> None:
     """OffloadError when ``needed`` bytes (``pinned`` of them page-locked) exceed the host's
-    available memory; the message says how much was needed and how much there is."""
+    available memory; the message says how much was needed and how much there is, then
+    ``hint`` (the caller's own way to need less)."""
     avail = available_host_bytes()
     if avail is not None and needed > avail:
         raise OffloadError(
             f"{what} needs {needed / _GIB:.2f} GiB of host RAM ({pinned / _GIB:.2f} GiB of it "
-            f"pinned) but only {avail / _GIB:.2f} GiB is available: free host memory, train "
-            "fewer parameters per process, or choose precision='compact' (about half the bytes)"
+            f"pinned) but only {avail / _GIB:.2f} GiB is available: free host memory or train "
+            f"fewer parameters per process{hint}"
         )
 
 
