@@ -24,6 +24,17 @@ def fused_backend_for(device: torch.device) -> str | None:
     return name if status is not None and status.usable else None
 
 
+def set_cpu_backend(monkeypatch, reason: str | None) -> None:
+    """Core's registry, for this test, with memopt-kernels-cpu installed but unusable for
+    ``reason`` (as under ``MEMOPT_CPU_ISA=neon``), or not installed (None)."""
+    reg = backends.available_backends()
+    if reason is None:
+        reg.pop("cpu", None)
+    else:
+        reg["cpu"] = backends.BackendStatus("cpu", False, reason, "tests")
+    monkeypatch.setattr(backends, "_registry", reg)
+
+
 def triton_interpreter_ready() -> bool:
     import os
 

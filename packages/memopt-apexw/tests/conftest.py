@@ -26,5 +26,7 @@ __all__ = ["device", "no_mode_cache"]
 
 @pytest.fixture(autouse=True)
 def no_mode_cache(tmp_path, monkeypatch):
-    """Every test gets its own mode-cache file: no test reads a decision another one wrote."""
+    """Every test gets its own mode-cache file (no test reads a decision another one wrote) and
+    no backend forced by ``MEMOPT_BACKEND`` (ApexW honours it)."""
     monkeypatch.setenv("MEMOPT_APEXW_CACHE", str(tmp_path / "apexw-modes.json"))
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)

@@ -7,10 +7,21 @@ import json
 
 import pytest
 import torch
-from apexw_testutil import fused_backend_for, make_params, set_grads
+from apexw_testutil import (
+    assert_same,
+    fused_backend_for,
+    make_params,
+    reference_for,
+    set_cpu_backend,
+    set_grads,
+    step_both,
+    triton_interpreter_ready,
+    twin,
+)
 
-from memopt_apexw import ApexW, auto_mode
+from memopt_apexw import ApexW, ModeDecision, auto_mode
 from memopt_apexw.auto_mode import TIMED_ROUNDS, WARMUP_STEPS, Trial
+from memopt_core.errors import ConfigError
 
 
 def train(opt, params, steps):
@@ -143,3 +154,82 @@ def test_a_single_candidate_needs_no_trial(tmp_path, monkeypatch):
     assert opt.mode_decision.mode == "torch"
     assert opt.mode_decision.source == "only candidate"
     assert not (tmp_path / "modes.json").exists()
+
+
+@needs_two_candidates
+def test_a_cached_fused_decision_needs_its_kernel_backend(tmp_path, monkeypatch):
+    cache = tmp_path / "modes.json"
+    a = make_params("cpu")
+    key = auto_mode.signature(ApexW(a, mode_cache=None).param_groups, False)[0]
+    entry = {"mode": "fused", "timings_ms": {"fused": 1.0, "torch": 2.0}}
+    cache.write_text(json.dumps({"version": 1, "entries": {key: entry}}))
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, 1)
+    assert opt.mode_decision.source == "cache"
+    set_cpu_backend(monkeypatch, "failed to import: ImportError: MEMOPT_CPU_ISA='neon'")
+    b = make_params("cpu")
+    opt = ApexW(b, mode_cache=cache)
+    train(opt, b, 2)  # the cached "fused" was measured with kernels this process cannot run
+    assert (opt.mode_decision.mode, opt.mode_decision.source) == ("torch", "only candidate")
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        lambda key: [],
+        lambda key: {key: []},
+        lambda key: {key: {"mode": "fused", "timings_ms": [1, 2]}},
+        lambda key: {key: {"mode": "fused", "timings_ms": {"fused": "x"}}},
+    ],
+    ids=["entries-list", "entry-list", "timings-list", "timing-str"],
+)
+def test_cache_of_another_shape_is_remeasured_and_rewritten(tmp_path, entries):
+    cache = tmp_path / "modes.json"
+    a = make_params("cpu")
+    key = auto_mode.signature(ApexW(a, mode_cache=None).param_groups, False)[0]
+    cache.write_text(json.dumps({"version": 1, "entries": entries(key)}))
+    assert auto_mode.load_decision(cache, key) is None
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source in ("measured", "only candidate")
+    decision = auto_mode.ModeDecision("torch", "measured", {"torch": 1.5}, key)
+    cache.write_text(json.dumps({"version": 1, "entries": entries(key)}))
+    auto_mode.save_decision(cache, key, decision, {})
+    assert auto_mode.load_decision(cache, key).timings_ms == {"torch": 1.5}
+
+
+@pytest.mark.parametrize(
+    ("env", "mode", "ran"),
+    [("torch", "auto", "torch"), ("torch", "fused", "torch"), ("cpu", "auto", "cpu")]
+    + [("triton", "auto", "triton")] * triton_interpreter_ready(),
+)
+def test_memopt_backend_forces_the_only_candidate(env, mode, ran, monkeypatch):
+    if fused_backend_for(torch.device("cpu")) is None:
+        pytest.skip("the automatic choice would be core's torch backend anyway")
+    monkeypatch.setenv("MEMOPT_BACKEND", env)
+    monkeypatch.setattr("memopt_apexw.apexw.Trial", None)  # a forced backend is not measured
+    a = make_params("cpu")
+    b = twin(a)
+    opt, ref = ApexW(a, mode=mode), reference_for(b)
+    assert opt.mode_decision == ModeDecision("torch" if ran == "torch" else "fused", "forced")
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert_same(a, b, opt, ref)
+    assert {e.backend.name for c in opt._cached_steps.values() for e in c.entries} == {ran}
+    assert ApexW(a, backend="auto").mode_decision is None  # core's rule: "auto" ignores it
+    if env == "torch":
+        with pytest.raises(ConfigError, match="MEMOPT_BACKEND=torch forces core's torch step"):
+            ApexW(a, capturable=True)
+
+
+def test_signature_follows_the_kernel_thread_pool():
+    mk = pytest.importorskip("memopt_kernels_cpu")
+    groups = ApexW(make_params("cpu"), mode_cache=None).param_groups
+    threads = mk.get_num_threads()
+    before = auto_mode.signature(groups, False)[0]
+    mk.set_num_threads(2 if threads == 1 else 1)  # the fused step's pool, not torch's threads
+    try:
+        after = auto_mode.signature(groups, False)[0]
+    finally:
+        mk.set_num_threads(threads)
+    assert after != before

@@ -13,6 +13,7 @@ from apexw_testutil import (
     fused_backend_for,
     make_params,
     reference_for,
+    set_cpu_backend,
     set_grads,
     twin,
 )
@@ -61,14 +62,63 @@ def test_group_state_must_stay_compact():
         opt.step()
 
 
-def test_unknown_fused_backend_is_a_clear_error():
+@pytest.mark.parametrize("mode", ["auto", "fused", "torch"])
+def test_backend_is_checked_at_construction(mode, monkeypatch):
+    with pytest.raises(BackendUnavailableError, match="'no-such-backend' is not installed"):
+        ApexW(make_params("cpu"), mode=mode, backend="no-such-backend")
+    set_cpu_backend(monkeypatch, "failed to import: ImportError: test stand-in")
+    with pytest.raises(BackendUnavailableError, match="cannot run here: failed to import"):
+        ApexW(make_params("cpu"), mode=mode, backend="cpu")
+
+
+@pytest.mark.parametrize(
+    ("reason", "match"),
+    [
+        ("failed to import: ImportError: MEMOPT_CPU_ISA='neon'", "MEMOPT_CPU_ISA='neon'"),
+        (None, r"'cpu' is not installed \(pip install memopt-kernels-cpu\)"),
+    ],
+    ids=["unusable", "not-installed"],
+)
+def test_fused_mode_says_why_the_kernel_backend_cannot_run(reason, match, monkeypatch):
+    set_cpu_backend(monkeypatch, reason)
     params = make_params("cpu")
-    opt = ApexW(params, mode="fused", backend="no-such-backend")
+    opt = ApexW(params, mode="fused")
     set_grads(params, 1)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(BackendUnavailableError, match="no-such-backend"):
+    with pytest.raises(BackendUnavailableError, match=match):
         opt.step()
     assert all(torch.equal(x, y) for x, y in zip(params, before, strict=True))
+
+
+def test_amsgrad_in_a_param_group_is_refused():
+    p, q = make_params("cpu", shapes=[(8,), (8,)])
+    with pytest.raises(ConfigError, match=r"\(param group 0\) sets amsgrad=True"):
+        ApexW([{"params": [p], "amsgrad": True}])
+    opt = ApexW([{"params": [p], "amsgrad": False}])
+    with pytest.raises(ConfigError, match=r"\(param group 1\) sets amsgrad=True"):
+        opt.add_param_group({"params": [q], "amsgrad": True})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("mode_cache", [5, "", b"modes.json", ["modes.json"]])
+def test_mode_cache_must_be_a_path(mode_cache):
+    with pytest.raises(ConfigError, match="mode_cache must be None, 'default' or a non-empty path"):
+        ApexW(make_params("cpu"), mode_cache=mode_cache)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("fp32", torch.float32), "state must be one of"),
+        (("bf16", torch.bfloat16, "none"), "master must be one of"),
+        (("bf16", torch.float16), "param_dtype must be one of"),
+        (("q8", torch.int8), "param_dtype must be one of"),
+        (("bf16", "float32"), "param_dtype must be one of"),
+    ],
+)
+def test_state_bytes_per_param_refuses_what_apexw_refuses(args, match):
+    with pytest.raises(ConfigError, match=match):
+        state_bytes_per_param(*args)
 
 
 @pytest.mark.parametrize(

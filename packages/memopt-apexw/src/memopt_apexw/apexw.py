@@ -27,9 +27,9 @@ first steps and keeps the faster, cached per model signature (:mod:`memopt_apexw
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Iterable, Mapping
-from os import PathLike
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from memopt_apexw.graph_step import GraphStep
 from memopt_core import MemOptimizer, backends
 from memopt_core.cached_step import CachedStep
 from memopt_core.errors import BackendUnavailableError, ConfigError
+from memopt_core.formats import StateSpec
 from memopt_core.sharding import is_dtensor
 
 __all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
@@ -52,11 +53,20 @@ MODES = ("auto", "fused", "torch")
 _MASTERS = ("ecc24", "ecc32")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _DEFAULT_CACHE = "default"
+_NO_AMSGRAD = (
+    "ApexW does not implement amsgrad=True (it would need a compact running maximum of the second "
+    "moment); use torch.optim.AdamW(amsgrad=True)"
+)
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
 class ApexW(MemOptimizer):
@@ -77,10 +87,13 @@ class ApexW(MemOptimizer):
             (core's pure-torch backend), or ``"auto"``: decided by timed trial steps, cached per
             model signature (:attr:`mode_decision` says what and why).
         mode_cache: JSON file of ``mode="auto"`` decisions: ``"default"``
-            (:func:`memopt_apexw.auto_mode.default_cache_path`), a path, or None (decide in
-            memory, every time).
-        backend: advanced: force the kernel backend of ``mode="fused"`` by name (e.g.
-            ``"triton"`` on CPU under ``TRITON_INTERPRET=1``, for tests).
+            (:func:`memopt_apexw.auto_mode.default_cache_path`), a non-empty path, or None (decide
+            in memory, every time).
+        backend: advanced: force a kernel backend by name (e.g. ``"triton"`` on CPU under
+            ``TRITON_INTERPRET=1``, for tests); None defers to ``MEMOPT_BACKEND`` as read here,
+            ``"auto"`` ignores it (core's rule). A forced backend is the only candidate of
+            ``mode="auto"`` and ``"fused"``; ``MEMOPT_BACKEND=torch`` forces core's torch step.
+            Checked here, with the registry's reason.
         seed, check_numerics: as :class:`memopt_core.MemOptimizer`.
     """
 
@@ -98,38 +111,49 @@ class ApexW(MemOptimizer):
         capturable: bool = False,
         mode: str = "auto",
         maximize: bool = False,
-        mode_cache: str | PathLike[str] | None = _DEFAULT_CACHE,
+        mode_cache: str | os.PathLike[str] | None = _DEFAULT_CACHE,
         backend: str | None = None,
         seed: int = 0,
         check_numerics: bool = False,
     ) -> None:
         _check_bool("amsgrad", amsgrad)
         if amsgrad:
-            raise ConfigError(
-                "ApexW does not implement amsgrad=True (it would need a compact running maximum "
-                "of the second moment); use torch.optim.AdamW(amsgrad=True)"
-            )
-        if state not in STATES:
-            raise ConfigError(f"state must be one of {STATES}, got {state!r}")
-        if master not in _MASTERS:
-            raise ConfigError(f"master must be one of {_MASTERS}, got {master!r}")
-        if mode not in MODES:
-            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+            raise ConfigError(_NO_AMSGRAD)
+        _check_choice("state", state, STATES)
+        _check_choice("master", master, _MASTERS)
+        _check_choice("mode", mode, MODES)
         _check_bool("capturable", capturable)
         if capturable and mode == "torch":
             raise ConfigError(
                 "capturable=True captures the fused Triton step; mode='torch' has none: use "
                 "mode='fused' or 'auto'"
             )
-        if backend is not None and (not isinstance(backend, str) or backend == "torch"):
+        if backend is not None and (
+            not isinstance(backend, str) or backends.forced_backend(backend) == "torch"
+        ):
             raise ConfigError(
                 f"backend names the kernel backend of mode='fused' (e.g. 'triton', 'cpu'); got "
                 f"{backend!r} (mode='torch' selects core's torch backend)"
             )
+        forced = backends.forced_backend(backend)  # backend=, else MEMOPT_BACKEND
+        if capturable and forced == "torch":
+            raise ConfigError(
+                f"capturable=True captures the fused Triton step; {backends.ENV_VAR}=torch forces "
+                "core's torch step, which has none"
+            )
+        if mode_cache is not None and not (
+            isinstance(mode_cache, (str, os.PathLike))
+            and isinstance(os.fspath(mode_cache), str)
+            and os.fspath(mode_cache)
+        ):
+            raise ConfigError(
+                f"mode_cache must be None, {_DEFAULT_CACHE!r} or a non-empty path, got "
+                f"{mode_cache!r}"
+            )
         self.capturable = capturable
         self.mode = mode
-        self.fused_backend = backend
-        self.mode_cache = None if mode_cache is None else mode_cache
+        self.fused_backend = None if forced == "torch" else forced
+        self.mode_cache = mode_cache
         self._reset_fast()
         super().__init__(
             params,
@@ -144,10 +168,13 @@ class ApexW(MemOptimizer):
             stochastic_rounding=True,
             seed=seed,
             check_numerics=check_numerics,
+            backend=backend,  # core checks the forced name, with the registry's reason
         )
-        self._decision: ModeDecision | None = (
-            None if mode == "auto" else ModeDecision(mode, "fixed")
-        )
+        self._decision: ModeDecision | None = None
+        if mode != "auto":
+            self._decision = ModeDecision(mode, "fixed")
+        if forced is not None and mode != "torch":  # one backend: nothing to choose or measure
+            self._decision = ModeDecision("torch" if forced == "torch" else "fused", "forced")
 
     # ----------------------------------------------------------------------- configuration
     def _reset_fast(self) -> None:
@@ -162,6 +189,8 @@ class ApexW(MemOptimizer):
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         betas = super()._check_group(g, where)
+        if g.get("amsgrad"):
+            raise ConfigError(f"{where} sets amsgrad=True: {_NO_AMSGRAD}")
         if g["moments"] not in STATES:
             raise ConfigError(
                 f"ApexW keeps moments in {STATES}; param group {where} asks for {g['moments']!r}"
@@ -264,29 +293,48 @@ class ApexW(MemOptimizer):
     def _backend_name(self, mode: str) -> str:
         return "torch" if mode == "torch" else (self.fused_backend or "auto")
 
-    def _fused_names(self) -> set[str]:
-        """Backend names mode='fused' would run (core's selection for each state group)."""
+    def _fused_selection(self) -> Iterator[tuple[Any, StateSpec, Any]]:
+        """(plan, spec, backend) per state group under mode='fused' (core's selection)."""
         self._ensure_plans()
-        names = set()
-        name = self.fused_backend or "auto"
+        name = self._backend_name("fused")
         for gi, gp in self._plans.items():
             group = self.param_groups[gi]
             for entry in gp.entries:
                 plan = entry.plan
                 spec = self._spec(group, plan.param_dtype)
-                chosen = backends.select_backend(
-                    self._kind, spec, plan.device, plan.param_dtype, name
+                yield (
+                    plan,
+                    spec,
+                    backends.select_backend(self._kind, spec, plan.device, plan.param_dtype, name),
                 )
-                names.add(getattr(chosen, "name", "?"))
-        return names
+
+    def _fused_names(self) -> set[str]:
+        """Backend names mode='fused' would run."""
+        return {getattr(chosen, "name", "?") for _, _, chosen in self._fused_selection()}
 
     def _require_fused(self) -> None:
-        names = self._fused_names()
-        if "torch" in names:
+        """BackendUnavailableError, with the registry's reasons, where a group would run on core's
+        torch backend."""
+        why = set()
+        for plan, spec, chosen in self._fused_selection():
+            if getattr(chosen, "name", "?") != "torch":
+                continue
+            kernel = backends.default_order(plan.device)[0]
+            if kernel == "torch":
+                why.add(f"no kernel backend exists for {plan.device.type} tensors")
+                continue
+            try:
+                backends.get_backend(kernel)
+            except BackendUnavailableError as e:  # not installed (what to install), or unusable
+                why.add(str(e))
+                continue
+            caps = backends.backend_capabilities(self._kind, spec, plan.device, plan.param_dtype)
+            why.add(f"memopt backend {kernel!r} {caps[kernel][1]}")
+        if why:
             raise BackendUnavailableError(
-                "ApexW(mode='fused') found no kernel backend for some parameters (pip install "
-                "memopt-kernels-triton for CUDA, memopt-kernels-cpu for CPU); use mode='auto' "
-                "or mode='torch' to run core's pure-torch step"
+                f"ApexW(mode='fused') found no kernel backend for some parameters: "
+                f"{'; '.join(sorted(why))}. Use mode='auto' or mode='torch' to run core's "
+                "pure-torch step"
             )
 
     def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
@@ -366,11 +414,8 @@ class ApexW(MemOptimizer):
                 self._decision = found
                 return
         candidates = ["torch"]
-        try:
-            if "torch" not in self._fused_names():
-                candidates.insert(0, "fused")
-        except BackendUnavailableError:
-            pass
+        if "torch" not in self._fused_names():
+            candidates.insert(0, "fused")
         if len(candidates) == 1:
             self._decision = ModeDecision(candidates[0], "only candidate", {}, key, None)
             return
@@ -422,6 +467,10 @@ class ApexW(MemOptimizer):
 
 def state_bytes_per_param(state: str, param_dtype: torch.dtype, master: str = "ecc24") -> float:
     """Bytes of ApexW state per parameter element for a configuration (the module doc's table)."""
+    _check_choice("state", state, STATES)
+    _check_choice("master", master, _MASTERS)
+    if not isinstance(param_dtype, torch.dtype) or param_dtype not in _PARAM_DTYPES:
+        raise ConfigError(f"param_dtype must be one of {_PARAM_DTYPES}, got {param_dtype!r}")
     moments = {"bf16": 4.0, "q8": 2.0625}[state]
     if param_dtype == torch.float32:
         return moments

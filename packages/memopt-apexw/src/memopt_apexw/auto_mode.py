@@ -12,9 +12,11 @@ Trial schedule (:class:`Trial`): each candidate first runs :data:`WARMUP_STEPS` 
 so host and device work both count. The decision is the candidate with the lowest median; a
 candidate slower than :data:`DROP_FACTOR` times the best after the first round is not timed
 again. The decision, with every median, is stored under the signature (:func:`signature`:
-device name, torch / triton / memopt-apexw versions, and per group the parameter dtype, state
-format and every shape) in a JSON file (:func:`default_cache_path`); an ApexW built for the same
-signature reads it and runs no trial.
+device name (CPU: torch's thread count and memopt_kernels_cpu's), torch / triton / memopt-apexw
+versions, the usable backends, and per group the parameter dtype, state format and every shape)
+in a JSON file (:func:`default_cache_path`); an ApexW built for the same signature reads it and
+runs no trial. A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is the only candidate: no
+trial, no cache.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from memopt_core import backends
 
 __all__ = [
     "CACHE_ENV",
@@ -56,9 +60,10 @@ _CACHE_VERSION = 1
 class ModeDecision:
     """What ``mode="auto"`` chose and why (``ApexW.mode_decision``).
 
-    ``source``: ``"fixed"`` (mode given), ``"measured"`` (trial steps in this process),
-    ``"cache"`` (read from ``cache_path``) or ``"only candidate"``. ``timings_ms``: median step
-    time per candidate (measured now or when the cache entry was written)."""
+    ``source``: ``"fixed"`` (mode given), ``"forced"`` (``backend=`` or ``MEMOPT_BACKEND``
+    names the one backend), ``"measured"`` (trial steps in this process), ``"cache"`` (read from
+    ``cache_path``) or ``"only candidate"``. ``timings_ms``: median step time per candidate
+    (measured now or when the cache entry was written)."""
 
     mode: str
     source: str
@@ -92,7 +97,14 @@ def _versions() -> dict[str, str]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{torch.get_num_threads()} threads"
+    # the torch step runs on torch's threads, the fused one on memopt_kernels_cpu's pool
+    try:
+        import memopt_kernels_cpu
+
+        pool = str(memopt_kernels_cpu.get_num_threads())
+    except Exception:
+        pool = "none"
+    return f"cpu:{torch.get_num_threads()} threads, kernel pool {pool}"
 
 
 def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict[str, Any]]:
@@ -114,43 +126,53 @@ def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict
         total += sum(p.numel() for p in params)
         tensors += len(params)
     names = sorted(_device_name(d) for d in devices)
+    # a decision holds for the backends it was measured with (a "fused" one needs its kernels)
+    usable = sorted(n for n, s in backends.available_backends().items() if s.usable)
     full = {
         "devices": names,
         "versions": _versions(),
+        "backends": usable,
         "capturable": capturable,
         "groups": described,
     }
     key = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()
-    return key, {"devices": names, "tensors": tensors, "parameters": total, **_versions()}
+    about = {"devices": names, "backends": usable, "tensors": tensors, "parameters": total}
+    return key, {**about, **_versions()}
+
+
+def _entries(path: Path) -> dict[str, Any]:
+    """The entries of the cache at ``path`` (empty when absent, unreadable, of another version or
+    of another shape)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
 
 
 def load_decision(path: Path, key: str) -> ModeDecision | None:
     """The cached decision for ``key`` in ``path`` (None if absent or unreadable)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-        return None
-    entry = data.get("entries", {}).get(key)
+    entry = _entries(path).get(key)
     if not isinstance(entry, dict) or entry.get("mode") not in ("fused", "torch"):
         return None
-    timings = {str(k): float(v) for k, v in entry.get("timings_ms", {}).items()}
-    return ModeDecision(entry["mode"], "cache", timings, key, str(path))
+    timings = entry.get("timings_ms", {})
+    if not isinstance(timings, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in timings.values()
+    ):
+        return None
+    return ModeDecision(
+        entry["mode"], "cache", {k: float(v) for k, v in timings.items()}, key, str(path)
+    )
 
 
 def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str, Any]) -> None:
     """Add ``decision`` under ``key`` to the JSON cache at ``path``, atomically (temporary file and
     rename; a concurrent writer loses at most its own entry)."""
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    data["version"] = _CACHE_VERSION
-    entries = data.setdefault("entries", {})
-    entries[key] = {
+    data = {"version": _CACHE_VERSION, "entries": _entries(path)}
+    data["entries"][key] = {
         "mode": decision.mode,
         "timings_ms": decision.timings_ms,
         "about": about,
