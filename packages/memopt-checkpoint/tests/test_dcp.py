@@ -18,7 +18,9 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from memopt_checkpoint import check_dcp_load  # noqa: E402
 from memopt_core import MemOptimizer  # noqa: E402
+from memopt_core.errors import ConfigError, StateDictError  # noqa: E402
 
 
 def _memopt(model):
@@ -87,7 +89,10 @@ def test_dcp_resume_is_bit_identical(name, tmp_path):
 
     resumed, ropt = build(name, seed=42)
     if hasattr(ropt, "init_state"):  # AdamBridge holds its host state from construction on
+        with pytest.raises(ConfigError, match=r"no optimizer state yet: call .*init_state\(\)"):
+            check_dcp_load(ropt, tmp_path / "ck")
         ropt.init_state()  # DCP loads into existing tensors: create the state to load into
+        check_dcp_load(ropt, tmp_path / "ck")
     target = {"model": resumed.state_dict(), "optim": ropt.state_dict()}
     dcp.load(target, checkpoint_id=tmp_path / "ck")
     resumed.load_state_dict(target["model"])
@@ -95,3 +100,50 @@ def test_dcp_resume_is_bit_identical(name, tmp_path):
     train(resumed, ropt, 3, start=4)
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_refuses_other_formats_before_dcp_writes(tmp_path):
+    model, opt = build("memopt-ecc24-q8")
+    train(model, opt, 2)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path)
+
+    def target(split=False, **kw):
+        twin, _ = build("memopt-ecc24-q8", seed=1)
+        ps = list(twin.parameters())
+        groups = [{"params": ps[:2]}, {"params": ps[2:]}] if split else ps
+        config = dict(rule="adamw", lr=1e-2, master="ecc24", moments="q8", seed=5) | kw
+        topt = MemOptimizer(groups, **config)
+        topt.init_state()
+        train(twin, topt, 1)
+        return topt
+
+    # ECC-24 codes into ECC-32 arenas: dcp.load would cast them in (the sizes match)
+    ecc32 = target(master="ecc32")
+    live = {id(p): s["master_code"].clone() for p, s in ecc32.state.items()}
+    with pytest.raises(
+        StateDictError,
+        match=r"param group 0 of the checkpoint holds master='ecc24' states; this optimizer "
+        r"uses master='ecc32': dcp.load would cast them",
+    ):
+        check_dcp_load(ecc32, tmp_path)
+    assert all(torch.equal(s["master_code"], live[id(p)]) for p, s in ecc32.state.items())
+    with pytest.raises(StateDictError, match=r"holds moments='q8' states; .* moments='fp8'"):
+        check_dcp_load(target(moments="fp8"), tmp_path)
+    with pytest.raises(StateDictError, match=r"state of a 'adamw' optimizer; this one runs 'lion'"):
+        check_dcp_load(target(rule="lion"), tmp_path)
+    with pytest.raises(StateDictError, match=r"no memopt optimizer state under 'optimizer'"):
+        check_dcp_load(target(), tmp_path, key="optimizer")
+    with pytest.raises(StateDictError, match=r"the checkpoint has 1 param group\(s\), this .* 2"):
+        check_dcp_load(target(split=True), tmp_path)
+    ecc = pytest.importorskip("memopt_ecc")
+    flash_model, flash = build("flash-lion")
+    flash.compress_state_dict = False
+    train(flash_model, flash, 1)
+    dcp.save({"optim": flash.state_dict()}, checkpoint_id=tmp_path / "flash")
+    compressed = ecc.FlashLion(flash_model.parameters(), lr=1e-3)
+    compressed.init_state()
+    with pytest.raises(StateDictError, match=r"saved with compress_state_dict=False"):
+        check_dcp_load(compressed, tmp_path / "flash")
+    compressed.compress_state_dict = False
+    check_dcp_load(compressed, tmp_path / "flash")

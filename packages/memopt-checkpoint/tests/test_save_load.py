@@ -234,6 +234,51 @@ def test_bad_arguments(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+class WithExtraState(torch.nn.Linear):
+    """A module whose ``state_dict()`` holds a non-tensor ``_extra_state``."""
+
+    def __init__(self, extra):
+        super().__init__(4, 4)
+        self.extra = extra
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def test_non_tensor_model_entries(tmp_path):
+    extra = {"version": 3, "names": ["a", "b"], "scale": 0.5, "note": None}
+    model = torch.nn.Sequential(WithExtraState(extra))
+    opt = MemOptimizer(model.parameters(), rule="adamw", lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    export_fp32(tmp_path / "fp32.pt", model)  # the torch path passes it through as well
+    assert torch.load(tmp_path / "fp32.pt", weights_only=True)["0._extra_state"] == extra
+
+    twin = torch.nn.Sequential(WithExtraState({"version": 1}))
+    topt = MemOptimizer(twin.parameters(), rule="adamw", lr=1e-2)
+    load(tmp_path / "ck.mopt", model=twin, optimizer=topt)
+    assert twin[0].extra == extra
+    assert torch.equal(twin[0].weight, model[0].weight)
+    # a value only one side has as a tensor is refused before anything changes
+    tensor_extra = torch.nn.Sequential(WithExtraState(torch.zeros(2)))
+    with pytest.raises(
+        StateDictError,
+        match=r"model entry '0._extra_state' is a non-tensor value in the checkpoint, a tensor",
+    ):
+        load(tmp_path / "ck.mopt", model=tensor_extra)
+    assert torch.equal(tensor_extra[0].extra, torch.zeros(2))
+    # values JSON would not give back equal: ConfigError naming the key, no file
+    for bad in ({"t": torch.ones(2)}, (1, 2), {1: "int key"}, float("nan"), object()):
+        model[0].extra = bad
+        with pytest.raises(ConfigError, match=r"model entry '0._extra_state' is a \w+ that JSON"):
+            save(tmp_path / "bad.mopt", model=model)
+    assert not (tmp_path / "bad.mopt").exists()
+
+
 def test_fp32_export_is_a_plain_torch_file(tmp_path):
     ecc = pytest.importorskip("memopt_ecc")
     torch.manual_seed(0)

@@ -207,6 +207,32 @@ def test_format_cannot_change_after_state_exists():
     opt.step()  # restoring the format works
 
 
+def test_cast_parameter_with_state_is_refused_without_changes():
+    # a rebuild under the new dtype would drop the ECC code and go on from the rounded weight
+    p = P(64, dtype=torch.bfloat16)
+    opt = MemOptimizer([p], master="ecc32", moments="q8")
+    for _ in range(3):
+        p.grad = torch.randn(64).bfloat16()
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    p.data = p.data.float()  # model.float() after training started
+    p.grad = torch.zeros(64)
+    with pytest.raises(
+        ConfigError,
+        match=r"#0 of param group 0 .*changed since its state was created \(it was "
+        r"torch.bfloat16 of shape \(64,\) on cpu\).*no parameter or state was modified",
+    ):
+        opt.step()
+    with pytest.raises(ConfigError, match="changed since its state was created"):
+        opt.step_parameters([p])
+    assert sorted(opt.state[p]) == sorted(state)  # the ECC code is still there
+    assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+    p.data = p.data.bfloat16()  # casting back works
+    p.grad = torch.zeros(64).bfloat16()
+    opt.step()
+    assert int(opt.state[p]["step"]) == 4
+
+
 def test_forced_backend_that_is_missing(monkeypatch, fresh_backends):
     # no kernel package registered, whatever this environment has installed
     real = importlib.metadata.entry_points

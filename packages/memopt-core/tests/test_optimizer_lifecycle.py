@@ -200,6 +200,24 @@ def test_release_switch_turns_step_and_zero_grad_into_warning_no_ops():
         opt.begin_gradient_release(None)
 
 
+def test_add_param_group_is_refused_while_released():
+    # the release hooks cover the parameters held when release began: a new group's parameters
+    # would never be updated
+    params = make_params()
+    opt = make_opt(params[:1], CONFIGS["fp32-adamw"])
+    owner = _released(opt)
+    with pytest.raises(
+        ConfigError,
+        match=r"add_param_group while gradient release is active.*"
+        r"handle.remove\(\) first",
+    ):
+        opt.add_param_group({"params": params[1:]})
+    assert len(opt.param_groups) == 1
+    opt.end_gradient_release(owner)
+    opt.add_param_group({"params": params[1:]})
+    assert len(opt.param_groups) == 2
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_a_released_optimizer_is_not_released(how):
     params = make_params()

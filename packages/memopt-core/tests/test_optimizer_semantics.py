@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from memopt_core import MemOptimizer, NumericsError
+from memopt_core import ConfigError, MemOptimizer, NumericsError
 
 CONFIGS = {
     "fp32": dict(rule="adamw", dtype=torch.float32, master="none", moments="fp32"),
@@ -501,18 +501,27 @@ def test_state_bytes_counts_arenas():
     assert sgd.state_bytes() == 0  # plain SGD keeps no state
 
 
-def test_param_cast_after_state_exists_keeps_its_state():
-    # model.to(bfloat16) after some steps: the group is re-planned and the state carried over
+def test_param_cast_after_state_exists_is_refused():
+    # model.to(bfloat16) after some steps: a re-plan would go on from the rounded weight (and
+    # drop an ECC code the other way round), so the step refuses it; casting back continues
     p = torch.nn.Parameter(torch.randn(4))
     opt = MemOptimizer([p], moments="fp32")
     p.grad = torch.ones(4)
     opt.step()
     m = opt.state[p]["exp_avg"].clone()
+    weight = p.detach().clone()
     p.data = p.data.to(torch.bfloat16)
     p.grad = None
     p.grad_dtype = None
     p.grad = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"changed since its state was created \(it was "):
+        opt.step()
+    assert opt.state[p]["step"].item() == 1
+    assert torch.equal(opt.state[p]["exp_avg"], m)
+    p.data = weight
+    p.grad = None
+    p.grad_dtype = None
+    p.grad = torch.ones(4)
     opt.step()
     assert opt.state[p]["step"].item() == 2
-    assert p.dtype == torch.bfloat16
     assert torch.equal(opt.state[p]["exp_avg"], m + 0.1 * (1 - m))  # continued from m

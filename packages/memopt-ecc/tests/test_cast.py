@@ -3,6 +3,7 @@ BatchNorm kept fp32 inside a bf16 network, tied weights."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 
@@ -145,6 +146,76 @@ def test_full_precision_output_stays_fp32_recast_output_is_cast_back(device):
     assert logits.dtype == torch.bfloat16  # decoder's output was cast back, out is bf16
 
 
+class Output(collections.OrderedDict):
+    """Like transformers' ModelOutput: an OrderedDict whose items are attributes too."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+def pack(kind, y):
+    """``y`` in a container of ``kind``."""
+    if kind == "max":
+        return torch.max(y, dim=1)
+    if kind == "ordered":
+        return collections.OrderedDict(y=y, n=torch.arange(2))
+    if kind == "model-output":
+        out = Output()
+        out["logits"] = y
+        return out
+    return Pair(y, [y, {"z": y}])
+
+
+class Outputs(nn.Linear):
+    def __init__(self, kind):
+        super().__init__(4, 4)
+        self.kind = kind
+
+    def forward(self, x):
+        return pack(self.kind, super().forward(x))
+
+
+class NormOutputs(nn.BatchNorm1d):
+    def __init__(self, kind):
+        super().__init__(4)
+        self.kind = kind
+
+    def forward(self, x):
+        return pack(self.kind, super().forward(x))
+
+
+@pytest.mark.parametrize("kind", ["max", "ordered", "model-output", "namedtuple"])
+@pytest.mark.parametrize("layer", ["recast", "norm"])
+def test_hooks_keep_output_container_types(kind, layer):
+    # the recast hook and a running-stat norm's hook cast outputs back to bf16
+    if layer == "norm":
+        model = cast_model(nn.Sequential(NormOutputs(kind)))
+    else:
+        model = cast_model(nn.Sequential(Outputs(kind)), full_precision_recast_layers=["0"])
+    out = model(torch.randn(2, 4).bfloat16())
+    if kind == "max":
+        assert type(out) is torch.return_types.max
+        assert out.values.dtype == torch.bfloat16
+        assert out.indices.dtype == torch.int64
+    elif kind == "ordered":
+        assert type(out) is collections.OrderedDict
+        assert list(out) == ["y", "n"]
+        assert out["y"].dtype == torch.bfloat16
+        assert out["n"].dtype == torch.int64
+    elif kind == "model-output":
+        assert type(out) is Output
+        assert out.logits.dtype == torch.bfloat16
+        assert out["logits"] is out.logits
+    else:
+        assert type(out) is Pair
+        assert out.a.dtype == torch.bfloat16
+        assert out.b[1]["z"].dtype == torch.bfloat16
+
+
 def test_tied_weight_conflict_is_refused():
     model = Net()
     with pytest.raises(ConfigError, match="shared with"):
@@ -162,6 +233,13 @@ def test_bad_arguments():
         cast_model(model, full_precision_layers=[3])
     with pytest.raises(ConfigError, match="floating torch dtype"):
         cast_model(model, dtype=torch.int8)
+    with pytest.raises(ConfigError, match=r"16 bits or more.*got torch.float8_e4m3fn"):
+        cast_model(model, dtype=torch.float8_e4m3fn)
+    assert model.head.weight.dtype == torch.float32  # refused before any cast
+    with pytest.raises(ConfigError, match=r"^full_precision_layers takes .*got int 123"):
+        cast_model(model, full_precision_layers=123)
+    with pytest.raises(ConfigError, match=r"^full_precision_recast_layers takes .*got float"):
+        cast_model(model, full_precision_recast_layers=1.5)
     with pytest.raises(ConfigError, match="matches both"):
         cast_model(model, full_precision_layers=["head"], full_precision_recast_layers=["head"])
     with pytest.warns(UserWarning, match="matches no module"):

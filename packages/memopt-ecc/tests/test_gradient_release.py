@@ -348,6 +348,47 @@ def test_activation_errors():
         enable_gradient_release(model, opt, grad_scaler=object())
 
 
+def test_parameters_added_or_unfrozen_while_released_are_reported():
+    # added: refused (no hook would update them); remove, add, enable again works
+    model = make_model("cpu")
+    opt = FlashAdamW([model.embed.weight, model.mix.weight], lr=1e-2)
+    handle = enable_gradient_release(model, opt)
+    rest = [model.mix.bias, model.norm.weight, model.norm.bias]
+    with pytest.raises(ConfigError, match=r"add_param_group while gradient release is active"):
+        opt.add_param_group({"params": rest})
+    assert len(opt.param_groups) == 1
+    handle.remove()
+    opt.add_param_group({"params": rest})
+    handle = enable_gradient_release(model, opt)
+    before = model.norm.bias.detach().clone()
+    loss_fn(model, batches("cpu")[0]).backward()
+    assert not torch.equal(model.norm.bias.detach(), before)
+    handle.remove()
+    # frozen when release began, trained later: the backward's end raises, after the others'
+    # updates; its gradient is kept (nothing applies it)
+    model = make_model("cpu")
+    model.mix.weight.requires_grad_(False)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(model, opt)
+    model.mix.weight.requires_grad_(True)
+    frozen, other = model.mix.weight.detach().clone(), model.mix.bias.detach().clone()
+    with pytest.raises(
+        ConfigError,
+        match=r"#2 of param group 0 \(shape \(12, 12\).*had requires_grad=False when "
+        r"enable_gradient_release\(\) ran.*handle.remove\(\)",
+    ):
+        loss_fn(model, batches("cpu")[0]).backward()
+    assert torch.equal(model.mix.weight.detach(), frozen)
+    assert model.mix.weight.grad is not None
+    assert not torch.equal(model.mix.bias.detach(), other)
+    handle.remove()
+    model.mix.weight.grad = None
+    handle = enable_gradient_release(model, opt)
+    loss_fn(model, batches("cpu")[1]).backward()
+    assert not torch.equal(model.mix.weight.detach(), frozen)
+    handle.remove()
+
+
 def test_pre_step_can_skip_and_plain_memoptimizer_works():
     model = make_model("cpu")
     opt = MemOptimizer(model.parameters(), rule="adamw", lr=1e-2, master="ecc24", moments="q8")

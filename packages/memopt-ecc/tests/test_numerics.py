@@ -19,6 +19,7 @@ from memopt_ecc import (
     FlashAdamW,
     FlashLion,
     FlashSGD,
+    enable_gradient_release,
     fp32_master,
     master_resolution,
     significant_bits,
@@ -230,3 +231,31 @@ def test_check_numerics_also_guards_step_parameters(device):
     opt.step_parameters([p])
     assert int(opt.state[p]["step"]) == 1
     assert int(opt.state[q]["step"]) == 0
+
+
+def test_check_numerics_runs_under_gradient_release(device):
+    """The release hooks free p.grad and pass the gradient to step_parameters(grads=...): the
+    resolution check reads it there."""
+    model = torch.nn.Linear(64, 1, bias=False).to(device)
+    with torch.no_grad():
+        model.weight.copy_(near_one(device, dtype=torch.float32, n=64))
+    model.bfloat16()
+    opt = FlashAdamW(
+        model.parameters(),
+        lr=1e-6,
+        weight_decay=0.0,
+        stochastic_rounding=False,
+        check_numerics=True,
+    )
+    handle = enable_gradient_release(model, opt)
+    x = torch.ones(4, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(NumericsError, match="below the master format's resolution"):
+        model(x).float().sum().backward()
+    assert torch.equal(model.weight.detach().view(-1), near_one(device, n=64))
+    assert int(opt.state[model.weight]["step"]) == 0
+    # grads= also reaches the check without release
+    p = near_one(device, n=64).requires_grad_()
+    opt = FlashAdamW([p], lr=1e-6, stochastic_rounding=False, check_numerics=True)
+    with pytest.raises(NumericsError, match="below the master format's resolution"):
+        opt.step_parameters([p], grads={p: torch.ones_like(p)})
+    handle.remove()

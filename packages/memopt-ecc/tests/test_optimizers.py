@@ -13,7 +13,7 @@ import pytest
 import torch
 from ecc_testutil import assert_same_state, same_bits
 
-from memopt_core import ConfigError, MemOptimizer, backends
+from memopt_core import ConfigError, MemOptimizer, StateDictError, backends
 from memopt_core.torch_backend import TorchBackend
 from memopt_ecc import (
     MASTER_WEIGHT_BITS,
@@ -345,6 +345,32 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
     assert_same_state(opt, params, other, other_params)
 
 
+def test_uncompressed_moment_that_does_not_fit_is_named():
+    p = torch.randn(8, 40).bfloat16().requires_grad_()
+    opt = FlashAdamW([p], compress_state_dict=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    q = torch.randn(40, 8).bfloat16().requires_grad_()  # a transposed model
+    with pytest.raises(
+        StateDictError,
+        match=r"state 'exp_avg' of parameter index 0 is torch.float32 of shape \(8, 40\); a "
+        r"decoded moment .* must be torch.float32 of the parameter's shape \(40, 8\)",
+    ):
+        FlashAdamW([q], compress_state_dict=False).load_state_dict(sd)
+    sd["state"][0]["exp_avg_sq"] = sd["state"][0]["exp_avg_sq"].bfloat16()
+    with pytest.raises(
+        StateDictError, match=r"state 'exp_avg_sq' of parameter index 0 is torch.bfloat16 of"
+    ):
+        FlashAdamW([p]).load_state_dict(sd)
+    # codes missing their scales are still reported as missing fields
+    opt.compress_state_dict = True
+    sd = opt.state_dict()
+    del sd["state"][0]["exp_avg_scale"]
+    with pytest.raises(StateDictError, match=r"lacks \['exp_avg_scale'\]"):
+        FlashAdamW([p]).load_state_dict(sd)
+
+
 def test_uncompressed_without_quantize_is_the_same_dict():
     params = make_params("cpu")
     opt = FlashAdamW(params, quantize=False, compress_state_dict=False)
@@ -383,6 +409,40 @@ def test_param_groups_take_flashoptim_keys():
         opt.add_param_group(
             {"params": [torch.zeros(3, requires_grad=True)], "master_weight_bits": 8}
         )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("quantize", False, r"param group 0 sets quantize=False, but its moments is 'q8'"),
+        ("master_weight_bits", 32, r"sets master_weight_bits=32, but its master is 'ecc24'"),
+        ("master_weight_bits", 16, r"master_weight_bits must be 24"),
+        ("compress_state_dict", False, r"compress_state_dict is a constructor argument"),
+        ("fused", False, r"sets fused=False, but fused is a constructor argument .*fused=True"),
+        ("check_numerics", True, r"check_numerics is a constructor argument"),
+    ],
+)
+def test_flashoptim_keys_written_into_param_groups_later_are_refused(key, value, match):
+    # translated (or optimizer-wide) at construction: a later change would be ignored silently
+    p = torch.randn(64).bfloat16().requires_grad_()
+    opt = FlashAdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0][key] = value
+    with pytest.raises(ConfigError, match=match):
+        opt.step()
+    with pytest.raises(ConfigError, match=match):
+        opt.step_parameters([p])
+    assert torch.equal(p.detach(), before)
+    assert int(opt.state[p]["step"]) == 1
+    opt.param_groups[0][key] = {"quantize": True, "master_weight_bits": 24}.get(
+        key, getattr(opt, key)
+    )  # the value it runs with is accepted
+    opt.step()
+    assert int(opt.state[p]["step"]) == 2
+    with pytest.raises(ConfigError, match="constructor argument"):
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)], "seed": 1})
 
 
 # ------------------------------------------------------------------ schedulers, closures

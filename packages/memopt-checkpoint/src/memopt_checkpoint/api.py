@@ -3,9 +3,12 @@
 What is stored (one :mod:`memopt_checkpoint.container` file, written atomically and streamed
 one tensor at a time):
 
-- ``model/<name>`` for every entry of ``model.state_dict()`` in its own dtype (a bf16 model stays
-  2 B per weight). Tied weights, which ``state_dict()`` lists under every name, are stored once;
-  the other names are recorded as aliases.
+- ``model/<name>`` for every tensor of ``model.state_dict()`` in its own dtype (a bf16 model
+  stays 2 B per weight). Tied weights, which ``state_dict()`` lists under every name, are stored
+  once; the other names are recorded as aliases. Non-tensor entries (a module's
+  ``get_extra_state()``) go into the meta when JSON gives them back equal, and :func:`load`
+  hands them to ``model.load_state_dict`` (so ``set_extra_state``); others make :func:`save`
+  raise :class:`~memopt_core.errors.ConfigError` naming the key.
 - ``optim/<parameter name>/<state key>`` for every tensor of ``optimizer.state_dict()["state"]``
   in its stored format: q8 and fp8 moments stay 1 B per element with their block scales, the
   ECC-24 code stays 1 B per element (FlashOptim writes 2), AdamBridge's host masters their own
@@ -18,10 +21,14 @@ one tensor at a time):
 
 Parameters are matched by name (``model.named_parameters()``), not by position, so a model whose
 parameters were reordered or whose optimizer groups list them differently still loads, and a
-missing or extra name is reported by name. :func:`load` validates everything first, then reads
-and checks every tensor it needs (checksums), and only then changes the model and the optimizer.
-The optimizer's own ``load_state_dict`` checks formats, shapes and dtypes. So a bad file, a
-foreign optimizer or a shape mismatch raises (:class:`~memopt_core.errors.CheckpointError`,
+missing or extra name is reported by name. Training then continues bit for bit only with
+``stochastic_rounding=False``: the stochastic-rounding words are keyed by a parameter's position
+in the optimizer, so a moved parameter rounds with other (equally distributed) bits.
+
+:func:`load` validates everything first, then reads and checks every tensor it needs
+(checksums), and only then changes the model and the optimizer. The optimizer's own
+``load_state_dict`` checks formats, shapes and dtypes. So a bad file, a foreign optimizer or a
+shape mismatch raises (:class:`~memopt_core.errors.CheckpointError`,
 :class:`~memopt_core.errors.StateDictError`) with nothing changed.
 """
 
@@ -80,6 +87,21 @@ def _json_value(v: Any, where: str) -> Any:
     return v
 
 
+def _json_exact(v: Any, where: str) -> Any:
+    """``v`` when JSON gives it back equal (so :func:`load` restores it as it was)."""
+    try:
+        same = bool(json.loads(json.dumps(v, allow_nan=False)) == v)
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise ConfigError(
+            f"{where} is a {type(v).__name__} that JSON cannot store as it is (only dicts with "
+            "str keys, lists, str, finite numbers, bool and None come back equal): make the "
+            "module's get_extra_state() return such a value or a tensor"
+        )
+    return v
+
+
 def save(
     path: str | os.PathLike,
     *,
@@ -100,7 +122,11 @@ def save(
         seen: dict[tuple, str] = {}
         aliases: dict[str, str] = {}
         keys = []
+        values: dict[str, Any] = {}
         for name, t in model.state_dict().items():
+            if not isinstance(t, Tensor):  # a module's get_extra_state(), for one
+                values[name] = _json_exact(t, f"model entry {name!r}")
+                continue
             ident = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
             if t.numel() and ident in seen:
                 aliases[name] = seen[ident]
@@ -108,7 +134,7 @@ def save(
             seen[ident] = name
             keys.append(name)
             tensors.append((f"model/{name}", t))
-        meta["model"] = {"keys": keys, "aliases": aliases}
+        meta["model"] = {"keys": keys, "aliases": aliases, "values": values}
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
@@ -177,7 +203,9 @@ def load(
                 f"{os.fspath(path)} uses checkpoint schema {meta['schema']}; this memopt-checkpoint "
                 f"reads up to {CHECKPOINT_SCHEMA}: upgrade memopt-checkpoint"
             )
-        model_plan = _plan_model(reader, meta, model, strict) if model is not None else None
+        model_plan, model_values = (
+            _plan_model(reader, meta, model, strict) if model is not None else (None, None)
+        )
         optim_sd = (
             _plan_optimizer(reader, meta, model, optimizer) if optimizer is not None else None
         )
@@ -191,15 +219,21 @@ def load(
             with torch.no_grad():
                 for target, src in model_plan:
                     target.copy_(src)
+        if model_values:
+            # non-tensor entries reach their modules (set_extra_state) as torch passes them
+            model.load_state_dict(model_values, strict=False)
     return extra
 
 
-def _plan_model(reader, meta, model, strict) -> list[tuple[Tensor, Tensor]]:
+def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]], dict]:
+    """(target, loaded tensor) pairs and ``{key: value}`` of the non-tensor entries."""
     info = meta.get("model")
     if info is None:
         raise StateDictError("the checkpoint holds no model (it was saved with model=None)")
     stored = {name: name for name in info["keys"]}
     stored.update(info.get("aliases", {}))
+    saved_values = info.get("values", {})
+    stored.update({name: name for name in saved_values})
     current = model.state_dict()
     missing = [k for k in current if k not in stored]
     unexpected = [k for k in stored if k not in current]
@@ -210,9 +244,20 @@ def _plan_model(reader, meta, model, strict) -> list[tuple[Tensor, Tensor]]:
             f"{'...' if len(unexpected) > 8 else ''} (load(..., strict=False) skips them)"
         )
     plan = []
+    values = {}
     cache: dict[str, Tensor] = {}
     for name, target in current.items():
         if name not in stored:
+            continue
+        is_value = name in saved_values
+        if is_value == isinstance(target, Tensor):
+            kinds = ("a tensor", "a non-tensor value")
+            raise StateDictError(
+                f"model entry {name!r} is {kinds[is_value]} in the checkpoint, "
+                f"{kinds[not is_value]} in the model"
+            )
+        if is_value:
+            values[name] = saved_values[name]
             continue
         key = f"model/{stored[name]}"
         dtype, shape, _ = reader.entry(key)
@@ -224,7 +269,7 @@ def _plan_model(reader, meta, model, strict) -> list[tuple[Tensor, Tensor]]:
         if key not in cache:
             cache[key] = reader.load(key)
         plan.append((target, cache[key]))
-    return plan
+    return plan, values
 
 
 def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:

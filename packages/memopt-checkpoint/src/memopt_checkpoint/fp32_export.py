@@ -9,6 +9,8 @@ in fp32 and the true master weight where the optimizer keeps one beyond the para
 - ``memopt_offload.AdamBridge``: its host fp32 masters (:meth:`AdamBridge.master_weight`);
 - anything else (or no optimizer): the parameters widened to fp32.
 
+Non-tensor entries (a module's ``get_extra_state()``) pass through as they are.
+
 :func:`export_fp32` writes that dict with ``torch.save`` atomically (temporary file, fsync,
 rename), so a crash never leaves a half-written export. To go back, load the file with
 ``torch.load`` and use ``memopt_ecc.set_fp32_model_state_dict`` (ECC models) or
@@ -58,7 +60,9 @@ def fp32_model_state_dict(
     with torch.no_grad():
         for name, t in model.state_dict().items():
             p = params.get(name)
-            if p is not None and id(p) in masters:
+            if not torch.is_tensor(t):  # a module's get_extra_state(), for one
+                out[name] = t
+            elif p is not None and id(p) in masters:
                 out[name] = masters[id(p)].detach().cpu().reshape(t.shape).clone()
             elif t.is_floating_point():
                 out[name] = t.detach().to("cpu", torch.float32).clone()

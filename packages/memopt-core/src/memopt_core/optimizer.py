@@ -153,6 +153,14 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _changed_error(label: str, plan: GroupPlan, si: int) -> ConfigError:
+    return ConfigError(
+        f"{label} changed since its state was created (it was {plan.param_dtype} of shape "
+        f"{tuple(plan.slots[si].shape)} on {plan.device}); move or cast models before their "
+        "first optimizer step (no parameter or state was modified)"
+    )
+
+
 def _caller_stacklevel() -> int:
     """``stacklevel`` for a warning raised in this module that names the first frame outside it
     and outside torch (step() runs under torch's hook wrapper, ``GradScaler.step``, LR
@@ -207,7 +215,8 @@ class MemOptimizer(Optimizer):
 
     While gradient release is active (:meth:`begin_gradient_release`, which
     ``memopt_ecc.enable_gradient_release`` calls), :meth:`step` and :meth:`zero_grad` do nothing
-    and warn once per activation; :meth:`step_parameters` works as always.
+    and warn once per activation, :meth:`add_param_group` raises :class:`ConfigError`, and
+    :meth:`step_parameters` works as always.
 
     Subclasses may override ``step`` and call ``super().step()``: torch's step hooks and profiler
     range still run once per call of the outermost ``step`` (see :meth:`profile_hook_step`).
@@ -406,6 +415,13 @@ class MemOptimizer(Optimizer):
             raise ConfigError(f"a param group must be a dict, got {type(param_group).__name__}")
         if "params" not in param_group:
             raise ConfigError("a param group needs a 'params' entry")
+        if self._release_owner is not None:
+            # the release hooks were registered for the parameters held then: these would never
+            # be updated (step() does nothing while release is active)
+            raise ConfigError(
+                "add_param_group while gradient release is active: call handle.remove() first "
+                "and enable gradient release again after adding the group"
+            )
         gi = len(self.param_groups)
         where = f"(param group {gi})"
         raw = param_group["params"]
@@ -551,6 +567,8 @@ class MemOptimizer(Optimizer):
             cur = self._plans.get(gi)
             if cur is not None and cur.signature == signature:
                 continue
+            if cur is not None:
+                self._check_unchanged(members)
             if cur is not None and cur.formats != formats:
                 raise ConfigError(
                     f"param group {gi} changed its state format from master={cur.formats[0]!r}, "
@@ -560,6 +578,24 @@ class MemOptimizer(Optimizer):
                     "saved states between formats)"
                 )
             self._build_group(gi, group, members, names, formats, signature)
+
+    def _check_unchanged(self, members: list[Tensor]) -> None:
+        """Raise ConfigError when a parameter with state was cast, moved or reshaped since its
+        plan was built: a rebuild would keep only the states that still fit (an ECC code would
+        be dropped) and go on from the rounded weight."""
+        for p in members:
+            loc = self._where.get(id(p))
+            if loc is None or p not in self.state:
+                continue
+            gi, ei, si = loc
+            plan = self._plans[gi].entries[ei].plan
+            t = local_shard(p)
+            if (
+                t.device != plan.device
+                or t.dtype != plan.param_dtype
+                or t.shape != plan.slots[si].shape
+            ):
+                raise _changed_error(self._param_label(p), plan, si)
 
     def _build_group(self, gi, group, members, names, formats, signature) -> None:
         self._drop_cached_steps()  # they hold the old plans and arenas
@@ -750,11 +786,7 @@ class MemOptimizer(Optimizer):
             )
         slot = plan.slots[si]
         if p.device != plan.device or p.dtype != plan.param_dtype or p.shape != slot.shape:
-            raise ConfigError(
-                f"{label} changed since its state was created (it was "
-                f"{plan.param_dtype} of shape {tuple(slot.shape)} on {plan.device}); move or cast "
-                "models before their first optimizer step"
-            )
+            raise _changed_error(label, plan, si)
 
     def _collect(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -803,7 +835,7 @@ class MemOptimizer(Optimizer):
         """One update of ``only`` (None: every parameter with a gradient); returns the
         (backend, work) pairs it ran, in order (:meth:`_update_and_cache` caches them). ``amp``:
         a GradScaler's (scale, found_inf) for a capturable step."""
-        self._check_before_update(only)
+        self._check_before_update(only, grads)
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
@@ -866,10 +898,14 @@ class MemOptimizer(Optimizer):
         else:
             entry.steps[torch.tensor(work.slots)] += 1
 
-    def _check_before_update(self, only: list[Tensor] | None) -> None:
+    def _check_before_update(
+        self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
+    ) -> None:
         """Extension point: checks that must pass before an update of ``only`` (None: every
         parameter with a gradient) changes anything; a replayed cached step runs them too
-        (memopt-ecc's resolution check with ``check_numerics``)."""
+        (memopt-ecc's resolution check with ``check_numerics``). ``grads``: the gradients
+        :meth:`step_parameters` was given, used instead of ``p.grad`` where present (gradient
+        release hooks have already freed ``p.grad``)."""
 
     def _device_work(self, gi, entry, spec, backend, part, staging, amp) -> backends.GroupStep:
         """The capturable step of ``part`` (one entry's participating parameters) in param

@@ -28,6 +28,7 @@ Semantics (FlashOptim's, made precise):
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections.abc import Iterable
@@ -57,6 +58,8 @@ RUNNING_STAT_NORMS: tuple[type[nn.Module], ...] = (
     nn.LazyInstanceNorm2d,
     nn.LazyInstanceNorm3d,
 )
+#: dtypes ``cast_model`` casts to (8-bit floats are no dtype a model trains in)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _HANDLES = "_memopt_cast_hooks"
 _IN_DTYPES = "_memopt_cast_input_dtypes"
 
@@ -66,6 +69,11 @@ def _specs(value: Any, what: str) -> list[str | nn.Module]:
         return []
     if isinstance(value, (str, nn.Module)):
         return [value]
+    if not isinstance(value, Iterable):
+        raise ConfigError(
+            f"{what} takes an fnmatch pattern (str), an nn.Module, or an iterable of them; got "
+            f"{type(value).__name__} {value!r}"
+        )
     out = list(value)
     for spec in out:
         if not isinstance(spec, (str, nn.Module)):
@@ -77,15 +85,28 @@ def _specs(value: Any, what: str) -> list[str | nn.Module]:
 
 
 def _map_floats(obj: Any, fn) -> Any:
+    """``obj`` with ``fn`` applied to its floating tensors; containers keep their type, so
+    callers still find ``out.logits`` (HF ``ModelOutput``) or ``out.values`` (``torch.max``)."""
     if isinstance(obj, Tensor):
         return fn(obj) if obj.is_floating_point() else obj
     if isinstance(obj, tuple):
         items = [_map_floats(o, fn) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        if hasattr(type(obj), "n_sequence_fields"):  # structseq: torch.return_types
+            return type(obj)(items)
+        return tuple(items)
     if isinstance(obj, list):
         return [_map_floats(o, fn) for o in obj]
-    if isinstance(obj, dict):
+    if type(obj) is dict:
         return {k: _map_floats(v, fn) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        # a subclass (OrderedDict, ModelOutput) may need more than its items to be rebuilt:
+        # a copy keeps its attributes, and assigning keeps the keys' order
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _map_floats(v, fn)
+        return out
     return obj
 
 
@@ -153,9 +174,10 @@ def cast_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"cast_model expects a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
         raise ConfigError(
-            f"dtype must be a floating torch dtype like torch.bfloat16, got {dtype!r}"
+            "dtype must be a floating torch dtype of 16 bits or more: torch.bfloat16, "
+            f"torch.float16, torch.float32 or torch.float64; got {dtype!r}"
         )
     if not isinstance(selective, bool):
         raise ConfigError(f"selective must be True or False, got {selective!r}")

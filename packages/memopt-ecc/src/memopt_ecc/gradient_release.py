@@ -277,6 +277,11 @@ def enable_gradient_release(
     Raises ``ConfigError`` when the optimizer holds trainable parameters that are not in
     ``model`` (nothing would ever update them), when release is already active on the
     optimizer, or for a ``bucket_mb`` that is not a finite number >= 0.
+
+    Hooks cover the parameters that train when this is called. While active, the optimizer's
+    ``add_param_group`` raises ``ConfigError``, and a held parameter that was frozen here but
+    receives a gradient later makes its backward raise ``ConfigError`` at the end (after the
+    other updates): remove the handle and enable release again after such changes.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
@@ -355,10 +360,25 @@ def enable_gradient_release(
         else:
             opt.step_parameters(params, grads=held)
 
+    # held parameters frozen now get no hook: one unfrozen later would never be updated
+    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+
     def update_all(task: int) -> None:
         buckets.tasks.pop(task, None)
         for device in list(buckets.by_device):
             update(device)  # gradients of an enclosing backward too: they are final
+        opt = opt_ref()
+        late = [p for p in frozen if p.requires_grad and p.grad is not None]
+        if late and opt is not None:
+            listed = "; ".join(opt._param_label(p) for p in late[:4])
+            more = f" and {len(late) - 4} more" if len(late) > 4 else ""
+            raise ConfigError(
+                f"gradient release: {listed}{more} had requires_grad=False when "
+                "enable_gradient_release() ran, so no hook updates it, but it now receives "
+                "gradients, which would pile up in its .grad: call handle.remove() and "
+                "enable_gradient_release() again after unfreezing parameters (the other "
+                "parameters of this backward were updated)"
+            )
 
     def hold(p: Tensor, grad: Tensor) -> bool:
         """Hold ``grad`` until its bucket is full or its backward ends; True: update now."""

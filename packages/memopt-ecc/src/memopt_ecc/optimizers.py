@@ -84,6 +84,21 @@ def _check_flag(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
+def _moments_for_quantize(quantize: Any) -> str:
+    _check_flag("quantize (param group)", quantize)
+    return "q8" if quantize else "fp32"
+
+
+#: FlashOptim constructor arguments that are optimizer-wide here -> the attribute holding each
+_FIXED_KEYS = {
+    "compress_state_dict": "compress_state_dict",
+    "fused": "fused",
+    "check_numerics": "check_numerics",
+    "seed": "seed",
+    "capturable": "_capturable",
+}
+
+
 # ------------------------------------------------------------------------------ resolution
 def significant_bits(master: str, param_dtype: torch.dtype, stochastic_rounding: bool) -> int:
     """Significant bits (implicit bit included) that decide whether an update survives.
@@ -213,18 +228,45 @@ class FlashOptimizer(MemOptimizer):
             if "quantize" in group:
                 if "moments" in group:
                     raise ConfigError("a param group sets both quantize and moments; set one")
-                q = group.pop("quantize")
-                _check_flag("quantize (param group)", q)
-                group["moments"] = "q8" if q else "fp32"
+                group["moments"] = _moments_for_quantize(group.pop("quantize"))
+            self._check_flash_keys(group, f"param group {len(self.param_groups)}")
             param_group = group
         super().add_param_group(param_group)
 
+    def _check_flash_keys(self, group: Mapping[str, Any], where: str) -> None:
+        """Refuse FlashOptim keys in ``group`` that disagree with this optimizer: ``quantize`` and
+        ``master_weight_bits`` are translated only when a group is added, and the others are
+        optimizer-wide, so a value written into ``param_groups`` later would be ignored."""
+        for key in _FIXED_KEYS:
+            if key in group and group[key] != getattr(self, _FIXED_KEYS[key]):
+                raise ConfigError(
+                    f"{where} sets {key}={group[key]!r}, but {key} is a constructor argument of "
+                    f"the whole optimizer, which runs with {key}="
+                    f"{getattr(self, _FIXED_KEYS[key])!r}: build a new optimizer to change it"
+                )
+        for key, translate, core_key in (
+            ("master_weight_bits", _master_for_bits, "master"),
+            ("quantize", _moments_for_quantize, "moments"),
+        ):
+            if key in group and translate(group[key]) != group[core_key]:
+                raise ConfigError(
+                    f"{where} sets {key}={group[key]!r}, but its {core_key} is "
+                    f"{group[core_key]!r}: FlashOptim's {key} is translated to {core_key} only "
+                    "when a group is added, and formats cannot change in place: restore the old "
+                    "value, or build a new optimizer (memopt_checkpoint converts saved states "
+                    "between formats)"
+                )
+
     # ------------------------------------------------------------------------------ stepping
-    def _check_before_update(self, only: list[Tensor] | None) -> None:
+    def _check_before_update(
+        self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
+    ) -> None:
         # core runs it before every update (step(), a replayed cached step, step_parameters())
+        for gi, group in enumerate(self.param_groups):
+            self._check_flash_keys(group, f"param group {gi}")
         if self.check_numerics:
             params = [p for g in self.param_groups for p in g["params"]] if only is None else only
-            self._check_resolution(params)
+            self._check_resolution(params, grads or {})
 
     # ---------------------------------------------------------------------- numerics check
     def _step_bound(self, group: Mapping[str, Any], gmax: float, mag: float) -> float:
@@ -243,8 +285,9 @@ class FlashOptimizer(MemOptimizer):
             direction *= abs(1.0 - float(group["dampening"])) / (1.0 - momentum)
         return lr * direction
 
-    def _check_resolution(self, params: list[Tensor]) -> None:
-        """Raise NumericsError when a step cannot change the largest weights of a tensor."""
+    def _check_resolution(self, params: list[Tensor], grads: Mapping[Tensor, Tensor]) -> None:
+        """Raise NumericsError when a step cannot change the largest weights of a tensor.
+        ``grads`` (step_parameters' gradients) take precedence over ``p.grad``."""
         from memopt_ecc.fp32_state import _decode
 
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
@@ -253,24 +296,28 @@ class FlashOptimizer(MemOptimizer):
             if g.get("param_names"):
                 names.update({id(p): n for p, n in zip(g["params"], g["param_names"], strict=True)})
         kind = RULES[self.rule][0]
-        items: list[tuple[Tensor, Mapping[str, Any]]] = []
+        items: list[tuple[Tensor, Mapping[str, Any], Tensor]] = []
         seen: set[int] = set()
         for p in params:
             g = groups.get(id(p)) if isinstance(p, Tensor) else None
-            if g is None or id(p) in seen or p.grad is None or p.numel() == 0:
+            if g is None or id(p) in seen or p.numel() == 0:
+                continue
+            grad = grads.get(p)
+            if grad is None:
+                grad = p.grad
+            if grad is None:
                 continue
             seen.add(id(p))
             if float(g["lr"]) == 0.0:
                 continue  # a dummy step is allowed
-            items.append((p, g))
+            items.append((p, g, grad.detach()))
         if not items:
             return
         by_device: dict[torch.device, list[tuple[Tensor, Mapping[str, Any], Tensor]]] = {}
-        for p, g in items:
+        for p, g, grad in items:
             x = _decode(self, p, g).abs()
             x = torch.where(torch.isfinite(x), x, torch.zeros((), device=x.device))
             # the largest |g| (SGD's step) and whether g is finite (else core's error comes first)
-            grad = p.grad.detach()
             gmax = grad.abs().amax().float() if kind == "sgd" else torch.zeros((), device=x.device)
             finite = torch.isfinite(grad).all().float()
             stats = torch.stack([x.amax(), gmax, finite])
@@ -381,17 +428,23 @@ class FlashOptimizer(MemOptimizer):
                 for name in _MOMENT_NAMES:
                     codec = spec.second if name == "exp_avg_sq" else spec.first
                     t = new.get(name)
-                    if (
-                        codec.name == "fp32"
-                        or not isinstance(t, Tensor)
-                        or t.dtype != torch.float32
-                        or tuple(t.shape) != tuple(p.shape)
-                    ):
+                    if codec.name == "fp32" or not isinstance(t, Tensor):
                         continue
+                    fits = t.dtype == torch.float32 and tuple(t.shape) == tuple(p.shape)
                     if any(state_key(name, sfx) in new for sfx in codec.fields if sfx):
+                        if fits:
+                            raise StateDictError(
+                                f"the state of parameter index {key!r} holds {name!r} both "
+                                "decoded (fp32) and encoded; keep one"
+                            )
+                        continue  # encoded: core checks its layout
+                    if t.dtype == codec.fields[""].dtype:
+                        continue  # codes without their other fields: core names those
+                    if not fits:
                         raise StateDictError(
-                            f"the state of parameter index {key!r} holds {name!r} both decoded "
-                            "(fp32) and encoded; keep one"
+                            f"state {name!r} of parameter index {key!r} is {t.dtype} of shape "
+                            f"{tuple(t.shape)}; a decoded moment (compress_state_dict=False) "
+                            f"must be torch.float32 of the parameter's shape {tuple(p.shape)}"
                         )
                     padded = round_up(p.numel(), padding_unit(spec))
                     flat = torch.zeros(padded, dtype=torch.float32, device=t.device)

@@ -1,0 +1,99 @@
+"""``check_dcp_load``: the checks ``torch.distributed.checkpoint.load`` cannot make in time.
+
+``dcp.load`` writes the saved optimizer states straight into the optimizer's arenas, and only
+the optimizer's ``load_state_dict`` that follows compares formats. Saved states of another
+format whose tensors have the same sizes (ECC-24 codes into ECC-32 arenas, Adam's first moment
+into Lion's) are cast and written over the live states, and ``load_state_dict`` then refuses
+them with the live states already overwritten. An optimizer without state (no
+``init_state()``) gives ``dcp.load`` nothing to fill: training goes on from fresh moments,
+silently. :func:`check_dcp_load` finds both before ``dcp.load`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from memopt_core.errors import ConfigError, StateDictError
+from memopt_core.optimizer import MemOptimizer
+
+__all__ = ["check_dcp_load"]
+
+
+def check_dcp_load(
+    optimizer: MemOptimizer,
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    key: str = "optim",
+    storage_reader: Any = None,
+    process_group: Any = None,
+) -> None:
+    """Call before ``dcp.load`` (on every rank, as ``dcp.load``): raise when loading the
+    optimizer state saved under ``key`` into ``optimizer`` would go wrong.
+
+    ``ConfigError`` when a trainable parameter has no state yet (call
+    ``optimizer.init_state()`` first); :class:`~memopt_core.errors.StateDictError` when the
+    checkpoint holds no memopt state under ``key``, or state of another rule, number of param
+    groups, ``master`` / ``moments`` format, or ``compress_state_dict``. Reads only those few
+    values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in ``dcp.load``);
+    changes nothing.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(optimizer, MemOptimizer):
+        raise TypeError(f"expected a memopt optimizer, got {type(optimizer).__name__}")
+    stateless = [
+        p
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad and p not in optimizer.state
+    ]
+    if stateless:
+        raise ConfigError(
+            f"{optimizer._param_label(stateless[0])} has no optimizer state yet: call "
+            "optimizer.init_state() before building the state dict for dcp.load, which only "
+            "fills tensors that exist (without them training would go on from fresh moments)"
+        )
+    n = len(optimizer.param_groups)
+    # one group more than this optimizer has: a partial load leaves missing values None
+    probe = {
+        "memopt": {"rule": None, "compressed": None},
+        "param_groups": [{"master": None, "moments": None} for _ in range(n + 1)],
+    }
+    dcp.load(
+        {key: probe},
+        checkpoint_id=checkpoint_id,
+        storage_reader=storage_reader,
+        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        process_group=process_group,
+    )
+    rule = probe["memopt"]["rule"]
+    if rule is None:
+        raise StateDictError(f"the checkpoint holds no memopt optimizer state under {key!r}")
+    if rule != optimizer.rule:
+        raise StateDictError(
+            f"the checkpoint holds the state of a {rule!r} optimizer; this one runs "
+            f"{optimizer.rule!r}"
+        )
+    saved = probe["param_groups"]
+    count = sum(g["master"] is not None for g in saved)
+    if count != n:
+        found = f"more than {n}" if count > n else count
+        raise StateDictError(f"the checkpoint has {found} param group(s), this optimizer has {n}")
+    for gi, (group, g) in enumerate(zip(optimizer.param_groups, saved[:n], strict=True)):
+        for k in ("master", "moments"):
+            if g[k] != group[k]:
+                raise StateDictError(
+                    f"param group {gi} of the checkpoint holds {k}={g[k]!r} states; this "
+                    f"optimizer uses {k}={group[k]!r}: dcp.load would cast them into its live "
+                    "states before load_state_dict refuses them: build the optimizer with the "
+                    "format the checkpoint was saved with"
+                )
+    # core's state dicts are compressed; FlashOptimizer(compress_state_dict=False) decodes
+    compressed = probe["memopt"]["compressed"] is not False
+    if compressed != getattr(optimizer, "compress_state_dict", True):
+        raise StateDictError(
+            f"the checkpoint was saved with compress_state_dict={compressed}; set the "
+            f"optimizer's compress_state_dict = {compressed} before building the state dict "
+            "for dcp.load, so it has the saved layout"
+        )
