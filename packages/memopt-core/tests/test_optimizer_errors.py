@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+from fractions import Fraction
 
 import pytest
 import torch
@@ -86,6 +87,31 @@ def test_params_must_be_leaves():
         ConfigError, match=r"parameter #0 \(param group 0\) \(shape \(3,\).*is not a leaf"
     ):
         MemOptimizer([base * 2])
+
+
+def test_real_numbers_of_other_types_are_hyperparameters():
+    # numbers.Real as torch's optimizers take them: numpy scalars (a schedule may write one into
+    # a group), fractions; the same step as with the floats
+    values = [dict(lr=Fraction(1, 10), betas=(Fraction(9, 10), 0.99))]
+    try:
+        import numpy as np
+    except ImportError:  # not a dependency: the fractions alone
+        np = None
+    if np is not None:
+        values.append(dict(lr=np.float32(0.1), betas=(np.float64(0.9), np.float32(0.99))))
+    for kw in values:
+        a, b = P(5), P(5)
+        b.data.copy_(a.data)
+        opt_a = MemOptimizer([a], rule="adamw", **kw)
+        opt_b = MemOptimizer(
+            [b], rule="adamw", lr=float(kw["lr"]), betas=tuple(map(float, kw["betas"]))
+        )
+        for opt, p in ((opt_a, a), (opt_b, b)):
+            p.grad = torch.ones(5)
+            opt.step()
+            opt.param_groups[0]["lr"] = kw["lr"]
+            opt.step()
+        assert torch.equal(a, b)
 
 
 def test_generator_params_in_a_group():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 import sys
 import warnings
@@ -130,9 +131,11 @@ def _locals(entry: _Entry, tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _as_float(value: Any, what: str, where: str) -> float:
+    """``value`` as a finite float: a real number (numpy's included, as torch's optimizers take
+    them; not a bool) or a one-element real tensor; ConfigError otherwise."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{what} {where} must be a real number, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -1381,6 +1384,10 @@ class MemOptimizer(Optimizer):
         States keep their formats and dtypes (never cast to the parameter dtype); saved param
         groups' hyperparameters replace the current ones, but their formats (``master``,
         ``moments``) must match. Mismatches raise :class:`StateDictError` naming the parameter.
+        Blocked moments (q8, fp8) are flat and padded to whole blocks and an fp32 master keeps
+        no code, so such a state does not record its parameter's shape: the state of another
+        parameter with the same padded number of elements (a (60,) and a (64,), or (64,) and
+        (8, 8)) loads without an error. Load a state dict into the model it was saved from.
         """
         if not isinstance(state_dict, Mapping):
             raise StateDictError(
