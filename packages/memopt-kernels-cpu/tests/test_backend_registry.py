@@ -50,9 +50,10 @@ def test_registry_finds_the_backend():
 
 def test_automatic_choice_for_cpu_tensors():
     assert backends.select_backend("adam", SPEC, "cpu", torch.bfloat16) is BACKEND
-    # what the cpu backend cannot run goes to the torch backend
+    # what the cpu backend cannot run goes to the torch backend, what none runs is refused
     assert backends.select_backend("adam", SPEC, "meta", torch.bfloat16).name == "torch"
-    assert backends.select_backend("adam", SPEC, "cpu", torch.float64).name == "torch"
+    with pytest.raises(BackendUnavailableError, match="no memopt backend supports rule 'adam'"):
+        backends.select_backend("adam", SPEC, "cpu", torch.float64)
 
 
 def test_memopt_backend_env_selects_cpu(monkeypatch):
