@@ -48,3 +48,7 @@ def test_checkpoint_submodule():
     assert save is memopt_checkpoint.save
     assert load is memopt_checkpoint.load
     assert export_fp32 is memopt_checkpoint.export_fp32
+    # every public name of memopt_checkpoint, also as an attribute of the meta-package
+    assert set(memopt.checkpoint.__all__) == set(memopt_checkpoint.__all__) - {"__version__"}
+    assert memopt.checkpoint.check_dcp_load is memopt_checkpoint.check_dcp_load
+    assert memopt.CheckpointError is memopt_core.errors.CheckpointError

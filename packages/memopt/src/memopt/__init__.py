@@ -21,6 +21,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "NumericsError": ("memopt_core.errors", "memopt-core"),
     "StateDictError": ("memopt_core.errors", "memopt-core"),
     "BackendUnavailableError": ("memopt_core.errors", "memopt-core"),
+    "CheckpointError": ("memopt_core.errors", "memopt-core"),
     "FlashSGD": ("memopt_ecc", "memopt-ecc"),
     "FlashSGDW": ("memopt_ecc", "memopt-ecc"),
     "FlashAdam": ("memopt_ecc", "memopt-ecc"),
@@ -39,6 +40,13 @@ __all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
+        try:
+            return importlib.import_module("memopt.checkpoint")
+        except ImportError as exc:
+            raise ImportError(
+                "memopt.checkpoint needs the memopt-checkpoint package: pip install memopt-checkpoint"
+            ) from exc
     if name not in _EXPORTS:
         raise AttributeError(f"module 'memopt' has no attribute {name!r}")
     module, dist = _EXPORTS[name]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from memopt_checkpoint import (
+    check_dcp_load,
     export_fp32,
     fp32_model_state_dict,
     load,
@@ -13,6 +14,7 @@ from memopt_checkpoint import (
 )
 
 __all__ = [
+    "check_dcp_load",
     "export_fp32",
     "fp32_model_state_dict",
     "load",
