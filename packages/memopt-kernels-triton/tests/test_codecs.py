@@ -286,6 +286,34 @@ def test_bad_inputs(ops, device):
             rand=torch.zeros(32, dtype=torch.int64, device=device),
             rng=(0, 0, 0, 0),
         )
+    with pytest.raises(ConfigError, match=r"24 or 32 bits \(an int\), got 24.0"):
+        ops.ecc_encode(torch.ones(32, device=device), 24.0)
+    # as core's codec: a format without a code refuses one
+    with pytest.raises(FormatError, match="'fp32' has no code"):
+        ops.decode_master(
+            "fp32", torch.ones(32, device=device), torch.zeros(32, dtype=torch.uint8, device=device)
+        )
+
+
+def test_non_tensor_arguments(ops, device):
+    x = torch.ones(32, device=device)
+    p, c = ops.ecc_encode(x)
+    with pytest.raises(ConfigError, match=r"x must be a torch\.Tensor, got list"):
+        ops.encode_moment("bf16", [1.0])
+    with pytest.raises(ConfigError, match=r"param must be a torch\.Tensor, got list"):
+        ops.ecc_decode([1], c)
+    with pytest.raises(ConfigError, match=r"code must be a torch\.Tensor, got list"):
+        ops.ecc_decode(p, [1])
+    with pytest.raises(ConfigError, match=r"field 'scale' of 'q8_signed' must be a torch\.Tensor"):
+        ops.q8_dequantize(torch.zeros(32, dtype=torch.float8_e4m3fn, device=device), [0])
+    with pytest.raises(FormatError, match=r"rand must be an int64 tensor of 32 .* got list"):
+        ops.encode_moment("bf16", x, rand=[0] * 32)
+    with pytest.raises(ConfigError, match=r"index must be a torch\.Tensor"):
+        ops.stream_words(1, 2, [1, 2], 3)
+    with pytest.raises(ConfigError, match=r"rng's seed must be an int, got float 1\.5"):
+        ops.encode_master("fp32", x, torch.float32, rng=(1.5, 0, 1, 0))
+    with pytest.raises(ConfigError, match="rng is"):
+        ops.encode_master("fp32", x, torch.float32, rng=5)
 
 
 def pattern_soup(n_blocks: int, device, *, seed: int = 0) -> torch.Tensor:

@@ -205,15 +205,16 @@ class _EntryPoint:
         return BACKEND
 
 
-def test_registered_optimizer_matches_torch_backend(device, monkeypatch):
-    """Through MemOptimizer: backend='triton' and backend='torch' give the same bits."""
+@pytest.fixture
+def registered(monkeypatch):
+    """The triton backend in core's registry (also from a source tree: nox -s gpu_tests uses
+    PYTHONPATH), dropped again afterwards."""
     import importlib.metadata
 
-    from memopt_core import MemOptimizer, backends
+    from memopt_core import backends
 
     real = importlib.metadata.entry_points
-    registered = any(ep.name == "triton" for ep in real(group="memopt.kernels"))
-    if not registered:  # running from a source tree (nox -s gpu_tests uses PYTHONPATH)
+    if not any(ep.name == "triton" for ep in real(group="memopt.kernels")):
 
         def entry_points(**kw):
             return [_EntryPoint()] if kw == {"group": "memopt.kernels"} else real(**kw)
@@ -223,6 +224,15 @@ def test_registered_optimizer_matches_torch_backend(device, monkeypatch):
     status = backends.available_backends().get("triton")
     assert status is not None
     assert status.usable, status.reason
+    yield
+    monkeypatch.undo()
+    backends.refresh_backends()
+
+
+def test_registered_optimizer_matches_torch_backend(device, registered):
+    """Through MemOptimizer: backend='triton' and backend='torch' give the same bits."""
+    from memopt_core import MemOptimizer, backends
+
     torch.manual_seed(0)
     shapes = [(33,), (7, 5), (1,), (64, 3)]
     p0 = [torch.randn(s).to(torch.bfloat16).to(device) for s in shapes]
@@ -253,8 +263,29 @@ def test_registered_optimizer_matches_torch_backend(device, monkeypatch):
             )
             is BACKEND
         )
-    monkeypatch.undo()
-    backends.refresh_backends()
+
+
+def test_strided_gradient_at_one_address(device, registered):
+    """``p.grad = buf.t()`` re-using one buffer: the optimizer's cached step sees the same
+    addresses every step, yet each step reads the gradient's current values (the prepared step
+    ran through a contiguous copy, so it is not reused)."""
+    from memopt_core import MemOptimizer
+
+    torch.manual_seed(0)
+    p0 = torch.randn(8, 8, device=device)
+    grads = [torch.randn(8, 8, device=device) for _ in range(5)]
+    runs = {}
+    for name in ("torch", "triton"):
+        p = p0.clone().requires_grad_()
+        opt = MemOptimizer([p], rule="adamw", lr=1e-2, master="fp32", moments="fp32", backend=name)
+        buf = torch.zeros(8, 8, device=device)
+        for g in grads:
+            buf.copy_(g)
+            p.grad = buf.t()
+            opt.step()
+            torch.full((64,), 1e3, device=device)  # may take a freed copy's memory
+        runs[name] = p.detach()
+    assert torch.equal(runs["torch"], runs["triton"])
 
 
 def test_matrix_is_complete():

@@ -210,6 +210,19 @@ def test_rule_hyper_words_layout(ops):
         ops.hyper_words("adamw", sgd, 0, 1)
 
 
+def test_hyper_words_refuse_bad_arguments(ops):
+    from memopt_core.reference import adam_scalars, lion_scalars
+
+    adam = adam_scalars(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, step=1, decoupled=True
+    )
+    with pytest.raises(ConfigError, match=r"\(AdamScalars\) have no 'lr'"):
+        ops.hyper_words("lion", adam, 0, 1)
+    lion = lion_scalars(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    with pytest.raises(ConfigError, match=r"seed must be an int, got float 1\.5"):
+        ops.hyper_words("lion", lion, 1.5, 1)
+
+
 def _prepared(ops, device, variant, sizes=(33,)):
     rule, hyper = VARIANTS[variant]
     spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
@@ -237,6 +250,22 @@ def test_launch_hyper_refuses_bad_input(ops, device):
         )
     with pytest.raises(ConfigError, match="nesterov=True does not apply to the adam rule"):
         adam.launch_hyper(torch.zeros(12, dtype=torch.int32, device=device), nesterov=True, **ok)
+    with pytest.raises(ConfigError, match="needs has_decay=True/False"):
+        adam.launch_hyper(
+            torch.zeros(12, dtype=torch.int32, device=device),
+            maximize=False,
+            has_l2=False,
+            has_decay=None,
+        )
+    with pytest.raises(ConfigError, match="hyper must be an int32 tensor of 12 words, got list"):
+        adam.launch_hyper([0] * 12, **ok)
+    from memopt_core.reference import adam_scalars
+
+    scalars = adam_scalars(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=1, decoupled=True
+    )
+    with pytest.raises(ConfigError, match=r"seed must be an int, got float 0\.5"):
+        adam.launch(scalars, 1, 0.5, True)
 
     lion = _prepared(ops, device, "lion")
     words10 = torch.zeros(10, dtype=torch.int32, device=device)
@@ -340,8 +369,38 @@ def test_default_geometry(monkeypatch):
         assert triton_ops.kernel_config(blocked=True) is mine
         triton_ops.reset_kernel_config()
         assert triton_ops.kernel_config(blocked=True) is blocked
+        assert "reset_kernel_config" in triton_ops.__all__
     finally:
         triton_ops.reset_kernel_config()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("programs", -1),
+        ("programs", 0),
+        ("programs", 2.5),
+        ("waves", 0),
+        ("waves", -1),
+        ("rows", 2.0),
+        ("rows", True),
+        ("rows", "4"),
+        ("rows", 3),
+        ("num_warps", 3),
+        ("num_warps", 0),
+        ("num_stages", 0),
+        ("maxnreg", 64.5),
+        ("chunk_size", 48),
+        ("chunk_size", 32.0),
+        ("max_chunk", 100),
+    ],
+)
+def test_kernel_config_refuses_bad_fields(field, value):
+    """Checked at construction: a negative grid would launch nothing, silently."""
+    from memopt_kernels_triton import ops as triton_ops
+
+    with pytest.raises(ConfigError, match=f"KernelConfig's {field} must be"):
+        triton_ops.KernelConfig(**{field: value})
 
 
 def test_kernel_config_refuses_bad_register_caps():
@@ -416,6 +475,10 @@ def test_with_grads_refuses_other_gradients(ops, device):
         prepared.with_grads(grads[:1])
     with pytest.raises(ConfigError, match="prepared dtypes"):
         prepared.with_grads([g.float() for g in grads])  # float32 where bf16 was prepared
+    with pytest.raises(ConfigError, match="prepared dtypes and sizes"):
+        prepared.with_grads([g.reshape(-1)[:3].clone() for g in grads])
+    with pytest.raises(ConfigError, match=r"sizes \(tensors\)"):
+        prepared.with_grads([g.tolist() for g in grads])
     strided = [torch.stack([g, g], dim=-1)[..., 0] for g in grads]
     assert not strided[0].is_contiguous()
     assert prepared.with_grads(strided) is None  # prepare again: contiguous copies
@@ -477,5 +540,28 @@ def test_arena_alignment_is_checked(ops, device, preset, sizes, want):
         prepared = ops.prepare_step(work)
         assert prepared._kw["ARENA_ALIGNED"] is want
         prepared.launch(work.scalars, step, work.seed, step == 1)
+        bad = diff_report(ref, mine)
+        assert not bad, f"step {step}: " + "; ".join(bad)
+
+
+def test_strided_gradient_step_is_not_reusable(ops, device):
+    """A strided gradient runs through a contiguous copy that lives only as long as the prepared
+    step: the step is not reusable, gives no ``with_grads`` shortcut and caches no table (which
+    would hold the copy's address), and each fresh step reads the gradient's current values."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    ref = make_group(rule, spec, torch.bfloat16, [64], device, seed=3, **hyper)
+    mine = ref.clone()
+    gbuf = torch.zeros(128, dtype=torch.bfloat16, device=device)
+    strided = gbuf[::2]  # the same storage every step
+    for step in (1, 2, 3):
+        strided.copy_(make_grads(ref, step)[0])
+        work = group_step(mine, [strided], step)
+        prepared = ops.prepare_step(work)
+        assert not prepared.reusable
+        assert prepared.with_grads([strided.clone()]) is None
+        assert not mine.plan.cache("triton_tables", dict)
+        prepared.launch(work.scalars, step, work.seed, step == 1)
+        TORCH.step(group_step(ref, [strided.clone()], step))
         bad = diff_report(ref, mine)
         assert not bad, f"step {step}: " + "; ".join(bad)

@@ -73,6 +73,7 @@ __all__ = [
     "prepare_step",
     "q8_dequantize",
     "q8_quantize",
+    "reset_kernel_config",
     "sgd_hyper_words",
     "stream_words",
 ]
@@ -113,6 +114,8 @@ _interpreter_compat()
 
 
 def _check_device(t: Tensor, what: str) -> None:
+    if not isinstance(t, Tensor):
+        raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type == "cuda":
         return
     if t.device.type == "cpu" and interpreting():
@@ -143,9 +146,13 @@ def _launch(
     kernel[grid](*args, **constexprs, **opts)
 
 
-def _i32(v: int) -> int:
-    """A 32-bit value as a signed int32 Python int (kernels bit-cast it back to uint32)."""
-    v &= 0xFFFFFFFF
+def _i32(v: int, what: str = "a 32-bit word") -> int:
+    """A 32-bit value as a signed int32 Python int (kernels bit-cast it back to uint32);
+    ConfigError naming ``what`` for a non-int."""
+    try:
+        v &= 0xFFFFFFFF
+    except TypeError:
+        raise ConfigError(f"{what} must be an int, got {type(v).__name__} {v!r}") from None
     return v - (1 << 32) if v >= (1 << 31) else v
 
 
@@ -181,10 +188,13 @@ def _kernel_view(t: Tensor) -> Tensor:
 def _rand_arg(rand: Tensor | None, n: int, device: torch.device) -> Tensor:
     if rand is None:
         return torch.zeros(1, dtype=torch.int32, device=device)
-    if rand.dtype != torch.int64 or rand.numel() != n:
+    if not isinstance(rand, Tensor) or rand.dtype != torch.int64 or rand.numel() != n:
+        got = (
+            f"{rand.dtype}{tuple(rand.shape)}" if isinstance(rand, Tensor) else type(rand).__name__
+        )
         raise FormatError(
-            f"rand must be an int64 tensor of {n} uniform 32-bit words, got "
-            f"{rand.dtype}{tuple(rand.shape)}: use memopt_core.rng.uniform_bits"
+            f"rand must be an int64 tensor of {n} uniform 32-bit words, got {got}: use "
+            "memopt_core.rng.uniform_bits"
         )
     r = rand.reshape(-1).to(device) & 0xFFFFFFFF
     return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32)
@@ -193,23 +203,32 @@ def _rand_arg(rand: Tensor | None, n: int, device: torch.device) -> Tensor:
 _STREAMS = (STREAM_MASTER, STREAM_FIRST, STREAM_SECOND)
 
 
-def _sr_mode(rand: Tensor | None, rng: tuple[int, int, int, int] | None) -> int:
-    """0: round to nearest even, 1: explicit words ``rand``, 2: words drawn in the kernel."""
+def _sr_mode(
+    rand: Tensor | None, rng: tuple[int, int, int, int] | None
+) -> tuple[int, int, int, int, int]:
+    """``(mode, seed, tensor_id, step, stream)``, the ids as int32 words; mode 0: round to
+    nearest even, 1: explicit words ``rand``, 2: words drawn in the kernel."""
     if rand is not None and rng is not None:
         raise ConfigError(
             "pass either rand (explicit words) or rng=(seed, tensor_id, step, stream)"
         )
     if rng is None:
-        return 1 if rand is not None else 0
-    if len(rng) != 4:
+        return (1 if rand is not None else 0), 0, 0, 0, 0
+    if not isinstance(rng, Sequence) or len(rng) != 4:
         raise ConfigError(f"rng is (seed, tensor_id, step, stream), got {rng!r}")
-    stream = rng[3]
+    seed, tid, step, stream = rng
     if type(stream) is not int or stream not in _STREAMS:  # ConfigError is a ValueError
         raise ConfigError(
             f"rng's stream is {STREAM_MASTER} (master), {STREAM_FIRST} (first moment) or "
             f"{STREAM_SECOND} (second moment); got {stream!r}"
         )
-    return 2
+    return (
+        2,
+        _i32(seed, "rng's seed"),
+        _i32(tid, "rng's tensor_id"),
+        _i32(step, "rng's step"),
+        stream,
+    )
 
 
 # ----------------------------------------------------------------------------------- standalone
@@ -236,8 +255,7 @@ def encode_moment(
     codec.check_length(n)
     flat = x.reshape(-1).contiguous()
     fields = codec.allocate(n, x.device)
-    mode = _sr_mode(rand, rng)
-    seed, tid, step, stream = rng if rng is not None else (0, 0, 0, 0)
+    mode, seed, tid, step, stream = _sr_mode(rand, rng)
     code = _kernel_view(fields[""])
     scale = fields.get("scale", torch.zeros(1, dtype=torch.uint8, device=x.device))
     if n:
@@ -251,9 +269,9 @@ def encode_moment(
             scale,
             _rand_arg(rand, n, x.device),
             n,
-            _i32(seed),
-            _i32(tid),
-            _i32(step),
+            seed,
+            tid,
+            step,
             FMT=moment_id(fmt),
             RAND=mode,
             STREAM=stream,
@@ -272,6 +290,7 @@ def decode_moment(fmt: str, fields: dict[str, Tensor]) -> Tensor:
     main = fields[""]
     _check_device(main, "the codes")
     for k, f in codec.fields.items():
+        _check_device(fields[k], f"field {k!r} of {fmt!r}")
         if fields[k].dtype != f.dtype:
             raise FormatError(f"field {k!r} of {fmt!r} is {f.dtype}, got {fields[k].dtype}")
     n = main.numel()
@@ -336,8 +355,7 @@ def encode_master(
         if codec.code_dtype is not None
         else None
     )
-    mode = _sr_mode(rand, rng)
-    seed, tid, step, stream = rng if rng is not None else (0, 0, 0, 0)
+    mode, seed, tid, step, stream = _sr_mode(rand, rng)
     if n:
         rows = _rows()
         _launch(
@@ -348,9 +366,9 @@ def encode_master(
             code if code is not None else torch.zeros(1, dtype=torch.uint8, device=x.device),
             _rand_arg(rand, n, x.device),
             n,
-            _i32(seed),
-            _i32(tid),
-            _i32(step),
+            seed,
+            tid,
+            step,
             MASTER=mid,
             RAND=mode,
             STREAM=stream,
@@ -361,18 +379,9 @@ def encode_master(
 
 def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor:
     """fp32 master held by ``param`` (and ``code``): ``master_codec(fmt, param.dtype).decode``."""
-    codec = master_codec(fmt, param.dtype)
     _check_device(param, "param")
-    if codec.code_dtype is not None:
-        if code is None:
-            raise FormatError(
-                f"master format {fmt!r} decodes a parameter together with its code; got None"
-            )
-        if code.dtype != codec.code_dtype or code.numel() != param.numel():
-            raise FormatError(
-                f"master format {fmt!r} needs a {codec.code_dtype} code of {param.numel()} "
-                f"entries, got {code.dtype}{tuple(code.shape)}"
-            )
+    codec = master_codec(fmt, param.dtype)
+    codec.check_decode(param, code)
     n = param.numel()
     out = torch.empty(n, dtype=torch.float32, device=param.device)
     if n:
@@ -383,7 +392,7 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
             _kernel_view(param.reshape(-1).contiguous()),
             (
                 code.reshape(-1).contiguous()
-                if code is not None and codec.code_dtype is not None
+                if code is not None
                 else torch.zeros(1, dtype=torch.uint8, device=param.device)
             ),
             out,
@@ -396,8 +405,8 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
 
 def ecc_encode(x: Tensor, bits: int = 24, *, rand: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Split fp32 ``x`` into a bf16 parameter and an ECC code (``bits`` 24: uint8, 32: int16)."""
-    if bits not in (24, 32):
-        raise ConfigError(f"ECC masters have 24 or 32 bits, got {bits}")
+    if type(bits) is not int or bits not in (24, 32):  # 24.0 would name format "ecc24.0"
+        raise ConfigError(f"ECC masters have 24 or 32 bits (an int), got {bits!r}")
     p, c = encode_master(f"ecc{bits}", x, torch.bfloat16, rand=rand)
     assert c is not None
     return p, c
@@ -405,6 +414,7 @@ def ecc_encode(x: Tensor, bits: int = 24, *, rand: Tensor | None = None) -> tupl
 
 def ecc_decode(param: Tensor, code: Tensor) -> Tensor:
     """fp32 master of a bf16 ``param`` and its ECC ``code`` (uint8: ECC-24, int16: ECC-32)."""
+    _check_device(code, "code")
     if code.dtype == torch.uint8:
         return decode_master("ecc24", param, code)
     if code.dtype == torch.int16:
@@ -430,9 +440,9 @@ def stream_words(
             idx,
             out,
             n,
-            _i32(seed),
-            _i32(tensor_id),
-            _i32(step),
+            _i32(seed, "seed"),
+            _i32(tensor_id, "tensor_id"),
+            _i32(step, "step"),
             BLOCK=block,
         )
     words = out.to(torch.int64) & 0xFFFFFFFF
@@ -462,8 +472,16 @@ class KernelConfig:
         num_stages: int | None = None,
         maxnreg: int | None = None,
     ) -> None:
-        if rows <= 0 or rows & (rows - 1):
-            raise ConfigError(f"rows must be a power of two, got {rows}")
+        # checked here: a negative grid launches nothing, and the compiler's own errors come
+        # from deep in Triton (or not at all under the interpreter)
+        _check_field("rows", rows, power_of_two=True)  # tl.arange spans of 32 x rows
+        _check_field("chunk_size", chunk_size, none_ok=True, multiple=32)
+        _check_field("num_warps", num_warps, power_of_two=True)
+        _check_field("programs", programs, none_ok=True)
+        _check_field("max_chunk", max_chunk, multiple=32)
+        _check_field("waves", waves)
+        _check_field("num_stages", num_stages, none_ok=True)
+        _check_field("maxnreg", maxnreg, none_ok=True)
         if maxnreg is not None and not 24 <= maxnreg <= 255:
             raise ConfigError(f"maxnreg must be None or in [24, 255], got {maxnreg}")
         self.rows, self.chunk_size, self.num_warps = rows, chunk_size, num_warps
@@ -475,6 +493,24 @@ class KernelConfig:
             f"KernelConfig(rows={self.rows}, chunk_size={self.chunk_size}, num_warps="
             f"{self.num_warps}, programs={self.programs}, max_chunk={self.max_chunk}, "
             f"waves={self.waves}, num_stages={self.num_stages}, maxnreg={self.maxnreg})"
+        )
+
+
+def _check_field(
+    name: str, v, *, none_ok: bool = False, power_of_two: bool = False, multiple: int = 1
+) -> None:
+    """ConfigError naming ``KernelConfig``'s field ``name`` unless ``v`` is a positive int (not a
+    bool; None where ``none_ok``), a power of two or a multiple of ``multiple`` where asked."""
+    if v is None and none_ok:
+        return
+    if type(v) is not int or v <= 0 or (power_of_two and v & (v - 1)) or v % multiple:
+        want = "a power of two" if power_of_two else "a positive int"
+        if multiple > 1:
+            want += f" multiple of {multiple}"
+        raise ConfigError(
+            f"KernelConfig's {name} must be {want}"
+            + (" or None" if none_ok else "")
+            + f", got {v!r}"
         )
 
 
@@ -562,15 +598,12 @@ def _arena_aligned(plan) -> bool:
 
 
 def _chunk_size(cfg: KernelConfig, plan, total: int) -> int:
-    unit = 32 * cfg.rows
+    """Elements per chunk-table row: a multiple of 32 (KernelConfig checks its fields)."""
     if cfg.chunk_size is not None:
-        cs = cfg.chunk_size
-    else:
-        target = -(-total // (_sm_count(plan.device) * cfg.waves))
-        cs = min(max(-(-target // unit) * unit, unit), cfg.max_chunk)
-    if cs % 32:
-        raise ConfigError(f"chunk_size must be a multiple of 32, got {cs}")
-    return cs
+        return cfg.chunk_size
+    unit = 32 * cfg.rows
+    target = -(-total // (_sm_count(plan.device) * cfg.waves))
+    return min(max(-(-target // unit) * unit, unit), cfg.max_chunk)
 
 
 _DUMMY: dict[tuple, Tensor] = {}
@@ -666,8 +699,8 @@ def _slot_rows(pp, gp, gd, tids, bases) -> Tensor:
     """The slot table: one row of :data:`_SLOT_COLUMNS` per tensor of the step, in the step's
     order (:func:`_chunk_table`'s slot column). ``bases`` are the tensors' index bases
     (validated by :func:`_check_bases`)."""
-    rows = [
-        [pa, ga, int(dt == torch.float32), int(tid), base]
+    rows = [  # the kernels take a tensor id's low 32 bits, as core's words do
+        [pa, ga, int(dt == torch.float32), int(tid) & 0xFFFFFFFF, base]
         for pa, ga, dt, tid, base in zip(pp, gp, gd, tids, bases, strict=True)
     ]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, len(_SLOT_COLUMNS))
@@ -679,12 +712,17 @@ def _check_bases(work: GroupStep, plan) -> list[int]:
     n = len(work.slots)
     if work.index_bases is None:
         return [0] * n
-    bases = list(work.index_bases)
-    if len(bases) != n:
-        raise ConfigError(
-            f"index_bases holds {len(bases)} entries for a step over {n} tensors; give one per "
-            "tensor of the step (or None)"
+    if not isinstance(work.index_bases, Sequence) or len(work.index_bases) != n:
+        got = (
+            f"{len(work.index_bases)} entries"
+            if isinstance(work.index_bases, Sequence)
+            else type(work.index_bases).__name__
         )
+        raise ConfigError(
+            f"index_bases holds {got} for a step over {n} tensors; give one per tensor of the "
+            "step (or None)"
+        )
+    bases = list(work.index_bases)
     for k, (si, base) in enumerate(zip(work.slots, bases, strict=True)):
         shape = tuple(plan.slots[si].shape)
         what = f"index_bases[{k}] (for the parameter of shape {shape} in plan slot {si})"
@@ -705,11 +743,36 @@ def _check_bases(work: GroupStep, plan) -> list[int]:
     return [int(b) for b in bases]
 
 
+def _partial_total(plan, slots: tuple) -> int:
+    """The padded length of a step over plan ``slots`` (not the whole plan); ConfigError unless
+    they are distinct int indices into the plan (in any order)."""
+    total, n = 0, len(plan.slots)
+    for k, si in enumerate(slots):
+        if not isinstance(si, int) or isinstance(si, bool) or not 0 <= si < n:
+            raise ConfigError(
+                f"slots[{k}] is {si!r}: slots are distinct int indices into the plan's {n} tensors"
+            )
+        total += plan.slots[si].padded
+    if len(set(slots)) != len(slots):
+        k = next(k for k, si in enumerate(slots) if si in slots[:k])
+        raise ConfigError(f"slots[{k}] repeats slot {slots[k]}: slots are distinct indices")
+    return total
+
+
 def _validate(work: GroupStep, plan) -> None:
-    for p, g in zip(work.params, work.grads, strict=True):
-        _check_device(p, "a parameter")
+    """ConfigError naming the first parameter or gradient that does not fit its plan slot."""
+    for k, (si, p, g) in enumerate(zip(work.slots, work.params, work.grads, strict=True)):
+        what = f"parameter {k} (plan slot {si})"
+        _check_device(p, what)
         if p.dtype != plan.param_dtype:
             raise ConfigError(f"the group holds {plan.param_dtype} parameters, got {p.dtype}")
+        slot = plan.slots[si]
+        if p.numel() != slot.numel:
+            raise ConfigError(
+                f"{what} has {p.numel()} elements but the plan slot has {slot.numel} (shape "
+                f"{tuple(slot.shape)}); rebuild the plan after resizing a parameter"
+            )
+        _check_device(g, f"the gradient of {what}")
         if g.dtype not in (p.dtype, torch.float32):
             raise ConfigError(
                 f"gradients must have the parameter's dtype or float32, got {g.dtype} for {p.dtype}"
@@ -783,7 +846,14 @@ _ONE_BITS = 0x3F800000  # fp32 1.0: the inv_scale word of a launch without AMP
 
 def _scalar_words(fields: tuple[str, ...], scalars, seed: int, step: int) -> list[int]:
     n = fields.index("seed")
-    return [_f32_bits(getattr(scalars, name)) for name in fields[:n]] + [_i32(seed), _i32(step)]
+    try:
+        words = [_f32_bits(getattr(scalars, name)) for name in fields[:n]]
+    except AttributeError as e:
+        raise ConfigError(
+            f"the scalars ({type(scalars).__name__}) have no {e.name!r}: pass core's scalars of "
+            "the step's rule (adam_scalars, lion_scalars or sgd_scalars)"
+        ) from None
+    return [*words, _i32(seed, "seed"), _i32(step, "step")]
 
 
 def adam_hyper_words(scalars, seed: int, step: int) -> list[int]:
@@ -864,16 +934,17 @@ class PreparedStep:
     while every parameter and gradient keeps its storage (the caller checks: memopt_core's
     cached step compares addresses); gradients that moved are followed with
     :meth:`with_grads`. The tensor ids and index bases are those of the prepared
-    ``GroupStep``. ``reusable`` is False when strided tensors ran through contiguous
-    copies: such a step must be prepared again each time.
+    ``GroupStep``. ``reusable`` is False when strided parameters or gradients ran through
+    contiguous copies: such a step must be prepared again each time.
     """
 
     __slots__ = (
-        "_args",
         "_copies",
         "_gdtypes",
+        "_gnumels",
         "_grid",
         "_head",
+        "_held",
         "_kw",
         "_rows",
         "device",
@@ -883,15 +954,28 @@ class PreparedStep:
     )
 
     def __init__(
-        self, rule, grid, head, kw, copies, device, n_slots, rows=None, gdtypes=()
+        self,
+        rule,
+        grid,
+        head,
+        kw,
+        copies,
+        device,
+        n_slots,
+        rows=None,
+        gdtypes=(),
+        gnumels=(),
+        held=(),
     ) -> None:
         self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
         self._copies = copies
-        self.reusable = not copies
+        self._held = held  # the gradients a step through copies reads: they live as long as it
+        self.reusable = not (copies or held)
         self.device = device
         self.n_slots = n_slots  # rows of a per-tensor word table: the step's tensors
         self._rows = rows  # the slot table on the host (the device copy is head[2])
-        self._gdtypes = gdtypes  # the gradients' dtypes, in the step's order
+        self._gdtypes = gdtypes  # the gradients' dtypes and sizes, in the step's order
+        self._gnumels = gnumels
 
     def with_grads(self, grads: Sequence[Tensor]) -> PreparedStep | None:
         """This step reading ``grads``: the same tensors' gradients at new addresses (what
@@ -900,16 +984,25 @@ class PreparedStep:
         table (one host-to-device copy: O(1) launches, a C-level pass over the gradients).
 
         ``grads`` are in the step's order; each is its parameter's ``.grad`` (torch gives it
-        the parameter's shape and device). ConfigError for another count or another dtype than
-        the prepared gradients'; None for a strided gradient (prepare the step again: it runs
-        through contiguous copies) and for a gradient off the 16-byte alignment the prepared
-        kernel was compiled for (prepare again: the unaligned variant)."""
+        the parameter's shape and device). ConfigError for another count, or another dtype or
+        size than the prepared gradients'; None for a strided gradient (prepare the step again:
+        it runs through contiguous copies), for a step that ran through copies, and for a gradient
+        off the 16-byte alignment the prepared kernel was compiled for (prepare again: the
+        unaligned variant)."""
         if self._grid is None or self._rows is None:
             return self if self._grid is None else None
-        if len(grads) != self.n_slots or tuple(map(_DTYPE, grads)) != self._gdtypes:
+        try:
+            same = (
+                len(grads) == self.n_slots
+                and tuple(map(Tensor.numel, grads)) == self._gnumels
+                and tuple(map(_DTYPE, grads)) == self._gdtypes
+            )
+        except TypeError:  # not tensors
+            same = False
+        if not same:
             raise ConfigError(
-                f"with_grads needs {self.n_slots} gradients of the prepared dtypes, in the step's "
-                "order; prepare the step again for other gradients"
+                f"with_grads needs {self.n_slots} gradients of the prepared dtypes and sizes "
+                "(tensors), in the step's order; prepare the step again for other gradients"
             )
         if not all(map(Tensor.is_contiguous, grads)):
             return None
@@ -921,7 +1014,7 @@ class PreparedStep:
         head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
         return PreparedStep(
             self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
-            self._gdtypes,
+            self._gdtypes, self._gnumels,
         )  # fmt: skip
 
     @property
@@ -939,7 +1032,7 @@ class PreparedStep:
         if self._grid is None:
             return
         s, kw = scalars, dict(self._kw)
-        seed_, step_ = _i32(seed), _i32(step)
+        seed_, step_ = _i32(seed, "seed"), _i32(step, "step")
         no_hyper = _dummy(self.device, torch.int32)
         if self.rule == "adam":
             args = (
@@ -1012,10 +1105,16 @@ class PreparedStep:
         """
         rule = self.rule
         needs = _HYPER_FLAGS[rule]
+        maximize = _flag(maximize, rule, "maximize", needed=True)
+        has_decay = _flag(has_decay, rule, "has_decay", needed=True)
         l2 = _flag(has_l2, rule, "has_l2", needed="has_l2" in needs)
         nest = _flag(nesterov, rule, "nesterov", needed="nesterov" in needs)
         fields = HYPER_FIELDS[rule]
         w = len(fields)
+        if not isinstance(hyper, Tensor):
+            raise ConfigError(
+                f"hyper must be an int32 tensor of {w} words, got {type(hyper).__name__}"
+            )
         shape_ok = hyper.dim() <= 1 and hyper.numel() == w
         per_slot = hyper.dim() == 2 and tuple(hyper.shape) == (self.n_slots, w)
         if hyper.dtype != torch.int32 or not (shape_ok or per_slot) or not hyper.is_contiguous():
@@ -1030,9 +1129,7 @@ class PreparedStep:
         if self._grid is None:
             return
         kw = dict(self._kw)
-        kw.update(
-            MAXIMIZE=bool(maximize), HAS_DECAY=bool(has_decay), HYPER=True, UNSCALE=bool(unscale)
-        )
+        kw.update(MAXIMIZE=maximize, HAS_DECAY=has_decay, HYPER=True, UNSCALE=bool(unscale))
         if rule == "adam":
             kw["HAS_L2"] = l2
         elif rule == "sgd":
@@ -1055,12 +1152,13 @@ class PreparedStep:
 
 def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> PreparedStep:
     """Resolve ``work`` (every tensor of its group) into a :class:`PreparedStep`: validation,
-    the chunk and slot tables (cached on the tensors' addresses, tensor ids and index bases),
-    state pointers, geometry. The index bases (``work.index_bases``) are part of the slot table,
+    the chunk and slot tables (cached on the tensors' addresses, dtypes and sizes, tensor ids
+    and index bases; not for strided tensors, which run through copies), state pointers,
+    geometry. The index bases (``work.index_bases``) are part of the slot table,
     so :meth:`PreparedStep.launch` and :meth:`PreparedStep.launch_hyper` honour them.
 
-    Host work is a few passes over the tensors (addresses, dtypes, contiguity: about 0.4 ms per
-    1000 tensors); launching a prepared step is O(1)."""
+    Host work is a few C-level passes over the tensors (addresses, dtypes, sizes, contiguity);
+    launching a prepared step is O(1)."""
     plan, arena, spec = work.plan, work.arena, work.spec
     if work.rule not in RULES:
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
@@ -1068,36 +1166,64 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
     mcodec = spec.master_for(plan.param_dtype)
     mid = master_id(mcodec.name, plan.param_dtype)
     cfg = config or kernel_config(blocked=plan.block_size == 32, rule=work.rule, master=mid)
-    empty = PreparedStep(work.rule, None, (), {}, [], dev, len(work.slots))
-    if not work.slots:
+    n = len(work.slots)
+    empty = PreparedStep(work.rule, None, (), {}, [], dev, n)
+    if not n:
         return empty
-    full = len(work.slots) == len(plan.slots)
+    if not len(work.params) == len(work.grads) == len(work.tensor_ids) == n:
+        raise ConfigError(
+            f"a step over {n} slots got {len(work.params)} parameters, {len(work.grads)} "
+            f"gradients and {len(work.tensor_ids)} tensor ids"
+        )
+    if arena.plan is not plan:  # its fields would be read and written at this plan's offsets
+        other = arena.plan
+        raise ConfigError(
+            f"the step's state arena was allocated for another plan ({len(other.slots)} tensors, "
+            f"{other.total} elements) than the step's ({len(plan.slots)}, {plan.total})"
+        )
+    slots = tuple(work.slots)
+    # the plan-wide tables serve exactly the slots 0..n-1 in order; anything else is partial
+    full = slots == plan.cache("triton_all_slots", lambda: tuple(range(len(plan.slots))))
+    total = plan.total if full else _partial_total(plan, slots)
 
     params, grads = work.params, work.grads
     copies: list[tuple[Tensor, Tensor]] = []
-    if not (all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))):
-        # strided tensors: run on contiguous copies, write the parameters back afterwards
-        params, grads = list(params), [g.contiguous() for g in grads]
-        for i, p in enumerate(params):
-            if not p.is_contiguous():
-                tmp = p.detach().contiguous()
-                copies.append((p, tmp))
-                params[i] = tmp
-    pp = tuple(map(Tensor.data_ptr, params))
-    gp = tuple(map(Tensor.data_ptr, grads))
-    gd = tuple(map(_DTYPE, grads))
-    total = plan.total if full else sum(plan.slots[i].padded for i in work.slots)
+    try:
+        strided = not (
+            all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))
+        )
+        if strided:
+            # run on contiguous copies, write the parameters back afterwards; the copies live
+            # only as long as the prepared step, so its tables are neither cached nor reusable
+            params, grads = list(params), [g.contiguous() for g in grads]
+            for i, p in enumerate(params):
+                if not p.is_contiguous():
+                    tmp = p.detach().contiguous()
+                    copies.append((p, tmp))
+                    params[i] = tmp
+        pp = tuple(map(Tensor.data_ptr, params))
+        pd = tuple(map(_DTYPE, params))
+        pn = tuple(map(Tensor.numel, params))
+        gp = tuple(map(Tensor.data_ptr, grads))
+        gd = tuple(map(_DTYPE, grads))
+        gn = tuple(map(Tensor.numel, grads))
+    except (TypeError, AttributeError, RuntimeError):  # not tensors: validation says why
+        _validate(work, plan)
+        raise
     if total == 0:
         return empty
     cs = _chunk_size(cfg, plan, total)
     bases = work.index_bases
     if bases is not None:
-        if not all(type(b) is int for b in bases):  # 5.0 or True would equal a cached key's 5, 1
+        # 5.0 or True would equal a cached key's 5, 1
+        if not isinstance(bases, Sequence) or not all(type(b) is int for b in bases):
             _check_bases(work, plan)  # raises, or accepts int subclasses
         bases = tuple(bases)
-    key = (None if full else tuple(work.slots), cs, pp, gp, gd, tuple(work.tensor_ids), bases)
     lru: OrderedDict = plan.cache("triton_tables", OrderedDict)
-    tables = lru.get(key) if not copies else None
+    # what validation checks, so that a hit stands in for it: addresses (they imply devices),
+    # dtypes and sizes (not the gradients' shapes: a hit still stays within every tensor)
+    key = (None if full else slots, cs, pp, pd, pn, gp, gd, gn, tuple(work.tensor_ids), bases)
+    tables = None if strided else lru.get(key)
     if tables is None:
         _validate(work, plan)
         checked = _check_bases(work, plan)
@@ -1105,7 +1231,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         rows = _slot_rows(pp, gp, gd, work.tensor_ids, checked)
         slot_tab = _to_device(rows, dev)
         tables = _Tables(chunks, slot_tab, rows)
-        if not copies:
+        if not strided:
             lru[key] = tables
             entries, rows = _table_cache_limits(len(plan.slots))
             kept = plan.cache("triton_table_rows", lambda: [0])  # rows held by ``lru``
@@ -1162,9 +1288,9 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             NEED_RAND=sr and (rand_master or (has_momentum and f1 != 0)),
             _HAS_MOMENTUM=has_momentum,
         )
-    return PreparedStep(
-        work.rule, grid, head, kw, copies, dev, len(work.slots), tables.host_slots, gd
-    )
+    if strided:  # the slot table holds the copies' addresses: no with_grads either
+        return PreparedStep(work.rule, grid, head, kw, copies, dev, n, held=grads)
+    return PreparedStep(work.rule, grid, head, kw, copies, dev, n, tables.host_slots, gd, gn)
 
 
 def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
@@ -1183,6 +1309,8 @@ _BIAS_TABLES: dict = {}
 
 
 def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tensor, Tensor, int]:
+    if not isinstance(betas, Sequence) or len(betas) != 2:  # a third value would be ignored
+        raise ConfigError(f"device_step.betas must be a pair (beta1, beta2), got {betas!r}")
     key = (str(device), float(betas[0]), float(betas[1]))
     hit = _BIAS_TABLES.get(key)
     if hit is None:

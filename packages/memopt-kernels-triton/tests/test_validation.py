@@ -1,0 +1,148 @@
+"""Validation of a fused step's arguments (``ops.prepare_step``): every tensor against its plan
+slot, the slots, the arena and the counts, before any launch, and also when the step's tables
+are cached (a cache hit stands in for validation only for what validation checked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memopt_core.backends import DeviceStep
+from memopt_core.errors import ConfigError
+from memopt_core.formats import StateSpec
+from memopt_core.testing import VARIANTS, diff_report, group_step, make_grads, make_group
+from memopt_core.torch_backend import TorchBackend
+
+TORCH = TorchBackend()
+SPEC = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+
+
+def _group(sizes=(40, 70)):
+    rule, hyper = VARIANTS["adamw"]
+    return make_group(rule, SPEC, torch.bfloat16, list(sizes), "cpu", seed=3, **hyper)
+
+
+def _sentinel(n: int, extra: int = 64) -> torch.Tensor:
+    """A buffer whose first ``n`` elements stand in for a parameter; the rest must stay 7."""
+    return torch.full((n + extra,), 7.0, dtype=torch.bfloat16)
+
+
+def test_parameter_smaller_than_its_slot(ops):
+    group = _group()
+    grads = make_grads(group, 1)
+    buf = _sentinel(30, 170)
+    work = group_step(group, grads, 1)
+    work.params[1], work.grads[1] = buf[:30], grads[1].reshape(-1)[:30]
+    with pytest.raises(ConfigError, match=r"parameter 1 \(plan slot 1\) has 30 elements .* 70"):
+        ops.fused_step(work)
+    assert bool((buf[30:] == 7.0).all())
+
+
+def test_cache_hit_does_not_skip_validation(ops):
+    """A smaller gradient, or a parameter of another dtype, at the address of a cached step's
+    tensor is refused as on a fresh plan."""
+    group = _group((64,))
+    big = make_grads(group, 1)[0].reshape(-1)
+    ops.fused_step(group_step(group, [big], 1))
+    with pytest.raises(ConfigError, match=r"gradient of shape \(10,\)"):
+        ops.fused_step(group_step(group, [big[:10]], 2))
+
+    wide = [big.float()]
+    ops.fused_step(group_step(group, wide, 1))
+    before = group.params[0].clone()
+    work = group_step(group, wide, 2)
+    work.params = [group.params[0].view(torch.float16)]
+    with pytest.raises(ConfigError, match=r"bfloat16 parameters, got torch\.float16"):
+        ops.fused_step(work)
+    assert torch.equal(group.params[0], before)
+
+
+def test_arena_of_another_plan(ops):
+    group, other = _group(), _group((8,))
+    work = group_step(group, make_grads(group, 1), 1)
+    work.arena = other.arena
+    with pytest.raises(ConfigError, match="arena was allocated for another plan"):
+        ops.prepare_step(work)
+
+
+@pytest.mark.parametrize(
+    ("slots", "message"),
+    [
+        ([0, 0], r"slots\[1\] repeats slot 0"),
+        ([0, 5], r"slots\[1\] is 5: .* plan's 2 tensors"),
+        ([-1, 0], r"slots\[0\] is -1"),
+        ([True, 0], r"slots\[0\] is True"),
+    ],
+)
+def test_bad_slots(ops, slots, message):
+    group = _group()
+    grads = make_grads(group, 1)
+    work = group_step(group, grads, 1)
+    work.slots = slots
+    with pytest.raises(ConfigError, match=message):
+        ops.prepare_step(work)
+
+
+def test_every_slot_in_another_order_is_a_partial_step(ops):
+    """Slots ``[1, 0]`` cover the plan but not in its order: each tensor keeps its own slot's
+    geometry and state (the bits of the ordered step), never the next slot's."""
+    mine = _group()
+    ref = mine.clone()
+    buf = _sentinel(40)
+    buf[:40] = mine.params[0].reshape(-1)
+    grads = make_grads(mine, 1)
+    work = group_step(mine, grads, 1)
+    work.slots = [1, 0]
+    work.params = [mine.params[1], buf[:40]]
+    work.grads = [grads[1], grads[0]]
+    work.tensor_ids = work.tensor_ids[::-1]
+    ops.fused_step(work)
+    assert bool((buf[40:] == 7.0).all())
+    TORCH.step(group_step(ref, grads, 1))
+    mine.params[0].copy_(buf[:40].view(mine.params[0].shape))
+    assert not diff_report(ref, mine)
+
+
+def test_counts_and_non_tensors(ops):
+    group = _group()
+    grads = make_grads(group, 1)
+    work = group_step(group, grads, 1)
+    work.params, work.grads = work.params[:1], work.grads[:1]
+    with pytest.raises(ConfigError, match="step over 2 slots got 1 parameters, 1 gradients"):
+        ops.prepare_step(work)
+    work = group_step(group, grads, 1)
+    work.tensor_ids = work.tensor_ids[:1]
+    with pytest.raises(ConfigError, match="and 1 tensor ids"):
+        ops.prepare_step(work)
+    work = group_step(group, grads, 1)
+    work.grads = [grads[0], grads[1].tolist()]
+    with pytest.raises(ConfigError, match=r"gradient of parameter 1 .* torch.Tensor, got list"):
+        ops.prepare_step(work)
+    work = group_step(group, grads, 1)
+    work.index_bases = 5
+    with pytest.raises(ConfigError, match="index_bases holds int"):
+        ops.prepare_step(work)
+
+
+def test_tensor_ids_take_their_low_32_bits(ops):
+    """As core's words do: an id past 64 bits gives the bits of its low 32 bits."""
+    mine = _group()
+    ref = mine.clone()
+    mine.tensor_ids = [2**64 + 1000, 1007]
+    ref.tensor_ids = [1000, 1007]
+    grads = make_grads(mine, 1)
+    ops.fused_step(group_step(mine, grads, 1))
+    TORCH.step(group_step(ref, grads, 1))
+    assert not diff_report(ref, mine)
+
+
+def test_device_step_betas_are_a_pair(ops):
+    group = _group()
+    work = group_step(group, make_grads(group, 1), 1)
+    work.device_step = DeviceStep(
+        steps=torch.zeros(2),
+        lr=1e-2,
+        betas=(0.9, 0.999, 0.5),  # type: ignore[arg-type]
+    )
+    with pytest.raises(ConfigError, match=r"betas must be a pair \(beta1, beta2\)"):
+        ops.fused_step(work)
