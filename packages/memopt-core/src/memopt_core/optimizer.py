@@ -156,6 +156,14 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _fits_plan(t: Tensor, plan: GroupPlan, si: int) -> bool:
+    """``t`` (a parameter, or its local shard) still has the device, dtype and shape of slot
+    ``si`` of the plan built for it."""
+    return (
+        t.device == plan.device and t.dtype == plan.param_dtype and t.shape == plan.slots[si].shape
+    )
+
+
 def _changed_error(label: str, plan: GroupPlan, si: int) -> ConfigError:
     return ConfigError(
         f"{label} changed since its state was created (it was {plan.param_dtype} of shape "
@@ -532,13 +540,7 @@ class MemOptimizer(Optimizer):
             if loc is None:
                 return False
             gi, ei, si = loc
-            plan = self._plans[gi].entries[ei].plan
-            t = local_shard(p)
-            if (
-                t.device != plan.device
-                or t.dtype != plan.param_dtype
-                or t.shape != plan.slots[si].shape
-            ):
+            if not _fits_plan(local_shard(p), self._plans[gi].entries[ei].plan, si):
                 return False
             groups.add(gi)
         for gi in groups:
@@ -592,12 +594,7 @@ class MemOptimizer(Optimizer):
                 continue
             gi, ei, si = loc
             plan = self._plans[gi].entries[ei].plan
-            t = local_shard(p)
-            if (
-                t.device != plan.device
-                or t.dtype != plan.param_dtype
-                or t.shape != plan.slots[si].shape
-            ):
+            if not _fits_plan(local_shard(p), plan, si):
                 raise _changed_error(self._param_label(p), plan, si)
 
     def _build_group(self, gi, group, members, names, formats, signature) -> None:
@@ -765,10 +762,9 @@ class MemOptimizer(Optimizer):
             and g.shape == p.shape
             and g.device == p.device
             and _grad_dtype_ok(p.dtype, g.dtype)
+            and _fits_plan(p, plan, si)
         ):
-            slot = plan.slots[si]
-            if p.device == plan.device and p.dtype == plan.param_dtype and p.shape == slot.shape:
-                return
+            return
         label = label or self._param_label(p)
         if g.layout != torch.strided:
             raise ConfigError(
@@ -787,8 +783,7 @@ class MemOptimizer(Optimizer):
                 f"{label} has a {g.dtype} gradient; memopt takes gradients in the "
                 "parameter's dtype or float32 (float32 parameters also bfloat16 or float16)"
             )
-        slot = plan.slots[si]
-        if p.device != plan.device or p.dtype != plan.param_dtype or p.shape != slot.shape:
+        if not _fits_plan(p, plan, si):
             raise _changed_error(label, plan, si)
 
     def _collect(
