@@ -90,7 +90,7 @@ import offload_e2e
 import qwen2_shape
 import torch
 import torch.nn.functional as F
-from offload_e2e import GIB, Clock, _error, _fmt, release
+from offload_e2e import GIB, Clock, _error, _fmt, positive_int, release
 from torch import nn
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -775,9 +775,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p.add_argument("--model", choices=("mlp", "qwen"), default="mlp", help="(%(default)s)")
     p.add_argument("--mlp-small", action="store_true", help="many small tensors: 256 x 512->2048")
-    p.add_argument("--mlp-blocks", type=int, help="MLP blocks (default 24; small 256)")
-    p.add_argument("--mlp-width", type=int, help="MLP width (default 2048; small 512)")
-    p.add_argument("--mlp-hidden", type=int, help="MLP hidden width (default 4096; small 2048)")
+    p.add_argument("--mlp-blocks", type=positive_int, help="MLP blocks (default 24; small 256)")
+    p.add_argument("--mlp-width", type=positive_int, help="MLP width (default 2048; small 512)")
+    p.add_argument(
+        "--mlp-hidden", type=positive_int, help="MLP hidden width (default 4096; small 2048)"
+    )
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device (%(default)s)")
     p.add_argument(
         "--rows",
@@ -790,9 +792,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="toy sizes of the same architectures (default: on a CPU only)",
     )
-    p.add_argument("--batch", type=int, help="rows (MLP, default 2048) or sequences (Qwen, 8)")
-    p.add_argument("--seq", type=int, help="Qwen tokens per sequence (default 512; tiny 32)")
-    p.add_argument("--layers", type=int, help="Qwen decoder layers (default the shape's, 24)")
+    p.add_argument(
+        "--batch", type=positive_int, help="rows (MLP, default 2048) or sequences (Qwen, 8)"
+    )
+    p.add_argument(
+        "--seq", type=positive_int, help="Qwen tokens per sequence (default 512; tiny 32)"
+    )
+    p.add_argument(
+        "--layers", type=positive_int, help="Qwen decoder layers (default the shape's, 24)"
+    )
     p.add_argument(
         "--qwen-impl",
         choices=("auto", "transformers", "plain"),

@@ -891,6 +891,14 @@ def child_argv(args: argparse.Namespace, choice: ModelChoice) -> list[str]:
     return argv
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an int >= 1 (a size of 0 or less would fail deep inside a row)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_rounds_argument(p: argparse.ArgumentParser) -> None:
     """``--rounds`` (this benchmark's and ``apexw_e2e``'s): see :func:`round_order`."""
     p.add_argument(
@@ -1015,9 +1023,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a toy model of the same architecture (default: on a CPU only)",
     )
-    p.add_argument("--layers", type=int, help="decoder layers (default: the shape's, 24)")
-    p.add_argument("--batch", type=int, help="sequences per batch (default 8; tiny 2)")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default 512; tiny 32)")
+    p.add_argument("--layers", type=positive_int, help="decoder layers (default: the shape's, 24)")
+    p.add_argument("--batch", type=positive_int, help="sequences per batch (default 8; tiny 2)")
+    p.add_argument("--seq", type=positive_int, help="tokens per sequence (default 512; tiny 32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (%(default)s)")
     p.add_argument("--iters", type=int, default=10, help="timed steps (%(default)s)")
     add_rounds_argument(p)
@@ -1030,7 +1038,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="transformers' Qwen2 where importable, else qwen2_shape's replica (%(default)s)",
     )
-    p.add_argument("--bw-mib", type=int, default=256, help="bandwidth buffers (%(default)s)")
+    p.add_argument(
+        "--bw-mib", type=positive_int, default=256, help="bandwidth buffers (%(default)s)"
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (%(default)s)")
     p.add_argument("--bucket-mb", type=float, help="AdamBridge rows' bucket_mb (its default)")
     p.add_argument(

@@ -34,6 +34,9 @@ from pathlib import Path
 
 import offload_e2e
 import torch
+from offload_e2e import positive_int
+
+from memopt_offload import PRECISIONS
 
 PEERS = ("copy", "torch", "deepspeed")
 
@@ -55,10 +58,7 @@ def row_step(name: str, n: int) -> tuple[Callable[[], object], int, torch.Tensor
         p.grad = torch.randn(n) * 1e-3
         return DeepSpeedCPUAdam([p], lr=1e-3, weight_decay=0.01, adamw_mode=True).step, 28, p
     from memopt_core import MemOptimizer
-    from memopt_offload import PRECISIONS
 
-    if name not in PRECISIONS:
-        raise SystemExit(f"unknown row {name!r}: choose from {PEERS + tuple(PRECISIONS)}")
     moments, master = PRECISIONS[name]
     ecc = master == "ecc24"
     # as AdamBridge: an ECC-24 master is the bf16 weight + code; else an fp32 master + staging
@@ -132,20 +132,30 @@ def report(rows: list[dict], threads: int, n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rows", default="copy,torch,fp32,bf16,fp8,bf16-ecc24,compact")
-    ap.add_argument("--log2n", type=int, default=26, help="parameters: 2**LOG2N (26)")
-    ap.add_argument("--iters", type=int, default=9, help="timed steps per row (9)")
-    ap.add_argument("--threads", type=int, default=0, help="torch's and the kernels' (all)")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the rows, reversed every other")
+    ap.add_argument("--log2n", type=positive_int, default=26, help="parameters: 2**LOG2N (26)")
+    ap.add_argument("--iters", type=positive_int, default=9, help="timed steps per row (9)")
+    ap.add_argument("--threads", type=int, default=0, help="torch's and the kernels' (0: all)")
+    ap.add_argument(
+        "--rounds", type=positive_int, default=1, help="repeat the rows, reversed every other"
+    )
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--json", type=Path, help="write every row here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    known = PEERS + tuple(PRECISIONS)
+    names = [s for s in args.rows.split(",") if s]
+    unknown = [s for s in [*names, args.child] if s and s not in known]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(known)}")
+    if not names:
+        ap.error("--rows names no row")
+    if args.threads < 0:
+        ap.error("--threads must be at least 0 (0: all)")
     n = 1 << args.log2n
     set_threads(args.threads)
     if args.child:
         print(json.dumps(time_row(args.child, n, args.iters)))
         return 0
-    names = [s for s in args.rows.split(",") if s]
     rows = []
     for k, order in enumerate(offload_e2e.round_order(names, args.rounds)):
         for name in order:
@@ -156,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or torch.get_num_threads()
     print(report(rows, threads, n))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": threads, "n": n, "rows": rows}, indent=1))
     return 1 if any("error" in r for r in rows) else 0
 

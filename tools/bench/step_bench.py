@@ -619,6 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown profile or optimizer names: {sorted(unknown)}")
     if args.scale < 1:
         p.error("--scale must be at least 1")
+    if args.copy_mib < 1:  # 0 MiB: every row's bandwidth figures would divide by zero
+        p.error("--copy-mib must be at least 1")
     return args
 
 

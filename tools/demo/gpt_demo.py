@@ -80,8 +80,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of init and batches (%(default)s)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.eval_every < 1:
-        p.error("--steps and --eval-every must be positive")
+    if min(args.steps, args.eval_every, args.batch_size, args.seq_len, args.d_model) < 1:
+        p.error("--steps, --eval-every, --batch-size, --seq-len and --d-model must be positive")
+    if args.heads < 1 or args.d_model % args.heads:
+        p.error(f"--heads must be positive and divide --d-model {args.d_model}")
+    if not (0 < args.lr < math.inf and 0 <= args.weight_decay < math.inf):
+        p.error("--lr must be finite and positive, --weight-decay finite and at least 0")
+    if args.optimizers:
+        try:
+            by_name(args.optimizers.split(","))
+        except ValueError as e:
+            p.error(f"--optimizers: {e}")
     return args
 
 

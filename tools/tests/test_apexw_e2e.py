@@ -230,6 +230,9 @@ def test_flash_rows(tmp_path) -> None:
         ["--iters", "0"],
         ["--rounds", "0"],
         ["--paired", "--isolate"],
+        ["--batch", "0"],  # was taken as "the default"
+        ["--model", "qwen", "--layers", "-1"],
+        ["--mlp-width", "-8"],
     ],
 )
 def test_bad_arguments_are_refused(argv) -> None:

@@ -72,6 +72,20 @@ def test_tiny_run_writes_table_json_and_png(tmp_path, capsys: pytest.CaptureFixt
     assert struct.unpack(">II", png[16:24]) == (1100, 500)
 
 
-def test_unknown_optimizer_name_is_an_error() -> None:
-    with pytest.raises(ValueError, match="unknown optimizer"):
-        gpt_demo.main([*TINY, "--optimizers", "adamw,nope"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizers", "adamw,nope"], "--optimizers: unknown optimizer(s) ['nope']"),
+        (["--batch-size", "0"], "must be positive"),  # was a run of NaN losses, exit code 0
+        (["--seq-len", "0"], "must be positive"),  # the same
+        (["--d-model", "0"], "must be positive"),  # was a ZeroDivisionError
+        (["--heads", "3"], "--heads must be positive and divide --d-model 16"),
+        (["--lr", "-1"], "--lr must be finite and positive"),  # was torch's ValueError
+        (["--weight-decay", "nan"], "--weight-decay finite and at least 0"),
+    ],
+)
+def test_bad_arguments_are_argparse_errors(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpt_demo.main([*TINY, *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

@@ -360,3 +360,13 @@ def test_merge_rounds() -> None:
     short = [row([1], 1.0, 1.0, losses=(2.0, 1.0)), row([1], 1.0, 1.0, losses=(2.0,))]
     assert offload_e2e.merge_rounds(short, loss_rtol=0.01).error.startswith("rounds gave")
     assert offload_e2e.round_order(["a", "b"], 3) == [["a", "b"], ["b", "a"], ["a", "b"]]
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--seq", "--layers", "--bw-mib"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_sizes_below_one_are_argparse_errors(flag, value, capsys) -> None:
+    # 0 was silently replaced by the default; a negative size failed deep inside every row
+    with pytest.raises(SystemExit) as exc:
+        offload_e2e.parse_args([*TINY, flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err

@@ -71,6 +71,30 @@ def test_deepspeed_row_steps_fp32_tensors(monkeypatch) -> None:
     assert not torch.equal(weight.detach(), before)
 
 
-def test_isolated_row_and_unknown_row() -> None:
+def test_isolated_row() -> None:
     assert offload_host_step.main(["--rows", "bf16", "--log2n", "10", "--iters", "1"]) == 0
-    assert offload_host_step.main(["--rows", "nope", "--log2n", "10", "--iters", "1"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rows", "copy,nope"], "unknown rows ['nope']"),  # was a failed row after the others
+        (["--rows", ","], "--rows names no row"),  # was an empty table and exit code 0
+        (["--log2n", "-1"], "argument --log2n: must be at least 1"),  # was a ValueError
+        (["--iters", "0"], "argument --iters: must be at least 1"),  # was a StatisticsError
+        (["--rounds", "0"], "argument --rounds: must be at least 1"),  # was an empty table
+        (["--threads", "-2"], "--threads must be at least 0"),  # was torch's RuntimeError
+    ],
+)
+def test_bad_arguments_are_argparse_errors(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        offload_host_step.main(["--log2n", "10", "--iters", "1", "--no-isolate", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_json_folder_is_created(tmp_path) -> None:
+    out = tmp_path / "new" / "host.json"  # a missing folder failed after every row had run
+    argv = ["--rows", "copy", "--log2n", "10", "--iters", "1", "--no-isolate", "--json", str(out)]
+    assert offload_host_step.main(argv) == 0
+    assert json.loads(out.read_text())["rows"][0]["name"] == "copy"

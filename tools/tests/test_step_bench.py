@@ -159,3 +159,11 @@ def test_state_bytes_counts_each_storage_once() -> None:
         }
     )
     assert step_bench.state_bytes(opt) == 2 * (64 + 4) + 256 * 4
+
+
+def test_zero_copy_buffer_is_an_argparse_error(capsys) -> None:
+    # it made every row fail with a ZeroDivisionError in its bandwidth figures
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--device", "cpu", "--copy-mib", "0"])
+    assert exc.value.code == 2
+    assert "--copy-mib must be at least 1" in capsys.readouterr().err

@@ -235,6 +235,7 @@ def _with_config(**kw) -> dict:
         json.dumps(_with_config(machine="another machine")).encode(),
         json.dumps(_with_config(host_gbs="fast")).encode(),
         json.dumps({**_good_file(), "config": None}).encode(),
+        json.dumps(_with_config(num_threads=5000)).encode(),
     ],
     ids=[
         "binary",
@@ -245,6 +246,7 @@ def _with_config(**kw) -> dict:
         "other-machine",
         "bad-field",
         "null-config",
+        "too-many-threads",
     ],
 )
 def test_bad_cache_file_is_measured_again(tmp_path, monkeypatch, fake, content):
@@ -309,6 +311,8 @@ def test_dict_round_trip():
         ({"num_threads": 0}, "num_threads"),
         ({"num_threads": True}, "num_threads"),
         ({"num_threads": 2.0}, "num_threads"),
+        ({"num_threads": 4097}, "num_threads"),  # past the kernels' pool limit
+        ({"chunk_size": 2**64}, "chunk_size"),  # past the kernels' int64
         ({"chunk_size": 100}, "chunk_size"),
         ({"host_gbs": "fast"}, "host_gbs"),
         ({"host_gbs": float("nan")}, "host_gbs"),

@@ -207,8 +207,11 @@ def test_bad_arguments(device):
         AdamBridge(params, max_grad_norm=1.0, clip_mode="late")
     with pytest.raises(ConfigError, match="bucket_mb"):
         AdamBridge(params, bucket_mb=0)
-    with pytest.raises(ConfigError, match="autotune"):
-        AdamBridge(params, autotune="yes")
+    from memopt_offload.autotune import AutoTuneConfig
+
+    for bad in ("yes", 0, AutoTuneConfig):  # the class instead of an instance, too
+        with pytest.raises(ConfigError, match="autotune must be None, True or an AutoTuneConfig"):
+            AdamBridge(params, autotune=bad)
     with pytest.raises(ConfigError, match="float16; AdamBridge keeps bfloat16"):
         AdamBridge([torch.nn.Parameter(torch.zeros(4, device=device, dtype=torch.float16))])
     with pytest.raises(ConfigError, match="one device per optimizer"):

@@ -86,6 +86,11 @@ CHUNK_CANDIDATES = (16384, 65536, 262144)
 _QUICK_CHUNK = 65536
 #: A candidate with fewer threads within this factor of the fastest time wins.
 _TIE = 1.03
+#: Largest thread count and chunk size the kernels take (``ops.set_num_threads``: 1 to 4096;
+#: ``ops.set_chunk_size``: an int64): checked here so that a bad cache file is measured again
+#: rather than failing in :meth:`AutoTuneConfig.apply`.
+_MAX_THREADS = 4096
+_MAX_CHUNK = 2**63 - 1
 
 _MiB = 1 << 20
 
@@ -356,7 +361,7 @@ def _check_positive(name: str, v: object, *, optional: bool = False) -> float | 
 class AutoTuneConfig:
     """Settings measured on one machine (see the module docstring for how)."""
 
-    #: best CPU-kernel thread count measured
+    #: best CPU-kernel thread count measured (1 to 4096, the kernels' limit)
     num_threads: int
     #: best kernel chunk size (elements, a multiple of 32) measured
     chunk_size: int
@@ -372,10 +377,12 @@ class AutoTuneConfig:
     machine: str
 
     def __post_init__(self) -> None:
-        for name in ("num_threads", "chunk_size"):
+        for name, most in (("num_threads", _MAX_THREADS), ("chunk_size", _MAX_CHUNK)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"AutoTuneConfig field {name!r} must be an int >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+                raise ConfigError(
+                    f"AutoTuneConfig field {name!r} must be an int in [1, {most}], got {v!r}"
+                )
         if self.chunk_size % 32:
             raise ConfigError(
                 f"AutoTuneConfig field 'chunk_size' must be a multiple of 32 elements (the "

@@ -460,10 +460,12 @@ class AdamBridge(Optimizer):
             from memopt_offload.autotune import AutoTuneConfig
 
             AutoTuneConfig.load_or_measure().apply()
-        elif autotune not in (None, False):
-            if not hasattr(autotune, "apply"):
+        elif autotune is not None and autotune is not False:  # 0 is no bool: refused below
+            from memopt_offload.autotune import AutoTuneConfig
+
+            if not isinstance(autotune, AutoTuneConfig):  # the class itself, say
                 raise ConfigError(
-                    f"autotune must be None, True or an AutoTuneConfig, got {autotune!r}"
+                    f"autotune must be None, True or an AutoTuneConfig instance, got {autotune!r}"
                 )
             autotune.apply()
         self.precision = precision
