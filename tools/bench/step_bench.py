@@ -621,6 +621,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scale must be at least 1")
     if args.copy_mib < 1:  # 0 MiB: every row's bandwidth figures would divide by zero
         p.error("--copy-mib must be at least 1")
+    if args.warmup < 1 or args.iters < 1:
+        p.error(f"--warmup and --iters must be at least 1, got {args.warmup} and {args.iters}")
     return args
 
 

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.steps, args.eval_every, args.batch_size, args.seq_len, args.d_model) < 1:
         p.error("--steps, --eval-every, --batch-size, --seq-len and --d-model must be positive")
+    if args.layers < 0:
+        p.error(f"--layers must be at least 0, got {args.layers}")
     if args.heads < 1 or args.d_model % args.heads:
         p.error(f"--heads must be positive and divide --d-model {args.d_model}")
     if not (0 < args.lr < math.inf and 0 <= args.weight_decay < math.inf):
@@ -292,6 +294,15 @@ def write_outputs(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    corpus = load_corpus()
+    shortest = min(len(corpus.train), len(corpus.val))
+    if args.seq_len + 1 >= shortest:  # a window holds seq_len inputs and their next bytes
+        print(
+            f"gpt_demo.py: error: --seq-len {args.seq_len} needs corpus splits longer than "
+            f"{args.seq_len + 1} bytes; the shorter one has {shortest}",
+            file=sys.stderr,
+        )
+        return 2
     begin = time.perf_counter()
     wanted = by_name(args.optimizers.split(",")) if args.optimizers else list(CONFIGS)
     configs, skipped = available(wanted)

@@ -82,6 +82,7 @@ def test_tiny_run_writes_table_json_and_png(tmp_path, capsys: pytest.CaptureFixt
         (["--heads", "3"], "--heads must be positive and divide --d-model 16"),
         (["--lr", "-1"], "--lr must be finite and positive"),  # was torch's ValueError
         (["--weight-decay", "nan"], "--weight-decay finite and at least 0"),
+        (["--layers", "-1"], "--layers must be at least 0, got -1"),  # ran like 0 layers
     ],
 )
 def test_bad_arguments_are_argparse_errors(argv, message, capsys) -> None:
@@ -89,3 +90,9 @@ def test_bad_arguments_are_argparse_errors(argv, message, capsys) -> None:
         gpt_demo.main([*TINY, *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_sequence_longer_than_the_corpus_is_refused(capsys) -> None:
+    # was a RuntimeError from torch.randint deep in the batch sampler
+    assert gpt_demo.main([*TINY, "--seq-len", "100000000"]) == 2
+    assert "--seq-len 100000000 needs corpus splits longer than" in capsys.readouterr().err

@@ -167,3 +167,12 @@ def test_zero_copy_buffer_is_an_argparse_error(capsys) -> None:
         step_bench.parse_args(["--device", "cpu", "--copy-mib", "0"])
     assert exc.value.code == 2
     assert "--copy-mib must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--warmup", "-1"], ["--iters", "0"]])
+def test_warmup_and_iters_below_one_are_argparse_errors(argv, capsys) -> None:
+    # they ran like 1, which the help text states as the least
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert "--warmup and --iters must be at least 1" in capsys.readouterr().err
