@@ -72,7 +72,7 @@ from memopt_core.sharding import (
     local_state,
 )
 
-__all__ = ["RULES", "MemOptimizer"]
+__all__ = ["RULES", "MemOptimizer", "adam_hyperparameters"]
 
 #: rule -> (backend rule, decoupled weight decay)
 RULES: dict[str, tuple[str, bool]] = {
@@ -141,6 +141,24 @@ def _as_float(value: Any, what: str, where: str) -> float:
     if not math.isfinite(value):
         raise ConfigError(f"{what} {where} must be finite, got {value}")
     return value
+
+
+def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[str, Any]:
+    """``g``'s ``lr``, ``eps`` and ``weight_decay`` (finite, >= 0) and ``betas`` (a pair in
+    [0, 1)) as floats: real numbers or one-element tensors, else a ConfigError naming the value
+    and ``where``. MemOptimizer's group check and memopt-offload's AdamBridge share it."""
+    out: dict[str, Any] = {}
+    for key, name in (("lr", "learning rate"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+        out[key] = _as_float(g[key], "learning rate (lr)" if key == "lr" else name, where)
+        if out[key] < 0:
+            raise ConfigError(f"invalid {name} {out[key]} {where}: it must be >= 0")
+    if isinstance(betas, Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
+    out["betas"] = tuple(_as_float(x, f"beta{i + 1}", where) for i, x in enumerate(betas))
+    for i, x in enumerate(out["betas"]):
+        if not 0.0 <= x < 1.0:
+            raise ConfigError(f"invalid beta{i + 1} {x} {where}: betas must lie in [0, 1)")
+    return out
 
 
 def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
@@ -339,24 +357,10 @@ class MemOptimizer(Optimizer):
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         """Validate a group's hyperparameters (ConfigError); returns the betas as floats."""
-        lr = _as_float(g["lr"], "learning rate (lr)", where)
-        if lr < 0:
-            raise ConfigError(f"invalid learning rate {lr} {where}: it must be >= 0")
-        eps = _as_float(g["eps"], "eps", where)
-        if eps < 0:
-            raise ConfigError(f"invalid eps {eps} {where}: it must be >= 0")
-        wd = _as_float(g["weight_decay"], "weight_decay", where)
-        if wd < 0:
-            raise ConfigError(f"invalid weight_decay {wd} {where}: it must be >= 0")
         betas = g["betas"]
-        if betas is None:
-            betas = self._default_betas()
-        if isinstance(betas, Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
-        b = tuple(_as_float(x, f"beta{i + 1}", where) for i, x in enumerate(betas))
-        for i, x in enumerate(b):
-            if not 0.0 <= x < 1.0:
-                raise ConfigError(f"invalid beta{i + 1} {x} {where}: betas must lie in [0, 1)")
+        b = adam_hyperparameters(g, self._default_betas() if betas is None else betas, where)[
+            "betas"
+        ]
         momentum = _as_float(g["momentum"], "momentum", where)
         if momentum < 0:
             raise ConfigError(f"invalid momentum {momentum} {where}: it must be >= 0")

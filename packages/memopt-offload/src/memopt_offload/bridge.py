@@ -114,7 +114,7 @@ from torch.utils._pytree import tree_leaves
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.hook_wrappers import reject_hook_wrappers
-from memopt_core.optimizer import MemOptimizer, _as_float
+from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
 from memopt_core.plan import StateArena
 from memopt_core.sharding import is_dtensor
 from memopt_kernels_cpu import ops as cpu_ops
@@ -153,22 +153,8 @@ def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Te
 
 def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``group``'s AdamW hyperparameters as floats, checked as the host update's optimizer
-    checks them (finite numbers or one-element tensors; lr, eps, weight_decay >= 0; betas in
-    [0, 1)): ConfigError otherwise. One check for both updates."""
-    hyper: dict[str, Any] = {}
-    for key in ("lr", "eps", "weight_decay"):
-        name = "learning rate (lr)" if key == "lr" else key
-        hyper[key] = _as_float(group[key], name, where)
-        if hyper[key] < 0:
-            raise ConfigError(f"invalid {name} {hyper[key]} {where}: it must be >= 0")
-    betas = group["betas"]
-    if isinstance(betas, Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ConfigError(f"betas {where} must be a pair (beta1, beta2), got {betas!r}")
-    hyper["betas"] = tuple(_as_float(b, f"beta{i + 1}", where) for i, b in enumerate(betas))
-    for i, b in enumerate(hyper["betas"]):
-        if not 0.0 <= b < 1.0:
-            raise ConfigError(f"invalid beta{i + 1} {b} {where}: betas must lie in [0, 1)")
-    return hyper
+    checks them (core's check): one check for both updates."""
+    return adam_hyperparameters(group, group["betas"], where)
 
 
 class _HostAdamW(MemOptimizer):
