@@ -79,7 +79,7 @@ def test_resolution_is_the_codec_grid(master, sig):
 
 
 # ---------------------------------------------------------------------- small updates
-@pytest.mark.parametrize("lr", [1e-5, 1e-6])
+@pytest.mark.parametrize("lr", [1e-5, 3e-6, 1e-6])
 def test_small_updates_survive_in_the_default_configuration(lr, device):
     fp32 = adam_drift(device, lr, dtype=torch.float32, quantize=False)
     assert fp32 == pytest.approx(STEPS * lr, rel=0.1)

@@ -23,6 +23,7 @@ from memopt_ecc import (
     FlashOptimizer,
     FlashSGD,
     FlashSGDW,
+    fp32_master,
 )
 
 # FlashOptim 0.1.4's positional parameters and defaults (flashoptim/optimizers.py)
@@ -213,6 +214,25 @@ def test_equals_mapped_memoptimizer(cls, mwb, quantize, device):
             assert got.dtype == code
             assert got.shape == p.shape
     assert a[3].stride() == (1, 6)  # the non-contiguous parameter kept its layout
+
+
+@pytest.mark.parametrize("cls", list(FLASHOPTIM), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("mwb", [24, 32, None])
+@pytest.mark.parametrize("quantize", [True, False])
+def test_equals_torch_backend_reference_over_120_steps(cls, mwb, quantize, device):
+    """Every class x master_weight_bits x quantize, with its momentum and weight decay, stays bit
+    for bit equal to the mapped MemOptimizer on core's torch backend for 120 steps, while the
+    Flash* class runs on whichever backend it picks (the cpu kernels on CPU, triton on CUDA)."""
+    a, b = make_params(device), make_params(device)
+    flash = cls(a, master_weight_bits=mwb, quantize=quantize, **HYPER[cls])
+    core = mapped(cls, b, mwb, quantize, backend="torch", **HYPER[cls])
+    run(flash, a, steps=120)
+    run(core, b, steps=120)
+    assert all(int(flash.state[p]["step"]) == 120 for p in a)
+    assert_same_state(flash, a, core, b)  # parameters and raw states (codes, scales, steps)
+    for i, (p, q) in enumerate(zip(a, b, strict=True)):
+        assert same_bits(fp32_master(flash, p), fp32_master(core, q)), f"master {i} differs"
+    assert flash.state_bytes() == core.state_bytes()
 
 
 # ----------------------------------------------------------------------- bytes per parameter
