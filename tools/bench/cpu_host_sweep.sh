@@ -35,7 +35,7 @@ echo "pytest exit: $?"
 bench() {  # threads profiles scale
   timeout "${BENCH_TIMEOUT:-240}" python3 tools/bench/step_bench.py --device cpu --threads "$1" \
     --profiles "$2" --scale "$3" --iters 5 --max-seconds 4 \
-    --optimizers adamw,adamw-foreach,adamw-bf16,memopt-fp32,memopt-q8,memopt-bf16,memopt-ecc32-q8,flash-adamw,deepspeed-cpuadam \
+    --optimizers adamw,adamw-foreach,adamw-bf16,memopt-fp32,memopt-q8,memopt-bf16,memopt-fp8,memopt-ecc32-q8,flash-adamw,deepspeed-cpuadam \
     --out "/tmp/memopt-cpu-bench-t$1-s$3" 2>&1 | tail -40
   cp "/tmp/memopt-cpu-bench-t$1-s$3/step_bench.md" "$OUT/bench_t$1_s$3.md"
 }

@@ -241,6 +241,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("memopt-fp32", "memopt fp32 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "fp32"), full_warmup=True),
     BenchConfig("memopt-q8", "memopt q8", "memopt_core.optimizer", torch.float32, _memopt("none", "q8"), full_warmup=True),
     BenchConfig("memopt-bf16", "memopt bf16 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "bf16"), full_warmup=True),
+    BenchConfig("memopt-fp8", "memopt fp8 moments", "memopt_core.optimizer", torch.float32, _memopt("none", "fp8"), full_warmup=True),
     BenchConfig("memopt-ecc32-q8", "memopt bf16+ecc32+q8", "memopt_core.optimizer", BF16, _memopt("ecc32", "q8"), full_warmup=True),
     BenchConfig("flash-adamw", "memopt_ecc FlashAdamW (ecc24+q8)", "memopt_ecc", BF16, _flash_adamw, full_warmup=True),
     BenchConfig("flash-adamw-capturable", "memopt_ecc FlashAdamW capturable", "memopt_ecc", BF16, _flash_adamw_capturable, cuda_only=True, full_warmup=True),

@@ -3,13 +3,14 @@
 Both backends step identical copies of one group (plan, arena, parameters as ``MemOptimizer``
 builds them, :mod:`memopt_core.testing`) with the same gradients; afterwards every parameter,
 master code and moment field must be bit-identical. Each case runs on every instruction set
-this CPU supports, with a thread count and chunk size that cut tensors across threads, so one
-reference run checks them all.
+this CPU supports, with chunks small enough to cut tensors across threads; the matrix of every
+rule x format x gradient dtype runs at 1, 2 and 3 threads too. One reference run checks them all.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -38,7 +39,27 @@ from memopt_kernels_cpu import (
 
 TORCH = TorchBackend()
 ISAS = supported_isas()
+#: 86 chunks at run_compare's 64 elements per chunk: at 2 or 3 threads every thread gets a part
+#: (chunks split by element count), and 4097's chunks are spread over all of them
 SMALL_SIZES = [0, 1, 7, 31, 33, 1025, 4097]
+#: thread counts: one (all in the caller's thread), two, and an odd count
+THREADS = (1, 2, 3)
+
+
+def grad_dtypes(dtype: torch.dtype) -> list[torch.dtype]:
+    """Gradient dtypes ops.fused_step accepts for ``dtype`` parameters: their own and float32;
+    float32 parameters also bfloat16 and float16."""
+    if dtype == torch.float32:
+        return [dtype, torch.bfloat16, torch.float16]
+    return [dtype, torch.float32]
+
+
+#: (master, parameter dtype, gradient dtype) of every master with every gradient it accepts
+GRAD_CASES = [
+    pytest.param(master, dtype, grad, id=f"{master_id}-grad-{str(grad)[6:]}")
+    for (master, dtype), master_id in zip(MASTERS, MASTER_IDS, strict=True)
+    for grad in grad_dtypes(dtype)
+]
 
 
 def run_compare(
@@ -52,54 +73,43 @@ def run_compare(
     steps: int = 3,
     grad_dtype: torch.dtype | None = None,
     isas: list[str] = ISAS,
-    threads: int = 3,
+    threads: Sequence[int] = (3,),
     chunk: int = 64,
     slots: list[int] | None = None,
 ) -> None:
-    """Step a reference copy with the torch backend and one copy per instruction set with the
-    C++ kernels; assert identical bits after the last step."""
+    """Step a reference copy with the torch backend and one copy per instruction set and thread
+    count with the C++ kernels; assert identical bits after the last step."""
     rule, hyper = VARIANTS[variant]
     spec = StateSpec(master=master, moments=preset, stochastic_rounding=sr)
     ref = make_group(rule, spec, dtype, sizes, "cpu", seed=11, **hyper)
-    copies = {isa: ref.clone() for isa in isas}
-    set_num_threads(threads)
+    copies = {(isa, n): ref.clone() for n in threads for isa in isas}
     set_chunk_size(chunk)
     for step in range(1, steps + 1):
         grads = make_grads(ref, step, grad_dtype=grad_dtype)
         step_group(TORCH, ref, grads, step, slots)
-        for isa, group in copies.items():
+        for (isa, n), group in copies.items():
+            set_num_threads(n)
             set_isa(isa)
             step_group(BACKEND, group, grads, step, slots)
-    for isa, group in copies.items():
+    for (isa, n), group in copies.items():
         bad = diff_report(ref, group)
-        assert not bad, f"{isa}: {variant} {preset} {master} {dtype} sr={sr}: {bad}"
+        where = f"{isa}, {n} threads: {variant} {preset} {master} {dtype} grad {grad_dtype}"
+        assert not bad, f"{where} sr={sr}: {bad}"
 
 
 @pytest.mark.parametrize("sr", [False, True], ids=["rne", "sr"])
-@pytest.mark.parametrize(("master", "dtype"), MASTERS, ids=MASTER_IDS)
+@pytest.mark.parametrize(("master", "dtype", "grad_dtype"), GRAD_CASES)
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_every_rule_and_format(variant, preset, master, dtype, sr):
-    run_compare(variant, preset, master, dtype, sr, sizes=SMALL_SIZES)
-
-
-@pytest.mark.parametrize(("master", "dtype"), MASTERS[1:], ids=MASTER_IDS[1:])
-@pytest.mark.parametrize("variant", ["adamw", "sgd-nesterov", "lion"])
-def test_fp32_gradients_of_low_precision_parameters(variant, master, dtype):
-    run_compare(variant, "q8", master, dtype, True, sizes=SMALL_SIZES, grad_dtype=torch.float32)
-
-
-@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("preset", ["fp32", "bf16", "fp8", "q8"])
-@pytest.mark.parametrize("variant", ["adamw", "sgd-nesterov", "lion"])
-def test_low_precision_gradients_of_fp32_parameters(variant, preset, grad_dtype):
-    # memopt-offload's case: an fp32 host master updated from the bf16 gradient copied off the GPU
+def test_every_rule_format_and_gradient_dtype(variant, preset, master, dtype, grad_dtype, sr):
+    # fp32 gradients of bf16/fp16 parameters, and memopt-offload's case: an fp32 host master
+    # updated from the bf16 gradient copied off the GPU; every ISA at 1, 2 and 3 threads
     run_compare(
-        variant, preset, "fp32", torch.float32, True, sizes=SMALL_SIZES, grad_dtype=grad_dtype
-    )
+        variant, preset, master, dtype, sr, sizes=SMALL_SIZES, grad_dtype=grad_dtype,
+        threads=THREADS,
+    )  # fmt: skip
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
     ("variant", "preset", "master", "dtype"),
     [
@@ -111,10 +121,10 @@ def test_low_precision_gradients_of_fp32_parameters(variant, preset, grad_dtype)
         ("sgd-nesterov", "fp8", "ecc32", torch.bfloat16),
     ],
 )
-def test_large_tensor_and_thread_counts(variant, preset, master, dtype, threads):
+def test_large_tensor_and_thread_counts(variant, preset, master, dtype):
     # 1000003 elements: many chunks, a ragged last block, every thread busy
     run_compare(
-        variant, preset, master, dtype, True, sizes=[1000003, 5], steps=2, threads=threads,
+        variant, preset, master, dtype, True, sizes=[1000003, 5], steps=2, threads=THREADS,
         chunk=4096,
     )  # fmt: skip
 
