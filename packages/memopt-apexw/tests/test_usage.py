@@ -20,7 +20,7 @@ from apexw_testutil import (
 
 from memopt_apexw import ApexW, state_bytes_per_param
 from memopt_core import MemOptimizer
-from memopt_core.errors import BackendUnavailableError, ConfigError
+from memopt_core.errors import BackendUnavailableError, ConfigError, StateDictError
 
 
 @pytest.mark.parametrize(
@@ -221,3 +221,38 @@ def test_param_group_state_key():
     opt.step()
     assert opt.state[b[0]]["exp_avg"].dtype == torch.float8_e4m3fn
     assert opt.state[a[0]]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_state_of_a_reordered_parameter_is_refused_and_changes_nothing():
+    """fp32 weights (their own master) with q8 moments: an MLP's up (64, 16) and down (16, 64)
+    have states of the same sizes, told apart by the state dict's ``param_shape``. The refused
+    load changes nothing: the cached step goes on replaying the bits of an optimizer that never
+    saw it."""
+    up, down = make_params("cpu", shapes=[(64, 16), (16, 64)])
+    opt = ApexW([up, down], mode="torch", state="q8", lr=2e-3, mode_cache=None)
+    for t in range(2):
+        set_grads([up, down], t)
+        opt.step()
+    sd = opt.state_dict()
+    assert [sd["state"][i]["param_shape"].tolist() for i in (0, 1)] == [[64, 16], [16, 64]]
+
+    a = [p.detach().clone().requires_grad_() for p in (down, up)]
+    b = [p.detach().clone().requires_grad_() for p in (down, up)]
+    victim, bystander = (
+        ApexW(ps, mode="torch", state="q8", lr=2e-3, mode_cache=None) for ps in (a, b)
+    )
+    for t in range(2, 4):
+        for o, ps in ((victim, a), (bystander, b)):
+            set_grads(ps, t)
+            o.step()
+    with pytest.raises(
+        StateDictError,
+        match=r"state of parameter index 0 \(shape \(16, 64\).* saved for a parameter of shape "
+        r"\(64, 16\); .*belongs to another parameter",
+    ):
+        victim.load_state_dict(sd)
+    for t in range(4, 6):
+        for o, ps in ((victim, a), (bystander, b)):
+            set_grads(ps, t)
+            o.step()
+    assert_same(a, b, victim, bystander, "after the refused load")

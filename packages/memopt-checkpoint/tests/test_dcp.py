@@ -147,3 +147,86 @@ def test_check_dcp_load_refuses_other_formats_before_dcp_writes(tmp_path):
         check_dcp_load(compressed, tmp_path / "flash")
     compressed.compress_state_dict = False
     check_dcp_load(compressed, tmp_path / "flash")
+
+
+def _mlp(order):
+    """An MLP's up (64, 16) and down (16, 64) weights: fp32 with q8 moments, states of the same
+    sizes; ``order`` lists them to the optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64, bias=False), torch.nn.GELU(), torch.nn.Linear(64, 16, bias=False)
+    )
+    up, down = model[0].weight, model[2].weight
+    params = [up, down] if order == "saved" else [down, up]
+    return model, MemOptimizer(params, rule="adamw", lr=1e-2, moments="q8", seed=5)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_dcp_carries_param_shape_and_reordered_parameters_are_refused(tmp_path):
+    model, opt = _mlp("saved")
+    train_x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(train_x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck")
+
+    # the same order: dcp.load fills param_shape in place from the checkpoint
+    _, same = _mlp("saved")
+    same.init_state()
+    check_dcp_load(same, tmp_path / "ck")
+    target = {"optim": same.state_dict()}
+    for entry in target["optim"]["state"].values():
+        entry["param_shape"].fill_(-1)
+    dcp.load(target, checkpoint_id=tmp_path / "ck")
+    assert [e["param_shape"].tolist() for e in target["optim"]["state"].values()] == [
+        [64, 16],
+        [16, 64],
+    ]
+    same.load_state_dict(target["optim"])
+    for p, q in zip(opt.param_groups[0]["params"], same.param_groups[0]["params"], strict=True):
+        assert all(torch.equal(v, same.state[q][k]) for k, v in opt.state[p].items())
+
+    # the other order: every state tensor fits, only param_shape tells
+    _, swapped = _mlp("swapped")
+    swapped.init_state()
+    live = [{k: v.clone() for k, v in swapped.state[p].items()} for p in swapped.state]
+    with pytest.raises(
+        StateDictError,
+        match=r"state of parameter index 0 was saved for a parameter of shape \(64, 16\); this "
+        r"optimizer's parameter 0 has shape \(16, 64\): the state belongs to another parameter",
+    ):
+        check_dcp_load(swapped, tmp_path / "ck")
+    for p, before in zip(swapped.state, live, strict=True):
+        assert all(torch.equal(swapped.state[p][k], v) for k, v in before.items())
+    # without the check, dcp.load writes and load_state_dict refuses (loudly, not silently)
+    target = {"optim": swapped.state_dict()}
+    dcp.load(target, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(StateDictError, match=r"shape \(64, 16\); this parameter's shape is \(16"):
+        swapped.load_state_dict(target["optim"])
+
+
+@pytest.mark.usefixtures("process_group")
+def test_dcp_checkpoint_without_param_shape(tmp_path):
+    """A checkpoint of a memopt that did not record shapes: check_dcp_load cannot check them,
+    dcp.load of a state_dict() that has them reports them missing before loading anything, and
+    a target without them loads."""
+    _, opt = _mlp("saved")
+    opt.init_state()
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        del entry["param_shape"]
+    dcp.save({"optim": sd}, checkpoint_id=tmp_path / "old")
+    _, fresh = _mlp("saved")
+    fresh.init_state()
+    check_dcp_load(fresh, tmp_path / "old")
+    target = {"optim": fresh.state_dict()}
+    with pytest.raises(
+        dcp.api.CheckpointException,
+        match=r"Missing key in checkpoint state_dict: optim\.state\.0\.param_shape",
+    ):
+        dcp.load(target, checkpoint_id=tmp_path / "old")
+    for entry in target["optim"]["state"].values():
+        del entry["param_shape"]
+    dcp.load(target, checkpoint_id=tmp_path / "old")
+    fresh.load_state_dict(target["optim"])

@@ -103,7 +103,12 @@ def test_state_dict_format_and_dtypes_survive_loading():
         "exp_avg_sq",
         "exp_avg_sq_scale",
         "master_code",
+        "param_shape",
     }
+    assert st["param_shape"].dtype == torch.int64
+    assert st["param_shape"].tolist() == [4, 8]
+    assert sd["state"][1]["param_shape"].tolist() == [5]
+    assert "param_shape" not in opt.state[params[0]]  # only the state dict's entries hold it
     assert st["step"].dtype == torch.float32
     assert st["step"].shape == ()
     assert st["step"].item() == 2
@@ -115,6 +120,7 @@ def test_state_dict_format_and_dtypes_survive_loading():
     params2 = [p.detach().clone().requires_grad_() for p in params]
     opt2 = MemOptimizer(params2, master="ecc24", moments="q8")
     opt2.load_state_dict(copy.deepcopy(sd))
+    assert set(opt2.state[params2[0]]) == set(opt.state[params[0]])  # no param_shape
     for k, v in opt.state[params[0]].items():
         assert opt2.state[params2[0]][k].dtype == v.dtype
         assert torch.equal(opt2.state[params2[0]][k], v)

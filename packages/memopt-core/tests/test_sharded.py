@@ -189,7 +189,8 @@ def test_state_dict_of_a_sharded_parameter_is_global_and_loads_back(mesh, shape)
         opt.step()
     sd = opt.state_dict()
     st = sd["state"][0]
-    assert all(isinstance(v, DTensor) for k, v in st.items() if k != "step")
+    assert all(isinstance(v, DTensor) for k, v in st.items() if k not in ("step", "param_shape"))
+    assert st["param_shape"].tolist() == list(shape)  # the global shape, a plain tensor
     n = w.numel()
     r = n // shape[0]
     if len(shape) == 2 and r % 32 == 0:
@@ -203,7 +204,9 @@ def test_state_dict_of_a_sharded_parameter_is_global_and_loads_back(mesh, shape)
         assert st["exp_avg_scale"].shape == shape
     assert st["master_code"].shape == shape
     snapshot = {
-        k: v.to_local().clone() if isinstance(v, DTensor) else v.clone() for k, v in st.items()
+        k: v.to_local().clone() if isinstance(v, DTensor) else v.clone()
+        for k, v in st.items()
+        if k != "param_shape"
     }
     fresh_w = torch.nn.Parameter(
         distribute_tensor(w.full_tensor().detach().clone(), mesh, [Shard(0)])
@@ -212,7 +215,7 @@ def test_state_dict_of_a_sharded_parameter_is_global_and_loads_back(mesh, shape)
     fresh.init_state()
     loaded = fresh.state_dict()
     for k, v in loaded["state"][0].items():
-        if k != "step":
+        if k not in ("step", "param_shape"):
             v.to_local().copy_(snapshot[k])  # what dcp.load does in place
     loaded["state"][0]["step"] = snapshot["step"]
     fresh.load_state_dict(loaded)

@@ -337,9 +337,10 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
     sd = opt.state_dict()
     for i, p in enumerate(params):
         st = sd["state"][i]
-        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_code"} - (
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_code", "param_shape"} - (
             {"master_code"} if p.dtype == torch.float32 else set()
         )
+        assert st["param_shape"].tolist() == list(p.shape)
         assert st["exp_avg"].dtype == torch.float32
         assert st["exp_avg"].shape == p.shape
         assert st["exp_avg_sq"].shape == p.shape
@@ -372,6 +373,14 @@ def test_uncompressed_moment_that_does_not_fit_is_named():
     opt.step()
     sd = opt.state_dict()
     q = torch.randn(40, 8).bfloat16().requires_grad_()  # a transposed model
+    # the entry's param_shape names the mismatch first, before any moment is encoded
+    with pytest.raises(
+        StateDictError,
+        match=r"state of parameter index 0 \(shape \(40, 8\).*saved for a parameter of shape "
+        r"\(8, 40\); .*belongs to another parameter",
+    ):
+        FlashAdamW([q], compress_state_dict=False).load_state_dict(sd)
+    del sd["state"][0]["param_shape"]  # a state dict of an older version: the moment's shape
     with pytest.raises(
         StateDictError,
         match=r"state 'exp_avg' of parameter index 0 is torch.float32 of shape \(8, 40\); a "
@@ -389,6 +398,51 @@ def test_uncompressed_moment_that_does_not_fit_is_named():
     del sd["state"][0]["exp_avg_scale"]
     with pytest.raises(StateDictError, match=r"lacks \['exp_avg_scale'\]"):
         FlashAdamW([p]).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["compressed", "decoded"])
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [(torch.float32, 24), (torch.bfloat16, None)], ids=["fp32", "bf16-none"]
+)
+def test_state_of_a_reordered_parameter_is_refused(compress, dtype, bits):
+    """An MLP's up (64, 16) and down (16, 64) weights: fp32 parameters (their own master), or
+    bf16 ones without a master (``master_weight_bits=None``), keep no code shaped like them,
+    and their q8 moments have the same sizes. The state dict's ``param_shape`` tells them
+    apart: loaded in the saved order they resume bit for bit (either form of the dict), in the
+    other order they are refused with nothing changed."""
+    gen = torch.Generator().manual_seed(0)
+    up, down = (
+        torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in ((64, 16), (16, 64))
+    )
+    kw = dict(HYPER[FlashAdamW], master_weight_bits=bits, compress_state_dict=compress)
+    opt = FlashAdamW([up, down], **kw)
+    run(opt, [up, down], steps=2)
+    sd = opt.state_dict()
+    assert [sd["state"][i]["param_shape"].tolist() for i in (0, 1)] == [[64, 16], [16, 64]]
+    assert all("param_shape" not in s for s in opt.state.values())
+
+    clones = [p.detach().clone().requires_grad_() for p in (up, down)]
+    twin = FlashAdamW(clones, **kw)
+    twin.load_state_dict(copy.deepcopy(sd))
+    for o, ps in ((opt, [up, down]), (twin, clones)):
+        for t in range(2, 4):
+            set_grads(ps, t)
+            o.step()
+    assert_same_state(opt, [up, down], twin, clones)
+
+    swapped = [p.detach().clone().requires_grad_() for p in (down, up)]
+    other = FlashAdamW(swapped, **kw)
+    run(other, swapped, steps=1)
+    before = [{k: v.clone() for k, v in other.state[p].items()} for p in swapped]
+    with pytest.raises(
+        StateDictError,
+        match=r"state of parameter index 0 \(shape \(16, 64\).* saved for a parameter of shape "
+        r"\(64, 16\); .*belongs to another parameter",
+    ):
+        other.load_state_dict(sd)
+    for p, b in zip(swapped, before, strict=True):
+        assert other.state[p].keys() == b.keys()
+        assert all(torch.equal(other.state[p][k], v) for k, v in b.items())
 
 
 def test_uncompressed_without_quantize_is_the_same_dict():

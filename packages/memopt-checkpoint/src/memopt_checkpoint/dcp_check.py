@@ -4,15 +4,20 @@
 the optimizer's ``load_state_dict`` that follows compares formats. Saved states of another
 format whose tensors have the same sizes (ECC-24 codes into ECC-32 arenas, Adam's first moment
 into Lion's) are cast and written over the live states, and ``load_state_dict`` then refuses
-them with the live states already overwritten. An optimizer without state (no
-``init_state()``) gives ``dcp.load`` nothing to fill: training goes on from fresh moments,
-silently. :func:`check_dcp_load` finds both before ``dcp.load`` runs.
+them with the live states already overwritten. So are the states of another parameter of the
+same size (parameters reordered since the save: an MLP's (4096, 1024) and (1024, 4096) weights
+have q8 states of the same sizes), which ``load_state_dict`` refuses by their ``param_shape``.
+An optimizer without state (no ``init_state()``) gives ``dcp.load`` nothing to fill: training
+goes on from fresh moments, silently. :func:`check_dcp_load` finds these before ``dcp.load``
+runs.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import torch
 
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import MemOptimizer
@@ -34,9 +39,13 @@ def check_dcp_load(
     ``ConfigError`` when a trainable parameter has no state yet (call
     ``optimizer.init_state()`` first); :class:`~memopt_core.errors.StateDictError` when the
     checkpoint holds no memopt state under ``key``, or state of another rule, number of param
-    groups, ``master`` / ``moments`` format, or ``compress_state_dict``. Reads only those few
-    values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in ``dcp.load``);
-    changes nothing.
+    groups, ``master`` / ``moments`` format, or ``compress_state_dict``, or state saved for a
+    parameter of another shape at a parameter's index (its ``param_shape``; a checkpoint of a
+    memopt that did not save it is not checked, and ``dcp.load`` of the optimizer's
+    ``state_dict()``, which has it, reports it missing before loading anything). Reads only
+    those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
+    ``dcp.load``); changes nothing. A ``param_shape`` with another number of dimensions makes
+    ``dcp.load`` raise its size mismatch here, also before anything is loaded.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -97,3 +106,31 @@ def check_dcp_load(
             f"optimizer's compress_state_dict = {compressed} before building the state dict "
             "for dcp.load, so it has the saved layout"
         )
+    # the saved shape of each parameter index (state_dict() numbers every parameter in order):
+    # a second read, so a size mismatch in it cannot hide the format checks above
+    shapes: dict[int, tuple[int, ...]] = {}
+    for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        if p in optimizer.state:
+            shapes[index] = tuple(p.shape)
+    state = {
+        i: {"param_shape": torch.full((len(s),), -1, dtype=torch.int64)} for i, s in shapes.items()
+    }
+    dcp.load(
+        {key: {"state": state}},
+        checkpoint_id=checkpoint_id,
+        storage_reader=storage_reader,
+        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        process_group=process_group,
+    )
+    for i, shape in shapes.items():
+        saved = tuple(state[i]["param_shape"].tolist())
+        if saved == (-1,) * len(shape):
+            continue  # saved without param_shape (an older memopt)
+        if saved != shape:
+            raise StateDictError(
+                f"the checkpoint's state of parameter index {i} was saved for a parameter of "
+                f"shape {saved}; this optimizer's parameter {i} has shape {shape}: the state "
+                "belongs to another parameter (were the parameters reordered, or the model "
+                "changed, since it was saved?), and dcp.load would write it over the live states "
+                "before load_state_dict refuses it"
+            )

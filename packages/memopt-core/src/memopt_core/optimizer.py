@@ -98,6 +98,8 @@ _HYPER = (
 )
 _BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
 _STATE_DICT_VERSION = 1
+#: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
+_PARAM_SHAPE = "param_shape"
 
 
 @dataclass
@@ -1319,12 +1321,26 @@ class MemOptimizer(Optimizer):
         The states of a sharded (FSDP2) parameter are DTensors sharded like it, in the layout
         :mod:`memopt_core.sharding` describes, so ``torch.distributed.checkpoint`` can load them
         into another sharding; per-element states and the blocked fields of parameters whose rows
-        hold whole blocks are views of the arenas, like a plain parameter's."""
-        return self._sharded_state_dict(self._local_state_dict())
+        hold whole blocks are views of the arenas, like a plain parameter's.
+
+        Each entry also holds ``"param_shape"``: its parameter's shape (a sharded parameter's
+        global shape) as a new int64 CPU tensor, which :meth:`load_state_dict` checks (flat
+        blocked moments and an fp32 master's missing code do not show which parameter they
+        belong to). A tensor, not a tuple, because ``dcp.load`` fills tensors in place but puts
+        the non-tensor values of ``state``'s int-keyed entries under new string keys."""
+        sd = self._sharded_state_dict(self._local_state_dict())
+        state = sd["state"]
+        for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+            for p, key in zip(group["params"], saved["params"], strict=True):
+                if key in state:
+                    # a new entry: torch's state_dict() hands out the live self.state[p] dicts
+                    shape = torch.tensor(tuple(p.shape), dtype=torch.int64)
+                    state[key] = {**state[key], _PARAM_SHAPE: shape}
+        return sd
 
     def _local_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` with every state in the arena's local layout (extension point:
-        memopt-ecc decodes moments here)."""
+        """:meth:`state_dict` with every state in the arena's local layout and no
+        ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
         sd = super().state_dict()
         sd["memopt"] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
         return sd
@@ -1383,10 +1399,16 @@ class MemOptimizer(Optimizer):
         States keep their formats and dtypes (never cast to the parameter dtype); saved param
         groups' hyperparameters replace the current ones, but their formats (``master``,
         ``moments``) must match. Mismatches raise :class:`StateDictError` naming the parameter.
+
         Blocked moments (q8, fp8) are flat and padded to whole blocks and an fp32 master keeps
-        no code, so such a state does not record its parameter's shape: the state of another
-        parameter with the same padded number of elements (a (60,) and a (64,), or (64,) and
-        (8, 8)) loads without an error. Load a state dict into the model it was saved from.
+        no code, so their tensors alone fit any parameter with the same padded number of
+        elements (a (60,) and a (64,), an MLP's (4096, 1024) and (1024, 4096)). Each entry's
+        ``"param_shape"`` (written by :meth:`state_dict`: a 1-D integer tensor, a sharded
+        parameter's global shape; a tuple or list of ints is taken too) must therefore equal
+        the shape of the parameter it is loaded into, else :class:`StateDictError` names the
+        parameter index and both shapes: the state belongs to another parameter (parameters
+        reordered, a model changed). Entries without it (state dicts of older versions) load
+        as before, unchecked. The key is not kept in the optimizer's state.
         """
         if not isinstance(state_dict, Mapping):
             raise StateDictError(
@@ -1397,6 +1419,7 @@ class MemOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._check_param_shapes(state_dict)  # first: before any layout conversion complains
         state_dict = self._prepare_loaded(self._localized(state_dict))
         for key in ("state", "param_groups"):
             if key not in state_dict:
@@ -1492,10 +1515,63 @@ class MemOptimizer(Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
+        """Check every entry's ``param_shape`` against its parameter before anything converts
+        the entries (malformed dicts pass: the other checks explain them)."""
+        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if (
+            not isinstance(saved_groups, (list, tuple))
+            or not isinstance(state, Mapping)
+            or len(saved_groups) != len(self.param_groups)
+        ):
+            return
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
+            keys = saved.get("params", ()) if isinstance(saved, Mapping) else ()
+            if not isinstance(keys, (list, tuple)) or len(keys) != len(group["params"]):
+                continue
+            for p, key in zip(group["params"], keys, strict=True):
+                try:
+                    entry = state.get(key)
+                except TypeError:  # an unhashable key: the other checks name it
+                    continue
+                if isinstance(entry, Mapping):
+                    self._check_param_shape(p, gi, key, entry)
+
+    @staticmethod
+    def _check_param_shape(p: Tensor, gi: int, key: Any, entry: Mapping) -> None:
+        """``entry``'s ``param_shape``, when it has one, must be ``p``'s shape (global for a
+        sharded parameter): the state of another parameter may fit ``p``'s tensors."""
+        if _PARAM_SHAPE not in entry:
+            return  # a state dict of an older version
+        saved = entry[_PARAM_SHAPE]
+        label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
+        if (
+            isinstance(saved, Tensor)
+            and saved.dim() == 1
+            and not saved.is_floating_point()
+            and not saved.is_complex()
+            and saved.dtype != torch.bool
+        ):
+            saved = saved.tolist()
+        if not isinstance(saved, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in saved
+        ):
+            raise StateDictError(
+                f"{_PARAM_SHAPE!r} of {label} must be the parameter's shape (a 1-D integer "
+                f"tensor, or a tuple of ints >= 0), got {saved!r}"
+            )
+        if tuple(saved) != tuple(p.shape):
+            raise StateDictError(
+                f"the state of {label} was saved for a parameter of shape {tuple(saved)}; this "
+                f"parameter's shape is {tuple(p.shape)}: the state belongs to another parameter "
+                "(were the parameters reordered, or the model changed, since it was saved?)"
+            )
+
     def _validated_state(self, p: Tensor, gi: int, key: Any, group: Mapping, entry: Any) -> dict:
         label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
         if not isinstance(entry, Mapping):
             raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
+        self._check_param_shape(p, gi, key, entry)  # again: _prepare_loaded may have changed it
         p = local_shard(p)  # a sharded parameter's state is its local shard's
         spec = self._spec(group, p.dtype)
         master = spec.master_for(p.dtype)
@@ -1519,7 +1595,7 @@ class MemOptimizer(Optimizer):
                 f"the state of {label} lacks {missing} (the format master={spec.master!r}, "
                 f"moments={spec.moments!r} of rule {self.rule!r} stores {sorted(required)})"
             )
-        extra = sorted(set(entry) - required, key=str)
+        extra = sorted(set(entry) - required - {_PARAM_SHAPE}, key=str)
         if extra:
             raise StateDictError(
                 f"the state of {label} has unexpected entries {extra} (the format "

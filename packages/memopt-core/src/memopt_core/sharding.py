@@ -32,7 +32,10 @@ global tensor per state and loads it into any other sharding of the same paramet
   element's block scale repeated next to it (one more byte per element, on small tensors). Loaded
   into blocks that group elements as they were saved, they give back the same values; where a
   new block mixes elements saved with different scales (a cut moved), the block is
-  re-quantized (round to nearest, within the format's bound).
+  re-quantized (round to nearest, within the format's bound);
+- ``param_shape``, which ``MemOptimizer.state_dict()`` adds after :func:`global_state`, is a
+  plain int64 tensor of the global shape, the same on every rank (:func:`local_state` passes it
+  through, as any plain tensor).
 """
 
 from __future__ import annotations

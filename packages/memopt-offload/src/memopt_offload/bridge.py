@@ -1158,6 +1158,9 @@ class AdamBridge(Optimizer):
         state: dict[int, dict[str, Any]] = {}
         for slot in self._slots.values():
             entry = dict(host_sd["state"].get(host_index[id(slot.master)], {}))
+            # core's shape record is not part of this format (update="device" has none): the
+            # "master" entry, shaped like the parameter, already ties the state to it
+            entry.pop("param_shape", None)
             entry["master"] = slot.master.detach()
             state[index[id(slot.param)]] = entry
         sd["state"] = state
