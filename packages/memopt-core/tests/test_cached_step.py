@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memopt_core import MemOptimizer, NumericsError, backends
+from memopt_core import ConfigError, MemOptimizer, NumericsError, backends
 from memopt_core.testing import assert_same_optimizers, bits
 
 CONFIGS = {
@@ -273,6 +273,27 @@ def run_momentum_switched_on(backend):
         assert_same_optimizers(a, b, opt, ref, f"step {step}")
 
 
+def run_parameter_resized_in_place(backend):
+    """A parameter cut to fewer elements at its own address (``p.data = p.data[:n]``) with its
+    gradient buffer refilled in place: the replay must not run the old plan (a prepared launch
+    would write the old size), so the step refuses it as an ordinary step does, changing
+    nothing."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    p = a[3]  # (100,)
+    address = p.data_ptr()
+    p.data = p.data[:10]
+    assert p.data_ptr() == address
+    p.grad.normal_()  # the same 100-element buffer
+    before = [bits(q).clone() for q in a]
+    with pytest.raises(ConfigError, match=r"changed since its state was created"):
+        opt.step()
+    assert all(torch.equal(bits(q), x) for q, x in zip(a, before, strict=True))
+    assert None not in opt._cached_steps
+
+
 #: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
 ADDRESS_SCENARIOS = [
     run_new_gradient_addresses,
@@ -281,6 +302,7 @@ ADDRESS_SCENARIOS = [
     run_add_param_group_and_load_state_dict,
     run_step_parameters_between_steps,
     run_momentum_switched_on,
+    run_parameter_resized_in_place,
 ]
 SCENARIOS = [run_lr_schedule, run_mixed_dtypes_in_a_group, *ADDRESS_SCENARIOS]
 

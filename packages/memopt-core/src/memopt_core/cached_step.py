@@ -13,7 +13,9 @@ edited hyperparameters take effect), launches and advances the counters.
 
 :meth:`CachedStep.current_grads` is the check before every replay: the same param group objects
 and lengths, the same resolution keys (backend choice, formats, kernel variants: what
-``MemOptimizer._resolution_keys`` returns), every parameter at its address, every gradient of
+``MemOptimizer._resolution_keys`` returns), every parameter at its address and of its number of
+elements (``p.data = p.data[:n]`` keeps the address; a prepared launch would write the old
+size), every gradient of
 its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
 launch prepared for one gradient dtype must not read the other. Addresses, not tensors, are
 kept: holding gradients between steps would keep a whole model's freed gradients alive.
@@ -44,16 +46,29 @@ from torch import Tensor
 
 from memopt_core import backends
 
-__all__ = ["CachedEntry", "CachedStep", "grad_addresses", "grad_dtypes", "param_addresses"]
+__all__ = [
+    "CachedEntry",
+    "CachedStep",
+    "grad_addresses",
+    "grad_dtypes",
+    "param_addresses",
+    "param_sizes",
+]
 
 _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = Tensor.data_ptr
+_NUMEL = Tensor.numel
 
 
 def param_addresses(params: Sequence[Tensor]) -> tuple[int, ...]:
     """Storage addresses of ``params``."""
     return tuple(map(_DATA_PTR, params))
+
+
+def param_sizes(params: Sequence[Tensor]) -> tuple[int, ...]:
+    """Numbers of elements of ``params``."""
+    return tuple(map(_NUMEL, params))
 
 
 def grad_addresses(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
@@ -106,6 +121,7 @@ class CachedStep:
         self._keys = keys
         self._counts = [len(g["params"]) for g in groups]
         self._pptrs = [param_addresses(g["params"]) for g in groups]
+        self._psizes = [param_sizes(g["params"]) for g in groups]
         grads = [list(map(_GRAD, g["params"])) for g in groups]
         self._gptrs = list(map(grad_addresses, grads))
         self._dtypes = list(map(grad_dtypes, grads))
@@ -127,6 +143,9 @@ class CachedStep:
                     return None
                 if param_addresses(params) != self._pptrs[gi]:
                     return None
+                if param_sizes(params) != self._psizes[gi]:
+                    return None  # resized at its address (``p.data = p.data[:n]``): a prepared
+                    # launch would still write the old size
                 grads = list(map(_GRAD, params))
                 if grad_dtypes(grads) != self._dtypes[gi]:  # None where None, as before
                     return None
