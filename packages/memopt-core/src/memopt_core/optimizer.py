@@ -1571,7 +1571,6 @@ class MemOptimizer(Optimizer):
         label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
         if not isinstance(entry, Mapping):
             raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
-        self._check_param_shape(p, gi, key, entry)  # again: _prepare_loaded may have changed it
         p = local_shard(p)  # a sharded parameter's state is its local shard's
         spec = self._spec(group, p.dtype)
         master = spec.master_for(p.dtype)
