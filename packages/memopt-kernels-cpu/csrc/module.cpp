@@ -366,6 +366,18 @@ std::vector<uint64_t> pool_probe(int throw_part) {
   return ids;
 }
 
+// Test hook: run_step's split of slots of the given padded sizes (first chunk of each part, then
+// the chunk count).
+std::vector<std::size_t> step_partition_py(const std::vector<int64_t>& padded, int64_t chunk_size,
+                                           int threads) {
+  if (chunk_size <= 0 || threads < 1)
+    throw std::invalid_argument("_step_partition: chunk_size and threads must be positive");
+  for (int64_t n : padded)
+    if (n < 0) throw std::invalid_argument("_step_partition: sizes must be >= 0");
+  return partition_step(padded.data(), static_cast<int64_t>(padded.size()), chunk_size, threads)
+      .first;
+}
+
 py::dict cpu_features_py() {
   const CpuFeatures& f = cpu_features();
   py::dict d;
@@ -422,6 +434,10 @@ PYBIND11_MODULE(_core, mod) {
   mod.def("_pool_probe", &pool_probe, py::arg("throw_part") = -1, release(),
           "Test hook: the thread id that ran each part of a run over every pool thread; part "
           "throw_part raises instead.");
+  mod.def("_step_partition", &step_partition_py, py::arg("padded"), py::arg("chunk_size"),
+          py::arg("threads"),
+          "Test hook: how a fused step over slots of these padded sizes is split for `threads` "
+          "threads: the index of each part's first chunk, then the number of chunks.");
 
   mod.def("fused_step", &fused_step, py::arg("slot_table"), py::arg("n_slots"), py::kw_only(),
           py::arg("rule"), py::arg("master"), py::arg("fmt1"), py::arg("fmt2"), py::arg("block"),

@@ -256,43 +256,55 @@ void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn)
   });
 }
 
+StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chunk_size,
+                             int threads) {
+  StepPartition out;
+  int64_t total = 0;
+  for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t b = 0; b < padded[r]; b += chunk_size)
+      out.chunks.push_back({r, b, std::min(b + chunk_size, padded[r])});
+    total += padded[r];
+  }
+  if (out.chunks.empty()) return out;
+  // At most one part per chunk_size elements of the whole step, as parallel_blocks splits: a
+  // step over many small tensors (one chunk each) is otherwise split over every thread, and
+  // waking the pool then costs more than the work (on 2 vCPUs, about 100 us against a few us
+  // for 8 tensors of 64 elements).
+  const int64_t by_size = (total + chunk_size - 1) / chunk_size;
+  const int parts = static_cast<int>(std::min<int64_t>(
+      std::min<int64_t>(threads, by_size), static_cast<int64_t>(out.chunks.size())));
+  // first[p]: index of the first chunk of part p (contiguous, balanced by element count)
+  out.first.assign(static_cast<std::size_t>(parts) + 1, out.chunks.size());
+  int64_t before = 0;
+  int part = -1;
+  for (std::size_t i = 0; i < out.chunks.size(); ++i) {
+    const int64_t len = out.chunks[i].end - out.chunks[i].begin;
+    const int64_t mid2 = 2 * before + len;  // twice the chunk's midpoint
+    // part = floor(mid * parts / total), in 128-bit arithmetic
+    const int p = static_cast<int>(
+        std::min<__int128>(parts - 1, static_cast<__int128>(mid2) * parts / (2 * total)));
+    while (part < p) out.first[++part] = i;
+    before += len;
+  }
+  while (part < parts) out.first[++part] = out.chunks.size();
+  return out;
+}
+
 void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
               int64_t n_rows) {
-  struct Chunk {
-    int64_t row, begin, end;
-  };
   State& s = state();
   std::unique_lock<std::mutex> lk(s.run_mu, std::defer_lock);
   if (!t_in_worker) lk.lock();
-  const int64_t cs = s.chunk_size;
-  std::vector<Chunk> chunks;
-  int64_t total = 0;
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const int64_t padded = rows[r].padded;
-    for (int64_t b = 0; b < padded; b += cs) chunks.push_back({r, b, std::min(b + cs, padded)});
-    total += padded;
-  }
-  if (chunks.empty()) return;
+  std::vector<int64_t> padded(static_cast<std::size_t>(n_rows));
+  for (int64_t r = 0; r < n_rows; ++r) padded[r] = rows[r].padded;
   const int threads = t_in_worker ? 1 : resolved_threads(s);
-  const int parts = static_cast<int>(std::min<int64_t>(threads, chunks.size()));
-  // first[p]: index of the first chunk of part p (contiguous, balanced by element count)
-  std::vector<std::size_t> first(parts + 1, chunks.size());
-  {
-    int64_t before = 0;
-    int part = -1;
-    for (std::size_t i = 0; i < chunks.size(); ++i) {
-      const int64_t len = chunks[i].end - chunks[i].begin;
-      const int64_t mid2 = 2 * before + len;  // twice the chunk's midpoint
-      // part = floor(mid * parts / total), in 128-bit arithmetic
-      const int p = static_cast<int>(
-          std::min<__int128>(parts - 1, static_cast<__int128>(mid2) * parts / (2 * total)));
-      while (part < p) first[++part] = i;
-      before += len;
-    }
-    while (part < parts) first[++part] = chunks.size();
-  }
-  if (t_in_worker) {
-    for (const Chunk& ch : chunks) kernels.step_range(cfg, rows[ch.row], ch.begin, ch.end);
+  const StepPartition sp = partition_step(padded.data(), n_rows, s.chunk_size, threads);
+  const std::vector<StepChunk>& chunks = sp.chunks;
+  const std::vector<std::size_t>& first = sp.first;
+  if (chunks.empty()) return;
+  const int parts = static_cast<int>(first.size()) - 1;
+  if (parts == 1) {  // in the calling thread
+    for (const StepChunk& ch : chunks) kernels.step_range(cfg, rows[ch.row], ch.begin, ch.end);
     return;
   }
   // Part p's chunks are handed out from its own counter: pool thread p takes them in order, and

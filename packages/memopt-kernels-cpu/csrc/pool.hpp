@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "memopt_cpu/kernel_api.hpp"
 
@@ -40,9 +41,24 @@ void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn)
 // One fused step over a slot table: each slot's padded range [0, padded) is cut into chunks of
 // get_chunk_size() elements (never crossing a slot); the chunks, in table order, are split into
 // contiguous parts balanced by element count (a chunk goes to the part holding its midpoint),
-// one per thread. Thread p calls kernels.step_range on part p's chunks in order, then helps with
+// one per thread but at most one per get_chunk_size() elements of the whole step (a single part
+// runs in the calling thread). Thread p calls kernels.step_range on part p's chunks in order, then helps with
 // the untaken chunks of the parts still running (work stealing: a preempted thread does not hold
 // up the step). The results do not depend on which thread runs a chunk.
+// A chunk of a fused step: elements [begin, end) of slot row `row`.
+struct StepChunk {
+  int64_t row, begin, end;
+};
+// How run_step cuts and splits a step over slots of the given padded sizes for `threads`
+// threads: its chunks, and first[p], the index of part p's first chunk (first.size() - 1 parts,
+// first.back() == chunks.size(); both empty for a step without elements).
+struct StepPartition {
+  std::vector<StepChunk> chunks;
+  std::vector<std::size_t> first;
+};
+StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chunk_size,
+                             int threads);
+
 void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
               int64_t n_rows);
 

@@ -3,6 +3,7 @@ raised inside workers, concurrent callers, fork, and results that do not depend 
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -243,3 +244,52 @@ def test_gil_is_released(ops):
         th.join()
         sys.setswitchinterval(interval)
     assert max(during) > 0, during
+
+
+@pytest.mark.parametrize(
+    ("padded", "chunk", "threads", "want"),
+    [
+        ([64] * 8, 65536, 16, [0, 8]),  # 512 elements: one part, in the caller, no pool wake-up
+        ([32] * 5000, 65536, 16, [0, 5000]),  # 160K elements in 5000 chunks: 3 parts at most
+        ([65536] * 8, 65536, 16, list(range(9))),  # one chunk per part
+        ([65536] * 8, 65536, 2, [0, 4, 8]),
+        ([3 * 65536, 32], 65536, 2, [0, 2, 4]),  # balanced by elements, not by chunks
+        ([100000], 65536, 4, [0, 1, 2]),  # two chunks of 65536 elements at most: two parts
+        ([], 65536, 4, []),
+        ([0, 0], 65536, 4, []),
+    ],
+)
+def test_step_partition(padded, chunk, threads, want):
+    """A step is cut into at most one part per chunk of elements of the whole step: a step over
+    many small tensors does not wake every pool thread for a few microseconds of work."""
+    first = _core._step_partition(padded, chunk, threads)
+    if padded == [32] * 5000:
+        assert len(first) - 1 == 3
+        assert (first[0], first[-1]) == (0, 5000)
+    else:
+        assert first == want
+
+
+def test_step_partition_invariants():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        padded = (torch.randint(0, 9000, (n,), generator=gen) * 32).tolist()
+        chunk = 32 * int(torch.randint(1, 300, (1,), generator=gen))
+        threads = int(torch.randint(1, 9, (1,), generator=gen))
+        first = _core._step_partition(padded, chunk, threads)
+        chunks = sum(-(-p // chunk) for p in padded)
+        if chunks == 0:
+            assert first == []
+            continue
+        parts = len(first) - 1
+        assert (first[0], first[-1]) == (0, chunks)
+        assert all(a <= b for a, b in itertools.pairwise(first))
+        assert 1 <= parts <= min(threads, -(-sum(padded) // chunk), chunks)
+
+
+def test_step_partition_rejects():
+    with pytest.raises(ValueError, match="positive"):
+        _core._step_partition([64], 0, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        _core._step_partition([-32], 64, 2)
