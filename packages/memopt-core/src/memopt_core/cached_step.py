@@ -7,7 +7,8 @@ step count, selects backends and builds the :class:`~memopt_core.backends.GroupS
 group and step count: per-tensor Python work (16 ms over 4096 tensors on the H200's host). A
 :class:`CachedStep` keeps those works (one per state group and step count: replays advance each
 work's counters together, so the grouping holds), with the backend's prepared launch where the
-backend offers ``prepare()`` (Triton; prepared at the first replay, so a step that never replays
+backend offers ``prepare()`` (Triton, and the C++ cpu backend, whose replays then skip its
+per-tensor table-cache key; prepared at the first replay, so a step that never replays
 costs no preparation). ``MemOptimizer._replay`` then recomputes only the scalars (schedulers and
 edited hyperparameters take effect), launches and advances the counters.
 

@@ -4,7 +4,9 @@
 instruction set and the thread count. ``supports()`` covers CPU tensors for every rule (sgd,
 adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8, q8) for
 fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
-call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included.
+call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included;
+``prepare()`` validates a group once for core's cached step, whose replays then skip the
+per-tensor checks of ``step()``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ class CpuBackend:
         from memopt_kernels_cpu import ops
 
         ops.fused_step(work, staging=work.staging)
+
+    def prepare(self, work: GroupStep):
+        """``work`` validated once for the replays of core's cached step
+        (:func:`memopt_kernels_cpu.ops.prepare_step`), or None (then :meth:`step` runs)."""
+        from memopt_kernels_cpu import ops
+
+        return ops.prepare_step(work)
 
     def __repr__(self) -> str:
         return "CpuBackend()"
