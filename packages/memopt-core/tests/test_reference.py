@@ -10,6 +10,8 @@ misses it by orders of magnitude, which ``test_bound_catches_a_wrong_rule`` prov
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 
 import pytest
 import torch
@@ -180,3 +182,16 @@ def test_rules_do_not_modify_inputs_and_check_dtypes():
         R.adam_scalars(
             lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, step=0, decoupled=True
         )
+
+
+def test_round_to_float32_matches_torch():
+    """Kernel launches round every scalar to fp32 without tensors (``round_to_float32``): it
+    must be torch's rounding exactly, signed zeros, subnormals and overflow included."""
+    rng = random.Random(0)
+    values = [rng.uniform(-1, 1) * 10 ** rng.uniform(-50, 45) for _ in range(20000)]
+    values += [3.4028235677973366e38, 3.4028236e38, -1e39, 1e-46, 7.006e-46, 1.4e-45, 0.0, -0.0]
+    for v in values:
+        got = R.round_to_float32(v)
+        want = torch.tensor(v, dtype=torch.float32).item()
+        assert got == want, v
+        assert math.copysign(1.0, got) == math.copysign(1.0, want), v

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass, fields
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "decay_factor",
     "lion",
     "lion_scalars",
+    "round_to_float32",
     "sgd",
     "sgd_scalars",
     "to_compute",
@@ -227,6 +229,18 @@ def lion_scalars(
 def to_compute(value: float, like: Tensor) -> Tensor:
     """``value`` rounded once to ``like``'s dtype, as a 0-d tensor on ``like``'s device."""
     return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def round_to_float32(value: float) -> float:
+    """``value`` rounded once to fp32 (nearest even; past the largest float an infinity), as
+    :func:`to_compute` rounds it for a float32 tensor, as a Python float and without creating a
+    tensor: C's double -> float cast through ``struct`` (the kernels' launches convert their
+    scalars with it at every step)."""
+    value = float(value)
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _scalars_as(s, like: Tensor) -> dict:

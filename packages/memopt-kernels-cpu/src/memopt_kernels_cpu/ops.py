@@ -50,6 +50,7 @@ from memopt_core.backends import (
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import master_codec
+from memopt_core.reference import round_to_float32
 from memopt_kernels_cpu import _core
 
 __all__ = [
@@ -453,10 +454,7 @@ def _scalar_config(rule: str, s, first_step: bool, seed: int, step: int) -> dict
         nesterov=nesterov and has_momentum,
         first_step=bool(first_step),
         has_momentum=has_momentum,
-        # double -> float32 once, round to nearest even (like torch.tensor(v, dtype=float32))
-        scalars=torch.tensor([float(v) for v in vals], dtype=torch.float64)
-        .to(torch.float32)
-        .tolist(),
+        scalars=[round_to_float32(v) for v in vals],  # double -> float32 once
         seed=int(seed) & _U32,
         step=int(step) & _U32,
     )

@@ -26,7 +26,6 @@ which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is cont
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from collections import OrderedDict
@@ -40,7 +39,7 @@ from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_mome
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
-from memopt_core.reference import adam_bias_table
+from memopt_core.reference import adam_bias_table, round_to_float32
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
@@ -154,17 +153,6 @@ def _i32(v: int, what: str = "a 32-bit word") -> int:
     except TypeError:
         raise ConfigError(f"{what} must be an int, got {type(v).__name__} {v!r}") from None
     return v - (1 << 32) if v >= (1 << 31) else v
-
-
-def _f32(v: float) -> float:
-    """``v`` rounded once to fp32 (nearest even), as the torch backend's ``to_compute`` rounds
-    it: C's double -> float cast through ``struct``, without creating tensors on every launch
-    (a prepared launch converts eight scalars per step)."""
-    v = float(v)
-    try:
-        return struct.unpack("<f", struct.pack("<f", v))[0]
-    except OverflowError:  # rounds past the largest float: torch gives an infinity
-        return math.copysign(math.inf, v)
 
 
 def _rows() -> int:
@@ -838,7 +826,7 @@ HYPER_FIELDS = {"adam": ADAM_HYPER_FIELDS, "lion": LION_HYPER_FIELDS, "sgd": SGD
 
 
 def _f32_bits(v: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", _f32(v)))[0]
+    return struct.unpack("<i", struct.pack("<f", round_to_float32(v)))[0]
 
 
 _ONE_BITS = 0x3F800000  # fp32 1.0: the inv_scale word of a launch without AMP
@@ -1036,34 +1024,34 @@ class PreparedStep:
         no_hyper = _dummy(self.device, torch.int32)
         if self.rule == "adam":
             args = (
-                _f32(s.one_minus_beta1),
-                _f32(s.beta2),
-                _f32(s.one_minus_beta2),
-                _f32(s.eps),
-                _f32(s.step_size),
-                _f32(s.bc2_sqrt),
-                _f32(s.decay),
-                _f32(s.l2),
+                round_to_float32(s.one_minus_beta1),
+                round_to_float32(s.beta2),
+                round_to_float32(s.one_minus_beta2),
+                round_to_float32(s.eps),
+                round_to_float32(s.step_size),
+                round_to_float32(s.bc2_sqrt),
+                round_to_float32(s.decay),
+                round_to_float32(s.l2),
             )
             kw.update(MAXIMIZE=bool(s.maximize), HAS_L2=s.l2 != 0.0, HAS_DECAY=s.decay != 1.0)
         elif self.rule == "lion":
             args = (
-                _f32(s.lr),
-                _f32(s.beta1),
-                _f32(s.one_minus_beta1),
-                _f32(s.beta2),
-                _f32(s.one_minus_beta2),
-                _f32(s.decay),
+                round_to_float32(s.lr),
+                round_to_float32(s.beta1),
+                round_to_float32(s.one_minus_beta1),
+                round_to_float32(s.beta2),
+                round_to_float32(s.one_minus_beta2),
+                round_to_float32(s.decay),
             )
             kw.update(MAXIMIZE=bool(s.maximize), HAS_DECAY=s.decay != 1.0)
         else:
             has_momentum = kw.pop("_HAS_MOMENTUM")
             args = (
-                _f32(s.lr),
-                _f32(s.momentum),
-                _f32(s.one_minus_dampening),
-                _f32(s.decay),
-                _f32(s.l2),
+                round_to_float32(s.lr),
+                round_to_float32(s.momentum),
+                round_to_float32(s.one_minus_dampening),
+                round_to_float32(s.decay),
+                round_to_float32(s.l2),
             )
             kw.update(
                 MAXIMIZE=bool(s.maximize),
