@@ -550,3 +550,54 @@ def test_strided_gradient_step_is_not_reusable(ops, device):
         TORCH.step(group_step(ref, [strided.clone()], step))
         bad = diff_report(ref, mine)
         assert not bad, f"step {step}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("entry", ["fused_step", "prepared", "codecs"])
+@pytest.mark.gpu(min_devices=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensors_on_another_gpu_than_the_current_one(ops, entry):
+    """Triton launches on the current device and stream: tensors on cuda:1 while cuda:0 is
+    current (a model moved with ``.to("cuda:1")``) must still be updated on cuda:1, with the
+    reference's bits, and the current device must stay what it was."""
+    from memopt_core.formats import moment_codec
+    from memopt_core.testing import bits
+
+    dev = torch.device("cuda", 1)
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(0)
+    try:
+        if entry == "codecs":
+            x = torch.randn(4096 + 32, device=dev).abs()
+            got = ops.encode_moment("q8_sqrt", x)
+            want = moment_codec("q8_sqrt").encode(x.cpu())
+            for k in want:
+                assert got[k].device == dev
+                assert torch.equal(bits(got[k]).cpu(), bits(want[k])), k
+            assert torch.equal(
+                bits(ops.decode_moment("q8_sqrt", got)).cpu(),
+                bits(moment_codec("q8_sqrt").decode(want)),
+            )
+            assert torch.cuda.current_device() == 0
+            return
+        rule, hyper = VARIANTS["adamw"]
+        spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+        ref = make_group(rule, spec, torch.bfloat16, [33, 4095, 65537], dev, **hyper)
+        mine = ref.clone()
+        kept = [torch.empty_like(p) for p in mine.params]
+        prepared = None
+        for step in range(1, 4):
+            grads = make_grads(ref, step)
+            TORCH.step(group_step(ref, grads, step))
+            for k, g in zip(kept, grads, strict=True):
+                k.copy_(g)
+            work = group_step(mine, kept, step)
+            if entry == "fused_step":
+                ops.fused_step(work)
+            else:
+                prepared = prepared or ops.prepare_step(work)
+                prepared.launch(work.scalars, step, work.seed, step == 1)
+            assert torch.cuda.current_device() == 0
+            bad = diff_report(ref, mine)
+            assert not bad, f"step {step}: " + "; ".join(bad)
+    finally:
+        torch.cuda.set_device(before)

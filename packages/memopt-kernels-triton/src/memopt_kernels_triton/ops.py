@@ -26,6 +26,7 @@ which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is cont
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections import OrderedDict
@@ -142,7 +143,22 @@ def _launch(
             opts["num_stages"] = num_stages
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
-    kernel[grid](*args, **constexprs, **opts)
+    with _on_device_of(args):
+        kernel[grid](*args, **constexprs, **opts)
+
+
+def _on_device_of(args: Sequence) -> contextlib.AbstractContextManager:
+    """The device of the first CUDA tensor in ``args`` made current for a launch, where another
+    one is: Triton launches on the current device and its current stream, so with tensors on
+    ``cuda:1`` and ``cuda:0`` current (a model moved with ``.to("cuda:1")`` without
+    ``torch.cuda.set_device``) it would run on the wrong GPU (an illegal address, or a race
+    with the stream that wrote the gradients), as torch's own ops never do."""
+    for a in args:
+        if isinstance(a, Tensor):
+            if a.device.type == "cuda" and a.device.index != torch.cuda.current_device():
+                return torch.cuda.device(a.device)
+            break
+    return contextlib.nullcontext()
 
 
 def _i32(v: int, what: str = "a 32-bit word") -> int:
