@@ -4,8 +4,6 @@ from the host or from a device tensor (the CUDA-graph path), gives the bits of a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -603,70 +601,3 @@ def test_tensors_on_another_gpu_than_the_current_one(ops, entry):
             assert not bad, f"step {step}: " + "; ".join(bad)
     finally:
         torch.cuda.set_device(before)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("rule_name", "preset", "master", "dtype"), [
-    ("adamw", "q8", "ecc24", torch.bfloat16),
-    ("lion", "bf16", "fp32", torch.float32),
-    ("sgd-nesterov", "fp32", "ecc32", torch.bfloat16),
-])  # fmt: skip
-def test_direct_launches_equal_tritons_own(ops, monkeypatch, rule_name, preset, master, dtype):
-    """A prepared step launches its compiled kernel directly after the first launch (no
-    argument binding): the same bits as launching through ``kernel[grid](...)`` every time,
-    over steps whose constants change (SGD's first step, decay switched off)."""
-    import triton
-
-    if getattr(triton, "knobs", None) is None:
-        pytest.skip("direct launches need triton.knobs (Triton >= 3.4)")
-    rule, hyper = VARIANTS[rule_name]
-    spec = StateSpec(master=master, moments=preset, stochastic_rounding=True)
-    dev = torch.device("cuda")
-    direct = make_group(rule, spec, dtype, [1, 33, 4095, 65537], dev, seed=11, **hyper)
-    through = direct.clone()
-    kept = [[torch.empty_like(p) for p in g.params] for g in (direct, through)]
-    prepared = [None, None]
-    for step in range(1, 6):
-        grads = make_grads(direct, step)
-        for i, (g, mode) in enumerate(zip((direct, through), (True, False), strict=True)):
-            monkeypatch.setattr(ops, "_DIRECT_LAUNCH", mode)
-            for k, n in zip(kept[i], grads, strict=True):
-                k.copy_(n)
-            work = group_step(g, kept[i], step)
-            if step == 4:  # another constant: no weight decay
-                work.scalars = dataclasses.replace(work.scalars, decay=1.0)
-            prepared[i] = prepared[i] or ops.prepare_step(work)
-            prepared[i].launch(work.scalars, step, work.seed, step == 1)
-        bad = diff_report(direct, through)
-        assert not bad, f"step {step}: " + "; ".join(bad)
-    assert prepared[0]._compiled._by_key  # the direct path was taken
-    assert not prepared[1]._compiled._by_key
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_launch_hooks_see_every_prepared_launch(ops):
-    """With a Triton launch hook installed (a profiler), prepared launches go through Triton's
-    own path, so the hook sees each one."""
-    import triton
-
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
-        pytest.skip("needs triton.knobs (Triton >= 3.4)")
-    rule, hyper = VARIANTS["adamw"]
-    spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
-    group = make_group(rule, spec, torch.float32, [33, 4095], torch.device("cuda"), **hyper)
-    grads = make_grads(group, 1)
-    work = group_step(group, grads, 1)
-    prepared = ops.prepare_step(work)
-    prepared.launch(work.scalars, 1, work.seed, True)  # compiles; kept for direct launches
-    seen = []
-    old = knobs.runtime.launch_enter_hook
-    knobs.runtime.launch_enter_hook = seen.append
-    try:
-        for step in (2, 3):
-            prepared.launch(group_step(group, grads, step).scalars, step, work.seed, False)
-    finally:
-        knobs.runtime.launch_enter_hook = old
-    assert len(seen) == 2

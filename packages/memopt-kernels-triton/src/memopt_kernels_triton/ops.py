@@ -134,9 +134,7 @@ def _launch(
     num_stages: int | None = None,
     maxnreg: int | None = None,
     **constexprs,
-):
-    """Launch ``kernel`` on ``grid`` on its tensors' device; returns what Triton's launch
-    returns (the compiled kernel on a GPU)."""
+) -> None:
     opts = {"enable_fp_fusion": False}
     if not interpreting():
         if num_warps is not None:
@@ -146,7 +144,7 @@ def _launch(
         if maxnreg is not None:
             opts["maxnreg"] = maxnreg
     with _on_device_of(args):
-        return kernel[grid](*args, **constexprs, **opts)
+        kernel[grid](*args, **constexprs, **opts)
 
 
 def _on_device_of(args: Sequence) -> contextlib.AbstractContextManager:
@@ -161,72 +159,6 @@ def _on_device_of(args: Sequence) -> contextlib.AbstractContextManager:
                 return torch.cuda.device(a.device)
             break
     return contextlib.nullcontext()
-
-
-#: Whether prepared launches reuse the compiled kernel directly (see :class:`_CompiledLaunches`);
-#: False sends every launch through Triton's ``kernel[grid](...)`` (benchmarks compare both)
-_DIRECT_LAUNCH = True
-
-
-class _CompiledLaunches:
-    """The compiled kernels of one prepared step, one per set of launch constants, launched
-    without Triton's per-call work. ``kernel[grid](*args, **constants)`` binds every argument
-    by name, computes each one's specialization key and looks the kernel up again at every
-    call: tens of microseconds of Python per launch, for a prepared step whose arguments never
-    change type, alignment or value class. Safe because every argument that varies between a
-    prepared step's launches is a float (not specialized) or an int that the kernels mark
-    ``do_not_specialize`` (seed, step), and the constants are part of the key. Used only on a
-    GPU, with Triton >= 3.4 (``triton.knobs``; the launcher's argument layout of 3.4-3.6) and no
-    launch hooks installed (profilers see every launch through Triton's own path)."""
-
-    __slots__ = ("_by_key",)
-
-    def __init__(self) -> None:
-        self._by_key: dict = {}
-
-    def keep(self, key: tuple, compiled, kernel, n_args: int, constants: dict) -> None:
-        """Remember ``compiled`` (what Triton's launch of ``kernel`` returned for ``n_args``
-        positional arguments and ``constants``) under ``key``."""
-        if not _DIRECT_LAUNCH or _knobs() is None or interpreting():
-            return
-        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-            return
-        names = kernel.arg_names[n_args:]  # the constants, in the kernel's parameter order
-        if len(kernel.arg_names) < n_args or any(n not in constants for n in names):
-            return
-        self._by_key[key] = (compiled, tuple(constants[n] for n in names))
-
-    def launch(self, key: tuple, grid: tuple, args: tuple) -> bool:
-        """Launch the kernel kept under ``key`` with ``args``; False (nothing launched) where
-        none is kept or a launch hook is installed."""
-        entry = self._by_key.get(key)
-        if entry is None or not _DIRECT_LAUNCH:
-            return False
-        knobs = _knobs()
-        if knobs is None or knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook:
-            return False
-        compiled, constants = entry
-        with _on_device_of(args):
-            stream = _raw_stream(torch.cuda.current_device())
-            compiled.run(
-                grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata,
-                None, None, None, *args, *constants,
-            )  # fmt: skip
-        return True
-
-
-def _raw_stream(index: int) -> int:
-    """The handle of ``cuda:index``'s current stream, as Triton's launcher takes it (Triton's
-    own driver reads it the same way; a ``torch.cuda.Stream`` object would cost more)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
-
-
-def _knobs():
-    """``triton.knobs`` (Triton >= 3.4), else None."""
-    import triton
-
-    return getattr(triton, "knobs", None)
 
 
 def _i32(v: int, what: str = "a 32-bit word") -> int:
@@ -1011,7 +943,6 @@ class PreparedStep:
     """
 
     __slots__ = (
-        "_compiled",
         "_copies",
         "_gdtypes",
         "_gnumels",
@@ -1039,12 +970,8 @@ class PreparedStep:
         gdtypes=(),
         gnumels=(),
         held=(),
-        compiled=None,
     ) -> None:
         self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
-        # the same kernels serve a step whose gradients moved (with_grads): its arguments keep
-        # their types and alignment
-        self._compiled = compiled if compiled is not None else _CompiledLaunches()
         self._copies = copies
         self._held = held  # the gradients a step through copies reads: they live as long as it
         self.reusable = not (copies or held)
@@ -1091,7 +1018,7 @@ class PreparedStep:
         head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
         return PreparedStep(
             self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
-            self._gdtypes, self._gnumels, compiled=self._compiled,
+            self._gdtypes, self._gnumels,
         )  # fmt: skip
 
     @property
@@ -1150,12 +1077,9 @@ class PreparedStep:
                 FIRST=bool(first_step),
             )
         kw.update(HYPER=False, UNSCALE=False)
-        full = (*self._head, *args, seed_, step_, no_hyper, 0)
-        key = tuple(kw.items())
-        if not self._compiled.launch(key, self._grid, full):
-            kernel = _KERNELS[self.rule]
-            compiled = _launch(kernel, self._grid, *full, **kw)
-            self._compiled.keep(key, compiled, kernel, len(full), kw)
+        _launch(
+            _KERNELS[self.rule], self._grid, *self._head, *args, seed_, step_, no_hyper, 0, **kw
+        )
         self._finish()
 
     def launch_hyper(
