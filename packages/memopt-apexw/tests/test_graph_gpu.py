@@ -94,3 +94,31 @@ def test_many_tiny_tensors_in_one_launch():
         step_both(a, b, opt, ref, step)
     assert_same(a, b, opt, ref)
     assert len(opt._cached_steps["fused"].entries) == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "capturable"), [("fused", True), ("fused", False), ("auto", False)]
+)
+@pytest.mark.gpu(min_devices=2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_parameters_on_another_gpu_than_the_current_one(mode, capturable):
+    """A model on cuda:1 while cuda:0 is current (moved with ``.to("cuda:1")``): the captured
+    graph, its scalar uploads, the eager launches and the auto mode's timed trials all run on
+    cuda:1, with the reference's bits, and the current device stays cuda:0."""
+    dev = torch.device("cuda", 1)
+    before = torch.cuda.current_device()
+    torch.cuda.set_device(0)
+    try:
+        a = make_params(dev)
+        b = twin(a)
+        opt = ApexW(a, capturable=capturable, mode=mode)
+        ref = reference_for(b)
+        for step in range(1, 13):
+            step_both(a, b, opt, ref, step)
+            assert torch.cuda.current_device() == 0
+        assert_same(a, b, opt, ref)
+        if capturable:
+            assert opt._graph is not None
+            assert opt._graph.graph is not None
+    finally:
+        torch.cuda.set_device(before)

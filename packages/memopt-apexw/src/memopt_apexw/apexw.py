@@ -258,7 +258,7 @@ class ApexW(MemOptimizer):
         with torch.no_grad():
             mode, timed = self._next_mode()
             if timed:
-                with auto_mode.timed(self._device_types()) as t:
+                with auto_mode.timed(self._devices()) as t:
                     self._step_in(mode)
                 assert self._trial is not None
                 self._trial.record(mode, t.ms)
@@ -266,8 +266,8 @@ class ApexW(MemOptimizer):
                 self._step_in(mode)
         return loss
 
-    def _device_types(self) -> set[str]:
-        return {p.device.type for g in self.param_groups for p in g["params"]}
+    def _devices(self) -> set[torch.device]:
+        return {p.device for g in self.param_groups for p in g["params"]}
 
     def _step_in(self, mode: str) -> None:
         self.backend = self._backend_name(mode)  # part of what a cached step was resolved for

@@ -232,23 +232,26 @@ class Trial:
         return min(med, key=med.__getitem__)
 
 
-def timed(device_types: set[str]):
-    """A context timing a block in milliseconds, synchronizing CUDA before and after."""
-    return _Timer("cuda" in device_types)
+def timed(devices: set[torch.device]):
+    """A context timing a block in milliseconds, synchronizing each CUDA device of
+    ``devices`` before and after (the parameters' GPUs, not only the current one)."""
+    return _Timer(sorted({d for d in devices if d.type == "cuda"}, key=str))
 
 
 class _Timer:
-    def __init__(self, sync: bool) -> None:
-        self.sync = sync
+    def __init__(self, cuda: list[torch.device]) -> None:
+        self.cuda = cuda
         self.ms = 0.0
 
+    def _sync(self) -> None:
+        for d in self.cuda:
+            torch.cuda.synchronize(d)
+
     def __enter__(self) -> _Timer:
-        if self.sync:
-            torch.cuda.synchronize()
+        self._sync()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.sync:
-            torch.cuda.synchronize()
+        self._sync()
         self.ms = (time.perf_counter() - self._t0) * 1e3

@@ -71,7 +71,7 @@ class GraphStep:
         host.copy_(torch.tensor(rows, dtype=torch.int32))
         self.hyper.copy_(host, non_blocking=True)
         ev = torch.cuda.Event()
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))  # the copy's stream: the device's
         self._events[slot] = ev
         self._slot ^= 1
 
@@ -84,7 +84,13 @@ class GraphStep:
         (capturing first if not done yet).
 
         The first call runs the launches eagerly (compiling the device-scalar kernel variant, so
-        the capture records no compilation); the second captures and replays."""
+        the capture records no compilation); the second captures and replays. Everything runs
+        on the parameters' GPU, whichever device is current (a graph replays on the current
+        stream of the current device)."""
+        with torch.cuda.device(self.device):
+            self._run(scalars_per_entry, seed, steps)
+
+    def _run(self, scalars_per_entry: list, seed: int, steps: list[int]) -> None:
         self._write(scalars_per_entry, seed, steps)
         if self.graph is None:
             if not self._warm:
