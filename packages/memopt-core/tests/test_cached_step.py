@@ -294,6 +294,34 @@ def run_parameter_resized_in_place(backend):
     assert None not in opt._cached_steps
 
 
+def run_transposed_gradient_at_its_address(backend):
+    """A gradient replaced by a transposed view of itself (``p.grad = p.grad.t()`` on a square
+    parameter): the same address, dtype and size, another layout. The step must read it as the
+    ordinary step does (its values, through a contiguous copy), not as the memory it was
+    prepared for, which holds the transpose."""
+    cfg = dict(CONFIGS["adamw-ecc24-q8"])
+    dtype = cfg.pop("dtype")
+    a = make_params(dtype, shapes=[(8, 8), (33,)])
+    b = twin(a)
+    opt = MemOptimizer(a, lr=1e-2, backend=backend, **cfg)
+    ref = Uncached(b, lr=1e-2, backend=backend, **cfg)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    for step in range(4, 7):
+        set_grads(a, step)  # refilled in place: the addresses stay
+        address = a[0].grad.data_ptr()
+        a[0].grad = a[0].grad.t()
+        assert a[0].grad.data_ptr() == address
+        assert not a[0].grad.is_contiguous()
+        for p, q in zip(a, b, strict=True):
+            q.grad = p.grad.contiguous()
+        opt.step()
+        ref.step()
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
+        a[0].grad = a[0].grad.t()  # contiguous again for the next in-place refill
+
+
 #: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
 ADDRESS_SCENARIOS = [
     run_new_gradient_addresses,
@@ -303,6 +331,7 @@ ADDRESS_SCENARIOS = [
     run_step_parameters_between_steps,
     run_momentum_switched_on,
     run_parameter_resized_in_place,
+    run_transposed_gradient_at_its_address,
 ]
 SCENARIOS = [run_lr_schedule, run_mixed_dtypes_in_a_group, *ADDRESS_SCENARIOS]
 

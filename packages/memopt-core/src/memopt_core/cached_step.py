@@ -18,8 +18,11 @@ and lengths, the same resolution keys (backend choice, formats, kernel variants:
 elements (``p.data = p.data[:n]`` keeps the address; a prepared launch would write the old
 size), every gradient of
 its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
-launch prepared for one gradient dtype must not read the other. Addresses, not tensors, are
-kept: holding gradients between steps would keep a whole model's freed gradients alive.
+launch prepared for one gradient dtype must not read the other; and, in a group whose gradients
+were contiguous, every gradient still contiguous (``p.grad = p.grad.t()`` on a square parameter
+keeps the address, dtype and size, and a prepared launch would read the memory in the old order).
+Addresses, not tensors, are kept: holding gradients between steps would keep a whole model's
+freed gradients alive.
 
 Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
 default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
@@ -60,6 +63,7 @@ _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
+_CONTIGUOUS = Tensor.is_contiguous
 
 
 def param_addresses(params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -78,6 +82,14 @@ def grad_addresses(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
         return tuple(map(_DATA_PTR, grads))  # a C-level loop: the common case
     except TypeError:  # some gradient is None
         return tuple(-1 if g is None else g.data_ptr() for g in grads)
+
+
+def grads_contiguous(grads: Sequence[Tensor | None]) -> bool:
+    """Whether every gradient of ``grads`` (None counts as one) is contiguous."""
+    try:
+        return all(map(_CONTIGUOUS, grads))  # a C-level loop: the common case
+    except TypeError:  # some gradient is None
+        return all(g is None or g.is_contiguous() for g in grads)
 
 
 def grad_dtypes(grads: Sequence[Tensor | None]) -> tuple[Any, ...]:
@@ -126,6 +138,7 @@ class CachedStep:
         grads = [list(map(_GRAD, g["params"])) for g in groups]
         self._gptrs = list(map(grad_addresses, grads))
         self._dtypes = list(map(grad_dtypes, grads))
+        self._contiguous = list(map(grads_contiguous, grads))
 
     def current_grads(
         self, groups: list[dict[str, Any]], keys: tuple
@@ -150,6 +163,9 @@ class CachedStep:
                 grads = list(map(_GRAD, params))
                 if grad_dtypes(grads) != self._dtypes[gi]:  # None where None, as before
                     return None
+                if self._contiguous[gi] and not grads_contiguous(grads):
+                    return None  # another layout at the same address (``p.grad = p.grad.t()``):
+                    # a prepared launch would read its memory in the old order
                 gptrs = grad_addresses(grads)
                 if gptrs != self._gptrs[gi]:
                     if self.fixed_grads:
