@@ -167,6 +167,42 @@ void check_moment(const char* name, int32_t fmt, int64_t codes, const char* scal
   }
 }
 
+// What is wrong with one slot-table row of a fused step ("" when nothing is).
+std::string slot_row_problem(const SlotRow& r, int32_t master, int32_t want_param_kind,
+                             int32_t block, int64_t arena_elements) {
+  auto addr = [](const char* what, int64_t a, bool needed) -> std::string {
+    if (a < 0) return std::string(what) + ": negative address " + std::to_string(a);
+    if (needed && a == 0) return std::string(what) + " is required here but the address is 0";
+    return {};
+  };
+  if (r.numel < 0) return "negative numel";
+  const int64_t want = (r.numel + block - 1) / block * block;
+  if (r.padded != want)
+    return "padded " + std::to_string(r.padded) + " is not numel " + std::to_string(r.numel) +
+           " rounded up to the block of " + std::to_string(block);
+  if (r.arena_offset < 0 || r.arena_offset % block != 0 ||
+      r.arena_offset > arena_elements - r.padded)
+    return "arena_offset " + std::to_string(r.arena_offset) + " (+ padded " +
+           std::to_string(r.padded) + ") is not a block-aligned range of the arena of " +
+           std::to_string(arena_elements) + " elements";
+  // an fp32 master takes every gradient kind (widening is exact); others fp32 or their own
+  if (r.grad_kind < GRAD_FP32 || r.grad_kind > GRAD_FP16 ||
+      (master != MASTER_FP32 && r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind))
+    return "grad_kind " + std::to_string(r.grad_kind) +
+           " must be GRAD_FP32 or the parameter's own dtype (fp32 parameters: any Grad)";
+  std::string a = addr("param", r.param, r.numel > 0);
+  if (a.empty()) a = addr("grad", r.grad, r.numel > 0);
+  if (a.empty()) a = addr("staging", r.staging, false);
+  if (!a.empty()) return a;
+  if (r.staging != 0 && master == MASTER_FP16)
+    return "bf16 staging is for fp32 and bf16 parameters, not fp16 ones";
+  // the rounding indices index_base .. index_base + padded stay far from int64 overflow
+  if (r.index_base < 0 || r.index_base >= (int64_t{1} << 62) - r.padded)
+    return "index_base " + std::to_string(r.index_base) + " (+ padded " +
+           std::to_string(r.padded) + ") must be >= 0 and below 2**62";
+  return {};
+}
+
 // ------------------------------------------------------------------------------ fused step
 void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t master, int32_t fmt1,
                 int32_t fmt2, int32_t block, bool sr, bool maximize, bool has_l2, bool has_decay,
@@ -202,32 +238,11 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
 
   const SlotRow* rows = ptr<const SlotRow>(slot_table);
   for (int64_t i = 0; i < n_slots; ++i) {
-    const SlotRow& r = rows[i];
-    const std::string at = "slot_table row " + std::to_string(i) + ": ";
-    if (r.numel < 0) bad(at + "negative numel");
-    const int64_t want = (r.numel + block - 1) / block * block;
-    if (r.padded != want)
-      bad(at + "padded " + std::to_string(r.padded) + " is not numel " + std::to_string(r.numel) +
-          " rounded up to the block of " + std::to_string(block));
-    if (r.arena_offset < 0 || r.arena_offset % block != 0 ||
-        r.arena_offset > arena_elements - r.padded)
-      bad(at + "arena_offset " + std::to_string(r.arena_offset) + " (+ padded " +
-          std::to_string(r.padded) + ") is not a block-aligned range of the arena of " +
-          std::to_string(arena_elements) + " elements");
-    // an fp32 master takes every gradient kind (widening is exact); others fp32 or their own
-    if (r.grad_kind < GRAD_FP32 || r.grad_kind > GRAD_FP16 ||
-        (master != MASTER_FP32 && r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind))
-      bad(at + "grad_kind " + std::to_string(r.grad_kind) +
-          " must be GRAD_FP32 or the parameter's own dtype (fp32 parameters: any Grad)");
-    check_addr((at + "param").c_str(), r.param, r.numel > 0);
-    check_addr((at + "grad").c_str(), r.grad, r.numel > 0);
-    check_addr((at + "staging").c_str(), r.staging, false);
-    if (r.staging != 0 && master == MASTER_FP16)
-      bad(at + "bf16 staging is for fp32 and bf16 parameters, not fp16 ones");
-    // the rounding indices index_base .. index_base + padded stay far from int64 overflow
-    if (r.index_base < 0 || r.index_base >= (int64_t{1} << 62) - r.padded)
-      bad(at + "index_base " + std::to_string(r.index_base) + " (+ padded " +
-          std::to_string(r.padded) + ") must be >= 0 and below 2**62");
+    // the message (and its allocations) only for a bad row: at thousands of small tensors,
+    // building it for every row took most of a step's time outside the kernels
+    const std::string problem = slot_row_problem(rows[i], master, want_param_kind, block,
+                                                 arena_elements);
+    if (!problem.empty()) bad("slot_table row " + std::to_string(i) + ": " + problem);
   }
 
   StepConfig cfg{};
