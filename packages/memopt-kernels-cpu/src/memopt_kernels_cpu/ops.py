@@ -863,8 +863,9 @@ def fused_step(
 class PreparedStep:
     """One group's fused step validated once (:func:`prepare_step`): its slot table and the
     arena's addresses. :meth:`launch` runs it with a step's scalars and checks nothing, which
-    is valid while every parameter and gradient keeps its address, dtype and size and the
-    arena its tensors: memopt_core's cached step checks the tensors before each replay (it
+    is valid while every parameter and gradient keeps its address, dtype and size, every
+    gradient stays contiguous and the arena keeps its tensors: memopt_core's cached step checks
+    the tensors before each replay (it
     calls :func:`prepare_step` again for gradients that moved) and is dropped with the
     optimizer's state. For ``n`` tensors this saves the per-tensor key of :func:`fused_step`'s
     table cache (about 0.5 us per tensor)."""
