@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from memopt_apexw import ApexW
-from memopt_core.testing import init_rank
+from memopt_core.testing import init_rank, leave_group
 
 #: name -> (model dtype, ApexW kwargs)
 CONFIGS = {
@@ -67,5 +67,7 @@ def train(
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other rank may never reach it
+        raise
+    leave_group()

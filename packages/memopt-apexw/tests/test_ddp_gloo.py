@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ddp_worker import CONFIGS, loss_of, make_model, make_optimizer, shard, train
 
 from memopt_core.device_fixture import DIST_DEVICES
-from memopt_core.testing import set_mean_gradients
+from memopt_core.testing import set_mean_gradients, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -45,11 +44,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("bucket_view", [False, True], ids=["grad_tensors", "bucket_views"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_ddp_two_ranks_equal_one_process(name, bucket_view, set_to_none, tmp_path):
-    mp.spawn(
+    spawn_ranks(
         train,
-        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), bucket_view, set_to_none),
-        nprocs=2,
-        join=True,
+        (2, str(tmp_path / "init"), name, STEPS, str(tmp_path), bucket_view, set_to_none),
+        2,
+        [tmp_path / f"rank{r}.pt" for r in (0, 1)],
     )
     want = reference(name)
     for rank in (0, 1):
@@ -65,11 +64,11 @@ def test_ddp_two_ranks_equal_one_process(name, bucket_view, set_to_none, tmp_pat
 def test_ddp_on_two_gpus_equals_one_gpu(name, device, tmp_path):
     """NCCL on 2 GPUs (ApexW's fused Triton step, cached after the first step) against one
     GPU stepping on the averaged gradients."""
-    mp.spawn(
+    spawn_ranks(
         train,
-        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), False, True, device),
-        nprocs=2,
-        join=True,
+        (2, str(tmp_path / "init"), name, STEPS, str(tmp_path), False, True, device),
+        2,
+        [tmp_path / f"rank{r}.pt" for r in (0, 1)],
     )
     want = reference(name, device)
     for rank in (0, 1):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import memopt_ecc
-from memopt_core.testing import init_rank
+from memopt_core.testing import init_rank, leave_group
 
 OPTIMIZERS = {
     "FlashAdamW": dict(lr=1e-2, weight_decay=0.01),
@@ -56,5 +56,7 @@ def train(
             opt.step()
             opt.zero_grad()
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other rank may never reach it
+        raise
+    leave_group()

@@ -12,11 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, shard, train
 
 from memopt_core.device_fixture import DIST_DEVICES
-from memopt_core.testing import set_mean_gradients
+from memopt_core.testing import set_mean_gradients, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -39,11 +38,11 @@ def reference(name: str, device: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("device", DIST_DEVICES)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_ddp_two_ranks_equal_one_process(name, device, tmp_path):
-    mp.spawn(
+    spawn_ranks(
         train,
-        args=(2, str(tmp_path / "init"), name, STEPS, str(tmp_path), device),
-        nprocs=2,
-        join=True,
+        (2, str(tmp_path / "init"), name, STEPS, str(tmp_path), device),
+        2,
+        [tmp_path / f"rank{r}.pt" for r in (0, 1)],
     )
     want = reference(name, device)
     for rank in (0, 1):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from offload_testutil import batch, loss_of, make_model
 
-from memopt_core.testing import init_rank
+from memopt_core.testing import init_rank, leave_group
 from memopt_kernels_cpu import set_num_threads
 from memopt_offload import AdamBridge
 
@@ -35,5 +35,7 @@ def train(
             opt.step()
             opt.zero_grad()
         torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other rank may never reach it
+        raise
+    leave_group()

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ddp_bridge_worker import shard, train
 from offload_testutil import Reference, loss_of, make_model
 
 from memopt_core.device_fixture import DIST_DEVICES
-from memopt_core.testing import set_mean_gradients
+from memopt_core.testing import set_mean_gradients, spawn_ranks
 from memopt_offload import AdamBridge
 
 pytestmark = pytest.mark.skipif(
@@ -26,7 +25,7 @@ STEPS = 5
 @pytest.mark.parametrize("precision", ["fp32", "compact"])
 def test_ddp_step_equals_one_process(precision, device, tmp_path):
     args = (2, str(tmp_path / "init"), precision, STEPS, str(tmp_path), device)
-    mp.spawn(train, args=args, nprocs=2)
+    spawn_ranks(train, args, 2, [tmp_path / f"rank{r}.pt" for r in (0, 1)])
     model = make_model(device)
     ref = Reference(model, precision, lr=2e-3)
     for t in range(STEPS):
