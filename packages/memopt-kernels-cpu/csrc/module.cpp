@@ -133,9 +133,16 @@ void check_range(const char* what, int64_t v, int64_t lo, int64_t hi) {
         "], got " + std::to_string(v));
 }
 
+// What is wrong with address `addr` of `what` ("" when nothing is).
+std::string addr_problem(const char* what, int64_t addr, bool needed) {
+  if (addr < 0) return std::string(what) + ": negative address " + std::to_string(addr);
+  if (needed && addr == 0) return std::string(what) + " is required here but the address is 0";
+  return {};
+}
+
 void check_addr(const char* what, int64_t addr, bool needed) {
-  if (addr < 0) bad(std::string(what) + ": negative address " + std::to_string(addr));
-  if (needed && addr == 0) bad(std::string(what) + " is required here but the address is 0");
+  const std::string problem = addr_problem(what, addr, needed);
+  if (!problem.empty()) bad(problem);
 }
 
 template <class T>
@@ -170,11 +177,6 @@ void check_moment(const char* name, int32_t fmt, int64_t codes, const char* scal
 // What is wrong with one slot-table row of a fused step ("" when nothing is).
 std::string slot_row_problem(const SlotRow& r, int32_t master, int32_t want_param_kind,
                              int32_t block, int64_t arena_elements) {
-  auto addr = [](const char* what, int64_t a, bool needed) -> std::string {
-    if (a < 0) return std::string(what) + ": negative address " + std::to_string(a);
-    if (needed && a == 0) return std::string(what) + " is required here but the address is 0";
-    return {};
-  };
   if (r.numel < 0) return "negative numel";
   const int64_t want = (r.numel + block - 1) / block * block;
   if (r.padded != want)
@@ -190,9 +192,9 @@ std::string slot_row_problem(const SlotRow& r, int32_t master, int32_t want_para
       (master != MASTER_FP32 && r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind))
     return "grad_kind " + std::to_string(r.grad_kind) +
            " must be GRAD_FP32 or the parameter's own dtype (fp32 parameters: any Grad)";
-  std::string a = addr("param", r.param, r.numel > 0);
-  if (a.empty()) a = addr("grad", r.grad, r.numel > 0);
-  if (a.empty()) a = addr("staging", r.staging, false);
+  std::string a = addr_problem("param", r.param, r.numel > 0);
+  if (a.empty()) a = addr_problem("grad", r.grad, r.numel > 0);
+  if (a.empty()) a = addr_problem("staging", r.staging, false);
   if (!a.empty()) return a;
   if (r.staging != 0 && master == MASTER_FP16)
     return "bf16 staging is for fp32 and bf16 parameters, not fp16 ones";

@@ -38,13 +38,6 @@ void parallel_run(int n_parts, const std::function<void(int)>& fn);
 // at n), at most one per thread and none shorter than a chunk, and runs fn(begin, end) on each.
 void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 
-// One fused step over a slot table: each slot's padded range [0, padded) is cut into chunks of
-// get_chunk_size() elements (never crossing a slot); the chunks, in table order, are split into
-// contiguous parts balanced by element count (a chunk goes to the part holding its midpoint),
-// one per thread but at most one per get_chunk_size() elements of the whole step (a single part
-// runs in the calling thread). Thread p calls kernels.step_range on part p's chunks in order, then helps with
-// the untaken chunks of the parts still running (work stealing: a preempted thread does not hold
-// up the step). The results do not depend on which thread runs a chunk.
 // A chunk of a fused step: elements [begin, end) of slot row `row`.
 struct StepChunk {
   int64_t row, begin, end;
@@ -59,6 +52,14 @@ struct StepPartition {
 StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chunk_size,
                              int threads);
 
+// One fused step over a slot table: each slot's padded range [0, padded) is cut into chunks of
+// get_chunk_size() elements (never crossing a slot); the chunks, in table order, are split into
+// contiguous parts balanced by element count (a chunk goes to the part holding its midpoint),
+// one per thread but at most one per get_chunk_size() elements of the whole step (a single part
+// runs in the calling thread; partition_step gives the split). Thread p calls
+// kernels.step_range on part p's chunks in order, then helps with the untaken chunks of the
+// parts still running (work stealing: a preempted thread does not hold up the step). The
+// results do not depend on which thread runs a chunk.
 void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
               int64_t n_rows);
 
