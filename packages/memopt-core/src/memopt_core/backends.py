@@ -13,7 +13,8 @@ backend object, or to a class / zero-argument factory returning one, with an int
 ``KERNEL_API`` equal to :data:`KERNEL_API`, ``available() -> (bool, reason)``,
 ``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None`` (optionally
 ``fused_staging = True`` when ``step`` writes :attr:`GroupStep.staging` itself, and
-``device_steps = True`` when it runs :attr:`GroupStep.device_step`). A backend that
+``device_steps = True`` when it runs :attr:`GroupStep.device_step`, ``prepare(work)`` for the
+cached step's replays, ``codecs(device)`` for :mod:`memopt_core.conversions`). A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 

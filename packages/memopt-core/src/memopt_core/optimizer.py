@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from memopt_core import backends, reference
+from memopt_core import backends, conversions, reference
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.errors import ConfigError, NumericsError, StateDictError
 from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
@@ -642,7 +642,7 @@ class MemOptimizer(Optimizer):
                             )
                         view.copy_(src)
                     elif key == "master_code":
-                        master.encode_into(t.detach(), None, view)
+                        conversions.encode_master_into(master, t.detach(), None, view)
                 step = prev.get("step")
                 state = {"step": _step_tensor(step if step is not None else 0)}
                 state.update(views)

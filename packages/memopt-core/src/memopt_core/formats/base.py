@@ -210,12 +210,14 @@ class MasterCodec(ABC):
         code: Tensor | None,
         *,
         slice_elems: int = ENCODE_SLICE,
+        encode: Callable[[Tensor], tuple[Tensor, Tensor | None]] | None = None,
     ) -> None:
         """:meth:`encode` (round to nearest) of ``x`` written into ``param`` and/or ``code``
         (either may be None: not wanted), a slice at a time. Every master format is elementwise,
         so the bits are :meth:`encode`'s, with temporaries bounded by the slice instead of ``x``.
         ``x`` is converted to fp32 a slice at a time; the outputs must be contiguous with
-        ``x``'s number of elements."""
+        ``x``'s number of elements. ``encode``: what encodes a slice, if not :meth:`encode` (a
+        kernel's codec with the same bits, :mod:`memopt_core.conversions`)."""
         if slice_elems <= 0:
             raise ValueError("slice_elems must be positive")
         flat = x.reshape(-1)
@@ -225,7 +227,7 @@ class MasterCodec(ABC):
                 raise ValueError(f"an output holds {o.numel()} elements, x {flat.numel()}")
         for i in range(0, flat.numel(), slice_elems):
             j = min(i + slice_elems, flat.numel())
-            for o, v in zip(outs, self.encode(flat[i:j].float()), strict=True):
+            for o, v in zip(outs, (encode or self.encode)(flat[i:j].float()), strict=True):
                 if o is not None and v is not None:
                     o[i:j].copy_(v)
 
