@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memopt_core import conversions
 from memopt_core.formats import master_codec, moment_codec
 from memopt_core.formats.registry import MOMENT_FORMATS
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, stream_words
@@ -158,3 +159,47 @@ def test_stream_words_differ_between_streams_steps_and_tensors():
     assert w[0].unique().numel() == index.numel()  # distinct y here, and lowbias32 is a bijection
     assert not torch.equal(ops.stream_words(1, 2, index, 4)[0], w[0])
     assert not torch.equal(ops.stream_words(1, 5, index, 3)[0], w[0])
+
+
+def _record_codec_calls(monkeypatch) -> list[str]:
+    """Names of this package's standalone codecs as they are called, in order."""
+    calls: list[str] = []
+
+    def recorded(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("encode_moment", "decode_moment", "encode_master", "decode_master"):
+        monkeypatch.setattr(ops, name, recorded(name, getattr(ops, name)))
+    return calls
+
+
+@pytest.mark.parametrize("fmt", MOMENT_FORMATS)
+def test_core_conversions_run_these_codecs(monkeypatch, fmt):
+    """memopt_core.conversions (state dicts, fp32 export) takes this package's codecs for CPU
+    tensors and gives the reference's bits."""
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    assert conversions.codec_kernels("cpu") is ops
+    calls = _record_codec_calls(monkeypatch)
+    codec = moment_codec(fmt)
+    x = sample(32 * 33, seed=7)
+    if not codec.signed:
+        x = x.abs()
+    fields = conversions.encode_moment(codec, x)
+    ref = codec.encode_sliced(x)
+    for key in ref:
+        assert torch.equal(bits(fields[key]), bits(ref[key])), key
+    assert torch.equal(bits(conversions.decode_moment(codec, ref)), bits(codec.decode_sliced(ref)))
+    master = master_codec("ecc24", torch.bfloat16)
+    low = torch.empty(x.numel(), dtype=torch.bfloat16)
+    code = torch.empty(x.numel(), dtype=torch.uint8)
+    conversions.encode_master_into(master, x, low, code, slice_elems=100)  # 11 slices
+    ref_low, ref_code = master.encode(x)
+    assert torch.equal(bits(low), bits(ref_low))
+    assert torch.equal(bits(code), bits(ref_code))
+    back = conversions.decode_master(master, low, code)
+    assert torch.equal(bits(back), bits(master.decode(ref_low, ref_code)))
+    assert calls == ["encode_moment", "decode_moment"] + ["encode_master"] * 11 + ["decode_master"]

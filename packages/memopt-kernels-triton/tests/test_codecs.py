@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt_core import rng
+from memopt_core import conversions, rng
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import master_codec, moment_codec
 from memopt_core.testing import MASTERS
+from memopt_kernels_triton.backend import BACKEND
 
 MOMENTS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt"]
 
@@ -359,3 +360,56 @@ def test_master_codecs_on_bit_pattern_soup(ops, device, fmt, dtype, sr):
     assert torch.equal(bits(p), bits(wp))
     if wc is not None:
         assert torch.equal(bits(c), bits(wc))
+
+
+def test_backend_offers_its_codecs_for_cuda_tensors_only(ops):
+    """memopt_core.conversions asks ``codecs(device)``: the interpreter's CPU tensors are left to
+    the CPU backend or the reference (the interpreter would take minutes on a model's state)."""
+    assert BACKEND.codecs(torch.device("cuda")) is ops
+    assert BACKEND.codecs(torch.device("cuda", 1)) is ops
+    assert BACKEND.codecs(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("fmt", MOMENTS)
+def test_core_conversions_run_these_kernels(ops, device, monkeypatch, fmt):
+    """State dicts and fp32 export (memopt_core.conversions) run these kernels on CUDA tensors,
+    with the reference's bits."""
+    if device.type != "cuda":
+        pytest.skip("CPU tensors are not converted by these kernels (test above)")
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    assert conversions.codec_kernels("cuda") is ops
+    calls = []
+    for name in ("encode_moment", "decode_moment", "encode_master", "decode_master"):
+        real = getattr(ops, name)
+
+        def call(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, name, call)
+    codec = moment_codec(fmt)
+    x = values(33, device)
+    if not codec.signed:
+        x = x.abs()
+    fields = conversions.encode_moment(codec, x)
+    ref = codec.encode_sliced(x)
+    for key in ref:
+        assert torch.equal(bits(fields[key]), bits(ref[key])), key
+    assert torch.equal(bits(conversions.decode_moment(codec, ref)), bits(codec.decode_sliced(ref)))
+    for mfmt, dtype in MASTERS:
+        master = master_codec(mfmt, dtype)
+        low = torch.empty(x.numel(), dtype=dtype, device=device)
+        code = (
+            torch.empty(x.numel(), dtype=master.code_dtype, device=device)
+            if master.code_dtype is not None
+            else None
+        )
+        conversions.encode_master_into(master, x, low, code, slice_elems=100)
+        ref_low, ref_code = master.encode(x)
+        assert torch.equal(bits(low), bits(ref_low)), mfmt
+        if code is not None:
+            assert torch.equal(bits(code), bits(ref_code)), mfmt
+        back = conversions.decode_master(master, low, code)
+        assert torch.equal(bits(back), bits(master.decode(ref_low, ref_code))), mfmt
+    per_master = ["encode_master"] * 11 + ["decode_master"]
+    assert calls == ["encode_moment", "decode_moment"] + per_master * len(MASTERS)

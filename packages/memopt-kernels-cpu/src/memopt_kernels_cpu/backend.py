@@ -6,7 +6,8 @@ adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8
 fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
 call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included;
 ``prepare()`` validates a group once for core's cached step, whose replays then skip the
-per-tensor checks of ``step()``.
+per-tensor checks of ``step()``. ``codecs()`` hands core's conversions (state dicts, fp32 export)
+the standalone codecs of :mod:`memopt_kernels_cpu.ops`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ class CpuBackend:
         from memopt_kernels_cpu import ops
 
         return ops.prepare_step(work)
+
+    def codecs(self, device: torch.device):
+        """:mod:`memopt_kernels_cpu.ops` (its standalone codecs) for CPU tensors, else None:
+        what :mod:`memopt_core.conversions` runs state-dict and fp32-export conversions on."""
+        if torch.device(device).type != "cpu":
+            return None
+        from memopt_kernels_cpu import ops
+
+        return ops
 
     def __repr__(self) -> str:
         return "CpuBackend()"

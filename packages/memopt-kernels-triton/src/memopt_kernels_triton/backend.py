@@ -8,7 +8,8 @@ preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stoc
 a capturable step, ``GroupStep.device_step``, adds one small launch that computes the per-tensor
 scalars from step counts on the device);
 ``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
-device tensor (CUDA-graph capture).
+device tensor (CUDA-graph capture); ``codecs()`` hands core's conversions (state dicts, fp32
+export) the standalone codecs of :mod:`memopt_kernels_triton.ops` for CUDA tensors.
 Nothing here imports triton before it is needed.
 """
 
@@ -73,6 +74,17 @@ class TritonBackend:
         from memopt_kernels_triton import ops
 
         return ops.prepare_step(work)
+
+    def codecs(self, device: torch.device):
+        """:mod:`memopt_kernels_triton.ops` (its standalone codecs) for CUDA tensors, else None
+        (the interpreter's CPU tensors are left to the CPU backend or the reference: it would be
+        slow): what :mod:`memopt_core.conversions` runs state-dict and fp32-export conversions
+        on."""
+        if torch.device(device).type != "cuda":
+            return None
+        from memopt_kernels_triton import ops
+
+        return ops
 
     def __repr__(self) -> str:
         return "TritonBackend()"
