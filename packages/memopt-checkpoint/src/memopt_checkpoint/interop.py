@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from memopt_core import conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.formats import MOMENT_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.optimizer import MemOptimizer
@@ -235,7 +236,7 @@ def _decode(entry: Mapping[str, Any], name: str, codec: MomentCodec, p: Tensor) 
     keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
     if not all(k in entry for k in keys.values()):
         return None
-    x = codec.decode_sliced({sfx: entry[k] for sfx, k in keys.items()})
+    x = conversions.decode_moment(codec, {sfx: entry[k] for sfx, k in keys.items()})
     x = x.reshape(-1)[: p.numel()].reshape(p.shape).to(torch.float32)
     return x.clone(memory_format=torch.contiguous_format)  # never a view of memopt's arena
 
@@ -463,7 +464,7 @@ def _encode(
     if x is not None:
         flat[: p.numel()] = x.detach().reshape(-1).to(device=p.device, dtype=torch.float32)
     out = {}
-    for sfx, value in codec.encode_sliced(flat).items():
+    for sfx, value in conversions.encode_moment(codec, flat).items():
         if codec.block_size == 1:
             value = value[: p.numel()].reshape(p.shape)
         out[state_key(name, sfx)] = value.clone(memory_format=torch.contiguous_format)
@@ -504,7 +505,7 @@ def _memopt_entry(
         entry.update(_encode(x, _codec(spec, name), p, padded, name))
     if master.code_dtype is not None:
         if code is None:  # what init_state() writes: the code of the current value
-            _, code = master.encode(p.detach().float().reshape(-1))
+            _, code = conversions.encode_master(master, p.detach().float().reshape(-1))
         entry["master_code"] = code.detach().reshape(p.shape).clone()
     return entry
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from memopt_core import MemOptimizer
+from memopt_core import MemOptimizer, conversions
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
 from memopt_core.sharding import is_dtensor, local_shard, sharded_like
@@ -60,7 +60,7 @@ def _decode(optimizer: MemOptimizer, param: Tensor, group: Mapping[str, Any] | N
         out = p.float().clone() if p.dtype != torch.float32 else p.clone()
     else:
         codec = master_codec(_master_name(param, group), p.dtype)
-        out = codec.decode_sliced(p, code).reshape(p.shape)
+        out = conversions.decode_master(codec, p, code).reshape(p.shape)
     return sharded_like(param, out)
 
 
@@ -193,9 +193,9 @@ def set_fp32_model_state_dict(
             codec = master_codec(_master_name(p, group), p.dtype)
             slot = optimizer.state.get(param, {}).get("master_code")
             if p.is_contiguous():  # in slices: no whole-tensor temporaries
-                codec.encode_into(x, p.detach(), slot)
+                conversions.encode_master_into(codec, x, p.detach(), slot)
             else:
-                low, code = codec.encode(x.reshape(-1))
+                low, code = conversions.encode_master(codec, x.reshape(-1))
                 p.detach().copy_(low.view(p.shape))
                 if slot is not None and code is not None:
                     slot.copy_(code.view(slot.shape))

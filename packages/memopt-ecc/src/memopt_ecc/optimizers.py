@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core import MemOptimizer, NumericsError, StateSpec
+from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import RULES
 from memopt_core.plan import padding_unit, round_up, state_key
@@ -381,7 +381,9 @@ class FlashOptimizer(MemOptimizer):
                     keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
                     if codec.name == "fp32" or not all(k in entry for k in keys.values()):
                         continue
-                    flat = codec.decode_sliced({sfx: entry.pop(k) for sfx, k in keys.items()})
+                    flat = conversions.decode_moment(
+                        codec, {sfx: entry.pop(k) for sfx, k in keys.items()}
+                    )
                     shard = local_shard(p)
                     entry[name] = flat[: shard.numel()].reshape(shard.shape).clone()
                 state[key] = entry
@@ -450,7 +452,7 @@ class FlashOptimizer(MemOptimizer):
                     flat = torch.zeros(padded, dtype=torch.float32, device=t.device)
                     flat[: p.numel()] = t.reshape(-1)
                     del new[name]
-                    for sfx, value in codec.encode_sliced(flat).items():
+                    for sfx, value in conversions.encode_moment(codec, flat).items():
                         new[state_key(name, sfx)] = value
                     changed = True
                 state[key] = new

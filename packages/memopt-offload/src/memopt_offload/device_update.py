@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core import reference
+from memopt_core import conversions, reference
 from memopt_core.backends import GroupStep, select_backend
 from memopt_core.errors import BackendUnavailableError, ConfigError, StateDictError
 from memopt_core.formats import StateSpec
@@ -158,7 +158,7 @@ class DeviceUpdater:
                 code = arena.views(slot).get("master_code")
                 if code is not None:
                     with torch.no_grad():
-                        master.encode_into(p.detach().cpu(), None, code)
+                        conversions.encode_master_into(master, p.detach().cpu(), None, code)
             regions.append(_Region(plan, arena, slabs, backend, positions))
         for region in regions:
             self.regions.append(region)
@@ -542,7 +542,9 @@ class DeviceUpdater:
             region = self.homes[pos][0]
             for k, view in self.views(pos).items():
                 if k == "master_code":
-                    region.arena.master.encode_into(self.params[pos].detach().cpu(), None, view)
+                    conversions.encode_master_into(
+                        region.arena.master, self.params[pos].detach().cpu(), None, view
+                    )
                 else:
                     view.zero_()
 
