@@ -285,6 +285,23 @@ def test_memopt_quantized_state_exports_its_decoded_values(moments):
         assert same_bits(q, r)
 
 
+@pytest.mark.parametrize("moments", ["fp32", "q8"])
+def test_exported_states_own_their_memory(moments):
+    """Net's sizes are not multiples of 32: a moment must not be a view of memopt's arena or of
+    a padded buffer, which torch.save would store whole (and a later step would change)."""
+    torch.manual_seed(3)
+    model = Net()
+    opt = MemOptimizer(model.parameters(), rule="adamw", moments=moments, **ADAM_KW)
+    train(model, opt, 2)
+    arena_ptrs = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values()}
+    sd = to_torch_state_dict(opt)
+    for entry in sd["state"].values():
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = entry[name]
+            assert t.untyped_storage().nbytes() == t.nbytes, name
+            assert t.untyped_storage().data_ptr() not in arena_ptrs, name
+
+
 def test_memopt_decouple_lr_exports_an_equivalent_weight_decay():
     torch.manual_seed(4)
     mine = Net()

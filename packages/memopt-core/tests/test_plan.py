@@ -7,7 +7,14 @@ import torch
 
 from memopt_core.errors import ConfigError
 from memopt_core.formats import StateSpec
-from memopt_core.plan import GroupPlan, StateArena, clear_chunk_cache, make_plans, round_up
+from memopt_core.plan import (
+    GroupPlan,
+    StateArena,
+    clear_chunk_cache,
+    make_plans,
+    own_storage,
+    round_up,
+)
 
 Q8 = StateSpec(master="ecc24", moments="q8")
 FP32 = StateSpec(master="fp32", moments="fp32")
@@ -19,6 +26,20 @@ def spec_for(dtype):
 
 def test_round_up():
     assert [round_up(n, 32) for n in (0, 1, 31, 32, 33)] == [0, 32, 32, 32, 64]
+
+
+def test_own_storage_copies_only_views_that_share_memory():
+    whole = torch.arange(64.0)
+    assert own_storage(whole) is whole
+    assert own_storage(whole.view(8, 8)).data_ptr() == whole.data_ptr()  # all of its storage
+    for view in (whole[:60], whole[4:], whole.view(8, 8).t()):
+        copy = own_storage(view)
+        assert copy.data_ptr() != whole.data_ptr()
+        assert copy.is_contiguous()
+        assert copy.untyped_storage().nbytes() == copy.nbytes
+        assert torch.equal(copy, view)
+    empty = torch.empty(0)
+    assert own_storage(empty) is empty
 
 
 def test_grouping_by_dtype_and_spec_keeps_order(device):

@@ -43,7 +43,7 @@ from memopt_core import conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.formats import MOMENT_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.optimizer import MemOptimizer
-from memopt_core.plan import padding_unit, round_up, state_key
+from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 
 __all__ = [
     "QUANTIZATION_BOUNDS",
@@ -237,8 +237,7 @@ def _decode(entry: Mapping[str, Any], name: str, codec: MomentCodec, p: Tensor) 
     if not all(k in entry for k in keys.values()):
         return None
     x = conversions.decode_moment(codec, {sfx: entry[k] for sfx, k in keys.items()})
-    x = x.reshape(-1)[: p.numel()].reshape(p.shape).to(torch.float32)
-    return x.clone(memory_format=torch.contiguous_format)  # never a view of memopt's arena
+    return own_storage(x.reshape(-1)[: p.numel()].reshape(p.shape))
 
 
 def _export_entry(
@@ -467,7 +466,7 @@ def _encode(
     for sfx, value in conversions.encode_moment(codec, flat).items():
         if codec.block_size == 1:
             value = value[: p.numel()].reshape(p.shape)
-        out[state_key(name, sfx)] = value.clone(memory_format=torch.contiguous_format)
+        out[state_key(name, sfx)] = own_storage(value)
     return out
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "clear_chunk_cache",
     "expected_layout",
     "make_plans",
+    "own_storage",
     "padding_unit",
     "round_up",
     "state_key",
@@ -53,6 +54,15 @@ CHUNK_COLUMNS = ("slot", "start", "length", "arena_offset")
 def round_up(n: int, block: int) -> int:
     """``n`` rounded up to a multiple of ``block``."""
     return -(-n // block) * block
+
+
+def own_storage(t: Tensor) -> Tensor:
+    """``t`` when it is contiguous and its storage holds nothing else, else a compact copy: a
+    view of an arena, or of a padded buffer, would take its whole storage into ``torch.save``
+    and keep it alive."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def state_key(name: str, suffix: str) -> str:

@@ -46,7 +46,7 @@ from torch import Tensor
 from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import RULES
-from memopt_core.plan import padding_unit, round_up, state_key
+from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 from memopt_core.sharding import local_shard
 
 __all__ = [
@@ -385,7 +385,7 @@ class FlashOptimizer(MemOptimizer):
                         codec, {sfx: entry.pop(k) for sfx, k in keys.items()}
                     )
                     shard = local_shard(p)
-                    entry[name] = flat[: shard.numel()].reshape(shard.shape).clone()
+                    entry[name] = own_storage(flat[: shard.numel()].reshape(shard.shape))
                 state[key] = entry
         return sd
 
