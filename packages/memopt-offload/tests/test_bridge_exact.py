@@ -286,6 +286,35 @@ def test_clipping(device, mode, precision, update):
     assert clipped == 6
 
 
+def test_clipping_reads_the_norms_after_the_copy_stream(device, monkeypatch):
+    """The host path takes each gradient's norm on the copy stream: the total must wait for
+    those kernels (a delay queued there first would otherwise let the current stream read the
+    norms' memory before it is written)."""
+    if device.type != "cuda":
+        pytest.skip("one stream on the CPU")
+    copy_out = AdamBridge._copy_out
+
+    def late_copy_out(self, bucket):
+        with torch.cuda.stream(self._stream_pair()[0]):
+            torch.cuda._sleep(100_000_000)  # about 50 ms of the copy stream's time
+        copy_out(self, bucket)
+
+    monkeypatch.setattr(AdamBridge, "_copy_out", late_copy_out)
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=2e-3, precision="bf16", max_grad_norm=0.05)
+    opt.attach_hooks(model)
+    for t in range(3):
+        x = batch(t, device)
+        loss_of(model, x).backward()
+        loss_of(ref_model, x).backward()
+        norms = [
+            torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in ref_model.parameters()
+        ]
+        assert opt.step_sync() == torch.linalg.vector_norm(torch.stack(norms)).item(), t
+        ref_model.zero_grad()
+
+
 def test_state_dict_resume_is_bit_identical(device, tmp_path):
     def build(seed=0):
         model = make_model(device, seed=seed)

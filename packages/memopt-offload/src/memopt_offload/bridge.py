@@ -869,6 +869,17 @@ class AdamBridge(Optimizer):
         self._streams: tuple[Any, Any] | None = None
         self._prev_coef: float | None = None
 
+    def _norm_stream(self) -> contextlib.AbstractContextManager:
+        """Where the step's total norm is read: on CUDA the copy stream, after the current one.
+        ``_copy_out`` takes the host path's norms on the copy stream and the device update
+        takes them on the current one; read on the current stream alone, the former would
+        race their kernels (the stack read unwritten memory: a wrong norm, wrong clipping)."""
+        if not self._cuda:
+            return contextlib.nullcontext()
+        d2h = self._stream_pair()[0]
+        d2h.wait_stream(torch.cuda.current_stream(self._device))
+        return torch.cuda.stream(d2h)
+
     def _stream_pair(self) -> tuple[Any, Any]:
         if self._streams is None:
             self._streams = (
@@ -1026,7 +1037,8 @@ class AdamBridge(Optimizer):
         if self.max_grad_norm is not None and self._norms:
             # summed in parameter order, whatever order backward produced the gradients in
             norms = [self._norms[i] for i in sorted(self._norms)]
-            total = torch.linalg.vector_norm(torch.stack(norms)).item()
+            with self._norm_stream():
+                total = torch.linalg.vector_norm(torch.stack(norms)).item()
             self._norms = {}
             self.last_grad_norm = total
             coef = min(1.0, self.max_grad_norm / (total + 1e-6))
