@@ -296,3 +296,172 @@ def test_fp32_export_is_a_plain_torch_file(tmp_path):
     w = sd["0.weight"]
     assert not torch.equal(w, model[0].weight.float())
     assert torch.equal(w.to(torch.bfloat16), model[0].weight.detach())
+
+
+class TensorExtraState(torch.nn.Linear):
+    """A module whose ``get_extra_state()`` returns a new tensor at every call."""
+
+    def __init__(self):
+        super().__init__(2, 2)
+        self.seen = 0
+
+    def get_extra_state(self):
+        return torch.arange(self.seen + 1)  # its size changes with the value
+
+    def set_extra_state(self, state):
+        self.seen = int(state[-1])
+
+
+def test_tensor_extra_state_reaches_set_extra_state(tmp_path):
+    model = torch.nn.Sequential(TensorExtraState())
+    model[0].seen = 42
+    save(tmp_path / "ck.mopt", model=model)
+    twin = torch.nn.Sequential(TensorExtraState())
+    load(tmp_path / "ck.mopt", model=twin)
+    assert twin[0].seen == 42  # a copy into the fresh tensor state_dict() returned would be lost
+    assert torch.equal(twin[0].weight, model[0].weight)
+
+
+class KeepsNone(torch.optim.SGD):
+    """An optimizer with a None value and a tensor in its per-parameter state."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p]["prev_loss"] = None
+                self.state[p]["count"] = torch.tensor(3)
+
+
+def test_none_and_tensor_hyperparameters_and_state_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    lr, betas = torch.tensor(0.01), (torch.tensor(0.9), torch.tensor(0.99))
+    opt = torch.optim.Adam(model.parameters(), lr=lr, betas=betas)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save(tmp_path / "adam.mopt", model=model, optimizer=opt)
+    twin = torch.nn.Linear(4, 3)
+    topt = torch.optim.Adam(twin.parameters(), lr=0.5)
+    load(tmp_path / "adam.mopt", model=twin, optimizer=topt)
+    g = topt.param_groups[0]
+    # tensors stay tensors: Adam's float and tensor paths round differently
+    assert isinstance(g["lr"], torch.Tensor)
+    assert g["lr"].item() == lr.item()
+    assert isinstance(g["betas"], tuple)
+    assert all(isinstance(b, torch.Tensor) for b in g["betas"])
+    assert g["betas"][1].item() == betas[1].item()
+    for m, o in ((model, opt), (twin, topt)):
+        m.zero_grad()
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    assert torch.equal(model.weight, twin.weight)
+
+    sgd = KeepsNone(model.parameters(), lr=0.1, momentum=0.9)
+    model.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    sgd.step()
+    save(tmp_path / "sgd.mopt", model=model, optimizer=sgd)
+    other = KeepsNone(twin.parameters(), lr=0.1, momentum=0.9)
+    load(tmp_path / "sgd.mopt", model=twin, optimizer=other)
+    state = other.state[twin.weight]
+    assert state["prev_loss"] is None
+    assert torch.equal(state["count"], torch.tensor(3))
+    assert torch.equal(state["momentum_buffer"], sgd.state[model.weight]["momentum_buffer"])
+
+
+def test_position_keyed_torch_optimizer_state_checks_shapes(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save(tmp_path / "ck.mopt", optimizer=opt)
+    wider = torch.nn.Linear(4, 5)
+    wopt = torch.optim.AdamW(wider.parameters())
+    with pytest.raises(StateDictError, match=r"optimizer parameter '#0' has shape \(5, 4\)"):
+        load(tmp_path / "ck.mopt", optimizer=wopt)
+    assert not wopt.state
+
+
+class TiedOtherOrder(torch.nn.Module):
+    """Net's tied embedding and head, declared head first (so the tie's first name differs)."""
+
+    def __init__(self, width: int = 40) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(width, 64, bias=False)
+        self.emb = torch.nn.Embedding(64, width)
+        self.mid = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.emb.weight = self.head.weight
+
+    def forward(self, ids):
+        return self.head(self.norm(torch.tanh(self.mid(self.emb(ids)))))
+
+
+def test_tied_weights_declared_in_another_order_load_by_name(tmp_path):
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 2)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    torch.manual_seed(5)
+    twin = TiedOtherOrder()
+    topt = _memopt_q8(twin)
+    load(tmp_path / "ck.mopt", model=twin, optimizer=topt)
+    assert torch.equal(twin.head.weight, model.emb.weight)
+    mine = topt.state[twin.head.weight]
+    for k, v in opt.state[model.emb.weight].items():
+        assert torch.equal(mine[k], v), k
+
+
+def test_fp32_export_takes_adambridge_masters_of_frozen_parameters():
+    offload = pytest.importorskip("memopt_offload")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    opt = offload.AdamBridge(model.parameters(), lr=1e-2, precision="fp32")
+    opt.attach_hooks(model)
+    for _ in range(3):
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step_sync()
+    model[0].weight.requires_grad_(False)  # frozen for a later phase: its master is still held
+    sd = fp32_model_state_dict(model, opt)
+    master = opt.master_weight(model[0].weight)
+    assert torch.equal(sd["0.weight"], master)
+    assert not torch.equal(sd["0.weight"], model[0].weight.float())  # more than the bf16 weight
+    opt.detach_hooks()
+
+
+def test_tensor_subclasses_are_refused_with_the_way_out(tmp_path):
+    class Sub(torch.Tensor):
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"tensor subclass.*torch\.distributed\.checkpoint"):
+        save(tmp_path / "ck.mopt", model=model, extra={"x": torch.ones(3).as_subclass(Sub)})
+    assert not (tmp_path / "ck.mopt").exists()
+
+
+def test_schema_1_files_still_load(tmp_path, monkeypatch):
+    """Schema 1 marked a state tensor with None and kept no shapes: such files load."""
+    from memopt_checkpoint import api
+
+    def schema_1_stored(v, key, tensors, where):
+        if isinstance(v, torch.Tensor):
+            tensors.append((key, v))
+            return None
+        return api._json_value(v, where)
+
+    model, opt = build("flash-adamw-ecc24")
+    train(model, opt, 3)
+    with monkeypatch.context() as m:
+        m.setattr(api, "CHECKPOINT_SCHEMA", 1)
+        m.setattr(api, "_stored", schema_1_stored)
+        save(tmp_path / "old.mopt", model=model, optimizer=opt)
+    from memopt_checkpoint.container import CheckpointReader
+
+    with CheckpointReader(tmp_path / "old.mopt") as r:
+        assert r.meta["schema"] == 1
+    twin, topt = build("flash-adamw-ecc24", seed=9)
+    load(tmp_path / "old.mopt", model=twin, optimizer=topt)
+    train(model, opt, 2, start=3)
+    train(twin, topt, 2, start=3)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))

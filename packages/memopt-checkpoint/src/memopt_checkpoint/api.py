@@ -5,23 +5,29 @@ one tensor at a time):
 
 - ``model/<name>`` for every tensor of ``model.state_dict()`` in its own dtype (a bf16 model
   stays 2 B per weight). Tied weights, which ``state_dict()`` lists under every name, are stored
-  once; the other names are recorded as aliases. Non-tensor entries (a module's
-  ``get_extra_state()``) go into the meta when JSON gives them back equal, and :func:`load`
-  hands them to ``model.load_state_dict`` (so ``set_extra_state``); others make :func:`save`
-  raise :class:`~memopt_core.errors.ConfigError` naming the key.
+  once; the other names are recorded as aliases. A module's ``get_extra_state()`` value is stored
+  as a tensor when it is one, else in the meta when JSON gives it back equal (other values make
+  :func:`save` raise :class:`~memopt_core.errors.ConfigError` naming the key); :func:`load`
+  hands it to ``model.load_state_dict``, so to ``set_extra_state``.
+- Tensor subclasses (a sharded model's DTensors) are refused with a ``ConfigError``: their
+  bytes are not where a plain tensor's are; ``torch.distributed.checkpoint`` saves them.
 - ``optim/<parameter name>/<state key>`` for every tensor of ``optimizer.state_dict()["state"]``
-  in its stored format: q8 and fp8 moments stay 1 B per element with their block scales, the
+  (and ``optim_groups/<group>/<key>`` for tensor hyperparameters, such as a capturable ``lr``,
+  which load back as tensors) in its stored format: q8 and fp8 moments stay 1 B per element with their block scales, the
   ECC-24 code stays 1 B per element (FlashOptim writes 2), AdamBridge's host masters their own
   dtype. An ECC-24 FlashAdamW checkpoint (weights and optimizer) is therefore about
   2 + 1 + 2 x (1 + 1/32) = 5.06 B per parameter.
 - The index's JSON ``meta``: format versions, the optimizer's class and its state dict's non-tensor
-  parts (param groups with parameter *names* instead of positions, the ``memopt`` entry), the
-  model's keys and aliases, and ``extra`` (JSON values; tensors at its top level are stored as
+  parts (param groups with parameter *names* instead of positions, the ``memopt`` entry; a
+  tensor's place marked ``{"$tensor": key}``), each optimizer parameter's shape, the model's keys
+  and aliases, and ``extra`` (JSON values; tensors at its top level are stored as
   ``extra/<key>``).
 
 Parameters are matched by name (``model.named_parameters()``), not by position, so a model whose
 parameters were reordered or whose optimizer groups list them differently still loads, and a
-missing or extra name is reported by name. Training then continues bit for bit only with
+missing or extra name is reported by name. A tied parameter goes by whichever of its names the
+file used. Each optimizer parameter's shape is checked against the saved one, by name or by
+position (torch's own ``load_state_dict`` checks none). Training then continues bit for bit only with
 ``stochastic_rounding=False``: the stochastic-rounding words are keyed by a parameter's position
 in the optimizer, so a moved parameter rounds with other (equally distributed) bits.
 
@@ -48,18 +54,32 @@ from memopt_core.errors import CheckpointError, ConfigError, StateDictError
 
 __all__ = ["CHECKPOINT_SCHEMA", "load", "save"]
 
-#: Version of the key/meta layout below (the container has its own format version).
-CHECKPOINT_SCHEMA = 1
+#: Version of the key/meta layout below (the container has its own format version). 2: tensors
+#: in the optimizer's state and param groups are marked ``{TENSOR_REF: key}`` (1 marked state
+#: tensors with None, so a None state value could not be stored), and ``shapes`` holds each
+#: optimizer parameter's shape. Files of schema 1 still load.
+CHECKPOINT_SCHEMA = 2
+#: The marker of a value stored as a tensor under the container key it names.
+TENSOR_REF = "$tensor"
+#: The ``state_dict()`` key suffix of a module's ``get_extra_state()`` (torch's own constant).
+_EXTRA_STATE = "_extra_state"
 
 
-def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The name of each optimizer parameter, in ``state_dict()`` index order."""
+def _param_names(
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    known: set[str] | None = None,
+) -> list[str]:
+    """The name of each optimizer parameter, in ``state_dict()`` index order: its first name in
+    the model, or, for a tied parameter with several names, the first one in ``known`` (the
+    names a checkpoint uses), so a model whose tied modules were declared in another order
+    still finds its state."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if model is None:
         return [f"#{i}" for i in range(len(params))]
-    names: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
+        names.setdefault(id(p), []).append(name)
     out = []
     for i, p in enumerate(params):
         if id(p) not in names:
@@ -67,12 +87,37 @@ def _param_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer
                 f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not a parameter of the "
                 "model: pass the model the optimizer trains (or model=None to key by position)"
             )
-        out.append(names[id(p)])
+        mine = names[id(p)]
+        out.append(next((n for n in mine if known and n in known), mine[0]))
     return out
 
 
-def _json_value(v: Any, where: str) -> Any:
+def _stored(v: Any, key: str, tensors: list[tuple[str, Tensor]], where: str) -> Any:
+    """``v`` for the meta: tensors (inside tuples and lists too) go to ``tensors`` under
+    ``key`` and are marked ``{TENSOR_REF: key}``; the rest must be JSON."""
     if isinstance(v, Tensor):
+        tensors.append((key, v))
+        return {TENSOR_REF: key}
+    if isinstance(v, (tuple, list)):
+        return [_stored(x, f"{key}/{i}", tensors, where) for i, x in enumerate(v)]
+    if isinstance(v, Mapping) and TENSOR_REF in v:
+        raise ConfigError(
+            f"{where} is a dict with the key {TENSOR_REF!r}, which marks tensors here"
+        )
+    return _json_value(v, where)
+
+
+def _restored(v: Any, reader: CheckpointReader) -> Any:
+    """The inverse of :func:`_stored`: marked tensors read back (lists stay lists)."""
+    if isinstance(v, Mapping) and set(v) == {TENSOR_REF}:
+        return reader.load(v[TENSOR_REF])
+    if isinstance(v, list):
+        return [_restored(x, reader) for x in v]
+    return v
+
+
+def _json_value(v: Any, where: str) -> Any:
+    if isinstance(v, Tensor):  # extra's values inside containers
         if v.numel() != 1:
             raise ConfigError(f"{where} is a tensor of shape {tuple(v.shape)}; only scalars fit")
         v = v.item()
@@ -141,11 +186,13 @@ def save(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         names = _param_names(model, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
         sd = optimizer.state_dict()
         groups = []
         for gi, g in enumerate(sd["param_groups"]):
             out = {
-                k: _json_value(v, f"param group {gi}'s {k!r}")
+                # a tensor hyperparameter (a capturable lr, tensor betas) stays a tensor
+                k: _stored(v, f"optim_groups/{gi}/{k}", tensors, f"param group {gi}'s {k!r}")
                 for k, v in g.items()
                 if k not in ("params", "param_names")
             }
@@ -154,18 +201,15 @@ def save(
         state_meta: dict[str, dict[str, Any]] = {}
         for idx, entry in sd["state"].items():
             name = names[idx]
-            values = {}
-            for k, v in entry.items():
-                if isinstance(v, Tensor):
-                    tensors.append((f"optim/{name}/{k}", v))
-                    values[k] = None
-                else:
-                    values[k] = _json_value(v, f"state {k!r} of {name!r}")
-            state_meta[name] = values
+            state_meta[name] = {
+                k: _stored(v, f"optim/{name}/{k}", tensors, f"state {k!r} of {name!r}")
+                for k, v in entry.items()
+            }
         meta["optimizer"] = {
             "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
             "param_groups": groups,
             "state": state_meta,
+            "shapes": {n: list(p.shape) for n, p in zip(names, params, strict=True)},
             "memopt": _json_value(sd.get("memopt"), "the state dict's 'memopt' entry"),
             "keyed_by": "position" if model is None else "name",
         }
@@ -225,8 +269,20 @@ def load(
     return extra
 
 
+def _extra_state_keys(model: torch.nn.Module) -> set[str]:
+    """The ``state_dict()`` keys of the modules' ``get_extra_state()`` values."""
+    return {
+        f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE
+        for prefix, m in model.named_modules()
+        if type(m).get_extra_state is not torch.nn.Module.get_extra_state
+    }
+
+
 def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]], dict]:
-    """(target, loaded tensor) pairs and ``{key: value}`` of the non-tensor entries."""
+    """(target, loaded tensor) pairs and ``{key: value}`` of the entries that go through
+    ``model.load_state_dict``: the non-tensor ones and every ``get_extra_state()`` value (a
+    tensor one too: the tensor the model's ``state_dict()`` holds is a fresh one, which a copy
+    would fill without reaching ``set_extra_state``)."""
     info = meta.get("model")
     if info is None:
         raise StateDictError("the checkpoint holds no model (it was saved with model=None)")
@@ -246,6 +302,7 @@ def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]
     plan = []
     values = {}
     cache: dict[str, Tensor] = {}
+    extra_states = _extra_state_keys(model)
     for name, target in current.items():
         if name not in stored:
             continue
@@ -260,6 +317,9 @@ def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]
             values[name] = saved_values[name]
             continue
         key = f"model/{stored[name]}"
+        if name in extra_states:  # set_extra_state decides what it accepts, as in torch
+            values[name] = reader.load(key)
+            continue
         dtype, shape, _ = reader.entry(key)
         if tuple(shape) != tuple(target.shape) or dtype != target.dtype:
             raise StateDictError(
@@ -285,8 +345,19 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
     if info["keyed_by"] == "name" and model is None:
         # (a file keyed by position was saved with model=None, so it has no model to load)
         raise ConfigError("this checkpoint keys the optimizer state by parameter name: pass model=")
-    names = _param_names(model, optimizer)
+    saved_names = {n for g in info["param_groups"] for n in g["params"]} | set(info["state"])
+    names = _param_names(model, optimizer, known=saved_names)
     index = {name: i for i, name in enumerate(names)}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for name, p in zip(names, params, strict=True):
+        shape = info.get("shapes", {}).get(name)  # schema 1 files have none
+        if shape is not None and list(p.shape) != shape:
+            raise StateDictError(
+                f"optimizer parameter {name!r} has shape {tuple(p.shape)}; the checkpoint's state "
+                f"under that {'position' if name.startswith('#') else 'name'} was saved for a "
+                f"parameter of shape {tuple(shape)}: it belongs to another parameter"
+            )
+    schema = meta["schema"]
     saved_groups = info["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise StateDictError(
@@ -305,16 +376,21 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
                 f"param group {gi} differs: the checkpoint lacks {missing[:8]} and has "
                 f"{extra[:8]} that the optimizer's group does not"
             )
-        g = {k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in saved.items()}
+        g = {k: _restored(v, reader) for k, v in saved.items() if k != "params"}
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
         g["params"] = [index[n] for n in mine]  # torch maps saved ids to params by position
         groups.append(g)
     state: dict[int, dict[str, Any]] = {}
     for name, values in info["state"].items():
         if name not in index:
             raise StateDictError(f"the checkpoint holds optimizer state for {name!r}, unknown here")
-        entry = {}
-        for k, v in values.items():
-            entry[k] = reader.load(f"optim/{name}/{k}") if v is None else v
+        if schema < 2:  # None marked a tensor
+            entry = {
+                k: reader.load(f"optim/{name}/{k}") if v is None else v for k, v in values.items()
+            }
+        else:
+            entry = {k: _restored(v, reader) for k, v in values.items()}
         state[index[name]] = entry
     sd: dict[str, Any] = {"state": state, "param_groups": groups}
     if info.get("memopt") is not None:

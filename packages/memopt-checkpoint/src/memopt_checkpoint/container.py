@@ -280,6 +280,14 @@ class CheckpointWriter:
             raise ConfigError(f"duplicate checkpoint key {key!r}: each key can be added once")
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"{key!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+            # a subclass's bytes are not at data_ptr() (a DTensor's is 0: its shard is local)
+            raise ConfigError(
+                f"{key!r} is a {type(tensor).__name__}, a tensor subclass whose bytes this file "
+                "cannot read: save sharded (DTensor) models and optimizers with "
+                "torch.distributed.checkpoint (memopt_checkpoint.check_dcp_load checks them), "
+                "or pass plain tensors (DTensor.full_tensor())"
+            )
         name = _DTYPE_NAMES.get(tensor.dtype)
         if name is None:
             raise ConfigError(

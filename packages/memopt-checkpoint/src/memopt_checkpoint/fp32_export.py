@@ -53,8 +53,12 @@ def fp32_model_state_dict(
     if callable(master_weight):  # memopt_offload.AdamBridge
         for g in optimizer.param_groups:
             for p in g["params"]:
-                if p.requires_grad:
+                # every parameter it holds a master of: one frozen after training has its
+                # trained master there, which the (bf16) parameter only rounds
+                try:
                     masters[id(p)] = master_weight(p)
+                except ConfigError:  # one it does not train
+                    continue
     params = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Any] = {}
     with torch.no_grad():
