@@ -233,3 +233,25 @@ def test_signature_follows_the_kernel_thread_pool():
     finally:
         mk.set_num_threads(threads)
     assert after != before
+
+
+@needs_two_candidates
+@pytest.mark.parametrize("missing_at", [3, 4, TRIAL_STEPS + 2])
+def test_a_parameter_without_a_gradient_keeps_the_bits(tmp_path, missing_at):
+    """A parameter without a gradient at one step (unused in that forward) advances its
+    neighbours' step counts and not its own; the other mode's cached step, which updates them in
+    one work, must not replay them at one count (steps 3 and 4 fall in the trial, where the
+    modes alternate; the last one after the decision)."""
+    a = make_params(torch.device("cpu"))
+    b = twin(a)
+    opt = ApexW(a, lr=1e-2, mode="auto", mode_cache=tmp_path / "modes.json")
+    ref = reference_for(b, lr=1e-2)
+    for step in range(1, TRIAL_STEPS + 5):
+        set_grads(a, step)
+        set_grads(b, step)
+        if step == missing_at:
+            a[0].grad = b[0].grad = None
+        opt.step()
+        ref.step()
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert opt.mode_decision is not None

@@ -322,6 +322,56 @@ def run_transposed_gradient_at_its_address(backend):
         a[0].grad = a[0].grad.t()  # contiguous again for the next in-place refill
 
 
+def _run_layout_change(backend, change):
+    """An fp32 parameter with a strided gradient and a square bf16 one in one group (two works);
+    at step 4 ``change`` gives the square one another layout at the same address: the step must
+    equal the ordinary one, which reads and writes through contiguous copies."""
+
+    def build():
+        a = torch.randn(24, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+        b = w.to(torch.bfloat16).requires_grad_()
+        a.grad = torch.empty(48)[::2]  # strided: the group's gradients are not all contiguous
+        b.grad = torch.zeros(8, 8, dtype=torch.bfloat16)
+        return [a, b]
+
+    ps, qs = build(), build()
+    opt = MemOptimizer(ps, rule="sgd", lr=0.1, momentum=0.9, backend=backend)
+    ref = Uncached(qs, rule="sgd", lr=0.1, momentum=0.9, backend=backend)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 7):
+        ga, gb = torch.randn(24, generator=gen), torch.randn(8, 8, generator=gen).bfloat16()
+        for (a, b), o in (((ps[0], ps[1]), opt), ((qs[0], qs[1]), ref)):
+            if step == 4:
+                change(b)
+            a.grad.copy_(ga)
+            b.grad.copy_(gb)
+            o.step()
+        if step == 3:
+            assert opt._cached_steps[None].replays > 0
+        assert_same_optimizers(ps, qs, opt, ref, f"step {step}")
+
+
+def run_transposed_parameter_at_its_address(backend):
+    """``p.data = p.data.t()`` on a square parameter: a prepared launch would write its memory in
+    the old order."""
+
+    def change(b):
+        b.data = b.data.t()
+
+    _run_layout_change(backend, change)
+
+
+def run_transposed_gradient_beside_a_strided_one(backend):
+    """``p.grad = p.grad.t()`` in a group whose gradients were not all contiguous (the check
+    once looked at contiguous groups only, while launches are prepared per work)."""
+
+    def change(b):
+        b.grad = b.grad.t()
+
+    _run_layout_change(backend, change)
+
+
 #: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
 ADDRESS_SCENARIOS = [
     run_new_gradient_addresses,
@@ -332,6 +382,8 @@ ADDRESS_SCENARIOS = [
     run_momentum_switched_on,
     run_parameter_resized_in_place,
     run_transposed_gradient_at_its_address,
+    run_transposed_parameter_at_its_address,
+    run_transposed_gradient_beside_a_strided_one,
 ]
 SCENARIOS = [run_lr_schedule, run_mixed_dtypes_in_a_group, *ADDRESS_SCENARIOS]
 

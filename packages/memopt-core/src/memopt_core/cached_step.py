@@ -18,9 +18,10 @@ and lengths, the same resolution keys (backend choice, formats, kernel variants:
 elements (``p.data = p.data[:n]`` keeps the address; a prepared launch would write the old
 size), every gradient of
 its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
-launch prepared for one gradient dtype must not read the other; and, in a group whose gradients
-were contiguous, every gradient still contiguous (``p.grad = p.grad.t()`` on a square parameter
-keeps the address, dtype and size, and a prepared launch would read the memory in the old order).
+launch prepared for one gradient dtype must not read the other; and every parameter and
+gradient that was contiguous still contiguous (``p.grad = p.grad.t()`` or ``p.data =
+p.data.t()`` on a square parameter keeps the address, dtype and size, and a prepared launch would
+read or write the memory in the old order).
 Addresses, not tensors, are kept: holding gradients between steps would keep a whole model's
 freed gradients alive.
 
@@ -34,7 +35,10 @@ anyway. A cached step built with ``fixed_grads=True`` (ApexW's CUDA graph, which
 addresses) is still dropped when a gradient moves. What the check cannot see (plans rebuilt, state
 loaded, param groups added, ``step_parameters`` advancing some counters) the optimizer handles by
 dropping its cached steps. The counters are assumed to change only through the optimizer: a
-``state[p]["step"]`` replaced by hand between replays is not seen. A cached step that is dropped
+``state[p]["step"]`` replaced by hand between replays is not seen. An optimizer that keeps
+several cached steps (ApexW, one per mode) drops the others whose works an ordinary step splits
+(:meth:`CachedStep.splits`: a parameter without a gradient this step advances its neighbours'
+counters and not its own), and those whose replays would split the new one's works. A cached step that is dropped
 before it ever replayed makes the optimizer wait before caching again (1, 3, 7, ... up to 31
 ordinary steps), so a loop whose gradients move every step pays little for the attempts.
 """
@@ -53,10 +57,12 @@ from memopt_core import backends
 __all__ = [
     "CachedEntry",
     "CachedStep",
+    "contiguous_positions",
     "grad_addresses",
     "grad_dtypes",
     "param_addresses",
     "param_sizes",
+    "still_contiguous",
 ]
 
 _GRAD = attrgetter("grad")
@@ -84,12 +90,22 @@ def grad_addresses(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
         return tuple(-1 if g is None else g.data_ptr() for g in grads)
 
 
-def grads_contiguous(grads: Sequence[Tensor | None]) -> bool:
-    """Whether every gradient of ``grads`` (None counts as one) is contiguous."""
+def contiguous_positions(tensors: Sequence[Tensor | None]) -> tuple[int, ...] | None:
+    """The positions of the contiguous tensors (None counts as one) of ``tensors``, or None
+    when that is all of them (the common case)."""
+    flags = [t is None or t.is_contiguous() for t in tensors]
+    return None if all(flags) else tuple(i for i, f in enumerate(flags) if f)
+
+
+def still_contiguous(tensors: Sequence[Tensor | None], positions: tuple[int, ...] | None) -> bool:
+    """Whether the tensors at ``positions`` (:func:`contiguous_positions`; None: all) still
+    are contiguous (or None). A strided tensor that became contiguous needs no check: its work
+    has no prepared launch, or one that reads it through a copy."""
+    chosen = tensors if positions is None else [tensors[i] for i in positions]
     try:
-        return all(map(_CONTIGUOUS, grads))  # a C-level loop: the common case
+        return all(map(_CONTIGUOUS, chosen))  # a C-level loop: the common case
     except TypeError:  # some gradient is None
-        return all(g is None or g.is_contiguous() for g in grads)
+        return all(t is None or t.is_contiguous() for t in chosen)
 
 
 def grad_dtypes(grads: Sequence[Tensor | None]) -> tuple[Any, ...]:
@@ -135,10 +151,23 @@ class CachedStep:
         self._counts = [len(g["params"]) for g in groups]
         self._pptrs = [param_addresses(g["params"]) for g in groups]
         self._psizes = [param_sizes(g["params"]) for g in groups]
+        self._pcontig = [contiguous_positions(g["params"]) for g in groups]
         grads = [list(map(_GRAD, g["params"])) for g in groups]
         self._gptrs = list(map(grad_addresses, grads))
         self._dtypes = list(map(grad_dtypes, grads))
-        self._contiguous = list(map(grads_contiguous, grads))
+        self._gcontig = list(map(contiguous_positions, grads))
+        #: the parameters the works update: a replay advances all of their step counters
+        self.participants = frozenset(id(p) for e in entries for p in e.work.param_owners)
+
+    def splits(self, ids: frozenset[int] | set[int]) -> bool:
+        """Whether advancing the step counters of the parameters ``ids`` (and no others) would
+        leave one of this step's works with parameters at different step counts (a work reads
+        its step count from its first parameter)."""
+        for e in self.entries:
+            inside = sum(id(p) in ids for p in e.work.param_owners)
+            if 0 < inside < len(e.work.param_owners):
+                return True
+        return False
 
     def current_grads(
         self, groups: list[dict[str, Any]], keys: tuple
@@ -160,12 +189,14 @@ class CachedStep:
                 if param_sizes(params) != self._psizes[gi]:
                     return None  # resized at its address (``p.data = p.data[:n]``): a prepared
                     # launch would still write the old size
+                if not still_contiguous(params, self._pcontig[gi]):
+                    return None  # another layout at the same address (``p.data = p.data.t()``):
+                    # a prepared launch would write its memory in the old order
                 grads = list(map(_GRAD, params))
                 if grad_dtypes(grads) != self._dtypes[gi]:  # None where None, as before
                     return None
-                if self._contiguous[gi] and not grads_contiguous(grads):
-                    return None  # another layout at the same address (``p.grad = p.grad.t()``):
-                    # a prepared launch would read its memory in the old order
+                if not still_contiguous(grads, self._gcontig[gi]):
+                    return None  # likewise ``p.grad = p.grad.t()``, read in the old order
                 gptrs = grad_addresses(grads)
                 if gptrs != self._gptrs[gi]:
                     if self.fixed_grads:

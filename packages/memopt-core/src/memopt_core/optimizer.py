@@ -1141,12 +1141,22 @@ class MemOptimizer(Optimizer):
         """An ordinary update of every parameter with a gradient, its works then cached under
         ``key`` when they can be replayed (memopt_apexw keeps one per mode)."""
         works = self._update(None)
+        stepped = {id(p) for _, work in works for p in work.param_owners}
+        for k, other in list(self._cached_steps.items()):
+            # another mode's cached step whose works this step split (a parameter without a
+            # gradient now kept its count while its work's others advanced) would replay them
+            # at the first one's step count
+            if k != key and other.splits(stepped):
+                del self._cached_steps[k]
         if self._cache_wait:  # gradients kept moving: caching would only cost
             self._cache_wait -= 1
             return
         cached = self._build_cached(works)
         if cached is not None:
             cached.drop_grads()
+            for k, other in list(self._cached_steps.items()):
+                if k != key and cached.splits(other.participants):  # its replays would split ours
+                    del self._cached_steps[k]
             self._cached_steps[key] = cached
 
     def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
