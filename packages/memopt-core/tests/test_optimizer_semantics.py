@@ -196,6 +196,22 @@ def test_decouple_lr_uses_lr_over_initial_lr():
     assert torch.equal(p.detach(), expected)
 
 
+def test_decouple_lr_with_a_tensor_lr_follows_the_schedule():
+    """Schedulers set a tensor lr in place: initial_lr must be a copy, not the same tensor."""
+    out = []
+    for lr in (1e-2, torch.tensor(1e-2)):
+        p = torch.nn.Parameter(torch.full((4,), 2.0))
+        opt = MemOptimizer([p], rule="adamw", lr=lr, weight_decay=0.5, decouple_lr=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+        for _ in range(3):
+            p.grad = torch.zeros(4)
+            opt.step()
+            sched.step()
+        assert opt.param_groups[0]["initial_lr"] is not opt.param_groups[0]["lr"]
+        out.append(p.detach().clone())
+    assert torch.equal(out[0], out[1])  # 2 * 0.5 * 0.95 * 0.995, not 2 * 0.5**3
+
+
 def test_closure_is_evaluated_with_grad_enabled():
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = MemOptimizer([p], rule="sgd", lr=0.1)
@@ -277,6 +293,45 @@ def test_add_param_group_after_steps():
     assert opt.state[b[0]]["step"].item() == 2
     assert opt.param_groups[1]["lr"] == 1e-3
     assert opt.param_groups[1]["betas"] == (0.9, 0.999)
+
+
+def test_params_appended_to_a_group_in_place():
+    """torch.optim lets a group's params list grow in place: the new one starts at step 1."""
+    a, b = make_params(seed=1)[:2]
+    b_ref = b.detach().clone().requires_grad_()
+    opt = MemOptimizer([a], lr=1e-2, stochastic_rounding=False)
+    ref = MemOptimizer([b_ref], lr=1e-2, stochastic_rounding=False)
+    train(opt, [a], 2)
+    opt.param_groups[0]["params"].append(b)
+    g = grads_for([a, b], 5)
+    set_grads([a, b], g)
+    set_grads([b_ref], g[1:])
+    opt.step()
+    ref.step()
+    assert opt.state[a]["step"].item() == 3
+    assert opt.state[b]["step"].item() == 1
+    assert equal_all([b], [b_ref])
+
+
+@pytest.mark.parametrize("rule", ["sgd", "sgdw"])
+def test_cycling_schedulers_cycle_sgd_momentum(rule):
+    """OneCycleLR cycles betas[0] when the optimizer's defaults hold betas, else momentum."""
+    momenta = []
+    for cls, kw in ((torch.optim.SGD, {}), (MemOptimizer, {"rule": rule})):
+        p = torch.nn.Parameter(torch.zeros(4))
+        opt = cls([p], lr=0.1, momentum=0.9, **kw)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+        seen = []
+        for _ in range(4):
+            p.grad = torch.ones(4)
+            opt.step()
+            sched.step()
+            seen.append(opt.param_groups[0]["momentum"])
+        momenta.append(seen)
+    assert momenta[0] == momenta[1]
+    assert momenta[0][0] != 0.9
+    adam = MemOptimizer([torch.nn.Parameter(torch.zeros(4))], rule="adamw", lr=0.1)
+    assert "betas" in adam.defaults  # Adam and Lion cycle beta1
 
 
 def test_params_without_grads_are_skipped_and_keep_their_step():
@@ -472,6 +527,7 @@ def test_default_betas_follow_the_rule():
     assert MemOptimizer(p, rule="lion").defaults["betas"] == (0.9, 0.99)
     assert MemOptimizer(p, rule="adamw").defaults["betas"] == (0.9, 0.999)
     assert MemOptimizer(p, rule="lion", betas=(0.95, 0.98)).defaults["betas"] == (0.95, 0.98)
+    assert "betas" not in MemOptimizer(p, rule="sgd").defaults  # see the cycling schedulers
     opt = MemOptimizer([{"params": p, "betas": None}], rule="lion")
     assert opt.param_groups[0]["betas"] == (0.9, 0.99)
 

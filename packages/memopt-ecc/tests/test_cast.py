@@ -262,6 +262,19 @@ def test_recast_replaces_hooks_and_other_dtypes():
     assert model.blocks[0].attn.weight.dtype == torch.float16
 
 
+def test_float64_casts_every_module():
+    """float32 layers in a float64 network would get float64 inputs (BatchNorm raised)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    cast_model(
+        model, torch.float64, full_precision_layers=["2"], full_precision_recast_layers=["0"]
+    )
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert model[1].running_mean.dtype == torch.float64
+    out = model(torch.randn(3, 4, dtype=torch.float64))
+    assert out.dtype == torch.float64
+    out.sum().backward()
+
+
 def test_cast_model_pickles_and_trains_with_mixed_dtypes(device):
     torch.manual_seed(0)
     model = Net().to(device)

@@ -473,6 +473,13 @@ def test_param_groups_take_flashoptim_keys():
     opt.step()
     assert opt.state[a]["master_code"].dtype == torch.int16
     assert opt.state[b]["master_code"].dtype == torch.uint8
+    # the caller's dict is the group, as in torch: edits through it take effect
+    c = torch.randn(40).bfloat16().requires_grad_()
+    mine = {"params": [c], "lr": 1e-3, "master_weight_bits": 32}
+    opt.add_param_group(mine)
+    assert opt.param_groups[2] is mine
+    assert mine["master"] == "ecc32"
+    assert "master_weight_bits" not in mine
     with pytest.raises(ConfigError, match="both master_weight_bits and master"):
         opt.add_param_group(
             {

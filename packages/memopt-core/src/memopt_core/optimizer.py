@@ -132,6 +132,13 @@ def _locals(entry: _Entry, tensors: list[Tensor]) -> list[Tensor]:
     return [local_shard(t) for t in tensors] if entry.sharded else tensors
 
 
+def _initial_lr(lr: Any) -> Any:
+    """The ``initial_lr`` to record for ``lr``: a copy of a tensor lr, as torch's LR schedulers
+    make, because they set a tensor lr in place (``fill_``): the same tensor would follow it, and
+    ``lr / initial_lr`` (decoupled decay) would stay 1."""
+    return lr.detach().clone() if isinstance(lr, Tensor) else lr
+
+
 def _as_float(value: Any, what: str, where: str) -> float:
     """``value`` as a finite float: a real number (numpy's included, as torch's optimizers take
     them; not a bool) or a one-element real tensor; ConfigError otherwise."""
@@ -321,6 +328,10 @@ class MemOptimizer(Optimizer):
             "stochastic_rounding": stochastic_rounding,
         }
         defaults["betas"] = self._check_group(defaults, "(optimizer defaults)")
+        if self._kind == "sgd":
+            # torch's cycling schedulers (OneCycleLR, CyclicLR) cycle betas[0] when the defaults
+            # hold betas, else momentum: SGD reads momentum (its groups still get betas, unused)
+            del defaults["betas"]
         if isinstance(params, Tensor):
             raise ConfigError(
                 "params must be an iterable of tensors or param-group dicts, got a single tensor "
@@ -505,7 +516,7 @@ class MemOptimizer(Optimizer):
                     f"decouple_lr=True {where} scales weight decay by lr / initial_lr and needs "
                     f"a positive initial lr, got {lr}"
                 )
-            param_group["initial_lr"] = merged["lr"]
+            param_group["initial_lr"] = _initial_lr(merged["lr"])
         super().add_param_group(param_group)
         self._index = None
         self._drop_cached_steps()
@@ -588,6 +599,8 @@ class MemOptimizer(Optimizer):
                     "restore the old values, or build a new optimizer (memopt_checkpoint converts "
                     "saved states between formats)"
                 )
+            if cur is None or cur.signature[3] != signature[3]:
+                self._index = None  # members changed: a group's params list edited in place
             self._build_group(gi, group, members, names, formats, signature)
 
     def _check_unchanged(self, members: list[Tensor]) -> None:
@@ -705,7 +718,7 @@ class MemOptimizer(Optimizer):
         initial_lr = None
         if group["decouple_lr"] and decoupled:
             if "initial_lr" not in group:
-                group["initial_lr"] = group["lr"]
+                group["initial_lr"] = _initial_lr(group["lr"])
             initial_lr = float(group["initial_lr"])
         if kind == "adam":
             return reference.adam_scalars(

@@ -23,6 +23,8 @@ Semantics (FlashOptim's, made precise):
   ``nn.Module`` matches by identity. A pattern or module that matches nothing warns.
 - A tensor shared by a float32 module and a cast module (for example an embedding tied to a
   full-precision ``lm_head``) cannot have both dtypes: ``ConfigError`` names both.
+- ``dtype=torch.float64``: every module is cast, those the options above name included (float32
+  would be the less precise one), and no hook is installed.
 - Calling ``cast_model`` again replaces the hooks of the previous call.
 """
 
@@ -203,6 +205,10 @@ def cast_model(
                 modes[id(m)] = mode
         if selective and isinstance(m, RUNNING_STAT_NORMS) and id(m) not in modes:
             modes[id(m)] = "norm"
+    if dtype == torch.float64:
+        # nothing is less precise than float32 here: float32 layers inside a float64 network
+        # would take float64 inputs they cannot mix with (BatchNorm raised deep in torch)
+        modes = {}
     for mode, specs in (("keep", keep), ("recast", recast)):
         for i, spec in enumerate(specs):
             if (mode, i) not in used:

@@ -230,7 +230,11 @@ class FlashOptimizer(MemOptimizer):
                     raise ConfigError("a param group sets both quantize and moments; set one")
                 group["moments"] = _moments_for_quantize(group.pop("quantize"))
             self._check_flash_keys(group, f"param group {len(self.param_groups)}")
-            param_group = group
+            # checked on a copy; then the caller's dict itself becomes the (translated) group,
+            # as in torch, so that later edits through it take effect
+            param_group.pop("master_weight_bits", None)
+            param_group.pop("quantize", None)
+            param_group.update(group)
         super().add_param_group(param_group)
 
     def _check_flash_keys(self, group: Mapping[str, Any], where: str) -> None:
@@ -332,6 +336,8 @@ class FlashOptimizer(MemOptimizer):
                 sr = bool(g["stochastic_rounding"])
                 res = master_resolution(mag, master, p.dtype, sr)
                 step = self._step_bound(g, gmax, mag)
+                if step == 0.0:
+                    continue  # an all-zero gradient asks for no step (an unused parameter)
                 if step < res / 2:
                     label = names.get(id(p))
                     what = f"{label!r}" if label else f"of shape {tuple(p.shape)}"
