@@ -7,6 +7,7 @@ where installed, and Triton's prepared launches in its interpreter (a subprocess
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import importlib.util
@@ -483,3 +484,57 @@ def test_triton_prepared_launches_in_the_interpreter(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "same bits" in done.stdout
+
+
+def _trained(backend, moments="q8", steps=4):
+    ps = make_params(torch.float32, shapes=[(7, 9), (33,)])
+    opt = MemOptimizer(ps, rule="adamw", lr=1e-2, moments=moments, backend=backend)
+    for step in range(1, steps + 1):
+        set_grads(ps, step)
+        opt.step()
+    assert opt._cached_steps[None].replays > 0
+    return ps, opt
+
+
+@pytest.mark.parametrize("moments", ["fp32", "q8"])
+def test_a_state_tensor_replaced_by_hand_is_used(backend, moments):
+    """``opt.state[p]["exp_avg"] = t`` (torch's optimizers use t next step): the same bits as
+    writing t's values into the state in place."""
+    (a, opt), (b, ref) = _trained(backend, moments), _trained(backend, moments)
+    for p, q in zip(a, b, strict=True):
+        new = torch.zeros_like(opt.state[p]["exp_avg"])
+        opt.state[p]["exp_avg"] = new.clone()
+        ref.state[q]["exp_avg"].copy_(new)  # a view of the arena: in place
+    for step in range(5, 8):
+        set_grads(a, step)
+        set_grads(b, step)
+        opt.step()
+        ref.step()
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
+    assert opt._cached_steps[None].replays > 0  # cached again after the rebuild
+
+
+@pytest.mark.parametrize("how", ["del", "clear", "empty dict", "new mapping"])
+def test_a_state_deleted_by_hand_starts_fresh(backend, how):
+    """torch's optimizers re-create a state that was deleted: step 1 from zero moments."""
+    a, opt = _trained(backend)
+    p = a[0]
+    if how == "del":
+        del opt.state[p]
+    elif how == "clear":
+        opt.state.clear()
+    elif how == "empty dict":
+        opt.state[p] = {}
+    else:
+        opt.state = collections.defaultdict(dict)
+    fresh = [t.detach().clone().requires_grad_() for t in a]
+    ref = MemOptimizer(fresh, rule="adamw", lr=1e-2, moments="q8", backend=backend)
+    if how == "del" or how == "empty dict":  # the other parameter keeps its state and count
+        ref.load_state_dict({**opt.state_dict(), "state": {1: opt.state_dict()["state"][1]}})
+    set_grads(a, 5)
+    set_grads(fresh, 5)
+    opt.step()
+    ref.step()
+    assert_same_optimizers(a, fresh, opt, ref, how)
+    assert float(opt.state[p]["step"]) == 1
+    assert 0 in opt.state_dict()["state"]

@@ -34,8 +34,9 @@ launches of the groups whose gradients moved at the new ones (the prepared launc
 anyway. A cached step built with ``fixed_grads=True`` (ApexW's CUDA graph, which captured the
 addresses) is still dropped when a gradient moves. What the check cannot see (plans rebuilt, state
 loaded, param groups added, ``step_parameters`` advancing some counters) the optimizer handles by
-dropping its cached steps. The counters are assumed to change only through the optimizer: a
-``state[p]["step"]`` replaced by hand between replays is not seen. An optimizer that keeps
+dropping its cached steps; writes to ``optimizer.state`` (a state deleted or replaced, a tensor
+put in one: :mod:`memopt_core.tracked_state` counts them) end the replays, and the ordinary step
+adopts them. An optimizer that keeps
 several cached steps (ApexW, one per mode) drops the others whose works an ordinary step splits
 (:meth:`CachedStep.splits`: a parameter without a gradient this step advances its neighbours'
 counters and not its own), and those whose replays would split the new one's works. A cached step that is dropped

@@ -43,7 +43,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,6 +71,7 @@ from memopt_core.sharding import (
     local_shard,
     local_state,
 )
+from memopt_core.tracked_state import ParamState, TrackedState, WriteCounter
 
 __all__ = ["RULES", "MemOptimizer", "adam_hyperparameters"]
 
@@ -117,11 +118,23 @@ class _Entry:
     steps: Tensor | None = None
     step_views: list[Tensor] | None = None
     sharded: bool = False  # some owner is a DTensor (its plan holds the local shard)
+    # each owner's state dict as the optimizer made it, and the tensors it held (the arena's
+    # views): a state the user deleted, replaced or put other tensors in is seen by comparing
+    states: list[ParamState] = field(default_factory=list)
+    held: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def holds_its_state(self, state: Mapping[Tensor, Any]) -> bool:
+        """Whether every owner's state in ``state`` is still the dict and tensors it was."""
+        for p, mine, held in zip(self.owners, self.states, self.held, strict=True):
+            current = state.get(p)
+            if current is not mine or any(current.get(k) is not v for k, v in held.items()):
+                return False
+        return True
 
 
 @dataclass
 class _GroupPlans:
-    signature: tuple
+    signature: tuple | None  # None: rebuild (its states were written from outside)
     formats: tuple[str, str]
     names: tuple[str, ...]
     entries: list[_Entry]
@@ -340,7 +353,10 @@ class MemOptimizer(Optimizer):
         params = list(params)
         if not params:
             raise ConfigError("optimizer got an empty parameter list")
+        self._writes = WriteCounter()
+        self._writes_seen = 0
         super().__init__(params, defaults)
+        self.state = TrackedState(self._writes, self.state)
 
     # ------------------------------------------------------------------------- configuration
     def _default_betas(self) -> tuple[float, float]:
@@ -562,7 +578,7 @@ class MemOptimizer(Optimizer):
             groups.add(gi)
         for gi in groups:
             group, cur = self.param_groups[gi], self._plans[gi]
-            if cur.signature[:2] != (
+            if cur.signature is None or cur.signature[:2] != (
                 (group["master"], group["moments"]),
                 group["stochastic_rounding"],
             ):
@@ -571,10 +587,38 @@ class MemOptimizer(Optimizer):
                 return False
         return True
 
-    def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
-        """(Re)build the plans and arenas of every group whose parameters or formats changed."""
-        if only is not None and self._plans_current_for(only):
+    def _state_written(self) -> bool:
+        """Whether ``self.state`` was written since the optimizer last looked (O(1): the writes
+        are counted, :mod:`memopt_core.tracked_state`); wraps a mapping assigned to
+        ``self.state`` by hand, which counts as a write."""
+        state = self.state
+        if not (isinstance(state, TrackedState) and state._counter is self._writes):
+            self.state = TrackedState(self._writes, state)
+            self._writes.n += 1
+        return self._writes.n != self._writes_seen
+
+    def _adopt_state_writes(self) -> None:
+        """Mark for a rebuild every group whose states were deleted, replaced or given other
+        tensors (by the user, as torch's optimizers allow): the rebuild takes the states as
+        they are now (a missing one starts fresh, a replaced tensor is copied in)."""
+        if not self._state_written():
             return
+        for gp in self._plans.values():
+            if not all(e.holds_its_state(self.state) for e in gp.entries):
+                gp.signature = None  # rebuilt by _ensure_all_plans
+        self._drop_cached_steps()
+
+    def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
+        """(Re)build the plans and arenas of every group whose parameters or formats changed,
+        or whose states were written from outside."""
+        self._adopt_state_writes()
+        if only is not None and self._plans_current_for(only):
+            self._writes_seen = self._writes.n
+            return
+        self._ensure_all_plans()
+        self._writes_seen = self._writes.n
+
+    def _ensure_all_plans(self) -> None:
         for gi, group in enumerate(self.param_groups):
             members = self._members(group)
             names = self._group_names(gi, group, members)
@@ -599,7 +643,7 @@ class MemOptimizer(Optimizer):
                     "restore the old values, or build a new optimizer (memopt_checkpoint converts "
                     "saved states between formats)"
                 )
-            if cur is None or cur.signature[3] != signature[3]:
+            if cur is None or cur.signature is None or cur.signature[3] != signature[3]:
                 self._index = None  # members changed: a group's params list edited in place
             self._build_group(gi, group, members, names, formats, signature)
 
@@ -657,8 +701,10 @@ class MemOptimizer(Optimizer):
                     elif key == "master_code":
                         conversions.encode_master_into(master, t.detach(), None, view)
                 step = prev.get("step")
-                state = {"step": _step_tensor(step if step is not None else 0)}
-                state.update(views)
+                state = ParamState(
+                    self._writes, {"step": _step_tensor(step if step is not None else 0)}
+                )
+                dict.update(state, views)
                 new_states[p] = state
             bases = [index_base(p) for p in owners]
             entries.append(
@@ -674,6 +720,8 @@ class MemOptimizer(Optimizer):
         for p, state in new_states.items():
             self.state[p] = state
         for ei, entry in enumerate(entries):
+            entry.states = [new_states[p] for p in entry.owners]
+            entry.held = [dict(s) for s in entry.states]
             for si, p in enumerate(entry.owners):
                 self._where[id(p)] = (gi, ei, si)
         self._plans[gi] = _GroupPlans(signature, formats, names, entries)
@@ -1003,8 +1051,10 @@ class MemOptimizer(Optimizer):
         )
         entry.steps = steps
         entry.step_views = [steps[i] for i in range(len(entry.owners))]
-        for p, v in zip(entry.owners, entry.step_views, strict=True):
+        for p, v, held in zip(entry.owners, entry.step_views, entry.held, strict=True):
             self.state[p]["step"] = v
+            held["step"] = v
+        self._writes_seen = self._writes.n  # its own writes
         return steps
 
     def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
@@ -1196,6 +1246,9 @@ class MemOptimizer(Optimizer):
         """Replay the step cached under ``key`` if it is still valid (True); else drop it."""
         cached = self._cached_steps.get(key)
         if cached is None:
+            return False
+        if self._state_written():  # the ordinary step adopts what was written
+            self._cached_steps.clear()
             return False
         grads = cached.current_grads(self.param_groups, self._resolution_keys())
         if grads is None:
@@ -1528,7 +1581,7 @@ class MemOptimizer(Optimizer):
         for group, merged in zip(self.param_groups, merged_groups, strict=True):
             group.clear()
             group.update(merged)
-        self.state = defaultdict(dict)
+        self.state = TrackedState(self._writes)
         for p, entry in new_state.items():
             self.state[p] = entry
         self.seed = seed
@@ -1683,6 +1736,9 @@ class MemOptimizer(Optimizer):
             for k, v in st.items():
                 if isinstance(v, _Picklable):
                     st[k] = v.__reduce__()[0](*v.__reduce__()[1])
+        self._writes = WriteCounter()
+        self._writes_seen = 0
+        self.state = TrackedState(self._writes, self.state)
         self._reset_plans()
 
 
