@@ -212,6 +212,17 @@ def test_decouple_lr_with_a_tensor_lr_follows_the_schedule():
     assert torch.equal(out[0], out[1])  # 2 * 0.5 * 0.95 * 0.995, not 2 * 0.5**3
 
 
+def test_decouple_lr_switched_on_at_lr_zero_is_a_config_error():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = MemOptimizer([p], rule="adamw", lr=0.0, weight_decay=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["decouple_lr"] = True  # no initial_lr recorded: it would be 0
+    with pytest.raises(ConfigError, match=r"initial lr it would record now is 0\.0"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4))
+
+
 def test_closure_is_evaluated_with_grad_enabled():
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = MemOptimizer([p], rule="sgd", lr=0.1)

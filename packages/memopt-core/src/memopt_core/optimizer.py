@@ -765,7 +765,12 @@ class MemOptimizer(Optimizer):
         wd = float(group["weight_decay"])
         initial_lr = None
         if group["decouple_lr"] and decoupled:
-            if "initial_lr" not in group:
+            if "initial_lr" not in group:  # decouple_lr switched on in the group by hand
+                if lr <= 0:
+                    raise ConfigError(
+                        f"decouple_lr=True scales weight decay by lr / initial_lr, and the initial "
+                        f"lr it would record now is {lr}: set the group's initial_lr (> 0) too"
+                    )
                 group["initial_lr"] = _initial_lr(group["lr"])
             initial_lr = float(group["initial_lr"])
         if kind == "adam":
