@@ -223,6 +223,16 @@ def test_decouple_lr_switched_on_at_lr_zero_is_a_config_error():
     assert torch.equal(p.detach(), torch.ones(4))
 
 
+def test_a_parameter_whose_elements_share_memory_is_refused_before_any_update():
+    a = torch.nn.Parameter(torch.ones(8))
+    b = torch.nn.Parameter(torch.zeros(1).expand(8))  # stride 0: one memory location
+    opt = MemOptimizer([a, b], rule="adamw", lr=0.1)
+    a.grad, b.grad = torch.ones(8), torch.ones(8)
+    with pytest.raises(ConfigError, match="share memory"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(8))  # nothing moved
+
+
 def test_closure_is_evaluated_with_grad_enabled():
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = MemOptimizer([p], rule="sgd", lr=0.1)

@@ -23,6 +23,10 @@ constexpr std::size_t kPage = 4096;
 
 thread_local bool t_in_worker = false;  // a part that starts another run runs it inline
 
+// ceil(a / b) for a >= 0, b > 0 without a + b - 1, which overflows for a chunk size near the
+// int64 maximum (set_chunk_size accepts any positive int64): 0 parts, a step that did nothing.
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+
 // A chunk counter on its own cache line: the parts' counters are bumped by different threads.
 struct alignas(64) AlignedCounter {
   std::atomic<std::size_t> v{0};
@@ -239,7 +243,7 @@ void parallel_blocks(int64_t n, const std::function<void(int64_t, int64_t)>& fn)
   State& s = state();
   std::lock_guard<std::mutex> lk(s.run_mu);
   const int64_t chunk = s.chunk_size;
-  const int64_t by_size = (n + chunk - 1) / chunk;
+  const int64_t by_size = ceil_div(n, chunk);
   const int parts = static_cast<int>(std::min<int64_t>(resolved_threads(s), by_size));
   if (parts <= 1) {
     fn(0, n);
@@ -270,7 +274,7 @@ StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chun
   // step over many small tensors (one chunk each) is otherwise split over every thread, and
   // waking the pool then costs more than the work (on 2 vCPUs, about 100 us against a few us
   // for 8 tensors of 64 elements).
-  const int64_t by_size = (total + chunk_size - 1) / chunk_size;
+  const int64_t by_size = ceil_div(total, chunk_size);
   const int parts = static_cast<int>(std::min<int64_t>(
       std::min<int64_t>(threads, by_size), static_cast<int64_t>(out.chunks.size())));
   // first[p]: index of the first chunk of part p (contiguous, balanced by element count)

@@ -161,6 +161,17 @@ def test_stream_words_differ_between_streams_steps_and_tensors():
     assert not torch.equal(ops.stream_words(1, 5, index, 3)[0], w[0])
 
 
+def test_codecs_read_the_negative_bit_of_a_view():
+    """``x.conj().imag`` of one element is contiguous, and its memory holds the opposite sign."""
+    x = torch.tensor([1 + 2j]).conj().imag
+    assert x.is_neg()
+    for fmt in ("fp32", "bf16"):
+        want = moment_codec(fmt).encode(x.resolve_neg())[""]  # the reference reads bit patterns
+        assert torch.equal(ops.encode_moment(fmt, x)[""], want), fmt
+    low, _ = ops.encode_master("fp32", x, torch.float32)
+    assert low.item() == -2.0
+
+
 def _record_codec_calls(monkeypatch) -> list[str]:
     """Names of this package's standalone codecs as they are called, in order."""
     calls: list[str] = []

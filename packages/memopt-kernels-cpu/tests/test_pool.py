@@ -91,6 +91,30 @@ def test_chunk_size(n):
     assert _core.get_chunk_size() == n
 
 
+def test_the_largest_chunk_size_still_steps():
+    """A chunk size near the int64 maximum: ceil(total / chunk) once overflowed to 0 parts, and
+    the step did nothing."""
+    from memopt_core.formats import StateSpec
+    from memopt_core.testing import group_step, make_grads, make_group
+    from memopt_core.torch_backend import TorchBackend
+    from memopt_kernels_cpu import ops
+
+    before = _core.get_chunk_size()
+    spec = StateSpec(master="fp32", moments="fp32", stochastic_rounding=False)
+    try:
+        _core.set_chunk_size(2**63 - 32)
+        mine, ref = (make_group("adam", spec, torch.float32, [100], "cpu", lr=1e-2) for _ in "ab")
+        grads = make_grads(mine, 1)
+        ops.fused_step(group_step(mine, grads, 1))
+        TorchBackend().step(group_step(ref, grads, 1))
+        assert torch.equal(mine.params[0], ref.params[0])
+        assert not torch.equal(
+            mine.params[0], make_group("adam", spec, torch.float32, [100], "cpu", lr=1e-2).params[0]
+        )
+    finally:
+        _core.set_chunk_size(before)
+
+
 @pytest.mark.parametrize("n", [0, -32, 1, 33, 48, 65537])
 def test_bad_chunk_sizes(n):
     before = _core.get_chunk_size()

@@ -685,6 +685,10 @@ def test_cached_tables_do_not_stand_in_for_smaller_tensors(ops, make_work, recor
     rne = make_work("adamw", "fp32", "bf16", torch.float32, sizes=(256,), sr=False)
     ops.fused_step(dataclasses.replace(work, spec=rne.spec))
     assert [kw["sr"] for _, kw in recorder] == [True, True, False]  # the refused calls ran nothing
+    # a strided staging tensor at the cached address, dtype and size (the kernel would write
+    # it as if packed)
+    with pytest.raises(ConfigError, match=r"staging of parameter 0 .*contiguous"):
+        ops.fused_step(work, staging=[big[::2]])
 
 
 def test_strided_parameters_are_written_back(ops, make_work, monkeypatch):
@@ -716,6 +720,16 @@ def test_strided_path_validates_first(ops, make_work, recorder):
         ops.fused_step(work)
     work.params = [torch.empty(4, 3, device=META).t()]
     with pytest.raises(ConfigError, match=r"parameter 0 \(slot 0\) is on meta"):
+        ops.fused_step(work)
+    assert recorder == []
+
+
+def test_parameters_that_overlap_themselves_are_refused(ops, make_work, recorder):
+    """An expanded parameter (stride 0) would be updated through a contiguous copy that cannot
+    be written back: refused before the kernel changes the state."""
+    work = make_work("adamw", "ecc24", "q8", torch.bfloat16, sizes=(64,))
+    work.params = [torch.zeros(1, dtype=torch.bfloat16).expand(64)]
+    with pytest.raises(ConfigError, match=r"parameter 0 \(slot 0.*share memory"):
         ops.fused_step(work)
     assert recorder == []
 

@@ -177,3 +177,21 @@ def test_index_bases_full_matrix(variant, preset, master):
         step_group(BACKEND, b, grads, step)
         bad = diff_report(a, b)
         assert not bad, f"step {step}: " + "; ".join(bad)
+
+
+def test_stream_words_past_2_pow_30_indices():
+    """Stream 2 starts 2 * n words into the output: past 2**30 indices that offset overflowed
+    int32 and the words landed before the output (about 13 GB of GPU memory)."""
+    from memopt_kernels_triton import ops
+
+    n = 2**30 + 64
+    index = torch.empty(n, dtype=torch.int64, device="cuda")
+    index[-64:] = torch.arange(5, 69, device="cuda")
+    index[:-64] = 0
+    seed, tid, step = 11, 3, 7
+    words = ops.stream_words(seed, tid, index, step)
+    want = rng.stream_words(seed, tid, torch.arange(5, 69), step)
+    for s in range(3):
+        assert torch.equal(words[s][-64:].cpu(), want[s]), f"stream {s}"
+    del words, index
+    torch.cuda.empty_cache()

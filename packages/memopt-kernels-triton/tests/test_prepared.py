@@ -462,8 +462,10 @@ def test_with_grads_refuses_other_gradients(ops, device):
         prepared.with_grads([g.float() for g in grads])  # float32 where bf16 was prepared
     with pytest.raises(ConfigError, match="prepared dtypes and sizes"):
         prepared.with_grads([g.reshape(-1)[:3].clone() for g in grads])
-    with pytest.raises(ConfigError, match=r"sizes \(tensors\)"):
+    with pytest.raises(ConfigError, match=r"sizes \(tensors on"):
         prepared.with_grads([g.tolist() for g in grads])
+    with pytest.raises(ConfigError, match=rf"sizes \(tensors on {device}"):  # a raw address of
+        prepared.with_grads([torch.empty_like(g, device="meta") for g in grads])  # another device
     strided = [torch.stack([g, g], dim=-1)[..., 0] for g in grads]
     assert not strided[0].is_contiguous()
     assert prepared.with_grads(strided) is None  # prepare again: contiguous copies

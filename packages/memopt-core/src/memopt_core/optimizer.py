@@ -59,6 +59,7 @@ from memopt_core.plan import (
     StateArena,
     expected_layout,
     make_plans,
+    overlaps_itself,
     padding_unit,
     round_up,
     state_key,
@@ -923,6 +924,12 @@ class MemOptimizer(Optimizer):
                     if is_dtensor(g):
                         self._check_grad(p, g, plan, si)  # refuses it with its message
                     self._check_local_grad(None, p, g, plan, si)
+                    if not p.is_contiguous() and overlaps_itself(p):
+                        raise ConfigError(
+                            f"{self._param_label(p)} has elements that share memory (an "
+                            "expanded tensor?): it cannot be updated in place; give it its own "
+                            "memory (p.data = p.data.clone())"
+                        )
             spec = self._spec(group, plan.param_dtype)
             backend = backends.select_backend(
                 self._kind, spec, plan.device, plan.param_dtype, self.backend

@@ -41,6 +41,7 @@ __all__ = [
     "clear_chunk_cache",
     "expected_layout",
     "make_plans",
+    "overlaps_itself",
     "own_storage",
     "padding_unit",
     "round_up",
@@ -54,6 +55,34 @@ CHUNK_COLUMNS = ("slot", "start", "length", "arena_offset")
 def round_up(n: int, block: int) -> int:
     """``n`` rounded up to a multiple of ``block``."""
     return -(-n // block) * block
+
+
+_EXACT_LAYOUT_LIMIT = (
+    1 << 22
+)  # elements: beyond, a layout the quick test doubts counts as overlapping
+
+
+def overlaps_itself(t: Tensor) -> bool:
+    """Whether two elements of ``t`` share memory (an ``expand``ed tensor, stride 0): updating
+    it in place is undefined, and a kernel that runs on a contiguous copy could not write the
+    result back. Each stride beyond the memory the smaller ones reach proves there is none;
+    a layout that fails that test is checked element by element (up to 4M elements, beyond
+    which it counts as overlapping)."""
+    reach = 0
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1
+    ):
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    if t.numel() > _EXACT_LAYOUT_LIMIT:
+        return True
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return bool(offsets.unique().numel() < t.numel())
 
 
 def own_storage(t: Tensor) -> Tensor:

@@ -50,6 +50,7 @@ from memopt_core.backends import (
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import master_codec
+from memopt_core.plan import overlaps_itself
 from memopt_core.reference import round_to_float32
 from memopt_kernels_cpu import _core
 
@@ -190,8 +191,9 @@ def _check_float32(x: object, what: str) -> Tensor:
 
 
 def _flat(t: Tensor) -> Tensor:
-    """``t`` as a flat contiguous tensor (a view when it already is contiguous)."""
-    return t.reshape(-1).contiguous()
+    """``t`` as a flat contiguous tensor (a view when it already is contiguous), its negative
+    bit resolved (``x.conj().imag`` is contiguous, and its memory holds the opposite signs)."""
+    return t.resolve_neg().reshape(-1).contiguous()
 
 
 def _rand_words(rand: object, n: int) -> Tensor | None:
@@ -784,7 +786,7 @@ def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
         tuple(work.tensor_ids),
         None if bases is None else tuple((type(b), b) for b in bases),
         tuple(map(_ptr, stage)),
-        tuple(None if st is None else (st.dtype, st.numel()) for st in stage),
+        tuple(None if st is None else (st.dtype, st.numel(), st.is_contiguous()) for st in stage),
         tuple(map(Tensor.data_ptr, work.arena.tensors())),
         work.spec,
         work.rule,
@@ -832,6 +834,11 @@ def fused_step(
             # checked before anything is copied, so a copy never hides a bad argument
             _check_tensor(p, f"parameter {i} (slot {work.slots[i]})")
             _check_tensor(g, f"the gradient of parameter {i} (slot {work.slots[i]})")
+            if overlaps_itself(p):
+                raise ConfigError(
+                    f"parameter {i} (slot {work.slots[i]}, {_label(p)}) has elements that share "
+                    "memory (an expanded tensor?): it cannot be updated in place"
+                )
         params = list(params)
         for i, (p, g) in enumerate(zip(originals, grads, strict=True)):
             if not p.is_contiguous():

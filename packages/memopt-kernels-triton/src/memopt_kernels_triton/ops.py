@@ -40,6 +40,7 @@ from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_mome
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
+from memopt_core.plan import overlaps_itself
 from memopt_core.reference import adam_bias_table, round_to_float32
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
@@ -257,7 +258,7 @@ def encode_moment(
         raise FormatError(f"codecs encode float32 tensors, got {x.dtype}: convert with .float()")
     n = x.numel()
     codec.check_length(n)
-    flat = x.reshape(-1).contiguous()
+    flat = x.resolve_neg().reshape(-1).contiguous()
     fields = codec.allocate(n, x.device)
     mode, seed, tid, step, stream = _sr_mode(rand, rng)
     code = _kernel_view(fields[""])
@@ -308,8 +309,8 @@ def decode_moment(fmt: str, fields: dict[str, Tensor]) -> Tensor:
         _launch(
             _convert.moment_decode_kernel,
             (triton_cdiv(n, 32 * rows),),
-            _kernel_view(main.reshape(-1).contiguous()),
-            scale.reshape(-1).contiguous(),
+            _kernel_view(main.resolve_neg().reshape(-1).contiguous()),
+            scale.resolve_neg().reshape(-1).contiguous(),
             out,
             n,
             FMT=moment_id(fmt),
@@ -352,7 +353,7 @@ def encode_master(
         raise FormatError(f"codecs encode float32 tensors, got {x.dtype}: convert with .float()")
     mid = master_id(fmt, param_dtype)
     n = x.numel()
-    flat = x.reshape(-1).contiguous()
+    flat = x.resolve_neg().reshape(-1).contiguous()
     param = torch.empty(n, dtype=param_dtype, device=x.device)
     code = (
         torch.empty(n, dtype=codec.code_dtype, device=x.device)
@@ -393,9 +394,9 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
         _launch(
             _convert.master_decode_kernel,
             (triton_cdiv(n, 32 * rows),),
-            _kernel_view(param.reshape(-1).contiguous()),
+            _kernel_view(param.resolve_neg().reshape(-1).contiguous()),
             (
-                code.reshape(-1).contiguous()
+                code.resolve_neg().reshape(-1).contiguous()
                 if code is not None
                 else torch.zeros(1, dtype=torch.uint8, device=param.device)
             ),
@@ -433,7 +434,7 @@ def stream_words(
     moment) of elements ``index`` (int64) at optimizer ``step``: the same as
     ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar ids."""
     _check_device(index, "index")
-    idx = index.reshape(-1).to(torch.int64).contiguous()
+    idx = index.resolve_neg().reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
     out = torch.empty((3, n), dtype=torch.int32, device=index.device)
     if n:
@@ -1000,13 +1001,15 @@ class PreparedStep:
                 len(grads) == self.n_slots
                 and tuple(map(Tensor.numel, grads)) == self._gnumels
                 and tuple(map(_DTYPE, grads)) == self._gdtypes
+                and all(g.device == self.device for g in grads)  # a raw address of another device
             )
         except TypeError:  # not tensors
             same = False
         if not same:
             raise ConfigError(
                 f"with_grads needs {self.n_slots} gradients of the prepared dtypes and sizes "
-                "(tensors), in the step's order; prepare the step again for other gradients"
+                f"(tensors on {self.device}), in the step's order; prepare the step again for "
+                "other gradients"
             )
         if not all(map(Tensor.is_contiguous, grads)):
             return None
@@ -1201,6 +1204,11 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             # only as long as the prepared step, so its tables are neither cached nor reusable
             params, grads = list(params), [g.contiguous() for g in grads]
             for i, p in enumerate(params):
+                if not p.is_contiguous() and overlaps_itself(p):
+                    raise ConfigError(
+                        f"parameter {i} (slot {slots[i]}, shape {tuple(p.shape)}) has elements "
+                        "that share memory (an expanded tensor?): it cannot be updated in place"
+                    )
                 if not p.is_contiguous():
                     tmp = p.detach().contiguous()
                     copies.append((p, tmp))

@@ -127,14 +127,17 @@ def stream_words_kernel(index_ptr, out_ptr, n, seed, tensor_id, step, BLOCK: tl.
     """Words ``out[s, i]`` (int32 bit patterns) of streams ``s`` = 0, 1, 2 of element ``index[i]``
     (int64)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    n64 = n.to(tl.int64)  # n is an int32 argument below 2**31; 2 * n must not wrap
+    mask = offs < n64
     idx = tl.load(index_ptr + offs, mask=mask, other=0)
     k0, k1, k2, k3 = step_keys(seed, tensor_id, step)
     y = fold_index(idx, k3)
     tl.store(out_ptr + offs, stream_word(y, stream_key(k0)).to(tl.int32, bitcast=True), mask=mask)
     tl.store(
-        out_ptr + n + offs, stream_word(y, stream_key(k1)).to(tl.int32, bitcast=True), mask=mask
+        out_ptr + n64 + offs, stream_word(y, stream_key(k1)).to(tl.int32, bitcast=True), mask=mask
     )
     tl.store(
-        out_ptr + 2 * n + offs, stream_word(y, stream_key(k2)).to(tl.int32, bitcast=True), mask=mask
+        out_ptr + 2 * n64 + offs,
+        stream_word(y, stream_key(k2)).to(tl.int32, bitcast=True),
+        mask=mask,
     )
