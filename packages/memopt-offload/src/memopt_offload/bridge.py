@@ -499,6 +499,12 @@ class AdamBridge(Optimizer):
             raise ConfigError("add_param_group while hooks are attached: call detach_hooks() first")
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ConfigError("a param group must be a dict with a 'params' entry")
+        for flag in ("maximize", "amsgrad"):  # torch AdamW's, which this update does not do
+            if param_group.get(flag):
+                raise ConfigError(
+                    f"AdamBridge does not support {flag}=True (param group "
+                    f"{len(self.param_groups)}); its host update is AdamW without it"
+                )
         raw = param_group["params"]
         # a generator is used up by the checks below: torch must get the same items
         raw = param_group["params"] = [raw] if isinstance(raw, Tensor) else list(raw)
@@ -690,6 +696,8 @@ class AdamBridge(Optimizer):
     def master_weight(self, p: Tensor) -> Tensor:
         """The host fp32 master of parameter ``p`` (a copy; an ECC-24 master decoded)."""
         slot = self._slot(p)
+        if self._pending:  # updates started between backward and step_sync(): collect them
+            self._finish()
         self.synchronize()
         if self._dev is not None:
             self._dev.synchronize_host()
@@ -742,24 +750,40 @@ class AdamBridge(Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
         reject_hook_wrappers(model, "AdamBridge.attach_hooks()")
+        try:
+            self._attach(model, overlap_forward)
+        except BaseException:
+            self.detach_hooks()  # nothing half-attached
+            raise
+
+    def _attach(self, model: torch.nn.Module, overlap_forward: bool) -> None:
         hooked = 0
         for p in model.parameters():
             slot = self._slots.get(id(p))
             if slot is None or slot.param is not p:
                 continue
+            if not p.requires_grad:  # frozen for now: step() takes a gradient it gets later
+                continue
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             hooked += 1
         if not hooked:
             raise ConfigError(
-                "attach_hooks found none of this optimizer's trainable parameters in the model"
+                "attach_hooks found none of this optimizer's trainable parameters in the model "
+                "(that require gradients)"
             )
         self._hooks.append(model.register_forward_pre_hook(self._check_synced))
         self._overlap = overlap_forward
         if overlap_forward:
             for module in model.modules():
+                # MultiheadAttention's forward reads its out_proj's weights directly
+                reads = (
+                    module.parameters()
+                    if isinstance(module, torch.nn.MultiheadAttention)
+                    else module._parameters.values()
+                )
                 own = tuple(
                     id(p)
-                    for p in module._parameters.values()
+                    for p in reads
                     if p is not None and id(p) in self._slots and self._slots[id(p)].param is p
                 )
                 if own:
@@ -908,11 +932,7 @@ class AdamBridge(Optimizer):
                 "or attach the hooks without overlap_forward"
             )
         g = p.grad
-        if g.shape != p.shape or g.dtype != p.dtype or g.layout != torch.strided:
-            raise OffloadError(
-                f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
-                f"AdamBridge takes dense gradients of the parameter's dtype and shape"
-            )
+        self._check_grad(slot, g)
         if not self._pending:  # the step opens: every group's hyperparameters, checked once
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
@@ -933,10 +953,19 @@ class AdamBridge(Optimizer):
         if bucket.nbytes >= self.bucket_bytes:
             self._close_bucket()
 
+    @staticmethod
+    def _check_grad(slot: _Slot, g: Tensor) -> None:
+        p = slot.param
+        if g.shape != p.shape or g.dtype != p.dtype or g.layout != torch.strided:
+            raise OffloadError(
+                f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
+                f"AdamBridge takes dense gradients of the parameter's dtype and shape"
+            )
+
     def _copy_out(self, bucket: _Bucket) -> None:
         """Copy the bucket's gradients to their pinned host buffers (on the side stream, after
         the work that produced them), take their norms when clipping, and free them."""
-        grads, bucket.grads = bucket.grads, []
+        grads, bucket.grads = [g.detach() for g in bucket.grads], []  # backward(create_graph)
         hosts = [s.grad for s in bucket.slots]
         clip = self.max_grad_norm is not None
         if self._cuda:
@@ -1030,6 +1059,8 @@ class AdamBridge(Optimizer):
     def _close_step(self) -> None:
         """Close the step: its last bucket and, when clipping waits for the norm, the norm and
         the held buckets."""
+        # a backward that raised never ran its end-of-backward callback: queue one again
+        self._callback_queued = False
         if self._dev is not None:
             for bucket in self._dev.unfinished():  # some of their parameters got no gradient
                 self._dispatch(bucket)
@@ -1093,10 +1124,27 @@ class AdamBridge(Optimizer):
         # the loop with hooks has no zero_grad(): a gradient left here would be added to the
         # next backward's and applied twice
         free = bool(self._hooks)
+        todo = []
         for slot in self._slots.values():
-            p = slot.param
-            if p.grad is not None and id(p) not in self._pending:
-                self._offload(slot, free=free)
+            g = slot.param.grad
+            if g is None:
+                continue
+            if id(slot.param) in self._pending:
+                bucket = self._pending[id(slot.param)]
+                if bucket is not None and not any(x is g for x in bucket.grads):
+                    # the hook took one gradient and freed it; this one came later (a backward
+                    # inside no_update()), and would be added to the next step's
+                    raise OffloadError(
+                        f"the gradient of {slot.label} arrived twice before step_sync(): "
+                        "accumulate micro-batches inside `with optimizer.no_update():` before "
+                        "the last backward of the step, not after it"
+                    )
+                continue
+            todo.append(slot)
+        for slot in todo:  # every gradient valid before any leaves: a refused step changes nothing
+            self._check_grad(slot, slot.param.grad)
+        for slot in todo:
+            self._offload(slot, free=free)
         if self._overlap:
             self._close_step()
             self._inflight.update(self._pending)
@@ -1186,6 +1234,9 @@ class AdamBridge(Optimizer):
             "precision": self.precision,
             "seed": seed,
             "version": _STATE_DICT_VERSION,
+            # clip_mode="overlap" clips the next step with this step's coefficient
+            "clip_coef": self._prev_coef,
+            "last_grad_norm": self.last_grad_norm,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -1252,8 +1303,12 @@ class AdamBridge(Optimizer):
                 if slot.staging is not None:
                     slot.staging.copy_(slot.master)
                 slot.param.copy_(slot.upload)
-        self.last_grad_norm = None
-        self._prev_coef = None
+        self._load_clipping(meta)
+
+    def _load_clipping(self, meta: Mapping[str, Any]) -> None:
+        """The clipping state of a loaded dict (None in dicts from before it was saved)."""
+        self._prev_coef = meta.get("clip_coef")
+        self.last_grad_norm = meta.get("last_grad_norm")
 
     def _saved_groups(self, state_dict: Any) -> list[Mapping[str, Any]]:
         """The param groups of ``state_dict`` once its containers, family, version and
@@ -1345,8 +1400,7 @@ class AdamBridge(Optimizer):
                 dev.load_entry(p, entry)
             dev.reset_steps([s.pos for s in self._slots.values() if s.pos not in loaded])
         dev.seed = seed
-        self.last_grad_norm = None
-        self._prev_coef = None
+        self._load_clipping(state_dict["memopt"])
 
     # ------------------------------------------------------------------------ lifetime
     def __getstate__(self) -> dict[str, Any]:

@@ -1,0 +1,199 @@
+"""AdamBridge in the cases an audit found wrong: a step retried after an error, reads between
+backward and step_sync, resume with overlapping clipping, frozen parameters at attach time,
+double backward, a backward that raised, MultiheadAttention under overlap_forward, gradients
+after the hook took one, and unsupported group flags. Each test fails on the code before."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from offload_testutil import assert_same_params
+
+from memopt_core.errors import ConfigError, OffloadError
+from memopt_offload import AdamBridge
+
+
+def test_a_step_refused_for_one_gradient_takes_none(device):
+    """A sparse gradient refuses the step before any gradient leaves: the retry applies the
+    gradients it then finds (it had applied the stale one it had taken first)."""
+    a = torch.nn.Parameter(torch.zeros(4, device=device))
+    emb = torch.nn.Embedding(5, 4, sparse=True).to(device)
+    opt = AdamBridge([a, *emb.parameters()], lr=0.1, precision="fp32", weight_decay=0.0)
+    ids = torch.tensor([1], device=device)
+    (a.sum() + emb(ids).sum()).backward()  # a.grad = +1
+    with pytest.raises(OffloadError, match="sparse"):
+        opt.step()
+    opt.zero_grad()
+    emb.sparse = False
+    (-a.sum() + emb(ids).sum()).backward()  # a.grad = -1
+    opt.step()
+    # Adam's first step is lr * g / (|g| + eps): about +lr (the stale gradient gave -lr)
+    assert torch.allclose(a.detach().cpu(), torch.full((4,), 0.1))
+
+
+def test_master_weight_waits_for_updates_started_by_the_hooks():
+    w = torch.nn.Parameter(torch.zeros(4))
+    model = torch.nn.Module()
+    model.w = w
+    opt = AdamBridge([w], lr=0.1, precision="fp32", weight_decay=0.0)
+    opt.attach_hooks(model)
+    update = opt._update
+
+    def slow_update(*args):
+        time.sleep(0.2)
+        return update(*args)
+
+    opt._update = slow_update
+    w.sum().backward()
+    assert torch.allclose(opt.master_weight(w), torch.full((4,), -0.1))  # not the zeros before
+    opt.detach_hooks()
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+def test_overlap_clipping_resumes_bit_identically(hooks):
+    """clip_mode="overlap" clips with the last step's coefficient, which the state dict keeps."""
+
+    def run(resume_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+
+        def build(m):
+            opt = AdamBridge(
+                m.parameters(), lr=1e-2, precision="fp32", max_grad_norm=0.01, clip_mode="overlap"
+            )
+            if hooks:
+                opt.attach_hooks(m)
+            return opt
+
+        opt = build(model)
+        for s in range(4):
+            if s == resume_at:
+                sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+                opt.detach_hooks()
+                model = torch.nn.Linear(4, 4)
+                model.load_state_dict(msd)
+                opt = build(model)
+                opt.load_state_dict(sd)
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(s)) * (1 + 10 * s)
+            model(x).pow(2).mean().backward()
+            opt.step_sync()
+            opt.zero_grad()
+        return model.weight.detach()
+
+    assert torch.equal(run(), run(resume_at=2))
+
+
+def test_attach_hooks_skips_parameters_frozen_after_construction(device):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(device)
+    ref = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32")
+    ref_opt = AdamBridge(ref.parameters(), lr=1e-2, precision="fp32")
+    for m in (model, ref):
+        m[1].requires_grad_(False)  # the head frozen for a phase of training
+    opt.attach_hooks(model)
+    head = model[1].weight.detach().clone()
+    x = torch.randn(3, 4, device=device)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step_sync()
+        ref(x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert torch.equal(model[1].weight, head)
+    assert_same_params(model, ref, "frozen head")
+    opt.detach_hooks()
+    model[0].requires_grad_(False)
+    with pytest.raises(ConfigError, match="require gradients"):  # nothing left to hook
+        opt.attach_hooks(model)
+    assert not opt.hooks_attached  # nothing half-attached
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_double_backward_with_hooks_gives_the_bits_without():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ref = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32")
+    ref_opt = AdamBridge(ref.parameters(), lr=1e-2, precision="fp32")
+    opt.attach_hooks(model)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model(x).pow(2).mean().backward(create_graph=True)
+        opt.step_sync()
+        ref(x).pow(2).mean().backward(create_graph=True)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_params(model, ref, "create_graph")
+    opt.detach_hooks()
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("simulated failure in backward")
+
+
+def test_a_backward_that_raised_does_not_stop_later_buckets_closing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32")
+    opt.attach_hooks(model)
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="simulated"):
+        (_Boom.apply(model[0](x)) + model[1](model[0](x))).sum().backward()
+    opt.step_sync()
+    opt.zero_grad()
+    model(x).sum().backward()
+    assert not opt._bucket.slots  # the end of backward sent the last bucket
+    opt.step_sync()
+    opt.detach_hooks()
+
+
+def test_overlap_forward_waits_for_multihead_attention_out_proj():
+    """MultiheadAttention reads its out_proj's weights without calling out_proj."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.TransformerEncoderLayer(
+            16, 2, dim_feedforward=32, dropout=0.0, batch_first=True
+        )
+
+    model, ref = build(), build()
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision="fp32")
+    ref_opt = AdamBridge(ref.parameters(), lr=1e-3, precision="fp32")
+    opt.attach_hooks(model, overlap_forward=True)
+    ref_opt.attach_hooks(ref)
+    x = torch.randn(2, 5, 16)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).pow(2).mean().backward()
+            o.step_sync()
+    opt.synchronize()
+    assert_same_params(model, ref, "overlap_forward")
+    opt.detach_hooks()
+
+
+def test_a_gradient_after_the_hook_took_one_is_an_error():
+    model = torch.nn.Linear(1, 1, bias=False)
+    opt = AdamBridge(model.parameters(), lr=0.1, precision="fp32", weight_decay=0.0)
+    opt.attach_hooks(model)
+    x = torch.ones(1, 1)
+    first, second = model(x).sum(), (-3 * model(x)).sum()
+    first.backward()
+    with opt.no_update():
+        second.backward()
+    with pytest.raises(OffloadError, match="arrived twice"):
+        opt.step_sync()
+
+
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad"])
+def test_unsupported_group_flags_are_refused(flag):
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match=f"does not support {flag}=True"):
+        AdamBridge([{"params": [p], flag: True}], lr=0.1, precision="fp32")
