@@ -12,7 +12,7 @@ import pytest
 import torch
 from offload_testutil import assert_same_params
 
-from memopt_core.errors import ConfigError, OffloadError
+from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_offload import AdamBridge
 
 
@@ -197,3 +197,12 @@ def test_unsupported_group_flags_are_refused(flag):
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ConfigError, match=f"does not support {flag}=True"):
         AdamBridge([{"params": [p], flag: True}], lr=0.1, precision="fp32")
+
+
+def test_a_bad_clipping_state_is_refused():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = AdamBridge([p], lr=0.1, precision="fp32", max_grad_norm=1.0, clip_mode="overlap")
+    sd = opt.state_dict()
+    sd["memopt"] = {**sd["memopt"], "clip_coef": "half"}
+    with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be a number"):
+        opt.load_state_dict(sd)

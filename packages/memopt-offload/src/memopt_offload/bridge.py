@@ -1317,6 +1317,12 @@ class AdamBridge(Optimizer):
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise StateDictError("expected the dict AdamBridge.state_dict() returns")
         meta = state_dict.get("memopt")
+        for key in ("clip_coef", "last_grad_norm"):
+            v = meta.get(key) if isinstance(meta, Mapping) else None
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+            ):
+                raise StateDictError(f"the state dict's memopt[{key!r}] must be a number or None")
         if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
             raise StateDictError(
                 "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"
