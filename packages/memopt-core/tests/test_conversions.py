@@ -141,6 +141,18 @@ def test_backends_without_codecs_on_the_device_leave_the_reference(codec_backend
     assert conversions.codec_kernels("meta") is None  # the fake answers only for CPU tensors
 
 
+def test_tensor_subclasses_take_the_reference(codec_backend):
+    """A subclass (a sharded DTensor) keeps its bytes elsewhere than data_ptr()."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    codec = moment_codec("bf16")
+    x = _values(64).as_subclass(Sub)
+    conversions.encode_moment(codec, x)
+    assert codec_backend.kernels.calls == []
+
+
 def test_fresh_ecc_state_is_encoded_through_the_backend(codec_backend):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(100).to(torch.bfloat16))

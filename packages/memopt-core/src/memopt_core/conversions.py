@@ -17,7 +17,8 @@ reference's, bit for bit: each backend's tests check its codecs against the refe
 format.
 
 The functions take and return flat tensors (fields as the optimizer stores them); every tensor of
-one call must be on one device, else the reference runs (and explains what is wrong).
+one call must be a plain tensor (not a subclass such as DTensor) on one device, else the
+reference runs (and explains what is wrong).
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def codec_kernels(device: torch.device | str) -> Any | None:
 
 def _kernels_for(*tensors: Tensor | None) -> Any | None:
     present = [t for t in tensors if t is not None]
-    if not present or not all(isinstance(t, Tensor) for t in present):
+    # plain tensors only: a subclass (a sharded DTensor) keeps its bytes elsewhere than
+    # data_ptr(), and the reference's torch operations handle it
+    if not present or not all(type(t) is Tensor for t in present):
         return None
     device = present[0].device
     if any(t.device != device for t in present):
