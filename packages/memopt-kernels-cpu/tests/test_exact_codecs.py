@@ -14,7 +14,7 @@ from memopt_core import conversions
 from memopt_core.formats import master_codec, moment_codec
 from memopt_core.formats.registry import MOMENT_FORMATS
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, stream_words
-from memopt_core.testing import MASTER_IDS, MASTERS, bits
+from memopt_core.testing import MASTER_IDS, MASTERS, bits, record_codec_calls
 from memopt_kernels_cpu import ops, set_chunk_size, set_isa, set_num_threads, supported_isas
 
 ISAS = supported_isas()
@@ -172,29 +172,13 @@ def test_codecs_read_the_negative_bit_of_a_view():
     assert low.item() == -2.0
 
 
-def _record_codec_calls(monkeypatch) -> list[str]:
-    """Names of this package's standalone codecs as they are called, in order."""
-    calls: list[str] = []
-
-    def recorded(name, real):
-        def call(*args, **kwargs):
-            calls.append(name)
-            return real(*args, **kwargs)
-
-        return call
-
-    for name in ("encode_moment", "decode_moment", "encode_master", "decode_master"):
-        monkeypatch.setattr(ops, name, recorded(name, getattr(ops, name)))
-    return calls
-
-
 @pytest.mark.parametrize("fmt", MOMENT_FORMATS)
 def test_core_conversions_run_these_codecs(monkeypatch, fmt):
     """memopt_core.conversions (state dicts, fp32 export) takes this package's codecs for CPU
     tensors and gives the reference's bits."""
     monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
     assert conversions.codec_kernels("cpu") is ops
-    calls = _record_codec_calls(monkeypatch)
+    calls = record_codec_calls(monkeypatch, ops)
     codec = moment_codec(fmt)
     x = sample(32 * 33, seed=7)
     if not codec.signed:

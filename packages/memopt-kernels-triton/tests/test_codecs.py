@@ -8,7 +8,7 @@ import torch
 from memopt_core import conversions, rng
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import master_codec, moment_codec
-from memopt_core.testing import MASTERS
+from memopt_core.testing import MASTERS, record_codec_calls
 from memopt_kernels_triton.backend import BACKEND
 
 MOMENTS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt"]
@@ -378,15 +378,7 @@ def test_core_conversions_run_these_kernels(ops, device, monkeypatch, fmt):
         pytest.skip("CPU tensors are not converted by these kernels (test above)")
     monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
     assert conversions.codec_kernels("cuda") is ops
-    calls = []
-    for name in ("encode_moment", "decode_moment", "encode_master", "decode_master"):
-        real = getattr(ops, name)
-
-        def call(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(ops, name, call)
+    calls = record_codec_calls(monkeypatch, ops)
     codec = moment_codec(fmt)
     x = values(33, device)
     if not codec.signed:

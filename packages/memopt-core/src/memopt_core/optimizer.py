@@ -1259,8 +1259,7 @@ class MemOptimizer(Optimizer):
         cached = self._cached_steps.get(key)
         if cached is None:
             return False
-        if self._state_written():  # the ordinary step adopts what was written
-            self._cached_steps.clear()
+        if self._state_written():  # the ordinary step adopts what was written (and drops these)
             return False
         grads = cached.current_grads(self.param_groups, self._resolution_keys())
         if grads is None:

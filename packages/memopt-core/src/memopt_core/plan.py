@@ -39,6 +39,7 @@ __all__ = [
     "Slot",
     "StateArena",
     "clear_chunk_cache",
+    "element_offsets",
     "expected_layout",
     "make_plans",
     "overlaps_itself",
@@ -62,6 +63,15 @@ _EXACT_LAYOUT_LIMIT = (
 )  # elements: beyond, a layout the quick test doubts counts as overlapping
 
 
+def element_offsets(t: Tensor) -> Tensor:
+    """The storage offset, in elements from ``t``'s first, of each element of ``t`` (int64, C
+    order, on the CPU): what its strides address."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return offsets.reshape(-1)
+
+
 def overlaps_itself(t: Tensor) -> bool:
     """Whether two elements of ``t`` share memory (an ``expand``ed tensor, stride 0): updating
     it in place is undefined, and a kernel that runs on a contiguous copy could not write the
@@ -79,10 +89,7 @@ def overlaps_itself(t: Tensor) -> bool:
         return False
     if t.numel() > _EXACT_LAYOUT_LIMIT:
         return True
-    offsets = torch.zeros((), dtype=torch.int64)
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    return bool(offsets.unique().numel() < t.numel())
+    return bool(element_offsets(t).unique().numel() < t.numel())
 
 
 def own_storage(t: Tensor) -> Tensor:

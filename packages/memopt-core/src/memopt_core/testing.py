@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +40,7 @@ __all__ = [
     "leave_group",
     "make_grads",
     "make_group",
+    "record_codec_calls",
     "rule_names",
     "scalars_for",
     "set_mean_gradients",
@@ -274,6 +276,24 @@ def group_state(group: Group) -> dict[str, Tensor]:
         for suffix, t in fields.items():
             out[f"{name}[{suffix}]"] = bits(t)
     return out
+
+
+def record_codec_calls(monkeypatch: Any, ops: Any) -> list[str]:
+    """Patch the standalone codecs of a kernel package's ``ops`` module (pytest's
+    ``monkeypatch``) so that each call is recorded; returns the list of their names, in call
+    order (the calls still run). For tests that :mod:`memopt_core.conversions` reaches them."""
+    calls: list[str] = []
+
+    def recorded(name: str, real: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("encode_moment", "decode_moment", "encode_master", "decode_master"):
+        monkeypatch.setattr(ops, name, recorded(name, getattr(ops, name)))
+    return calls
 
 
 def bits(t: Tensor) -> Tensor:

@@ -50,7 +50,7 @@ from memopt_core.backends import (
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import master_codec
-from memopt_core.plan import overlaps_itself
+from memopt_core.plan import element_offsets, overlaps_itself
 from memopt_core.reference import round_to_float32
 from memopt_kernels_cpu import _core
 
@@ -235,10 +235,7 @@ _EXACT_OVERLAP_LIMIT = 1 << 22  # elements; beyond that a strided extent overlap
 
 def _byte_set(t: Tensor) -> Tensor:
     """Addresses of every byte of ``t``'s elements (int64)."""
-    offs = torch.zeros((), dtype=torch.int64)
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        offs = offs.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-    starts = t.data_ptr() + offs.reshape(-1) * t.element_size()
+    starts = t.data_ptr() + element_offsets(t) * t.element_size()
     return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
 
 
