@@ -171,6 +171,58 @@ def test_forcing_an_unusable_or_unsupporting_backend(monkeypatch, fresh_backends
     assert opt.state[p]["step"].item() == 0
 
 
+class RefusingBackend(RecordingBackend):
+    """Refuses, in ``check`` and in ``step``, a work holding the parameter ``refused``."""
+
+    def __init__(self, refused):
+        super().__init__("cpu")
+        self.refused, self.checked = refused, []
+
+    def check(self, work):
+        self.checked.append(work)
+        if any(p is self.refused for p in work.params):
+            raise ConfigError("refused")
+
+    def step(self, work):
+        self.check(work)
+        super().step(work)
+
+
+@pytest.mark.parametrize("steps_before", [0, 3])  # 3: the refused step is a cached replay
+def test_a_step_refused_in_a_later_group_changes_nothing(monkeypatch, fresh_backends, steps_before):
+    refusing = RefusingBackend(refused=None)
+    install(monkeypatch, FakeEntryPoint("cpu", refusing))
+    monkeypatch.delenv("MEMOPT_BACKEND", raising=False)
+    torch.manual_seed(0)
+    runs = []
+    for refuse_once in (True, False):  # the second run is the twin that was never refused
+        a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(6))
+        opt = MemOptimizer([{"params": [a]}, {"params": [b], "lr": 0.5}], rule="adamw")
+        for p in (a, b):
+            p.grad = torch.full_like(p, 0.25)
+        for _ in range(steps_before):
+            opt.step()
+        if refuse_once:
+            before = [a.detach().clone(), b.detach().clone()]
+            refusing.refused, refusing.checked = b, []
+            with pytest.raises(ConfigError, match="refused"):
+                opt.step()
+            assert torch.equal(a, before[0])
+            assert torch.equal(b, before[1])
+            # the first work is validated by its own step, the later ones beforehand
+            assert [w.params for w in refusing.checked] == [[b]]
+            refusing.refused = None
+        opt.step()
+        runs.append((a, b, opt.state_dict()["state"]))
+        torch.manual_seed(0)
+    (a1, b1, s1), (a2, b2, s2) = runs
+    assert torch.equal(a1, a2)
+    assert torch.equal(b1, b2)
+    for i in (0, 1):  # the refused step advanced no step counter and no moment
+        assert s1[i].keys() == s2[i].keys()
+        assert all(torch.equal(s1[i][k], s2[i][k]) for k in s1[i])
+
+
 def test_backend_receives_a_group_step(monkeypatch, fresh_backends):
     cpu = RecordingBackend("cpu")
     install(monkeypatch, FakeEntryPoint("cpu", cpu))

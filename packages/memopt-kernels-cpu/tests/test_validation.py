@@ -624,6 +624,23 @@ def test_seed_step_and_first_step(ops, make_work, recorder):
     assert recorder[1][1]["first_step"] is True
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [("seed", 1.5, "float"), ("step", 2.0, "float"), ("step", True, "bool")],
+)
+def test_seed_and_step_must_be_ints(ops, make_work, recorder, field, value, shown):
+    """A float is refused, not truncated (2.5 would have run step 2's scalars with step 2's
+    rounding words); the prepared launch checks the same way."""
+    work = dataclasses.replace(make_work(), **{field: value})
+    with pytest.raises(ConfigError, match=rf"{field} must be an int, got {shown}"):
+        ops.fused_step(work)
+    prepared = ops.prepare_step(make_work())
+    args = {"seed": 0, "step": 1, field: value}
+    with pytest.raises(ConfigError, match=rf"{field} must be an int, got {shown}"):
+        prepared.launch(work.scalars, args["step"], args["seed"], False)
+    assert recorder == []
+
+
 def test_staging_addresses(ops, make_work, recorder):
     work = make_work(sizes=(33, 64, 1))
     st = [torch.empty(n, dtype=torch.bfloat16) for n in (33, 64, 1)]
@@ -854,3 +871,26 @@ def test_pinned_host_buffers(ops, make_work, dev):
     torch.cuda.synchronize()
     for st, g in zip(staging, on_gpu, strict=True):
         assert torch.equal(g.cpu().view(torch.int16), st.view(torch.int16))
+
+
+def test_an_optimizer_step_refused_in_a_later_group_changes_nothing(monkeypatch):
+    """The cpu backend refuses a gradient that is its parameter's own memory; when that is the
+    second group's, the first group must not have been updated (core checks every group first)."""
+    from memopt_core import MemOptimizer
+
+    monkeypatch.setenv("MEMOPT_BACKEND", "cpu")
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    opt = MemOptimizer(
+        [{"params": [a]}, {"params": [b], "lr": 1e-2}], rule="adamw", master="ecc24", moments="q8"
+    )
+    a.grad = torch.randn(64, dtype=torch.bfloat16)
+    b.grad = b.detach()
+    a0 = a.detach().clone()
+    with pytest.raises(ConfigError, match="share memory"):
+        opt.step()
+    assert torch.equal(a, a0)
+    b.grad = torch.randn(64, dtype=torch.bfloat16)
+    opt.step()  # the first real step: step count 1 for both groups
+    assert [int(s["step"]) for s in opt.state_dict()["state"].values()] == [1, 1]

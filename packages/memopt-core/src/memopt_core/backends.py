@@ -14,7 +14,10 @@ backend object, or to a class / zero-argument factory returning one, with an int
 ``supports(rule, spec, device, param_dtype) -> bool`` and ``step(work) -> None`` (optionally
 ``fused_staging = True`` when ``step`` writes :attr:`GroupStep.staging` itself, and
 ``device_steps = True`` when it runs :attr:`GroupStep.device_step`, ``prepare(work)`` for the
-cached step's replays, ``codecs(device)`` for :mod:`memopt_core.conversions`). A backend that
+cached step's replays, ``codecs(device)`` for :mod:`memopt_core.conversions`, ``check(work)``
+raising what ``step(work)`` would raise without changing anything: :func:`check_works` runs it
+on every group of a step before the first one runs, so a step either updates every group or
+none). A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 
@@ -54,6 +57,7 @@ __all__ = [
     "GroupStep",
     "available_backends",
     "backend_capabilities",
+    "check_works",
     "default_order",
     "forced_backend",
     "get_backend",
@@ -209,6 +213,18 @@ KERNEL_MOMENT_IDS = {
     "fp8_e5m2": 3,
     "q8_sqrt": 4,
 }
+
+
+def check_works(works: list[tuple[Any, GroupStep]]) -> None:
+    """Run the optional ``check(work)`` of each (backend, work) pair's backend. Callers pass
+    every work of a step but the first, before any runs: a step whose third group a backend
+    refuses (for the cpu backend, a gradient that shares its parameter's memory) must not have
+    updated the first two; the first needs no check, its own step validates it before writing
+    anything."""
+    for backend, work in works:
+        check = getattr(backend, "check", None)
+        if check is not None:
+            check(work)
 
 
 def kernel_moment_id(name: str) -> int:

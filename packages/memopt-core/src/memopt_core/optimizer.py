@@ -236,7 +236,10 @@ class MemOptimizer(Optimizer):
         rule: ``"sgd"``, ``"sgdw"``, ``"adam"``, ``"adamw"`` or ``"lion"``.
         lr, betas, eps, weight_decay, momentum, dampening, nesterov, maximize: as in torch.optim
             (``betas=None``: (0.9, 0.999), Lion (0.9, 0.99)); ``momentum``/``dampening``/
-            ``nesterov`` apply to SGD, ``betas`` to Adam and Lion, ``eps`` to Adam.
+            ``nesterov`` apply to SGD, ``betas`` to Adam and Lion, ``eps`` to Adam. SGD's
+            momentum buffer starts as the gradient at a parameter's first step, as torch's does;
+            a momentum switched on later (from 0) starts from a zero buffer, so its first buffer
+            is ``(1 - dampening) * g`` where torch's is ``g`` (the same with dampening 0).
         decouple_lr: decoupled weight decay multiplies by ``lr / initial_lr * weight_decay``
             (``initial_lr`` recorded per group when it is added, as LR schedulers do) instead of
             ``lr * weight_decay``.
@@ -953,6 +956,7 @@ class MemOptimizer(Optimizer):
                 counters.append(entry)
         if self.check_numerics:
             self._check_finite(works)
+        backends.check_works(works[1:])
         host = iter(counters)
         for backend, work in works:
             backend.step(work)
@@ -1297,6 +1301,10 @@ class MemOptimizer(Optimizer):
 
     def _launch_cached(self, cached: CachedStep) -> None:
         """Run every work of ``cached`` (scalars, step and gradients set) and count the step."""
+        # a prepared launch was validated when it was prepared; the others validate in step()
+        backends.check_works(
+            [(e.backend, e.work) for e in cached.entries[1:] if e.prepared is None]
+        )
         for e in cached.entries:
             work = e.work
             if e.prepared is not None:

@@ -5,6 +5,7 @@ instruction set and the thread count. ``supports()`` covers CPU tensors for ever
 adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8, q8) for
 fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
 call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included;
+``check()`` validates a group without running it (core checks every group of a step first);
 ``prepare()`` validates a group once for core's cached step, whose replays then skip the
 per-tensor checks of ``step()``. ``codecs()`` hands core's conversions (state dicts, fp32 export)
 the standalone codecs of :mod:`memopt_kernels_cpu.ops`.
@@ -50,6 +51,13 @@ class CpuBackend:
         from memopt_kernels_cpu import ops
 
         ops.fused_step(work, staging=work.staging)
+
+    def check(self, work: GroupStep) -> None:
+        """Raise what :meth:`step` would raise for ``work``, changing nothing (core checks
+        every group of a step before the first one runs); the validated table stays cached."""
+        from memopt_kernels_cpu import ops
+
+        ops.check_step(work, staging=work.staging)
 
     def prepare(self, work: GroupStep):
         """``work`` validated once for the replays of core's cached step

@@ -61,6 +61,7 @@ __all__ = [
     "NONE_ID",
     "SLOT_COLUMNS",
     "PreparedStep",
+    "check_step",
     "cpu_features",
     "decode_master",
     "decode_moment",
@@ -454,9 +455,18 @@ def _scalar_config(rule: str, s, first_step: bool, seed: int, step: int) -> dict
         first_step=bool(first_step),
         has_momentum=has_momentum,
         scalars=[round_to_float32(v) for v in vals],  # double -> float32 once
-        seed=int(seed) & _U32,
-        step=int(step) & _U32,
+        seed=_word(seed, "seed"),
+        step=_word(step, "step"),
     )
+
+
+def _word(v: object, what: str) -> int:
+    """``v`` masked to 32 bits; a float or bool is refused (``int()`` would truncate 2.5)."""
+    if type(v) is int:  # the common case, checked first: this runs at every launch
+        return v & _U32
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ConfigError(f"{what} must be an int, got {type(v).__name__} {v!r}")
+    return int(v) & _U32
 
 
 @dataclass
@@ -803,6 +813,36 @@ def fused_step(
     no copy for that tensor). Parameters are updated in place; strided ones through contiguous
     copies written back afterwards. The slot table is cached on the plan, keyed by the tensors'
     addresses, so a repeated step validates nothing again."""
+    resolved = _resolve(work, staging)
+    if resolved is None:
+        return
+    prepared, config, copies, _grads = resolved  # _grads: contiguous copies the table points at
+    _core.fused_step(
+        prepared.table.data_ptr(),
+        prepared.n,
+        **prepared.static,
+        **config,
+    )
+    for dst, tmp in copies:
+        dst.detach().copy_(tmp)
+
+
+def check_step(
+    work: GroupStep, staging: Mapping[int, Tensor | None] | Sequence[Tensor | None] | None = None
+) -> None:
+    """Raise what :func:`fused_step` would raise for ``work``, changing nothing. Its validated
+    table stays cached, so the step that follows finds it: core checks every group of a step
+    this way before the first one runs."""
+    _resolve(work, staging)
+
+
+def _resolve(
+    work: GroupStep, staging: Mapping[int, Tensor | None] | Sequence[Tensor | None] | None
+) -> tuple[_Prepared, dict, list[tuple[Tensor, Tensor]], list[Tensor]] | None:
+    """``work`` validated (or found in the plan's table cache): its prepared table, the
+    call's scalar configuration, the (parameter, contiguous copy) pairs of strided
+    parameters to write back, and the gradients the table points at (contiguous copies of
+    strided ones, which must stay alive until the kernel ran); None when it has no tensors."""
     _check_group(work)
     try:
         config = step_config(work)
@@ -812,7 +852,7 @@ def fused_step(
             "takes memopt_core.reference's AdamScalars / SGDScalars / LionScalars"
         ) from None
     if not work.slots:
-        return
+        return None
     stage = _staging_list(staging, work)
     originals = list(work.params)
     params, grads = originals, list(work.grads)
@@ -854,14 +894,7 @@ def fused_step(
                 lru.popitem(last=False)
     else:
         lru.move_to_end(key)
-    _core.fused_step(
-        prepared.table.data_ptr(),
-        prepared.n,
-        **prepared.static,
-        **config,
-    )
-    for dst, tmp in copies:
-        dst.detach().copy_(tmp)
+    return prepared, config, copies, grads
 
 
 class PreparedStep:
