@@ -229,7 +229,7 @@ def test_tied_weight_conflict_is_refused():
 
 def test_bad_arguments():
     model = Net()
-    with pytest.raises(TypeError, match="fnmatch patterns"):
+    with pytest.raises(ConfigError, match="fnmatch patterns"):
         cast_model(model, full_precision_layers=[3])
     with pytest.raises(ConfigError, match="floating torch dtype"):
         cast_model(model, dtype=torch.int8)

@@ -79,7 +79,7 @@ def _specs(value: Any, what: str) -> list[str | nn.Module]:
     out = list(value)
     for spec in out:
         if not isinstance(spec, (str, nn.Module)):
-            raise TypeError(
+            raise ConfigError(
                 f"{what} takes fnmatch patterns (str) on dotted module names or nn.Module objects; "
                 f"got {type(spec).__name__} {spec!r}"
             )
