@@ -319,11 +319,17 @@ def test_fused_step_group_errors(ops, make_work, recorder):
 def test_aliasing_is_refused(ops, make_work, recorder):
     work = make_work("sgd", "fp32", "fp32", torch.float32, sizes=(40, 40), momentum=0.9)
     p0 = work.params[0]
-    work.grads = [p0, work.grads[1]]  # the gradient is the parameter itself
+    work.grads = [p0, work.grads[1]]  # the gradient is the parameter itself: allowed (read first)
+    ops.fused_step(work)
+    shifted = torch.zeros(41)
+    work.params = [shifted[:40].view(p0.shape), work.params[1]]
+    work.grads = [shifted[1:].view(p0.shape), work.grads[1]]  # a shifted view of its parameter
     with pytest.raises(
         ConfigError, match=r"parameter 0 .* and the gradient of parameter 0 .* share memory"
     ):
         ops.fused_step(work)
+    assert len(recorder) == 1
+    recorder.clear()
 
     work = make_work("sgd", "fp32", "fp32", torch.float32, sizes=(40, 40), momentum=0.9)
     work.grads = [work.grads[0], work.params[0].view(-1)[:40].view(work.params[1].shape)]
@@ -874,19 +880,21 @@ def test_pinned_host_buffers(ops, make_work, dev):
 
 
 def test_an_optimizer_step_refused_in_a_later_group_changes_nothing(monkeypatch):
-    """The cpu backend refuses a gradient that is its parameter's own memory; when that is the
-    second group's, the first group must not have been updated (core checks every group first)."""
+    """The cpu backend refuses a gradient that shares another parameter's memory; when that is
+    the second group's, the first group must not have been updated (core checks every group
+    first)."""
     from memopt_core import MemOptimizer
 
     monkeypatch.setenv("MEMOPT_BACKEND", "cpu")
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
-    b = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    buf = torch.randn(65, dtype=torch.bfloat16)
+    b = torch.nn.Parameter(buf[:64])
     opt = MemOptimizer(
         [{"params": [a]}, {"params": [b], "lr": 1e-2}], rule="adamw", master="ecc24", moments="q8"
     )
     a.grad = torch.randn(64, dtype=torch.bfloat16)
-    b.grad = b.detach()
+    b.grad = buf[1:]  # a shifted view of its own parameter
     a0 = a.detach().clone()
     with pytest.raises(ConfigError, match="share memory"):
         opt.step()
@@ -894,3 +902,26 @@ def test_an_optimizer_step_refused_in_a_later_group_changes_nothing(monkeypatch)
     b.grad = torch.randn(64, dtype=torch.bfloat16)
     opt.step()  # the first real step: step count 1 for both groups
     assert [int(s["step"]) for s in opt.state_dict()["state"].values()] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("master", "moments"), [("ecc24", "q8"), ("ecc32", "bf16"), ("none", "fp8")]
+)
+def test_a_gradient_that_is_its_own_parameter_steps_as_the_reference(master, moments):
+    """``p.grad = p.detach()``: every element's gradient is read before the element is written,
+    so the step computes with ``g = p``, the same bits as core's torch backend."""
+    from memopt_core import MemOptimizer
+
+    results = []
+    for backend in ("cpu", "torch"):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (1, 33, 1000)]
+        opt = MemOptimizer(
+            ps, rule="adamw", lr=1e-2, master=master, moments=moments, backend=backend
+        )
+        for _ in range(3):
+            for p in ps:
+                p.grad = p.detach()
+            opt.step()
+        results.append([p.detach().view(torch.int16).clone() for p in ps])
+    assert all(map(torch.equal, *results))

@@ -146,3 +146,29 @@ def test_device_step_betas_are_a_pair(ops):
     )
     with pytest.raises(ConfigError, match=r"betas must be a pair \(beta1, beta2\)"):
         ops.fused_step(work)
+
+
+def test_shared_memory_is_refused_but_a_gradient_may_be_its_parameter(ops):
+    """A gradient that overlaps a parameter (its own shifted, or another's) would race with
+    the programs writing it: refused before any launch, as by the cpu backend. A gradient that
+    is exactly its own parameter is read before it is written: the reference's bits."""
+    results = []
+    for step in (ops.fused_step, TORCH.step):
+        group = _group()
+        work = group_step(group, make_grads(group, 1), 1)
+        work.grads = [work.params[0], work.grads[1]]
+        step(work)
+        results.append(group)
+    assert diff_report(*results) == []
+
+    group = _group()
+    buf = _sentinel(40, 30)
+    work = group_step(group, make_grads(group, 1), 1)
+    work.params[0], work.grads[0] = buf[:40], buf[1:41]  # its own parameter, shifted
+    with pytest.raises(ConfigError, match=r"parameter 0 .* and the gradient of parameter 0 .*"):
+        ops.fused_step(work)
+    work = group_step(group, make_grads(group, 1), 1)
+    work.params[0], work.grads[1] = buf[:40], buf[:70]  # another parameter's memory
+    with pytest.raises(ConfigError, match=r"parameter 0 .* and the gradient of parameter 1 .*"):
+        ops.fused_step(work)
+    assert bool((buf[40:] == 7.0).all())

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
 import torch
 from torch import Tensor
 
+from memopt_core.aliasing import Label, check_aliasing
 from memopt_core.backends import (
     KERNEL_MOMENT_IDS,
     PARAM_DTYPES,
@@ -50,7 +51,7 @@ from memopt_core.backends import (
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import master_codec
-from memopt_core.plan import element_offsets, overlaps_itself
+from memopt_core.plan import overlaps_itself
 from memopt_core.reference import round_to_float32
 from memopt_kernels_cpu import _core
 
@@ -217,67 +218,6 @@ def _ptr(t: Tensor | None) -> int:
 
 def _label(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}"
-
-
-def _extent(t: Tensor) -> tuple[int, int] | None:
-    """The byte range ``[start, end)`` ``t``'s elements lie in (None when empty)."""
-    n = t.numel()
-    if n == 0:
-        return None
-    start = t.data_ptr()
-    if t.is_contiguous():
-        return start, start + n * t.element_size()
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return start, start + span * t.element_size()
-
-
-_EXACT_OVERLAP_LIMIT = 1 << 22  # elements; beyond that a strided extent overlap counts as one
-
-
-def _byte_set(t: Tensor) -> Tensor:
-    """Addresses of every byte of ``t``'s elements (int64)."""
-    starts = t.data_ptr() + element_offsets(t) * t.element_size()
-    return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
-
-
-def _overlap(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` share a byte, given that their extents overlap."""
-    if a.is_contiguous() and b.is_contiguous():
-        return True
-    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_LIMIT:
-        return True
-    return bool(torch.isin(_byte_set(a), _byte_set(b)).any())
-
-
-Label = str | Callable[[], str]
-
-
-def _name(label: Label) -> str:
-    return label if isinstance(label, str) else label()
-
-
-def _check_aliasing(written: list[tuple[Tensor, Label]], read: list[tuple[Tensor, Label]]) -> None:
-    """ConfigError when a written tensor shares memory with any other tensor of the call (labels
-    may be callables: only an error message needs them)."""
-    items = []
-    for kind, group in ((True, written), (False, read)):
-        for t, what in group:
-            ext = _extent(t)
-            if ext is not None:
-                items.append((ext[0], ext[1], kind, t, what))
-    items.sort(key=lambda e: e[0])
-    active: list[tuple[int, int, bool, Tensor, str]] = []
-    for item in items:
-        start = item[0]
-        active = [a for a in active if a[1] > start]
-        for other in active:
-            if (item[2] or other[2]) and _overlap(item[3], other[3]):
-                a, b = _name(other[4]), _name(item[4])
-                raise ConfigError(
-                    f"{a} and {b} share memory; the kernel writes {a if other[2] else b} in "
-                    "place, so they must not overlap (clone one of them)"
-                )
-        active.append(item)
 
 
 # ----------------------------------------------------------------------------------- standalone
@@ -707,6 +647,7 @@ def _prepare(
     arena_kw, arena_tensors = _arena_args(work, has_momentum)
     written: list[tuple[Tensor, Label]] = list(arena_tensors)
     read: list[tuple[Tensor, Label]] = []
+    pairs: list[tuple[Tensor, Tensor]] = []
     rows = []
     for k, (si, p0, p, g, st, tid) in enumerate(
         zip(work.slots, originals, params, grads, stage, work.tensor_ids, strict=True)
@@ -720,6 +661,7 @@ def _prepare(
         label = _SlotLabel(k, si, p0)
         written.append((p0, label))
         read.append((g, label.gradient))
+        pairs.append((p0, g))
         if st is not None:
             written.append((st, label.staging))
         rows.append(
@@ -735,7 +677,7 @@ def _prepare(
                 base,
             ]
         )
-    _check_aliasing(written, read)
+    check_aliasing(written, read, pairs)
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(SLOT_COLUMNS))
     mcodec = work.spec.master_for(plan.param_dtype)
     static = dict(

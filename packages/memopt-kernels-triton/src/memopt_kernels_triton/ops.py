@@ -36,6 +36,7 @@ from operator import attrgetter
 import torch
 from torch import Tensor
 
+from memopt_core.aliasing import Label, check_aliasing
 from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_moment_id
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
@@ -787,6 +788,18 @@ def _validate(work: GroupStep, plan) -> None:
                 f"a gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter "
                 f"of shape {tuple(p.shape)} on {p.device}"
             )
+    # the kernel's programs write parameters and state while others read gradients: shared
+    # memory would race (a gradient that is exactly its own parameter is read first, allowed)
+    written: list[tuple[Tensor, Label]] = [
+        (p, lambda k=k, si=si: f"parameter {k} (plan slot {si})")
+        for k, (si, p) in enumerate(zip(work.slots, work.params, strict=True))
+    ]
+    written += [(t, "a state tensor of the group") for t in work.arena.tensors()]
+    read: list[tuple[Tensor, Label]] = [
+        (g, lambda k=k, si=si: f"the gradient of parameter {k} (plan slot {si})")
+        for k, (si, g) in enumerate(zip(work.slots, work.grads, strict=True))
+    ]
+    check_aliasing(written, read, list(zip(work.params, work.grads, strict=True)))
 
 
 #: Order of the int32 words a ``HYPER`` Adam launch reads (:func:`adam_hyper_words`): eight fp32

@@ -1,0 +1,104 @@
+"""Memory shared between the tensors of one kernel call: what a backend must refuse before a
+kernel writes in place.
+
+A fused step reads gradients and writes parameters, state and staging copies; when a written
+tensor shares a byte with any other tensor of the call, the result depends on which program or
+thread gets there first. One case is well defined and allowed: a gradient that *is* its own
+parameter's memory (the same address, dtype, shape and strides), as after ``p.grad =
+p.detach()``: every backend reads each element's gradient before it writes that element, so
+the step computes with ``g = p`` as the reference does. Used by the cpu and Triton backends'
+validation (the uncached path), not at every replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from memopt_core.errors import ConfigError
+from memopt_core.plan import element_offsets
+
+__all__ = ["Label", "check_aliasing"]
+
+#: An error message's name for a tensor, or a callable that makes it (only an error needs it).
+Label = str | Callable[[], str]
+
+#: Elements; beyond that an overlap of two strided extents counts as sharing memory.
+_EXACT_OVERLAP_LIMIT = 1 << 22
+
+
+def _extent(t: Tensor) -> tuple[int, int] | None:
+    """The byte range ``[start, end)`` ``t``'s elements lie in (None when empty)."""
+    n = t.numel()
+    if n == 0:
+        return None
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + span * t.element_size()
+
+
+def _byte_set(t: Tensor) -> Tensor:
+    """Addresses of every byte of ``t``'s elements (int64)."""
+    starts = t.data_ptr() + element_offsets(t) * t.element_size()
+    return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
+
+
+def _share_bytes(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte, given that their extents overlap."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    if max(a.numel(), b.numel()) > _EXACT_OVERLAP_LIMIT:
+        return True
+    return bool(torch.isin(_byte_set(a), _byte_set(b)).any())
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def _name(label: Label) -> str:
+    return label if isinstance(label, str) else label()
+
+
+def check_aliasing(
+    written: Sequence[tuple[Tensor, Label]],
+    read: Sequence[tuple[Tensor, Label]],
+    pairs: Sequence[tuple[Tensor, Tensor]] = (),
+) -> None:
+    """ConfigError naming both tensors when a ``written`` tensor shares memory with any other
+    tensor of the call (``read`` ones included). ``pairs``: (parameter, its gradient) pairs
+    that may be the same view (the module doc's one allowed case). O(n log n) over the
+    tensors' byte ranges; element by element only for strided tensors whose ranges overlap."""
+    allowed = {(id(p), id(g)) for p, g in pairs}
+    items = []
+    for kind, group in ((True, written), (False, read)):
+        for t, what in group:
+            ext = _extent(t)
+            if ext is not None:
+                items.append((ext[0], ext[1], kind, t, what))
+    items.sort(key=lambda e: e[0])
+    active: list[tuple[int, int, bool, Tensor, Label]] = []
+    for item in items:
+        active = [a for a in active if a[1] > item[0]]
+        for other in active:
+            if not (item[2] or other[2]):
+                continue  # two tensors that are only read may share memory
+            a, b = other[3], item[3]
+            if ((id(a), id(b)) in allowed or (id(b), id(a)) in allowed) and _same_view(a, b):
+                continue
+            if _share_bytes(a, b):
+                na, nb = _name(other[4]), _name(item[4])
+                raise ConfigError(
+                    f"{na} and {nb} share memory; the kernel writes {na if other[2] else nb} in "
+                    "place, so they must not overlap (clone one of them)"
+                )
+        active.append(item)
