@@ -100,6 +100,21 @@ def test_amsgrad_in_a_param_group_is_refused():
     assert len(opt.param_groups) == 1
 
 
+def test_a_state_format_edited_in_a_group_is_refused():
+    """``param_groups[0]["state"] = "q8"`` on a bf16-state ApexW: refused at the step, nothing
+    changed (it was ignored: the moments stayed bf16)."""
+    (p,) = make_params("cpu", shapes=[(8,)])
+    opt = ApexW([p], state="bf16", mode="fused")
+    set_grads([p], 1)
+    opt.param_groups[0]["state"] = "q8"
+    before = p.detach().clone()
+    with pytest.raises(ConfigError, match=r"sets state='q8', but its moments are 'bf16'"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    opt.param_groups[0]["state"] = "bf16"  # naming the format it has is fine
+    opt.step()
+
+
 @pytest.mark.parametrize("mode_cache", [5, "", b"modes.json", ["modes.json"]])
 def test_mode_cache_must_be_a_path(mode_cache):
     with pytest.raises(ConfigError, match="mode_cache must be None, 'default' or a non-empty path"):

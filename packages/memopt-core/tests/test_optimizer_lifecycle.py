@@ -343,3 +343,21 @@ def test_a_pre_hook_may_replace_the_arguments():
     p.grad = torch.ones_like(p)
     assert float(opt.step()) == 7.0
     h.remove()
+
+
+def test_state_dict_post_hooks_see_and_replace_the_finished_dict():
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    opt = MemOptimizer([p], rule="adamw", moments="q8")
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    seen = []
+    opt.register_state_dict_post_hook(
+        lambda o, sd: seen.append((sorted(sd), sorted(sd["state"][0])))
+    )
+    sd = opt.state_dict()
+    assert seen == [(["memopt", "param_groups", "state"], sorted(sd["state"][0]))]
+    assert "param_shape" in seen[0][1]
+    opt.register_state_dict_post_hook(
+        lambda o, sd: {"state": {}, "param_groups": sd["param_groups"]}
+    )
+    assert sorted(opt.state_dict()) == ["param_groups", "state"]  # the hook's dict, as returned

@@ -334,7 +334,10 @@ def test_compressed_state_dict_keeps_codes(device):
 
 def test_uncompressed_state_dict_resumes_bit_identically(device):
     opt, params = _train_pair(device, compress_state_dict=False)
+    seen = []  # a state-dict post-hook sees the decoded moments state_dict() returns
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sd["state"][0]["exp_avg"].dtype))
     sd = opt.state_dict()
+    assert seen == [torch.float32]
     for i, p in enumerate(params):
         st = sd["state"][i]
         assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_code", "param_shape"} - (

@@ -197,6 +197,32 @@ def test_unsupported_group_flags_are_refused(flag):
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ConfigError, match=f"does not support {flag}=True"):
         AdamBridge([{"params": [p], flag: True}], lr=0.1, precision="fp32")
+    opt = AdamBridge([p], lr=0.1, precision="fp32")
+    opt.param_groups[0][flag] = True  # set later: refused at the step, not ignored
+    p.grad = torch.ones(2)
+    with pytest.raises(ConfigError, match=f"does not support {flag}=True"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2))
+
+
+def test_a_compiled_caller_runs_the_step_eagerly():
+    """torch.compile around step() (a compiled training step) graph-breaks into the eager step:
+    the same bits as calling it directly, and the optimizer stays usable."""
+    results = []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8, 4))
+        opt = AdamBridge([p], lr=1e-2, precision="fp32")
+
+        def step(opt=opt):
+            opt.step()
+
+        step = torch.compile(step, backend="eager") if compiled else step
+        for t in range(3):
+            p.grad = torch.full((8, 4), 0.1 * (t + 1))
+            step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
 
 
 def test_a_bad_clipping_state_is_refused():

@@ -554,3 +554,45 @@ def test_exit_with_updates_in_flight_is_clean(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert "update queued at exit" in done.stdout
+
+
+@both_updates()
+def test_state_dict_hooks_run_where_torch_runs_them(device, precision, update):
+    """Load pre-hooks see the caller's dict before anything changes (one that raises leaves
+    the optimizer as it was; one that returns a dict has it loaded); post-hooks run after the
+    device weights are rewritten; state-dict post-hooks see the finished dict."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    for t in range(3):
+        loss_of(model, batch(t, device)).backward()
+        opt.step()
+        opt.zero_grad()
+    seen = []
+    opt.register_state_dict_post_hook(lambda o, sd: seen.append(sorted(sd)))
+    saved = copy.deepcopy(opt.state_dict())
+    assert seen == [["memopt", "param_groups", "state"]]
+
+    fresh_model = make_model(device, seed=1)
+    fresh = AdamBridge(fresh_model.parameters(), lr=1e-2, precision=precision, update=update)
+    weights = [p.detach().clone() for p in fresh_model.parameters()]
+
+    def veto(o, sd):
+        assert len(sd["state"]) == len(saved["state"])  # the caller's dict, state and all
+        raise RuntimeError("veto")
+
+    handle = fresh.register_load_state_dict_pre_hook(veto)
+    with pytest.raises(RuntimeError, match="veto"):
+        fresh.load_state_dict(saved)
+    handle.remove()
+    assert all(map(torch.equal, weights, fresh_model.parameters()))
+    assert fresh.state_dict()["state"] == {} or all(
+        int(e["step"]) == 0 for e in fresh.state_dict()["state"].values()
+    )
+
+    after = []
+    fresh.register_load_state_dict_pre_hook(lambda o, sd: copy.deepcopy(saved))  # replaces it
+    fresh.register_load_state_dict_post_hook(
+        lambda o: after.append([p.detach().clone() for p in fresh_model.parameters()])
+    )
+    fresh.load_state_dict({"not": "a state dict"})
+    assert all(map(torch.equal, after[0], model.parameters()))  # the loaded weights

@@ -191,6 +191,12 @@ class ApexW(MemOptimizer):
         betas = super()._check_group(g, where)
         if g.get("amsgrad"):
             raise ConfigError(f"{where} sets amsgrad=True: {_NO_AMSGRAD}")
+        if "state" in g and g["state"] != g["moments"]:  # a key only a later edit puts there
+            raise ConfigError(
+                f"{where} sets state={g['state']!r}, but its moments are {g['moments']!r}: the "
+                "state format cannot change in place (build a new ApexW; memopt_checkpoint "
+                "converts saved states between formats)"
+            )
         if g["moments"] not in STATES:
             raise ConfigError(
                 f"ApexW keeps moments in {STATES}; param group {where} asks for {g['moments']!r}"

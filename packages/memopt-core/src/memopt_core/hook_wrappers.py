@@ -32,8 +32,8 @@ def reject_hook_wrappers(model: nn.Module, who: str) -> None:
                 "all-reduces gradients in buckets and writes the averaged bucket back into p.grad "
                 "after the per-parameter hooks have run, so a hook would use the local, "
                 "un-averaged gradient (and free the tensor DDP writes into). Use DDP with the "
-                "ordinary loop: backward, then step() (memopt optimizers do not take FSDP2's "
-                "sharded parameters yet)"
+                "ordinary loop: backward, then step(); or FSDP2 (fully_shard), whose sharded "
+                "parameters every memopt optimizer but AdamBridge takes, gradient release included"
             )
         if fsdp1 is not None and isinstance(m, fsdp1):
             raise TypeError(
@@ -41,5 +41,6 @@ def reject_hook_wrappers(model: nn.Module, who: str) -> None:
                 "flattens parameters into FlatParameters and reduce-scatters their gradients "
                 "after backward, so per-parameter hooks never see a final gradient of the "
                 "tensors the optimizer holds. Use DDP with the ordinary loop: backward, then "
-                "step() (memopt optimizers do not take FSDP2's sharded parameters yet)"
+                "step(); or FSDP2 (fully_shard), whose sharded parameters every memopt optimizer "
+                "but AdamBridge takes, gradient release included"
             )

@@ -72,6 +72,11 @@ from memopt_core.sharding import (
     local_shard,
     local_state,
 )
+from memopt_core.state_dict_hooks import (
+    finished_state_dict,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+)
 from memopt_core.tracked_state import ParamState, TrackedState, WriteCounter
 
 __all__ = ["RULES", "MemOptimizer", "adam_hyperparameters"]
@@ -1423,6 +1428,10 @@ class MemOptimizer(Optimizer):
         blocked moments and an fp32 master's missing code do not show which parameter they
         belong to). A tensor, not a tuple, because ``dcp.load`` fills tensors in place but puts
         the non-tensor values of ``state``'s int-keyed entries under new string keys."""
+        return finished_state_dict(self, self._full_state_dict)
+
+    def _full_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` before its post-hooks (they run on this finished dict)."""
         sd = self._sharded_state_dict(self._local_state_dict())
         state = sd["state"]
         for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
@@ -1509,11 +1518,7 @@ class MemOptimizer(Optimizer):
             raise StateDictError(
                 f"expected a state dict (a mapping), got {type(state_dict).__name__}"
             )
-        state_dict = dict(state_dict)
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = run_load_pre_hooks(self, dict(state_dict))
         self._check_param_shapes(state_dict)  # first: before any layout conversion complains
         state_dict = self._prepare_loaded(self._localized(state_dict))
         for key in ("state", "param_groups"):
@@ -1607,8 +1612,7 @@ class MemOptimizer(Optimizer):
         self._reset_plans()
         if new_state:
             self._ensure_plans()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        run_load_post_hooks(self)
 
     def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
         """Check every entry's ``param_shape`` against its parameter before anything converts

@@ -117,6 +117,12 @@ from memopt_core.hook_wrappers import reject_hook_wrappers
 from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
 from memopt_core.plan import StateArena
 from memopt_core.sharding import is_dtensor
+from memopt_core.state_dict_hooks import (
+    finished_state_dict,
+    load_hooks_suspended,
+    run_load_post_hooks,
+    run_load_pre_hooks,
+)
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
@@ -153,7 +159,13 @@ def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Te
 
 def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``group``'s AdamW hyperparameters as floats, checked as the host update's optimizer
-    checks them (core's check): one check for both updates."""
+    checks them (core's check): one check for both updates, when a group is added and at every
+    step (a flag set in a group later is refused, not ignored)."""
+    for flag in ("maximize", "amsgrad"):  # torch AdamW's, which this update does not do
+        if group.get(flag):
+            raise ConfigError(
+                f"AdamBridge does not support {flag}=True {where}; its update is AdamW without it"
+            )
     return adam_hyperparameters(group, group["betas"], where)
 
 
@@ -499,12 +511,6 @@ class AdamBridge(Optimizer):
             raise ConfigError("add_param_group while hooks are attached: call detach_hooks() first")
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ConfigError("a param group must be a dict with a 'params' entry")
-        for flag in ("maximize", "amsgrad"):  # torch AdamW's, which this update does not do
-            if param_group.get(flag):
-                raise ConfigError(
-                    f"AdamBridge does not support {flag}=True (param group "
-                    f"{len(self.param_groups)}); its host update is AdamW without it"
-                )
         raw = param_group["params"]
         # a generator is used up by the checks below: torch must get the same items
         raw = param_group["params"] = [raw] if isinstance(raw, Tensor) else list(raw)
@@ -1104,6 +1110,8 @@ class AdamBridge(Optimizer):
             self._inflight.clear()
 
     # --------------------------------------------------------------------------- stepping
+    # a compiled caller runs the step eagerly: its hooks, threads and host buffers are no graph
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One step. With hooks attached: collect the updates the hooks started (this is what
@@ -1196,7 +1204,12 @@ class AdamBridge(Optimizer):
         (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
         host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
         saves them, and ``memopt`` (precision, seed, version). Tensors are live host views;
-        ``torch.save`` writes them without a trip through the device."""
+        ``torch.save`` writes them without a trip through the device. State-dict post-hooks
+        see this finished dict."""
+        return finished_state_dict(self, self._full_state_dict)
+
+    def _full_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` before its post-hooks."""
         if self._pending or self._inflight:
             self._finish()
         sd = super().state_dict()
@@ -1242,7 +1255,10 @@ class AdamBridge(Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (validated before anything changes); the host
         masters, moments and step counts are restored and the device weights rewritten from
-        the masters, so training continues bit-identically."""
+        the masters, so training continues bit-identically. Load pre-hooks see (and may
+        replace) the caller's dict before anything is checked or changed; post-hooks run once
+        everything, the device weights included, is loaded."""
+        state_dict = run_load_pre_hooks(self, state_dict)
         saved_groups = self._saved_groups(state_dict)
         meta = state_dict["memopt"]
         if self._pending or self._inflight:
@@ -1250,7 +1266,18 @@ class AdamBridge(Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         if self._dev is not None:
             self._load_device_state(state_dict, params, saved_groups)
-            return
+        else:
+            self._load_host_state(state_dict, params, saved_groups, meta)
+        run_load_post_hooks(self)
+
+    def _load_host_state(
+        self,
+        state_dict: Mapping[str, Any],
+        params: list[Tensor],
+        saved_groups: list[Mapping[str, Any]],
+        meta: Mapping[str, Any],
+    ) -> None:
+        """:meth:`load_state_dict` of the host update (validated before anything changes)."""
         host_params = [m for g in self._host.param_groups for m in g["params"]]
         host_index = {id(m): i for i, m in enumerate(host_params)}
         host_state: dict[int, Any] = {}
@@ -1296,7 +1323,8 @@ class AdamBridge(Optimizer):
                 "memopt": {"rule": "adamw", "seed": meta.get("seed", self._host.seed)},
             }
         )
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        with load_hooks_suspended(self):  # load_state_dict runs them around the whole load
+            super().load_state_dict({"state": {}, "param_groups": saved_groups})
         with torch.no_grad():
             for slot, m in masters:
                 slot.master.copy_(m)
@@ -1398,7 +1426,8 @@ class AdamBridge(Optimizer):
                 raise StateDictError(f"the state of parameter index {key!r} is not a dict")
             dev.check_entry(slot.pos, entry, key)
             loads.append((slot.pos, entry))
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        with load_hooks_suspended(self):  # load_state_dict runs them around the whole load
+            super().load_state_dict({"state": {}, "param_groups": saved_groups})
         dev.synchronize_host()
         loaded = {p for p, _ in loads}
         with torch.no_grad():
