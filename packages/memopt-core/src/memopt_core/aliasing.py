@@ -12,7 +12,9 @@ validation (the uncached path), not at every replay.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -65,6 +67,24 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
     )
 
 
+_NBYTES = attrgetter("nbytes")
+
+
+def _any_extents_overlap(tensors: list[Tensor]) -> bool:
+    """Whether any two of ``tensors``' byte ranges overlap (a strided tensor counts as
+    overlapping: the exact check decides). A sort and one scan, no per-tensor Python call."""
+    if not all(map(Tensor.is_contiguous, tensors)):
+        return True
+    starts = list(map(Tensor.data_ptr, tensors))
+    ranges = sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
+    end = 0
+    for start, stop in ranges:
+        if start < end and start < stop:  # an empty tensor shares nothing
+            return True
+        end = max(end, stop)
+    return False
+
+
 def _name(label: Label) -> str:
     return label if isinstance(label, str) else label()
 
@@ -78,6 +98,8 @@ def check_aliasing(
     tensor of the call (``read`` ones included). ``pairs``: (parameter, its gradient) pairs
     that may be the same view (the module doc's one allowed case). O(n log n) over the
     tensors' byte ranges; element by element only for strided tensors whose ranges overlap."""
+    if not _any_extents_overlap([t for t, _ in written] + [t for t, _ in read]):
+        return  # the common case, in C-level passes and one scan
     allowed = {(id(p), id(g)) for p, g in pairs}
     items = []
     for kind, group in ((True, written), (False, read)):
