@@ -27,14 +27,20 @@ def test_kernel_api_level_and_torch_always_there(fresh_backends):
 
 
 def test_registry_reports_unusable_entry_points(monkeypatch, fresh_backends):
-    install(
-        monkeypatch,
-        FakeEntryPoint("old", OldBackend("old")),
-        FakeEntryPoint("broken", error=ImportError("libmemopt_cpu.so: cannot open shared object")),
-        FakeEntryPoint("nogpu", RecordingBackend("nogpu", usable=False)),
-        FakeEntryPoint("junk", object()),
-        FakeEntryPoint("cpu", RecordingBackend("cpu")),
-    )
+    with pytest.warns(RuntimeWarning) as caught:  # install() discovers the entry points
+        install(
+            monkeypatch,
+            FakeEntryPoint("old", OldBackend("old")),
+            FakeEntryPoint(
+                "broken", error=ImportError("libmemopt_cpu.so: cannot open shared object")
+            ),
+            FakeEntryPoint("nogpu", RecordingBackend("nogpu", usable=False)),
+            FakeEntryPoint("junk", object()),
+            FakeEntryPoint("cpu", RecordingBackend("cpu")),
+        )
+    # installed but broken: one warning each; unusable on this machine (nogpu): none
+    assert sorted(str(w.message).split("'")[1] for w in caught) == ["broken", "junk", "old"]
+    assert "reinstall the kernel package" in str(caught[0].message)
     reg = backends.available_backends()
     assert not reg["old"].usable
     assert (
@@ -70,11 +76,12 @@ def test_entry_point_factories_are_called(monkeypatch, fresh_backends):
 
 
 def test_capabilities_say_why(monkeypatch, fresh_backends):
-    install(
-        monkeypatch,
-        FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("adam",))),
-        FakeEntryPoint("old", OldBackend("old")),
-    )
+    with pytest.warns(RuntimeWarning, match="'old' cannot be used"):
+        install(
+            monkeypatch,
+            FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("adam",))),
+            FakeEntryPoint("old", OldBackend("old")),
+        )
     caps = backends.backend_capabilities("lion", SPEC, "cpu", torch.float32)
     assert caps["torch"] == (True, "supported")
     assert caps["cpu"][0] is False
@@ -147,11 +154,12 @@ def test_env_var_forcing_a_missing_backend(monkeypatch, fresh_backends):
 
 
 def test_forcing_an_unusable_or_unsupporting_backend(monkeypatch, fresh_backends):
-    install(
-        monkeypatch,
-        FakeEntryPoint("old", OldBackend("old")),
-        FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("sgd",))),
-    )
+    with pytest.warns(RuntimeWarning, match="'old' cannot be used: built for KERNEL_API 0"):
+        install(  # discovers the entry points
+            monkeypatch,
+            FakeEntryPoint("old", OldBackend("old")),
+            FakeEntryPoint("cpu", RecordingBackend("cpu", rules=("sgd",))),
+        )
     with pytest.raises(
         BackendUnavailableError, match=r"'old' cannot run here: built for KERNEL_API 0"
     ):

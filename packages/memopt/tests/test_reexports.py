@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from importlib.metadata import version
 
 import pytest
@@ -11,10 +13,7 @@ import memopt_ecc
 
 
 def test_every_export_resolves_to_the_component_object():
-    for name in memopt.__all__:
-        if name == "__version__":
-            continue
-        module, dist = memopt._EXPORTS[name]
+    for name, (module, dist) in memopt._EXPORTS.items():
         if importlib.util.find_spec(module.split(".")[0]) is None:  # an extra not installed
             with pytest.raises(ImportError, match=f"pip install {dist}"):
                 getattr(memopt, name)
@@ -52,3 +51,31 @@ def test_checkpoint_submodule():
     assert set(memopt.checkpoint.__all__) == set(memopt_checkpoint.__all__) - {"__version__"}
     assert memopt.checkpoint.check_dcp_load is memopt_checkpoint.check_dcp_load
     assert memopt.CheckpointError is memopt_core.errors.CheckpointError
+
+
+def _run(code: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, **kw)
+
+
+def test_star_import_and_dir_without_a_component():
+    # sys.modules[name] = None: what an environment without memopt-offload looks like to
+    # find_spec and import
+    out = _run(
+        "import sys\nsys.modules['memopt_offload'] = None\n"
+        "from memopt import *\nimport memopt\n"
+        "assert 'AdamBridge' not in memopt.__all__ and 'AdamBridge' not in dir(memopt)\n"
+        "assert FlashAdamW is memopt.FlashAdamW\n"
+        "try:\n    memopt.AdamBridge\nexcept ImportError as e:\n    print(e)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "memopt.AdamBridge needs the memopt-offload package" in out.stdout
+
+
+def test_an_installed_component_that_fails_to_import_raises_its_own_error(tmp_path):
+    broken = tmp_path / "memopt_offload"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('memopt_offload: a stale build')\n")
+    out = _run("import memopt\nmemopt.AdamBridge\n", env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode != 0
+    assert "a stale build" in out.stderr.splitlines()[-1]
+    assert "needs the memopt-offload package" not in out.stderr

@@ -34,6 +34,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -327,6 +328,13 @@ def _load_entry_point(ep: Any) -> BackendStatus:
     return BackendStatus(name, bool(ok), str(why), origin, obj)
 
 
+def _is_current(obj: Any) -> bool:
+    """Whether ``obj`` is a backend of this KERNEL_API (whatever it says about this machine)."""
+    return getattr(obj, "KERNEL_API", None) == KERNEL_API and all(
+        callable(getattr(obj, m, None)) for m in ("available", "supports", "step")
+    )
+
+
 def _discover() -> dict[str, BackendStatus]:
     reg = {"torch": _builtin()}
     try:
@@ -338,6 +346,17 @@ def _discover() -> dict[str, BackendStatus]:
         return reg
     for ep in eps:
         status = _load_entry_point(ep)
+        if not status.usable and (status.backend is None or not _is_current(status.backend)):
+            # installed but broken (a stale build, another KERNEL_API): say so once, where a
+            # user who only runs optimizers sees it; "unavailable here" (no CUDA) stays quiet
+            warnings.warn(
+                f"memopt: the installed kernel backend {status.name!r} cannot be used: "
+                f"{status.reason}. Steps run on another backend (memopt_core."
+                "available_backends() lists them); reinstall the kernel package, or set "
+                "MEMOPT_BACKEND=torch to choose the torch backend deliberately",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if status.name == "torch":
             reg["torch (shadowed)"] = BackendStatus(
                 status.name,

@@ -1,12 +1,17 @@
 """memopt: memory-efficient PyTorch optimizers, the whole stack behind one import.
 
 Names are re-exported lazily from the component packages, so ``import memopt`` stays cheap and a
-name whose package is not installed raises an ImportError that says which package to install.
+name whose package is not installed raises an ImportError that says which package to install
+(``hasattr`` too: it only catches AttributeError; test for a component with
+``importlib.util.find_spec("memopt_offload")``). ``__all__`` lists the installed components'
+names, so ``from memopt import *`` takes what is there. An installed package that fails to
+import raises its own error.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 __version__ = "0.1.0"
@@ -36,24 +41,41 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "OffloadError": ("memopt_core.errors", "memopt-core"),
 }
 
-__all__ = ["__version__", *_EXPORTS]
+
+def _installed(module: str) -> bool:
+    """Whether ``module``'s top-level package is installed (found, not imported)."""
+    return importlib.util.find_spec(module.partition(".")[0]) is not None
+
+
+#: the names of the installed components only, so ``from memopt import *`` and ``dir()`` work
+#: whatever is installed; a missing component's name still explains itself when asked for
+__all__ = ["__version__", *(name for name, (module, _) in _EXPORTS.items() if _installed(module))]
+
+
+def _import(module: str, what: str, dist: str) -> Any:
+    """``module`` imported; ImportError naming ``dist`` when its package is not installed. Any
+    other failure (an installed package that fails to import: a stale build) propagates as it
+    is, so its own message is the first one the user reads."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        top = module.partition(".")[0]
+        if exc.name not in (top, module):
+            raise
+        raise ImportError(f"{what} needs the {dist} package: pip install {dist}") from exc
 
 
 def __getattr__(name: str) -> Any:
     if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
-        try:
-            return importlib.import_module("memopt.checkpoint")
-        except ImportError as exc:
+        if not _installed("memopt_checkpoint"):
             raise ImportError(
                 "memopt.checkpoint needs the memopt-checkpoint package: pip install memopt-checkpoint"
-            ) from exc
+            )
+        return importlib.import_module("memopt.checkpoint")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'memopt' has no attribute {name!r}")
     module, dist = _EXPORTS[name]
-    try:
-        value = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ImportError(f"memopt.{name} needs the {dist} package: pip install {dist}") from exc
+    value = getattr(_import(module, f"memopt.{name}", dist), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
