@@ -36,9 +36,9 @@ def nearest_e4m4(s: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     y = s.double() * torch.exp2(-k.double())
     e = torch.floor(torch.log2(y)).clamp(min=-14)
     ulp = torch.exp2(e - 4)
-    return torch.where(y > 0, torch.round(y / ulp) * ulp, torch.zeros_like(y)) * torch.exp2(
-        k.double()
-    )
+    q = torch.where(y > 0, torch.round(y / ulp) * ulp, torch.zeros_like(y))
+    q = torch.where((q == 0) & (y > 0), 2.0**-18, q)  # a positive v never gets code 0
+    return q * torch.exp2(k.double())
 
 
 def test_layout_and_bytes():
@@ -111,6 +111,25 @@ def test_outlier_keeps_neighbours():
     assert (d[small] > 0).all()
     assert (((d.double() - v.double()) / v.double()).abs()[small] <= REL_V).all()
     assert (E4M3.decode(E4M3.encode(v))[small] == 0).all()
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_positive_v_below_the_smallest_code_is_stored_as_it(sr):
+    """Next to an element 2**20 times larger in s, a positive v rounds below code 1: it is
+    stored as code 1 (the smallest positive value), never 0, so Adam's step for it is smaller
+    than fp32's, not m / eps. Zeros stay zero."""
+    v = torch.full((2 * B,), 1e-14)
+    v[::B] = 1.0  # s = 1 against s = 1e-7: beyond the code's 2**18
+    v[1::B] = 0.0
+    r = rng.uniform_bits(4, 0, torch.arange(v.numel()), 1, rng.STREAM_SECOND) if sr else None
+    f = SQRT.encode(v, rand=r)
+    tiny = v == 1e-14
+    assert (f[""][tiny] == 1).all()
+    assert (f[""][v == 0] == 0).all()
+    k = f["scale"].to(torch.int64) - 127
+    smallest = (2.0 ** (-18 + k.double())).repeat_interleave(B) ** 2
+    assert torch.equal(SQRT.decode(f)[tiny].double(), smallest[tiny])
+    assert (SQRT.decode(f)[tiny] > v[tiny]).all()
 
 
 def test_nonfinite_isolated():

@@ -377,6 +377,11 @@ void encode_blocked(const float* __restrict x, int64_t n, uint8_t* __restrict co
   }
 }
 
+// Q8SqrtCodec._floored: a positive v (s > 0; NaN s compares false) whose code is 0 gets code 1.
+inline int32_t floor_code(int32_t code, float s) {
+  return code | static_cast<int32_t>((code == 0) & (s > 0.0f));
+}
+
 // Q8SqrtCodec.encode: s = sqrt(v) on the e4m4 grid; SR keeps v (not s) unbiased. root: the
 // correctly rounded sqrt(v) where the caller has it (the fused step's update took it for its
 // denominator: taking it again cost a tenth of a q8 step), else nullptr.
@@ -395,7 +400,7 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
       for (int i = 0; i < 32; ++i) sq[i] = std::sqrt(vb[i]);  // correctly rounded
     if constexpr (!SR) {
       const int32_t sb = block_encode<Q8Sqrt, RNE>(s, nullptr, lo);
-      for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
+      for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(floor_code(lo[i], s[i]));
       scales[b] = static_cast<uint8_t>(sb);
       continue;
     }
@@ -421,7 +426,7 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
       const float frac = u2f(f2u(num) & keep) / u2f((f2u(den) & keep) | (0x3F800000u & ~keep));
       const int32_t frac24 = static_cast<int32_t>(frac * 16777216.0f);
       const int32_t up = static_cast<int32_t>(rb[i] >> 8) < frac24 ? 1 : 0;
-      lo[i] += up;  // 32-bit lanes throughout: mixing in the uint8 store keeps GCC scalar
+      lo[i] = floor_code(lo[i] + up, s[i]);  // 32-bit lanes: a uint8 mix keeps GCC scalar
     }
     for (int i = 0; i < 32; ++i) codes[32 * b + i] = static_cast<uint8_t>(lo[i]);
     scales[b] = static_cast<uint8_t>(sb);

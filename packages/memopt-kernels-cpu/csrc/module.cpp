@@ -427,6 +427,9 @@ PYBIND11_MODULE(_core, mod) {
   mod.attr("__version__") = MEMOPT_VERSION;
   // int64 words per slot-table row (SlotRow): ops.py refuses a build with another layout
   mod.attr("SLOT_ROW_WORDS") = static_cast<int>(sizeof(SlotRow) / sizeof(int64_t));
+  // the interface level of these kernels' bits (memopt_core.backends.KERNEL_API), so that a
+  // stale build of the same package version is caught at import
+  mod.attr("KERNEL_API") = 4;
   using release = py::call_guard<py::gil_scoped_release>;
 
   mod.def("supported_isas", &supported_names,

@@ -74,12 +74,12 @@ def test_stale_slot_row_layout_is_refused(run_py):
     assert "rows of 8 words, this ops.py writes 9 (a stale build)" in out
 
 
-def test_stale_rounding_words_are_refused(run_py):
-    # a _core of the same version built before KERNEL_API 3's words (it had philox, no
-    # stream_words): its steps would round with other bits
-    out = _import_ops_after(run_py, "del _core.stream_words")
-    assert "has no stream_words" in out
-    assert "KERNEL_API 3" in out
+@pytest.mark.parametrize("change", ["del _core.KERNEL_API", "_core.KERNEL_API = 3"])
+def test_a_build_of_another_kernel_api_is_refused(run_py, change):
+    # a _core of the same version built for other bits (KERNEL_API 3 stored q8_sqrt's
+    # smallest v as code 0; before it, other rounding words)
+    out = _import_ops_after(run_py, change)
+    assert "this package those of KERNEL_API 4 (a stale build)" in out
 
 
 def test_missing_extension_says_how_to_build(run_py):

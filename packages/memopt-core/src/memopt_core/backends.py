@@ -64,6 +64,7 @@ __all__ = [
     "get_backend",
     "kernel_master_id",
     "kernel_moment_id",
+    "mark_written",
     "refresh_backends",
     "runs_device_steps",
     "select_backend",
@@ -76,7 +77,8 @@ __all__ = [
 #: 3: stochastic rounding draws :mod:`memopt_core.rng`'s per-step Philox keys and per-element
 #: ``lowbias32`` words (before: one Philox block per element), so a backend built for 2 rounds
 #: with other bits.
-KERNEL_API = 3
+#: 4: ``q8_sqrt`` stores a positive ``v`` that would round to code 0 as code 1.
+KERNEL_API = 4
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
@@ -214,6 +216,15 @@ KERNEL_MOMENT_IDS = {
     "fp8_e5m2": 3,
     "q8_sqrt": 4,
 }
+
+
+def mark_written(params: list[Tensor]) -> None:
+    """Tell autograd that ``params`` changed in place. Kernels write through raw pointers,
+    which torch does not see: without this, a graph that saved a parameter before the step
+    (``retain_graph=True``, a forward that reads a weight again during gradient release)
+    would use the new values silently instead of raising, as torch's own optimizers make it
+    do. One C-level call for the list."""
+    torch.autograd.graph.increment_version(params)
 
 
 def check_works(works: list[tuple[Any, GroupStep]]) -> None:

@@ -7,6 +7,7 @@ Addresses are ``Tensor.data_ptr()`` values (0: absent), ids are those of
 __version__: str
 #: int64 words per slot-table row (``SlotRow``; ``ops.SLOT_COLUMNS`` names them)
 SLOT_ROW_WORDS: int
+KERNEL_API: int
 
 def supported_isas() -> list[str]: ...
 def built_isas() -> list[str]: ...

@@ -147,11 +147,12 @@ if getattr(_core, "SLOT_ROW_WORDS", None) != len(SLOT_COLUMNS):
         "stale build). Rebuild and reinstall it: "
         "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
-if not hasattr(_core, "stream_words"):
+if getattr(_core, "KERNEL_API", None) != 4:
     raise ImportError(
-        "memopt_kernels_cpu's compiled _core has no stream_words: it predates the stochastic-"
-        "rounding words of KERNEL_API 3 and would round with other bits (a stale build). Rebuild "
-        "and reinstall it: pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
+        "memopt_kernels_cpu's compiled _core computes the bits of KERNEL_API "
+        f"{getattr(_core, 'KERNEL_API', 'below 4')}, this package those of KERNEL_API 4 (a stale "
+        "build). Rebuild and reinstall it: "
+        "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
 #: Stochastic-rounding indices (``index_base + padded``) stay below this (far from int64
 #: overflow).

@@ -36,7 +36,7 @@ class TritonBackend:
     #: The interface level these kernels implement, a literal (not core's value): 3 is the level
     #: whose stochastic-rounding words (``memopt_core.rng``: per-step Philox keys, per-element
     #: ``lowbias32`` words) they compute, so a core at another level refuses a stale package.
-    KERNEL_API = 3
+    KERNEL_API = 4
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
 

@@ -14,6 +14,9 @@ dynamic range a block must span: a 1000x gradient outlier is 1e6x in ``v`` but o
 Stochastic rounding picks one of the two codes around ``s`` with the probability that keeps
 ``v`` unbiased (``E[q*q] = v``), not ``s``: rounding ``s`` unbiasedly would bias ``v`` upwards
 by ``Var(q)``, about +1% over a long Adam run (tests/test_long_run.py).
+
+A positive ``v`` is never stored as code 0 (RNE or SR): below the smallest positive code it gets
+that code (``v`` biased upwards there; the step smaller, never larger, than fp32's).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Q8SqrtCodec(BlockMinifloatCodec):
         # sqrt(-0) = -0 is stored as 0; a negative v gives NaN (stored as the NaN code)
         s = correctly_rounded_sqrt(x)
         if rand is None:
-            return self._encode_codes(s, None)  # nearest even on the grid of s
+            return self._floored(self._encode_codes(s, None), s)  # nearest even on s's grid
         # SR chooses between the neighbouring codes lo <= s <= hi with the probability that makes
         # the decoded v unbiased: the shared rule applied to v on the grid {q*q}, with
         # frac24 = floor(RN((v - lo*lo) / (hi*hi - lo*lo)) * 2**24). lo*lo, hi*hi, the numerator
@@ -79,7 +82,18 @@ class Q8SqrtCodec(BlockMinifloatCodec):
         frac24 = torch.floor(frac * 2.0**24).to(torch.int64)
         frac24 = torch.where(finite & (den > 0) & (num > 0), torch.clamp(frac24, 0, 2**24), 0)
         code = lo_code + sr_round_up(frac24, rand).to(torch.int64)
-        return {"": code.to(torch.uint8), "scale": lo_fields["scale"]}
+        return self._floored({"": code.to(torch.uint8), "scale": lo_fields["scale"]}, s)
+
+    @staticmethod
+    def _floored(fields: dict[str, Tensor], s: Tensor) -> dict[str, Tensor]:
+        """A positive ``v`` whose code rounded to 0 gets code 1, the smallest positive one: a
+        second moment stored as 0 next to a first moment that is not would make Adam's step
+        ``m / (sqrt(v) + eps)`` far too large (in a block whose largest ``s`` is 2**18 times
+        larger, see docs/formats.md, "Limits"); stored as the smallest code, the step is
+        smaller than fp32's instead."""
+        code = fields[""]
+        fields[""] = torch.where((code == 0) & (s > 0), torch.ones_like(code), code)
+        return fields
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
         self.check_fields(fields)

@@ -313,6 +313,8 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         den = hi2 - lo2
         up = finite & (den > 0) & sqrt_sr_up(num, den, r24)
         code = lo_code + up.to(tl.int32)
+    if FMT == FMT_Q8SQRT:  # a positive v is never code 0 (core's Q8SqrtCodec._floored)
+        code = code | ((code == 0) & (sqrt_x > 0)).to(tl.int32)
     return code, s
 
 
