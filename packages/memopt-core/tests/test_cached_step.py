@@ -538,3 +538,20 @@ def test_a_state_deleted_by_hand_starts_fresh(backend, how):
     assert_same_optimizers(a, fresh, opt, ref, how)
     assert float(opt.state[p]["step"]) == 1
     assert 0 in opt.state_dict()["state"]
+
+
+def test_autograd_sees_every_step_write(backend):
+    """A graph that saved a parameter before the step must fail its backward afterwards, as
+    with torch's optimizers: kernels write through raw pointers, so the optimizer bumps the
+    parameters' version counters (ordinary steps and cached replays alike)."""
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    opt = MemOptimizer([w], rule="adamw", moments="q8", backend=backend)
+    for step in range(5):  # the third and later steps replay the cached step
+        loss = (w * w).sum()  # saves w for its backward
+        loss.backward(retain_graph=True)
+        before = w._version
+        opt.step()
+        assert w._version > before, f"step {step}"
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        opt.zero_grad()

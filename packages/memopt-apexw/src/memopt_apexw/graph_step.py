@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from memopt_core import backends
 from memopt_core.cached_step import CachedStep
 
 __all__ = ["GraphStep"]
@@ -105,3 +106,5 @@ class GraphStep:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graph = graph
         self.graph.replay()
+        for entry in self.cached.entries:  # the replay wrote them where autograd cannot see
+            backends.mark_written(entry.work.param_owners)

@@ -965,6 +965,7 @@ class MemOptimizer(Optimizer):
         host = iter(counters)
         for backend, work in works:
             backend.step(work)
+            backends.mark_written(work.param_owners)
             if work.staging is not None and not backends.writes_staging(backend):
                 for p, st in zip(work.params, work.staging, strict=True):
                     if st is not None:
@@ -1316,6 +1317,7 @@ class MemOptimizer(Optimizer):
                 e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
             else:
                 e.backend.step(work)
+            backends.mark_written(work.param_owners)
             self._count_step(e.counters, work)
 
     @property

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from memopt_core import conversions, reference
-from memopt_core.backends import GroupStep, select_backend
+from memopt_core.backends import GroupStep, mark_written, select_backend
 from memopt_core.errors import BackendUnavailableError, ConfigError, StateDictError
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena, make_plans
@@ -444,6 +444,7 @@ class DeviceUpdater:
                 index_bases=[b.starts[si] for si in slots],
             )
         )
+        mark_written([b.plan.params[si] for si in slots])  # written by raw pointer
 
     def finish(self) -> None:
         """Close the step (every bucket with a final gradient ran): the current stream waits
