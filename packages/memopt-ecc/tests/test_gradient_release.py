@@ -276,6 +276,11 @@ def test_step_and_zero_grad_warn_once_and_do_nothing():
     assert model.mix.weight.grad is not None
     opt.step()
     assert not torch.equal(p.detach(), before)
+    # the gradients left by that backward would be added to the next one's: refused
+    with pytest.raises(ConfigError, match=r"parameter '.*' .* still holds a gradient"):
+        enable_gradient_release(model, opt)
+    assert not opt.gradient_release_active
+    opt.zero_grad()
     # a new activation warns again
     with (
         enable_gradient_release(model, opt) as again,

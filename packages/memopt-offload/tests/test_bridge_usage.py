@@ -596,3 +596,19 @@ def test_state_dict_hooks_run_where_torch_runs_them(device, precision, update):
     )
     fresh.load_state_dict({"not": "a state dict"})
     assert all(map(torch.equal, after[0], model.parameters()))  # the loaded weights
+
+
+@both_updates()
+def test_attach_hooks_refuses_gradients_left_by_an_ordinary_step(device, precision, update):
+    """step() leaves .grad in place (as torch's does); the next backward would add it to the
+    first hooked update's gradient, which the ordinary loop's zero_grad() would have cleared."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    loss_of(model, batch(0, device)).backward()
+    opt.step()
+    with pytest.raises(ConfigError, match=r"still holds a gradient .* call zero_grad\(\) first"):
+        opt.attach_hooks(model)
+    assert not opt._hooks  # nothing attached
+    opt.zero_grad()
+    opt.attach_hooks(model)
+    opt.detach_hooks()

@@ -3,7 +3,10 @@
 memopt's per-parameter hooks (``memopt_ecc.enable_gradient_release``,
 ``memopt_offload.AdamBridge.attach_hooks``) act on a parameter's gradient the moment
 ``register_post_accumulate_grad_hook`` says it is final. Two wrappers make that gradient not the
-one to apply: :func:`reject_hook_wrappers` refuses them with a ``TypeError`` that says why.
+one to apply: :func:`reject_hook_wrappers` refuses them with a ``TypeError`` that says why. A
+gradient already in ``.grad`` when the hooks attach would be added to the next backward's (the
+ordinary loop's ``zero_grad`` comes before backward, and hooks need none):
+:func:`reject_pending_gradients` refuses it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["reject_hook_wrappers"]
+from memopt_core.errors import ConfigError
+
+__all__ = ["reject_hook_wrappers", "reject_pending_gradients"]
 
 
 def reject_hook_wrappers(model: nn.Module, who: str) -> None:
@@ -43,4 +48,16 @@ def reject_hook_wrappers(model: nn.Module, who: str) -> None:
                 "tensors the optimizer holds. Use DDP with the ordinary loop: backward, then "
                 "step(); or FSDP2 (fully_shard), whose sharded parameters every memopt optimizer "
                 "but AdamBridge takes, gradient release included"
+            )
+
+
+def reject_pending_gradients(model: nn.Module, held: set[int], who: str) -> None:
+    """ConfigError naming the first parameter of ``model`` whose id is in ``held`` (those the
+    hooks will update) and that still holds a gradient."""
+    for name, p in model.named_parameters():
+        if id(p) in held and p.grad is not None:
+            raise ConfigError(
+                f"{who}: parameter {name!r} (shape {tuple(p.shape)}) still holds a gradient "
+                "from an earlier backward, which the next backward would add to its own before "
+                "the hook updates it: call zero_grad() first"
             )

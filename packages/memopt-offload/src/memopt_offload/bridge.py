@@ -113,7 +113,7 @@ from torch.utils._pytree import tree_leaves
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
-from memopt_core.hook_wrappers import reject_hook_wrappers
+from memopt_core.hook_wrappers import reject_hook_wrappers, reject_pending_gradients
 from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
 from memopt_core.plan import StateArena
 from memopt_core.sharding import is_dtensor
@@ -756,6 +756,11 @@ class AdamBridge(Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
         reject_hook_wrappers(model, "AdamBridge.attach_hooks()")
+        reject_pending_gradients(
+            model,
+            {id(s.param) for s in self._slots.values() if s.param.requires_grad},
+            "AdamBridge.attach_hooks()",
+        )
         try:
             self._attach(model, overlap_forward)
         except BaseException:
