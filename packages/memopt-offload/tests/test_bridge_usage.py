@@ -612,3 +612,19 @@ def test_attach_hooks_refuses_gradients_left_by_an_ordinary_step(device, precisi
     opt.zero_grad()
     opt.attach_hooks(model)
     opt.detach_hooks()
+
+
+@both_updates()
+def test_a_graph_that_saved_a_weight_fails_after_the_update(device, precision, update):
+    """Both updates bump the weights' autograd version (the host update by its in-place upload,
+    the device update explicitly: its kernel writes through raw pointers), so a second backward
+    through a retained graph raises instead of reading the updated weights."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    opt.attach_hooks(model)
+    loss = loss_of(model, batch(0, device))
+    loss.backward(retain_graph=True)
+    opt.step_sync()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"), opt.no_update():
+        loss.backward()
+    opt.detach_hooks()
