@@ -11,6 +11,7 @@ import errno
 import gc
 import json
 import os
+import stat
 import struct
 import subprocess
 import sys
@@ -331,6 +332,50 @@ def test_temp_file_lives_beside_the_target_until_commit(tmp_path):
     assert not path.exists()
     w.commit()
     assert listing(tmp_path) == {"ck.bin"}
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permission bits")
+def test_a_rewrite_keeps_the_files_permission_bits(tmp_path):
+    """As ``open(path, "wb")`` would: a private checkpoint stays private (while the new one is
+    written too); a new file gets open()'s mode."""
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, {"a": torch.ones(3)})
+    os.chmod(path, 0o600)
+    w = CheckpointWriter(path)
+    w.add("b", torch.zeros(2))
+    (temp,) = (tmp_path / n for n in listing(tmp_path) if n.startswith(".ck.bin.tmp-"))
+    assert stat.S_IMODE(os.stat(temp).st_mode) == 0o600
+    w.commit()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with CheckpointReader(path) as r:
+        assert r.keys() == ["b"]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    write_checkpoint(tmp_path / "new.bin", {"a": torch.ones(3)})
+    assert stat.S_IMODE(os.stat(tmp_path / "new.bin").st_mode) == 0o666 & ~umask
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symlinks")
+def test_a_symlink_is_written_through_to_its_target(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    target = store / "ck.bin"
+    write_checkpoint(target, {"old": torch.ones(3)})
+    link = tmp_path / "latest"
+    link.symlink_to(target)
+    write_checkpoint(link, {"new": torch.zeros(2)})
+    assert link.is_symlink()
+    assert os.readlink(link) == str(target)
+    with CheckpointReader(target) as r:
+        assert r.keys() == ["new"]
+    assert listing(store) == {"ck.bin"}  # the temp file was made (and renamed) beside it
+    assert listing(tmp_path) == {"store", "latest"}
+    # a dangling link: its target is created, as open() would
+    (tmp_path / "dangling").symlink_to(store / "later.bin")
+    write_checkpoint(tmp_path / "dangling", {"x": torch.ones(1)})
+    assert (tmp_path / "dangling").is_symlink()
+    with CheckpointReader(store / "later.bin") as r:
+        assert r.keys() == ["x"]
 
 
 def test_commit_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):

@@ -230,3 +230,62 @@ def test_dcp_checkpoint_without_param_shape(tmp_path):
         del entry["param_shape"]
     dcp.load(target, checkpoint_id=tmp_path / "old")
     fresh.load_state_dict(target["optim"])
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_refuses_a_parameter_frozen_after_training(tmp_path):
+    """The checkpoint holds the state (ECC master code too) of a parameter frozen after
+    training, init_state() makes none for it, and dcp.load would drop it silently."""
+    ecc = pytest.importorskip("memopt_ecc")
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        model = model.to(torch.bfloat16)
+        return model, ecc.FlashAdamW(model.parameters(), lr=1e-2, master_weight_bits=32)
+
+    def step(model, opt, t):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build(0)
+    for t in range(3):
+        step(model, opt, t)
+    model[0].weight.requires_grad_(False)  # fine-tune only the rest from now on
+    step(model, opt, 3)
+    want = ecc.get_fp32_model_state_dict(model, opt)
+    dcp.save(
+        {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
+    )
+
+    twin, topt = build(5)
+    twin[0].weight.requires_grad_(False)
+    topt.init_state()
+    with pytest.raises(
+        ConfigError,
+        match=r"state for parameter index 0 \(parameter #0 of param group 0 \(shape \(16, 16\).*"
+        r"which has none here .*unfreeze it, call optimizer.init_state\(\), freeze it again",
+    ):
+        check_dcp_load(topt, tmp_path / "ck")
+    # the way out the message gives: then everything loads
+    twin[0].weight.requires_grad_(True)
+    topt.init_state()
+    twin[0].weight.requires_grad_(False)
+    check_dcp_load(topt, tmp_path / "ck")
+    sd = {"model": twin.state_dict(), "optim": topt.state_dict()}
+    dcp.load(sd, checkpoint_id=tmp_path / "ck")
+    twin.load_state_dict(sd["model"])
+    topt.load_state_dict(sd["optim"])
+    got = ecc.get_fp32_model_state_dict(twin, topt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    # state for more parameters than the optimizer has (one group each): refused as well
+    head = torch.nn.Linear(16, 4).to(torch.bfloat16)
+    hopt = ecc.FlashAdamW(head.parameters(), lr=1e-2, master_weight_bits=32)
+    hopt.init_state()
+    with pytest.raises(
+        StateDictError, match="state for parameter index 2; this optimizer has 2 parameters"
+    ):
+        check_dcp_load(hopt, tmp_path / "ck")

@@ -4,6 +4,7 @@ that change nothing."""
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -465,3 +466,218 @@ def test_schema_1_files_still_load(tmp_path, monkeypatch):
     train(twin, topt, 2, start=3)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+
+
+class FusedQK(torch.nn.Module):
+    """q and k projections kept as one fused weight and saved as two entries, built fresh by
+    its own ``_save_to_state_dict`` (so not views of the parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qk = torch.nn.Parameter(torch.randn(8, 4))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        q, k = self.qk.chunk(2)
+        destination[prefix + "q"] = q if keep_vars else q.detach().clone()
+        destination[prefix + "k"] = k if keep_vars else k.detach().clone()
+
+    def _load_from_state_dict(self, sd, prefix, local_metadata, strict, missing, unexpected, errs):
+        with torch.no_grad():
+            self.qk.copy_(torch.cat([sd.pop(prefix + "q"), sd.pop(prefix + "k")]))
+
+
+class SavesFp32(torch.nn.Linear):
+    """A bf16 layer whose state-dict post hook saves the weight cast to fp32."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.to(torch.bfloat16)
+        self.register_state_dict_post_hook(self._widen)
+
+    @staticmethod
+    def _widen(module, sd, prefix, local_metadata):
+        sd[prefix + "weight"] = sd[prefix + "weight"].float()
+
+
+class CachesTranspose(torch.nn.Linear):
+    """Keeps a derived buffer up to date with load hooks; records what they saw."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.register_buffer("wt", self.weight.detach().t().clone(), persistent=False)
+        self.seen = []
+        self._register_load_state_dict_pre_hook(self._pre, with_module=True)
+        self.register_load_state_dict_post_hook(self._post)
+
+    @staticmethod
+    def _pre(module, sd, prefix, *args):
+        module.seen.append(sorted(k for k in sd if k.startswith(prefix)))
+
+    @staticmethod
+    def _post(module, incompatible):
+        module.wt = module.weight.detach().t().clone()
+
+
+@pytest.mark.parametrize("cls", [FusedQK, SavesFp32])
+def test_load_restores_state_dicts_that_modules_build(cls, tmp_path):
+    """``load`` goes through ``model.load_state_dict``: a copy into the entries ``state_dict()``
+    built fresh would fill temporaries and leave the model as it was."""
+    torch.manual_seed(0)
+    src = cls()
+    torch.manual_seed(1)
+    dst = cls()
+    before = [p.detach().clone() for p in dst.parameters()]
+    save(tmp_path / "ck.mopt", model=src)
+    load(tmp_path / "ck.mopt", model=dst)
+    for p, q, old in zip(src.parameters(), dst.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+        assert not torch.equal(q, old)
+    want = src.state_dict()
+    got = dst.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_load_runs_load_hooks_and_fills_lazy_modules(tmp_path):
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(CachesTranspose(), torch.nn.LazyLinear(3))
+    src(torch.ones(1, 4))
+    torch.manual_seed(1)
+    dst = torch.nn.Sequential(CachesTranspose(), torch.nn.LazyLinear(3))
+    save(tmp_path / "ck.mopt", model=src)
+    load(tmp_path / "ck.mopt", model=dst)
+    assert dst[0].seen == [["0.bias", "0.weight"]]
+    assert torch.equal(dst[0].weight, src[0].weight)
+    assert torch.equal(dst[0].wt, src[0].weight.t())  # the post hook ran after the copy
+    assert torch.equal(dst[1].weight, src[1].weight)  # the lazy layer took its shape
+    assert torch.equal(dst[1].bias, src[1].bias)
+
+
+def test_load_into_a_module_with_its_own_state_dict_format_changes_nothing_on_mismatch(tmp_path):
+    src = FusedQK()
+    save(tmp_path / "ck.mopt", model=src)
+    wider = FusedQK()
+    wider.qk = torch.nn.Parameter(torch.zeros(8, 6))
+    with pytest.raises(
+        StateDictError, match=r"model entry 'q' is torch\.float32 of shape \(4, 4\)"
+    ):
+        load(tmp_path / "ck.mopt", model=wider)
+    assert torch.equal(wider.qk, torch.zeros(8, 6))
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"sched": {"mode_worse": float("inf")}}, r"extra\['sched'\]\['mode_worse'\] is inf"),
+        ({"x": [1.0, float("nan")]}, r"extra\['x'\]\[1\] is nan"),
+        ({"py_rng": random.getstate()}, r"extra\['py_rng'\] is a tuple, .* back as a list"),
+        ({"shape": [1, (3, 4)]}, r"extra\['shape'\]\[1\] is a tuple"),
+        ({"t": {"a": torch.tensor(1.5)}}, r"extra\['t'\]\['a'\] is a tensor inside a container"),
+        ({"by_id": {1: "x"}}, r"extra\['by_id'\] has the key 1: .* load back as a str"),
+        ({3: "x"}, r"extra's keys must be str, got 3"),
+        ({"bad": object()}, r"extra\['bad'\] \(object\) is not JSON-serializable"),
+    ],
+)
+def test_extra_that_would_not_come_back_as_it_was_is_refused_naming_it(extra, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        save(tmp_path / "ck.mopt", model=torch.nn.Linear(2, 2), extra=extra)
+    assert not (tmp_path / "ck.mopt").exists()
+
+
+def test_lr_schedulers_go_through_extra(tmp_path):
+    """The README's recipe: a scheduler's state in ``extra``; ReduceLROnPlateau's without its
+    ``mode_worse`` (inf), which its ``load_state_dict`` recomputes."""
+    from torch.optim import lr_scheduler
+
+    def run(resume_from=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 3)
+        opt = MemOptimizer(model.parameters(), rule="adamw", lr=0.05)
+        step = lr_scheduler.StepLR(opt, 2, 0.5)
+        plateau = lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        start = 0
+        if resume_from is not None:
+            extra = load(resume_from, model=model, optimizer=opt)
+            step.load_state_dict(extra["step"])
+            plateau.load_state_dict(extra["plateau"])
+            start = extra["t"]
+        for t in range(start, 6):
+            opt.zero_grad()
+            model(torch.ones(2, 3) * (t % 3)).pow(2).sum().backward()
+            opt.step()
+            step.step()
+            plateau.step(1.0 / (t + 1) if t < 3 else 1.0)
+            if t == 2 and resume_from is None:
+                plain = {k: v for k, v in plateau.state_dict().items() if k != "mode_worse"}
+                extra = {"step": step.state_dict(), "plateau": plain, "t": 3}
+                save(tmp_path / "ck.mopt", model=model, optimizer=opt, extra=extra)
+        return model, step.state_dict(), plateau.state_dict()
+
+    model, step_sd, plateau_sd = run()
+    resumed, rstep_sd, rplateau_sd = run(tmp_path / "ck.mopt")
+    assert rstep_sd == step_sd
+    assert rplateau_sd == plateau_sd
+    assert plateau_sd["mode_worse"] == float("inf")
+    assert torch.equal(resumed.weight, model.weight)
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        ({"schema": "2"}, r"'schema' is '2', not an int"),
+        ({"schema": 2, "model": {}}, r"its 'model' entry is not"),
+        ({"schema": 2, "model": {"keys": ["weight"], "aliases": {"bias": "b"}}}, "'model' entry"),
+        (
+            {"schema": 2, "model": {"keys": ["weight", "bias"]}},
+            r"refers to tensors it does not hold: \['model/weight', 'model/bias'\]",
+        ),
+        ({"schema": 2, "optimizer": {"class": "x"}}, r"its 'optimizer' entry lacks"),
+        ({"schema": 2, "extra": [], "extra_tensors": []}, r"its 'extra' is not a dict"),
+        ({"schema": 2, "extra_tensors": ["rng"]}, r"does not hold: \['extra/rng'\]"),
+    ],
+)
+def test_a_container_with_a_foreign_meta_is_a_checkpoint_error(meta, match, tmp_path):
+    from memopt_checkpoint.container import write_checkpoint
+
+    write_checkpoint(tmp_path / "x.mopt", {}, meta=meta)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CheckpointError, match=r"x\.mopt is not a memopt_checkpoint\.save file"):
+        load(tmp_path / "x.mopt", model=model if "model" in meta else None, optimizer=opt)
+    with pytest.raises(CheckpointError, match=match):
+        load(tmp_path / "x.mopt", model=model, optimizer=opt)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DistributedDataParallel"])
+def test_fp32_state_dict_of_a_wrapped_model_has_the_same_keys_for_every_optimizer(
+    wrapper, tmp_path
+):
+    """The bare model's keys (no ``module.``), as memopt_ecc.get_fp32_model_state_dict has."""
+    ecc = pytest.importorskip("memopt_ecc")
+    dist = torch.distributed
+    if wrapper == "DistributedDataParallel":
+        if not dist.is_available() or not dist.is_gloo_available():
+            pytest.skip("needs torch.distributed with gloo")
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1
+        )
+    try:
+        inner = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        model = getattr(torch.nn.parallel, wrapper)(inner)
+        assert list(model.state_dict()) == ["module.weight", "module.bias"]
+        for opt in (
+            None,
+            torch.optim.AdamW(model.parameters()),
+            MemOptimizer(model.parameters(), rule="adamw", lr=1e-2),
+            ecc.FlashAdamW(model.parameters(), lr=1e-3),
+        ):
+            sd = fp32_model_state_dict(model, opt)
+            assert list(sd) == ["weight", "bias"]
+            assert torch.equal(sd["weight"], inner.weight.float())
+        export_fp32(tmp_path / "fp32.pt", model)
+        inner.load_state_dict(torch.load(tmp_path / "fp32.pt", weights_only=True))
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

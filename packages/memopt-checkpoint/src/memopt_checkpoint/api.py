@@ -20,8 +20,8 @@ one tensor at a time):
 - The index's JSON ``meta``: format versions, the optimizer's class and its state dict's non-tensor
   parts (param groups with parameter *names* instead of positions, the ``memopt`` entry; a
   tensor's place marked ``{"$tensor": key}``), each optimizer parameter's shape, the model's keys
-  and aliases, and ``extra`` (JSON values; tensors at its top level are stored as
-  ``extra/<key>``).
+  and aliases, and ``extra`` (values JSON gives back as they are: no tuples, inf or nan;
+  tensors at its top level are stored as ``extra/<key>``).
 
 Parameters are matched by name (``model.named_parameters()``), not by position, so a model whose
 parameters were reordered or whose optimizer groups list them differently still loads, and a
@@ -35,7 +35,10 @@ in the optimizer, so a moved parameter rounds with other (equally distributed) b
 (checksums), and only then changes the model and the optimizer. The optimizer's own
 ``load_state_dict`` checks formats, shapes and dtypes. So a bad file, a foreign optimizer or a
 shape mismatch raises (:class:`~memopt_core.errors.CheckpointError`,
-:class:`~memopt_core.errors.StateDictError`) with nothing changed.
+:class:`~memopt_core.errors.StateDictError`) with nothing changed. The model is then loaded with
+``model.load_state_dict`` (copying in place), so modules that build their ``state_dict()``
+entries (``_save_to_state_dict`` / ``_load_from_state_dict``, state-dict hooks, lazy modules)
+and load hooks load as they do in torch.
 """
 
 from __future__ import annotations
@@ -117,18 +120,45 @@ def _restored(v: Any, reader: CheckpointReader) -> Any:
 
 
 def _json_value(v: Any, where: str) -> Any:
-    if isinstance(v, Tensor):  # extra's values inside containers
-        if v.numel() != 1:
-            raise ConfigError(f"{where} is a tensor of shape {tuple(v.shape)}; only scalars fit")
-        v = v.item()
-    if isinstance(v, tuple):
-        return [_json_value(x, where) for x in v]
     if isinstance(v, float) and not math.isfinite(v):
         raise ConfigError(f"{where} is {v}, which JSON cannot hold")
     try:
         json.dumps(v)
     except TypeError:
         raise ConfigError(f"{where} ({type(v).__name__}) is not JSON-serializable") from None
+    return v
+
+
+def _extra_value(v: Any, where: str) -> Any:
+    """``v`` when JSON gives it back as it is; else a ``ConfigError`` naming the part of ``v``
+    at fault (a tuple would load back as a list, a non-str key as a str)."""
+    if isinstance(v, Tensor):
+        raise ConfigError(
+            f"{where} is a tensor inside a container: only extra's top-level values are stored "
+            "as tensors (give it its own key in extra)"
+        )
+    if isinstance(v, tuple):
+        raise ConfigError(
+            f"{where} is a tuple, which JSON (the checkpoint meta) would give back as a list: "
+            "pass a list and convert it back after load (random.setstate needs tuples)"
+        )
+    if isinstance(v, list):
+        return [_extra_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, Mapping):
+        for k in v:
+            if not isinstance(k, str):
+                raise ConfigError(
+                    f"{where} has the key {k!r}: JSON (the checkpoint meta) keys are str, so it "
+                    "would load back as a str"
+                )
+        return {k: _extra_value(x, f"{where}[{k!r}]") for k, x in v.items()}
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(
+            f"{where} is {v}, which JSON (the checkpoint meta) cannot hold: store a finite value "
+            "or a str, or that state with torch.save"
+        )
+    if v is not None and not isinstance(v, (str, int, float)):  # bool is an int
+        raise ConfigError(f"{where} ({type(v).__name__}) is not JSON-serializable")
     return v
 
 
@@ -156,7 +186,9 @@ def save(
 ) -> None:
     """Write ``model`` and ``optimizer`` (either may be None) and ``extra`` to ``path``
     atomically: the previous file at ``path`` stays intact until the new one is complete and on
-    disk. AdamBridge's pending updates are collected first (its ``state_dict()`` does that)."""
+    disk. AdamBridge's pending updates are collected first (its ``state_dict()`` does that).
+    Other training state (LR schedulers' ``state_dict()``, RNG states) goes in ``extra``; a value
+    JSON would not give back as it is (a tuple, inf) raises ``ConfigError`` naming it."""
     if model is None and optimizer is None:
         raise ConfigError("save needs a model, an optimizer or both")
     meta: dict[str, Any] = {"schema": CHECKPOINT_SCHEMA}
@@ -215,11 +247,13 @@ def save(
         }
     extra_json: dict[str, Any] = {}
     for k, v in (extra or {}).items():
+        if not isinstance(k, str):
+            raise ConfigError(f"extra's keys must be str, got {k!r}")
         if isinstance(v, Tensor):
             tensors.append((f"extra/{k}", v))
             extra_json[k] = None
         else:
-            extra_json[k] = _json_value(v, f"extra[{k!r}]")
+            extra_json[k] = _extra_value(v, f"extra[{k!r}]")
     meta["extra"] = extra_json
     meta["extra_tensors"] = [k for k, v in (extra or {}).items() if isinstance(v, Tensor)]
     with CheckpointWriter(path, meta=meta) as writer:
@@ -239,17 +273,8 @@ def load(
     anything; ``strict=False`` tolerates model entries missing on either side (never a shape or
     dtype mismatch)."""
     with CheckpointReader(path) as reader:
-        meta = reader.meta
-        if not isinstance(meta, Mapping) or "schema" not in meta:
-            raise CheckpointError(f"{os.fspath(path)} is not a memopt_checkpoint.save file")
-        if meta["schema"] > CHECKPOINT_SCHEMA:
-            raise CheckpointError(
-                f"{os.fspath(path)} uses checkpoint schema {meta['schema']}; this memopt-checkpoint "
-                f"reads up to {CHECKPOINT_SCHEMA}: upgrade memopt-checkpoint"
-            )
-        model_plan, model_values = (
-            _plan_model(reader, meta, model, strict) if model is not None else (None, None)
-        )
+        meta = _checked_meta(reader, path)
+        model_sd = _plan_model(reader, meta, model, strict) if model is not None else None
         optim_sd = (
             _plan_optimizer(reader, meta, model, optimizer) if optimizer is not None else None
         )
@@ -259,14 +284,96 @@ def load(
         # every tensor read and checked: now change things
         if optim_sd is not None:
             optimizer.load_state_dict(optim_sd)
-        if model_plan is not None:
-            with torch.no_grad():
-                for target, src in model_plan:
-                    target.copy_(src)
-        if model_values:
-            # non-tensor entries reach their modules (set_extra_state) as torch passes them
-            model.load_state_dict(model_values, strict=False)
+        if model_sd is not None:
+            # as torch loads: copied into the live tensors in place, through the modules'
+            # _load_from_state_dict, set_extra_state and the load hooks
+            model.load_state_dict(model_sd, strict=strict)
     return extra
+
+
+def _tensor_refs(v: Any) -> list[Any]:
+    """The container keys :func:`_restored` reads for ``v``."""
+    if isinstance(v, Mapping) and set(v) == {TENSOR_REF}:
+        return [v[TENSOR_REF]]
+    if isinstance(v, list):
+        return [r for x in v for r in _tensor_refs(x)]
+    return []
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _is_shape(v: Any) -> bool:
+    return isinstance(v, list) and all(type(d) is int and d >= 0 for d in v)
+
+
+def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str, Any]:
+    """``reader.meta`` once it has the layout :func:`save` writes and every tensor it refers to
+    is in the file: a container written by other code raises ``CheckpointError``, not a
+    ``KeyError`` or ``TypeError`` halfway through :func:`load`."""
+    meta = reader.meta
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise CheckpointError(
+                f"{os.fspath(path)} is not a memopt_checkpoint.save file (or its meta was "
+                f"edited): {what}"
+            )
+
+    schema = meta.get("schema")
+    require(type(schema) is int, f"its meta's 'schema' is {schema!r}, not an int")
+    if schema > CHECKPOINT_SCHEMA:
+        raise CheckpointError(
+            f"{os.fspath(path)} uses checkpoint schema {schema}; this memopt-checkpoint "
+            f"reads up to {CHECKPOINT_SCHEMA}: upgrade memopt-checkpoint"
+        )
+    refs: list[Any] = []
+    info = meta.get("model")
+    if info is not None:
+        aliases = info.get("aliases", {}) if isinstance(info, dict) else None
+        require(
+            isinstance(info, dict)
+            and _str_list(info.get("keys"))
+            and isinstance(aliases, dict)
+            and set(aliases.values()) <= set(info["keys"])
+            and all(isinstance(k, str) for k in aliases)
+            and isinstance(info.get("values", {}), dict),
+            "its 'model' entry is not {'keys': [str], 'aliases': {str: stored key}, 'values': {}}",
+        )
+        refs += [f"model/{k}" for k in info["keys"]]
+    info = meta.get("optimizer")
+    if info is not None:
+        groups = info.get("param_groups") if isinstance(info, dict) else None
+        state = info.get("state") if isinstance(info, dict) else None
+        shapes = info.get("shapes", {}) if isinstance(info, dict) else None
+        require(
+            isinstance(info, dict)
+            and isinstance(info.get("class"), str)
+            and info.get("keyed_by") in ("name", "position")
+            and isinstance(groups, list)
+            and all(isinstance(g, dict) and _str_list(g.get("params")) for g in groups)
+            and isinstance(state, dict)
+            and all(isinstance(e, dict) for e in state.values())
+            and isinstance(shapes, dict)
+            and all(_is_shape(s) for s in shapes.values())
+            and isinstance(info.get("memopt"), (dict, type(None))),
+            "its 'optimizer' entry lacks the class, keying, param groups, state or shapes "
+            "save writes",
+        )
+        refs += [r for g in groups for v in g.values() for r in _tensor_refs(v)]
+        refs += [r for e in state.values() for v in e.values() for r in _tensor_refs(v)]
+        if schema < 2:  # None marked a tensor
+            refs += [f"optim/{n}/{k}" for n, e in state.items() for k, v in e.items() if v is None]
+    extra_tensors = meta.get("extra_tensors", [])
+    require(
+        isinstance(meta.get("extra", {}), dict) and _str_list(extra_tensors),
+        "its 'extra' is not a dict, or 'extra_tensors' not a list of str",
+    )
+    refs += [f"extra/{k}" for k in extra_tensors]
+    missing = [r for r in refs if not isinstance(r, str) or r not in reader]
+    require(not missing, f"it refers to tensors it does not hold: {missing[:8]}")
+    return meta
 
 
 def _extra_state_keys(model: torch.nn.Module) -> set[str]:
@@ -278,11 +385,12 @@ def _extra_state_keys(model: torch.nn.Module) -> set[str]:
     }
 
 
-def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]], dict]:
-    """(target, loaded tensor) pairs and ``{key: value}`` of the entries that go through
-    ``model.load_state_dict``: the non-tensor ones and every ``get_extra_state()`` value (a
-    tensor one too: the tensor the model's ``state_dict()`` holds is a fresh one, which a copy
-    would fill without reaching ``set_extra_state``)."""
+def _plan_model(reader, meta, model, strict) -> dict[str, Any]:
+    """The state dict :func:`load` hands to ``model.load_state_dict``: every entry the file and
+    ``model.state_dict()`` both have, each tensor read and checked against that entry's shape and
+    dtype (a tied tensor read once, under each of its names). ``get_extra_state()`` values are
+    not checked (``set_extra_state`` decides what it takes, as in torch), nor the entries of lazy
+    modules that have no shape yet (their load gives them one)."""
     info = meta.get("model")
     if info is None:
         raise StateDictError("the checkpoint holds no model (it was saved with model=None)")
@@ -299,10 +407,9 @@ def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]
             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
             f"{'...' if len(unexpected) > 8 else ''} (load(..., strict=False) skips them)"
         )
-    plan = []
-    values = {}
+    sd: dict[str, Any] = {}
     cache: dict[str, Tensor] = {}
-    extra_states = _extra_state_keys(model)
+    unchecked = _extra_state_keys(model)
     for name, target in current.items():
         if name not in stored:
             continue
@@ -314,22 +421,20 @@ def _plan_model(reader, meta, model, strict) -> tuple[list[tuple[Tensor, Tensor]
                 f"{kinds[not is_value]} in the model"
             )
         if is_value:
-            values[name] = saved_values[name]
+            sd[name] = saved_values[name]
             continue
         key = f"model/{stored[name]}"
-        if name in extra_states:  # set_extra_state decides what it accepts, as in torch
-            values[name] = reader.load(key)
-            continue
-        dtype, shape, _ = reader.entry(key)
-        if tuple(shape) != tuple(target.shape) or dtype != target.dtype:
-            raise StateDictError(
-                f"model entry {name!r} is {dtype} of shape {tuple(shape)} in the checkpoint, "
-                f"{target.dtype} of shape {tuple(target.shape)} in the model"
-            )
+        if name not in unchecked and not torch.nn.parameter.is_lazy(target):
+            dtype, shape, _ = reader.entry(key)
+            if tuple(shape) != tuple(target.shape) or dtype != target.dtype:
+                raise StateDictError(
+                    f"model entry {name!r} is {dtype} of shape {tuple(shape)} in the checkpoint, "
+                    f"{target.dtype} of shape {tuple(target.shape)} in the model"
+                )
         if key not in cache:
             cache[key] = reader.load(key)
-        plan.append((target, cache[key]))
-    return plan, values
+        sd[name] = cache[key]
+    return sd
 
 
 def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:

@@ -6,6 +6,10 @@ Until :meth:`AtomicFile.commit` has renamed the file, the file at ``path`` is th
 (or leaving an :func:`atomic_file` block with an exception) removes the temporary file. An error
 fsyncing the folder after the rename propagates with the new file already in place (file
 systems that cannot fsync a folder, ``EINVAL``/``ENOTSUP``, are tolerated).
+
+As ``open(path, "wb")`` would, a symlink at ``path`` is written through (its target is
+replaced, the link stays), and a file that exists keeps its permission bits (a private 0600
+checkpoint stays private, also while the new one is written).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,12 +41,12 @@ def fsync_directory(directory: Path) -> None:
 
 
 class AtomicFile:
-    """An unbuffered binary temporary file ``.<name>.tmp-<12 hex>`` in ``path``'s folder that
-    :meth:`commit` renames over ``path``. ``state`` is ``"open"``, ``"committed"`` or
-    ``"aborted"``."""
+    """An unbuffered binary temporary file ``.<name>.tmp-<12 hex>`` in the folder of ``path``
+    (of its target for a symlink) that :meth:`commit` renames over it. ``state`` is ``"open"``,
+    ``"committed"`` or ``"aborted"``."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(os.fspath(path))
+        self.path = Path(os.path.realpath(path))  # a symlink's target, replaced beside it
         self.state = "unopened"
         directory = self.path.parent
         for _ in range(100):
@@ -56,6 +61,12 @@ class AtomicFile:
             raise FileExistsError(errno.EEXIST, "no free temporary file name", str(directory))
         self.temp_path = tmp
         self.state = "open"
+        try:
+            with contextlib.suppress(FileNotFoundError):  # a new file keeps open()'s mode
+                os.fchmod(self.file.fileno(), stat.S_IMODE(os.stat(self.path).st_mode))
+        except BaseException:
+            self.abort()
+            raise
 
     def commit(self) -> None:
         """fsync and close the file, rename it over ``path``, fsync the folder."""

@@ -8,8 +8,10 @@ them with the live states already overwritten. So are the states of another para
 same size (parameters reordered since the save: an MLP's (4096, 1024) and (1024, 4096) weights
 have q8 states of the same sizes), which ``load_state_dict`` refuses by their ``param_shape``.
 An optimizer without state (no ``init_state()``) gives ``dcp.load`` nothing to fill: training
-goes on from fresh moments, silently. :func:`check_dcp_load` finds these before ``dcp.load``
-runs.
+goes on from fresh moments, silently. So does a parameter frozen after training: the checkpoint
+holds its state (the ECC master code too), but ``init_state()`` creates none for a frozen
+parameter, and ``dcp.load`` drops what the target lacks. :func:`check_dcp_load` finds these
+before ``dcp.load`` runs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def check_dcp_load(
     optimizer state saved under ``key`` into ``optimizer`` would go wrong.
 
     ``ConfigError`` when a trainable parameter has no state yet (call
-    ``optimizer.init_state()`` first); :class:`~memopt_core.errors.StateDictError` when the
+    ``optimizer.init_state()`` first), or when the checkpoint holds state for a parameter index
+    that has none here (a parameter frozen after training: create its state first);
+    :class:`~memopt_core.errors.StateDictError` when the
     checkpoint holds no memopt state under ``key``, or state of another rule, number of param
     groups, ``master`` / ``moments`` format, or ``compress_state_dict``, or state saved for a
     parameter of another shape at a parameter's index (its ``param_shape``; a checkpoint of a
@@ -69,11 +73,12 @@ def check_dcp_load(
         "memopt": {"rule": None, "compressed": None},
         "param_groups": [{"master": None, "moments": None} for _ in range(n + 1)],
     }
+    planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     dcp.load(
         {key: probe},
         checkpoint_id=checkpoint_id,
         storage_reader=storage_reader,
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        planner=planner,
         process_group=process_group,
     )
     rule = probe["memopt"]["rule"]
@@ -106,10 +111,32 @@ def check_dcp_load(
             f"optimizer's compress_state_dict = {compressed} before building the state dict "
             "for dcp.load, so it has the saved layout"
         )
+    # the parameter indices with saved state (keys "<key>.state.<index>.<state key>"): dcp.load
+    # drops those the optimizer has no state for
+    prefix = f"{key}.state."
+    saved_indices = {
+        k[len(prefix) :].split(".", 1)[0]
+        for k in planner.metadata.state_dict_metadata
+        if k.startswith(prefix)
+    }
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index in sorted(int(i) for i in saved_indices if i.isdigit()):
+        if index >= len(params):
+            raise StateDictError(
+                f"the checkpoint holds optimizer state for parameter index {index}; this "
+                f"optimizer has {len(params)} parameters"
+            )
+        if params[index] not in optimizer.state:
+            raise ConfigError(
+                f"the checkpoint holds optimizer state for parameter index {index} "
+                f"({optimizer._param_label(params[index])}), which has none here (frozen, so "
+                "init_state() made none?): dcp.load would drop it. Create its state first: "
+                "unfreeze it, call optimizer.init_state(), freeze it again"
+            )
     # the saved shape of each parameter index (state_dict() numbers every parameter in order):
     # a second read, so a size mismatch in it cannot hide the format checks above
     shapes: dict[int, tuple[int, ...]] = {}
-    for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+    for index, p in enumerate(params):
         if p in optimizer.state:
             shapes[index] = tuple(p.shape)
     state = {

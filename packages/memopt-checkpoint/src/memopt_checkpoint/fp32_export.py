@@ -9,7 +9,10 @@ in fp32 and the true master weight where the optimizer keeps one beyond the para
 - ``memopt_offload.AdamBridge``: its host fp32 masters (:meth:`AdamBridge.master_weight`);
 - anything else (or no optimizer): the parameters widened to fp32.
 
-Non-tensor entries (a module's ``get_extra_state()``) pass through as they are.
+Non-tensor entries (a module's ``get_extra_state()``) pass through as they are. A model wrapped
+in ``DistributedDataParallel`` / ``DataParallel`` is unwrapped, whatever the optimizer, as
+:func:`memopt_ecc.get_fp32_model_state_dict` does: the keys are the wrapped model's, without the
+``module.`` prefix, so the export loads into the bare model.
 
 :func:`export_fp32` writes that dict with ``torch.save`` atomically (temporary file, fsync,
 rename), so a crash never leaves a half-written export. To go back, load the file with
@@ -30,14 +33,18 @@ from memopt_core.optimizer import MemOptimizer
 
 __all__ = ["export_fp32", "fp32_model_state_dict"]
 
+_WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+
 
 def fp32_model_state_dict(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """``model.state_dict()`` in fp32 with master weights where ``optimizer`` keeps them (see
-    the module doc); new CPU tensors."""
+    """``model.state_dict()`` (of the model inside a DDP/DataParallel wrapper) in fp32 with
+    master weights where ``optimizer`` keeps them (see the module doc); new CPU tensors."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    while isinstance(model, _WRAPPERS):  # keys without "module.", as memopt_ecc's
+        model = model.module
     if isinstance(optimizer, MemOptimizer):
         try:
             from memopt_ecc import get_fp32_model_state_dict

@@ -19,7 +19,10 @@ parameter element for Adam/AdamW, 4 for SGD with momentum); memopt keeps them in
   :data:`QUANTIZATION_BOUNDS`. A value decoded from a memopt format encodes back to the same value,
   so memopt -> torch -> memopt changes no moment value in any format (fp32: not a bit; a blocked
   format's block may come back with a lower scale and codes scaled to match, decoding to the same
-  values, so training continues with the same bits).
+  values). Adam/AdamW training then continues with the same bits. SGD/SGDW too, except with
+  stochastic rounding: torch's SGD keeps no step, so a parameter's step becomes max(its current
+  step in the memopt optimizer, 1) (1 in a fresh one), and that step is also the
+  stochastic-rounding counter, so the continuation rounds with other (equally distributed) bits.
 
 Master weights are not optimizer state in torch. fp32 parameters are their own master and travel
 with the model; a bf16 parameter with an ECC master (``ecc24`` / ``ecc32``) is only half of its
