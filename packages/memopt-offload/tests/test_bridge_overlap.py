@@ -245,3 +245,28 @@ def test_overlap_forward_must_be_a_bool(device):
     opt = AdamBridge(model.parameters())
     with pytest.raises(ConfigError, match="overlap_forward"):
         opt.attach_hooks(model, overlap_forward="yes")
+
+
+def test_detach_hooks_removes_a_read_guard_an_interrupted_forward_left(device):
+    """A KeyboardInterrupt in the first overlapped forward skips torch's always-called forward
+    hook (it catches Exceptions only), which exits the read guard; detach_hooks() exits it, so
+    it does not stay on torch's mode stack (every torch call would go through it)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="bf16")
+    opt.attach_hooks(model, overlap_forward=True)
+    x = batch(0, device)
+    loss_of(model, x).backward()
+    opt.step_sync()
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = model[1].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    handle.remove()
+    assert _get_current_function_mode_stack()  # the guard is still entered here
+    opt.detach_hooks()
+    assert not _get_current_function_mode_stack()

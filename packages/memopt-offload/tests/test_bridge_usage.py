@@ -628,3 +628,27 @@ def test_a_graph_that_saved_a_weight_fails_after_the_update(device, precision, u
     with pytest.raises(RuntimeError, match="modified by an inplace operation"), opt.no_update():
         loss.backward()
     opt.detach_hooks()
+
+
+def test_an_adambridge_dropped_with_hooks_attached_is_collected(device):
+    """The hooks hold the optimizer weakly: dropped without detach_hooks(), it is collected
+    (its host memory and thread with it), its hooks go, and a new one can take the model."""
+    import gc
+    import weakref
+
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="bf16")
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert not model._forward_pre_hooks
+    fresh = AdamBridge(model.parameters(), lr=1e-2, precision="bf16")
+    fresh.attach_hooks(model)
+    loss_of(model, batch(1, device)).backward()
+    fresh.step_sync()
+    fresh.detach_hooks()

@@ -95,7 +95,6 @@ holds the total norm of the latest step either way.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 import warnings
@@ -316,6 +315,35 @@ _METADATA_ATTRIBUTES = frozenset(
      "names", "itemsize", "nbytes", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
      "is_nested", "_version"}
 )  # fmt: skip
+
+
+class _WeakHook:
+    """A hook calling the bound ``method`` (with the arguments ``first`` before the hook's own)
+    through a weak reference: the modules and tensors a hook is registered on must not keep
+    the optimizer alive (its host memory and thread), and once it is collected the hook does
+    nothing (its finalizer removes the hooks too). Copying or pickling it (a model copied with
+    the hooks attached) refuses as the optimizer itself does: a copy would share its hooks."""
+
+    __slots__ = ("_first", "_ref")
+
+    def __init__(self, method: Any, *first: Any) -> None:
+        self._ref, self._first = weakref.WeakMethod(method), first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._ref()
+        return None if bound is None else bound(*self._first, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        bound = self._ref()
+        if bound is None:
+            raise TypeError("a hook of a collected AdamBridge cannot be copied")
+        return bound.__self__.__getstate__()  # raises the optimizer's TypeError
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 class _ReadGuard(TorchFunctionMode):
@@ -775,14 +803,14 @@ class AdamBridge(Optimizer):
                 continue
             if not p.requires_grad:  # frozen for now: step() takes a gradient it gets later
                 continue
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_post_accumulate_grad_hook(_WeakHook(self._on_grad)))
             hooked += 1
         if not hooked:
             raise ConfigError(
                 "attach_hooks found none of this optimizer's trainable parameters in the model "
                 "(that require gradients)"
             )
-        self._hooks.append(model.register_forward_pre_hook(self._check_synced))
+        self._hooks.append(model.register_forward_pre_hook(_WeakHook(self._check_synced)))
         self._overlap = overlap_forward
         if overlap_forward:
             for module in model.modules():
@@ -798,22 +826,29 @@ class AdamBridge(Optimizer):
                     if p is not None and id(p) in self._slots and self._slots[id(p)].param is p
                 )
                 if own:
-                    await_own = functools.partial(self._await_params, own)
+                    await_own = _WeakHook(self._await_params, own)
                     self._hooks.append(module.register_forward_pre_hook(await_own))
-            self._hooks.append(model.register_forward_hook(self._end_read_guard, always_call=True))
+            self._hooks.append(
+                model.register_forward_hook(_WeakHook(self._end_read_guard), always_call=True)
+            )
             # model.state_dict() reads the weights outside any forward
-            self._hooks.append(model.register_state_dict_pre_hook(self._sync_before_read))
+            self._hooks.append(
+                model.register_state_dict_pre_hook(_WeakHook(self._sync_before_read))
+            )
             self._guard_next_forward = True
 
     def detach_hooks(self) -> None:
         """Remove the hooks (waits for in-flight updates first); idempotent."""
         if self._pending or self._inflight:
             self._finish()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        _remove_hooks(self._hooks)  # the same list: the finalizer holds it
         self._overlap = False
         self._guard_next_forward = False
+        # a forward interrupted by a BaseException (KeyboardInterrupt: the always-called
+        # forward hook only sees Exceptions) left its read guard on torch's mode stack
+        guard, self._read_guard = self._read_guard, None
+        if guard is not None:
+            guard.__exit__(None, None, None)
 
     @property
     def hooks_attached(self) -> bool:
@@ -901,6 +936,8 @@ class AdamBridge(Optimizer):
         self._dispatcher = _Dispatcher(newest_first=self.update == "host")
         # stops the thread when the optimizer is collected (the thread holds no reference to it)
         weakref.finalize(self, self._dispatcher.stop)
+        # an AdamBridge dropped with hooks attached: they hold it weakly, and go with it
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._streams: tuple[Any, Any] | None = None
         self._prev_coef: float | None = None
 
