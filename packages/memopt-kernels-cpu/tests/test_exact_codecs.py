@@ -14,7 +14,13 @@ from memopt_core import conversions
 from memopt_core.formats import master_codec, moment_codec
 from memopt_core.formats.registry import MOMENT_FORMATS
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, stream_words
-from memopt_core.testing import MASTER_IDS, MASTERS, bits, record_codec_calls
+from memopt_core.testing import (
+    MASTER_IDS,
+    MASTERS,
+    assert_moment_conversions_exact,
+    bits,
+    record_codec_calls,
+)
 from memopt_kernels_cpu import ops, set_chunk_size, set_isa, set_num_threads, supported_isas
 
 ISAS = supported_isas()
@@ -183,11 +189,7 @@ def test_core_conversions_run_these_codecs(monkeypatch, fmt):
     x = sample(32 * 33, seed=7)
     if not codec.signed:
         x = x.abs()
-    fields = conversions.encode_moment(codec, x)
-    ref = codec.encode_sliced(x)
-    for key in ref:
-        assert torch.equal(bits(fields[key]), bits(ref[key])), key
-    assert torch.equal(bits(conversions.decode_moment(codec, ref)), bits(codec.decode_sliced(ref)))
+    assert_moment_conversions_exact(codec, x)
     master = master_codec("ecc24", torch.bfloat16)
     low = torch.empty(x.numel(), dtype=torch.bfloat16)
     code = torch.empty(x.numel(), dtype=torch.uint8)

@@ -301,6 +301,20 @@ def _builtin() -> BackendStatus:
     )
 
 
+def _broken(name: str, reason: str, origin: str, obj: Any = None) -> BackendStatus:
+    """The status of an installed backend that cannot load (a stale build, another
+    KERNEL_API), said once as a warning too: a user who only runs optimizers would otherwise
+    not see that steps fall back to another backend. "Unavailable here" (no CUDA) stays quiet."""
+    warnings.warn(
+        f"memopt: the installed kernel backend {name!r} cannot be used: {reason}. Steps run on "
+        "another backend (memopt_core.available_backends() lists them); reinstall the kernel "
+        "package, or set MEMOPT_BACKEND=torch to choose the torch backend deliberately",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return BackendStatus(name, False, reason, origin, obj)
+
+
 def _load_entry_point(ep: Any) -> BackendStatus:
     name = getattr(ep, "name", "?")
     origin = f"entry point {name} = {getattr(ep, 'value', '?')}"
@@ -309,17 +323,16 @@ def _load_entry_point(ep: Any) -> BackendStatus:
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        return BackendStatus(name, False, f"failed to import: {type(e).__name__}: {e}", origin)
+        return _broken(name, f"failed to import: {type(e).__name__}: {e}", origin)
     try:
         if isinstance(obj, type) or (callable(obj) and not hasattr(obj, "step")):
             obj = obj()
     except Exception as e:
-        return BackendStatus(name, False, f"failed to construct: {type(e).__name__}: {e}", origin)
+        return _broken(name, f"failed to construct: {type(e).__name__}: {e}", origin)
     api = getattr(obj, "KERNEL_API", None)
     if api != KERNEL_API:
-        return BackendStatus(
+        return _broken(
             name,
-            False,
             f"built for KERNEL_API {api!r} but memopt-core needs KERNEL_API {KERNEL_API}: install "
             "versions of the kernel package and memopt-core that match",
             origin,
@@ -327,9 +340,7 @@ def _load_entry_point(ep: Any) -> BackendStatus:
         )
     missing = [m for m in ("available", "supports", "step") if not callable(getattr(obj, m, None))]
     if missing:
-        return BackendStatus(
-            name, False, f"is not a backend: it lacks {', '.join(missing)}()", origin, obj
-        )
+        return _broken(name, f"is not a backend: it lacks {', '.join(missing)}()", origin, obj)
     try:
         ok, why = obj.available()
     except Exception as e:
@@ -337,13 +348,6 @@ def _load_entry_point(ep: Any) -> BackendStatus:
             name, False, f"available() failed: {type(e).__name__}: {e}", origin, obj
         )
     return BackendStatus(name, bool(ok), str(why), origin, obj)
-
-
-def _is_current(obj: Any) -> bool:
-    """Whether ``obj`` is a backend of this KERNEL_API (whatever it says about this machine)."""
-    return getattr(obj, "KERNEL_API", None) == KERNEL_API and all(
-        callable(getattr(obj, m, None)) for m in ("available", "supports", "step")
-    )
 
 
 def _discover() -> dict[str, BackendStatus]:
@@ -357,17 +361,6 @@ def _discover() -> dict[str, BackendStatus]:
         return reg
     for ep in eps:
         status = _load_entry_point(ep)
-        if not status.usable and (status.backend is None or not _is_current(status.backend)):
-            # installed but broken (a stale build, another KERNEL_API): say so once, where a
-            # user who only runs optimizers sees it; "unavailable here" (no CUDA) stays quiet
-            warnings.warn(
-                f"memopt: the installed kernel backend {status.name!r} cannot be used: "
-                f"{status.reason}. Steps run on another backend (memopt_core."
-                "available_backends() lists them); reinstall the kernel package, or set "
-                "MEMOPT_BACKEND=torch to choose the torch backend deliberately",
-                RuntimeWarning,
-                stacklevel=2,
-            )
         if status.name == "torch":
             reg["torch (shadowed)"] = BackendStatus(
                 status.name,

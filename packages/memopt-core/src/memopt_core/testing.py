@@ -296,6 +296,18 @@ def record_codec_calls(monkeypatch: Any, ops: Any) -> list[str]:
     return calls
 
 
+def assert_moment_conversions_exact(codec: Any, x: Tensor) -> None:
+    """:mod:`memopt_core.conversions`' moment encode and decode of ``x`` (on whatever codecs it
+    picks for ``x``'s device) give the reference codec's bits."""
+    from memopt_core import conversions
+
+    fields = conversions.encode_moment(codec, x)
+    ref = codec.encode_sliced(x)
+    for key in ref:
+        assert torch.equal(bits(fields[key]), bits(ref[key])), key
+    assert torch.equal(bits(conversions.decode_moment(codec, ref)), bits(codec.decode_sliced(ref)))
+
+
 def bits(t: Tensor) -> Tensor:
     """The raw bit patterns of ``t`` (flat, on the CPU) as a same-width integer tensor."""
     t = t.detach().reshape(-1).contiguous()

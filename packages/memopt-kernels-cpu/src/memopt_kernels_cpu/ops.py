@@ -54,6 +54,7 @@ from memopt_core.formats.registry import master_codec
 from memopt_core.plan import overlaps_itself
 from memopt_core.reference import round_to_float32
 from memopt_kernels_cpu import _core
+from memopt_kernels_cpu.backend import CpuBackend
 
 __all__ = [
     "GRAD_IDS",
@@ -147,11 +148,11 @@ if getattr(_core, "SLOT_ROW_WORDS", None) != len(SLOT_COLUMNS):
         "stale build). Rebuild and reinstall it: "
         "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
-if getattr(_core, "KERNEL_API", None) != 4:
+if getattr(_core, "KERNEL_API", None) != CpuBackend.KERNEL_API:
     raise ImportError(
         "memopt_kernels_cpu's compiled _core computes the bits of KERNEL_API "
-        f"{getattr(_core, 'KERNEL_API', 'below 4')}, this package those of KERNEL_API 4 (a stale "
-        "build). Rebuild and reinstall it: "
+        f"{getattr(_core, 'KERNEL_API', 'below 4')}, this package those of KERNEL_API "
+        f"{CpuBackend.KERNEL_API} (a stale build). Rebuild and reinstall it: "
         "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
 #: Stochastic-rounding indices (``index_base + padded``) stay below this (far from int64
