@@ -66,7 +66,12 @@ def test_rne_equals_torch_cast(name):
     assert f["scale"].numel() == x.numel() // B
     k = scale_k(f).repeat_interleave(B).double()
     y = (x.double() * torch.exp2(-k)).float()  # exact unless far below the fp8 grid
-    assert torch.equal(f[""].view(torch.uint8), y.to(dtype).view(torch.uint8))
+    cast = y.to(dtype).view(torch.uint8)
+    if name == "fp8_e5m2":  # keeps_nonzero: what the cast flushes gets the smallest code
+        flushed = ((cast & 0x7F) == 0) & (x != 0)
+        assert flushed.any()
+        cast = torch.where(flushed, cast | 1, cast)
+    assert torch.equal(f[""].view(torch.uint8), cast)
     # decode = code value * 2**k (FLT_MAX rounds to 2**128 on the fp8 grid: inf, like bf16's cast)
     assert torch.equal(codec.decode(f), (f[""].double() * torch.exp2(k)).float())
 
@@ -111,11 +116,15 @@ def test_padded_length_required(name, n):
 def bound(name: str, x: torch.Tensor, sr: bool) -> torch.Tensor:
     """Per-element error bound: half an ulp of the element (relative 2**-(m+1)) where the scaled
     element is normal, else half the subnormal spacing, which is <= 2**(emin-m) * blockmax / fmax;
-    SR doubles both (any of the two neighbours)."""
+    SR doubles both (any of the two neighbours). fp8_e5m2's floor (an element that rounds to 0
+    gets the smallest code) is within one spacing too, the SR bound's absolute term."""
     _, m, emin, fmax = GRIDS[name]
     bmax = x.view(-1, B).abs().amax(1).repeat_interleave(B).double()
-    b = torch.maximum(x.double().abs() * 2.0 ** -(m + 1), bmax * 2.0 ** (emin - m) / fmax)
-    return 2 * b if sr else b
+    rel = x.double().abs() * 2.0 ** -(m + 1)
+    spacing_bound = bmax * 2.0 ** (emin - m) / fmax
+    if sr:
+        return 2 * torch.maximum(rel, spacing_bound)
+    return torch.maximum(rel, 2 * spacing_bound if name == "fp8_e5m2" else spacing_bound)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -141,6 +150,33 @@ def test_tiny_values_do_not_underflow(name):
     y = codec.decode(codec.encode(x))
     assert (y != 0).all()
     assert (((y.double() - x.double()) / x.double()).abs() <= 2.0 ** -(m + 1)).all()
+
+
+@pytest.mark.parametrize("sr", [False, True])
+def test_e5m2_never_flushes_a_nonzero_element(sr):
+    """fp8_e5m2 holds second moments: next to an element 2**40 times larger, a finite non-zero
+    element rounds below the smallest code. It is stored as the smallest code of its sign (a
+    v stored as 0 beside an m that is not made Adam's step about 8x fp32's), never 0; zeros
+    stay zero, and e4m3 (first moments) still flushes."""
+    x = torch.full((2 * B,), 1e-12)
+    x[::B] = 1.0
+    x[1::B] = 0.0
+    x[2::B] = -0.0
+    x[3::B] = -1e-12
+    r = rng.uniform_bits(4, 0, torch.arange(x.numel()), 1, rng.STREAM_SECOND) if sr else None
+    f = moment_codec("fp8_e5m2").encode(x, rand=r)
+    codes = f[""].view(torch.uint8)
+    assert (codes[x == 1e-12] == 0x01).all()
+    assert (codes[x == -1e-12] == 0x81).all()
+    assert codes[1::B].eq(0x00).all()
+    assert codes[2::B].eq(0x80).all()
+    y = moment_codec("fp8_e5m2").decode(f)
+    smallest = 2.0 ** (-16 + scale_k(f).double()).repeat_interleave(B)
+    tiny = x.abs() == 1e-12
+    assert torch.equal(y[tiny].double().abs(), smallest[tiny])
+    assert (y[tiny].abs() > x[tiny].abs()).all()
+    e4m3 = moment_codec("fp8_e4m3").encode(x, rand=r)[""].view(torch.uint8)
+    assert ((e4m3[tiny] & 0x7F) == 0).all()
 
 
 @pytest.mark.parametrize("name", NAMES)

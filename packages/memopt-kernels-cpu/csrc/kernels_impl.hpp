@@ -320,16 +320,20 @@ struct E4M3 {
   static constexpr int MAN = 3, EMIN = -6;
   static constexpr uint32_t FMAX = 0x43E00000u;
   static constexpr int32_t MAXC = 0x7E, NANC = 0x7F, INFC = -1, SIGN = 0x80;
+  static constexpr bool KEEPS_NONZERO = false;
 };
 struct E5M2 {
   static constexpr int MAN = 2, EMIN = -14;
   static constexpr uint32_t FMAX = 0x47600000u;
   static constexpr int32_t MAXC = 0x7B, NANC = 0x7E, INFC = 0x7C, SIGN = 0x80;
+  // BlockFp8Codec.keeps_nonzero: a finite non-zero element never gets magnitude code 0
+  static constexpr bool KEEPS_NONZERO = true;
 };
 struct Q8Sqrt {
   static constexpr int MAN = 4, EMIN = -14;
   static constexpr uint32_t FMAX = 0x3FF00000u;
   static constexpr int32_t MAXC = 0xFE, NANC = 0xFF, INFC = -1, SIGN = 0;
+  static constexpr bool KEEPS_NONZERO = false;  // encode_q8sqrt floors positive v itself
 };
 
 // BlockMinifloatCodec._encode_codes of one block of 32: codes (before the uint8 store) and the
@@ -357,6 +361,7 @@ inline int32_t block_encode(const float* __restrict x, const uint32_t* __restric
     // a non-finite magnitude (the reference encodes 0 in its place) gets some code, replaced
     // below
     int32_t c = mf8_round<F::MAN, F::EMIN, MODE>(u2f(mag) * inv_scale, MODE == STOCH ? r[i] : 0u);
+    if constexpr (F::KEEPS_NONZERO) c |= static_cast<int32_t>((c == 0) & (mag != 0u));
     int32_t special = F::NANC;
     if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
     c = finite ? c : special;

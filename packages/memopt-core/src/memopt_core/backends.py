@@ -78,7 +78,9 @@ __all__ = [
 #: ``lowbias32`` words (before: one Philox block per element), so a backend built for 2 rounds
 #: with other bits.
 #: 4: ``q8_sqrt`` stores a positive ``v`` that would round to code 0 as code 1.
-KERNEL_API = 4
+#: 5: ``fp8_e5m2`` stores a finite non-zero element that would round to code 0 as the smallest
+#: code of its sign.
+KERNEL_API = 5
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).

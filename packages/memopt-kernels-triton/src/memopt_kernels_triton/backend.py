@@ -33,10 +33,10 @@ class TritonBackend:
     """Fused Triton kernels: one launch per group for every rule x format."""
 
     name = "triton"
-    #: The interface level these kernels implement, a literal (not core's value): 3 is the level
-    #: whose stochastic-rounding words (``memopt_core.rng``: per-step Philox keys, per-element
-    #: ``lowbias32`` words) they compute, so a core at another level refuses a stale package.
-    KERNEL_API = 4
+    #: The interface level these kernels implement, a literal (not core's value): 5 is the level
+    #: whose bits they compute (``memopt_core.rng``'s stochastic-rounding words, the ``q8_sqrt``
+    #: and ``fp8_e5m2`` floors), so a core at another level refuses a stale package.
+    KERNEL_API = 5
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
 

@@ -10,6 +10,12 @@ all-zero block gets ``k = -127``. Elements are ``x * 2**-k`` (an exponent shift:
 to the 8-bit grid, to nearest even or stochastically. Non-finite elements do not take part in the
 block maximum and are stored on their own: NaN as NaN, inf as inf where the format has inf (e5m2),
 else as NaN (e4m3fn); the rest of the block is encoded exactly as if they were zero.
+
+``fp8_e5m2``, the second-moment format of the ``fp8`` preset, never stores a finite non-zero
+element as zero: where it rounds to code 0 (more than 2**16 below the block's largest element,
+2**-16 of the grid's top), it gets the smallest code of its sign instead (KERNEL_API 5). A second
+moment flushed to 0 beside a first moment that is not made Adam's step for that element about
+8x fp32's (docs/formats.md, "Limits"); stored as the smallest code, it is smaller than fp32's.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class BlockMinifloatCodec(MomentCodec):
     inf_code: int | None
     sign_bit: int
     code_dtype: torch.dtype
+    #: a finite non-zero element that rounds to code 0 gets magnitude code 1 (fp8_e5m2)
+    keeps_nonzero: bool = False
 
     def _encode_codes(self, x: Tensor, rand: Tensor | None) -> dict[str, Tensor]:
         self.check_length(x.numel())
@@ -55,6 +63,8 @@ class BlockMinifloatCodec(MomentCodec):
         kk = k.repeat_interleave(BLOCK_SIZE)
         code = bits.minifloat_encode(magf, kk, self.man_bits, self.emin, rand)
         code = torch.clamp(code, max=self.max_code)  # only reachable when k is clamped at 127
+        if self.keeps_nonzero:
+            code = torch.where((code == 0) & (magf > 0), 1, code)
         special = (
             self.nan_code
             if self.inf_code is None
@@ -112,6 +122,7 @@ class BlockFp8Codec(BlockMinifloatCodec):
         elif dtype == torch.float8_e5m2:
             # e5m2: IEEE-like, bias 15, 0x7C = inf, 0x7D..0x7F = NaN, largest 0x7B = 57344
             self.name, self.man_bits, self.emin = "fp8_e5m2", 2, -14
+            self.keeps_nonzero = True  # second moments: see the module docstring
             self.fmax_bits, self.max_code, self.nan_code, self.inf_code = (
                 0x47600000,
                 0x7B,

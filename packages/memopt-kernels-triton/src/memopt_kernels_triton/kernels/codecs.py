@@ -295,6 +295,10 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
         code, s = block_mf_encode(x, r24, 3, -6, 0x43E00000, 0x7F, -1, True, MODE)
     elif FMT == FMT_E5M2:
         code, s = block_mf_encode(x, r24, 2, -14, 0x47600000, 0x7E, 0x7C, True, MODE)
+        # a finite non-zero x is never magnitude code 0 (core's BlockFp8Codec.keeps_nonzero);
+        # non-finite x have their special codes
+        nonzero = (f32_bits(x) & 0x7FFFFFFF) != 0
+        code = code | (((code & 0x7F) == 0) & nonzero).to(tl.int32)
     elif not SR:
         code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 0)
     else:
