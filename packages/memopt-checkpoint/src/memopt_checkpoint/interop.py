@@ -80,11 +80,13 @@ QUANTIZATION_BOUNDS: dict[str, str] = {
     "<= 2**-134 absolute",
     "fp8_e4m3": "|x' - x| <= max(2**-4 * |x|, 2**-9 * bmax / 448): 2**-4 relative within 2**8 of "
     "the block's largest magnitude, else absolute relative to it",
-    "fp8_e5m2": "|x' - x| <= max(2**-3 * |x|, 2**-16 * bmax / 57344): 2**-3 relative within 2**15 "
-    "of the block's largest magnitude, else absolute relative to it",
+    "fp8_e5m2": "|x' - x| <= max(2**-3 * |x|, 2**-15 * bmax / 57344): 2**-3 relative within 2**15 "
+    "of the block's largest magnitude, else absolute relative to it (one subnormal spacing: a "
+    "finite non-zero x is never stored as 0)",
     "q8_signed": "as fp8_e4m3 (the same codes and scales): |x' - x| <= max(2**-4 * |x|, "
     "2**-9 * bmax / 448)",
-    "q8_sqrt": "on s = sqrt(v): |q - s| <= max(2**-5 * s, 2**-18 * sqrt(vmax) / 1.875), v' = q*q; "
+    "q8_sqrt": "on s = sqrt(v): |q - s| <= max(2**-5 * s, 2**-17 * sqrt(vmax) / 1.875) (one "
+    "subnormal spacing: a positive v is never stored as 0), v' = q*q; "
     "for v within 2**28 of its block's largest v: |v' - v| <= ((1 + 2**-5)**2 * (1 + 2**-24) - 1) "
     "* v ~= 6.35% of v",
 }
@@ -568,7 +570,7 @@ def quantization_error_bound(fmt: str, x: Tensor) -> Tensor:
         bmax = mag.view(-1, 32).amax(1).repeat_interleave(32)[:n]
         s = mag[:n]
         if fmt == "q8_sqrt":
-            delta = torch.maximum(s * 2.0**-5, bmax * (2.0**-18 / 1.875))
+            delta = torch.maximum(s * 2.0**-5, bmax * (2.0**-17 / 1.875))
             delta = torch.clamp(delta, min=2.0**-146)
             # |q^2 - s^2| plus the two fp32 roundings (sqrt(v) and q*q), generously
             bound = delta * (2 * s + delta) * (1 + 2.0**-22) + 2.0**-22 * (s + delta) ** 2
@@ -576,7 +578,7 @@ def quantization_error_bound(fmt: str, x: Tensor) -> Tensor:
             rel, sub, fmax, tiny = {
                 "fp8_e4m3": (2.0**-4, 2.0**-9, 448.0, 2.0**-137),
                 "q8_signed": (2.0**-4, 2.0**-9, 448.0, 2.0**-137),
-                "fp8_e5m2": (2.0**-3, 2.0**-16, 57344.0, 2.0**-144),
+                "fp8_e5m2": (2.0**-3, 2.0**-15, 57344.0, 2.0**-144),
             }[fmt]
             bound = torch.maximum(s * rel, bmax * (sub / fmax))
             bound = torch.clamp(bound, min=tiny)
