@@ -232,3 +232,135 @@ def test_a_bad_clipping_state_is_refused():
     sd["memopt"] = {**sd["memopt"], "clip_coef": "half"}
     with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be a number"):
         opt.load_state_dict(sd)
+
+
+# --------------------------------------------------------------- audit round 3 (2026-12-01)
+def test_parameters_it_cannot_update_in_place_are_refused():
+    """Lazy, inference-mode, expanded and memory-sharing parameters, and one parameter in two
+    groups: each refused with ConfigError at construction (an expanded one had failed at the
+    upload after other parameters were updated; shared memory kept one update of two)."""
+    with pytest.raises(ConfigError, match="not initialized yet"):
+        AdamBridge(torch.nn.LazyLinear(4).parameters(), precision="fp32")
+    with torch.inference_mode():
+        q = torch.zeros(3)
+    with pytest.raises(ConfigError, match=r"created under torch\.inference_mode"):
+        AdamBridge([torch.nn.Parameter(q, requires_grad=False)], precision="fp32")
+    wide = torch.nn.Parameter(torch.zeros(1, 8).expand(4, 8))
+    with pytest.raises(ConfigError, match="expanded tensor"):
+        AdamBridge([wide], precision="fp32")
+    base = torch.zeros(8)
+    with pytest.raises(ConfigError, match="share memory"):
+        AdamBridge([torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])], precision="fp32")
+    p = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match="already in another param group"):
+        AdamBridge([{"params": [p]}, {"params": [p]}], precision="fp32")
+
+
+@pytest.mark.parametrize(("key", "value"), [("precision", "fp32"), ("max_grad_norm", 1.0)])
+def test_optimizer_wide_settings_in_a_group_are_refused(key, value):
+    """They were ignored silently (a group's max_grad_norm clipped nothing)."""
+    p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ConfigError, match=f"{key} \\(param group 1\\): it is an AdamBridge-wide"):
+        AdamBridge([{"params": [p]}, {"params": [q], key: value}], precision="bf16")
+
+
+def test_a_step_inside_inference_mode_is_refused():
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = AdamBridge([p], lr=0.1, precision="fp32")
+    p.grad = torch.ones(4)
+    with torch.inference_mode(), pytest.raises(ConfigError, match="inference_mode"):
+        opt.step()
+    opt.step()
+    assert (p.detach() < 0).all()
+
+
+def _linear_pair():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+
+def _interrupting_copy_out(at: str):
+    """AdamBridge._copy_out whose second call raises KeyboardInterrupt before the copy
+    (``at="copy"``) or after it, before the bucket is handed on (``"free"``)."""
+    real, calls = AdamBridge._copy_out, []
+
+    def flaky(self, bucket):
+        calls.append(1)
+        if len(calls) == 2 and at == "copy":
+            raise KeyboardInterrupt
+        real(self, bucket)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    return flaky
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("at", ["copy", "free"])
+def test_an_interrupt_while_a_bucket_leaves_is_finished_by_the_next_step(monkeypatch, hooks, at):
+    """A Ctrl-C (or an out-of-memory error) while a bucket's gradients leave for the host: the
+    bucket had been replaced by a new one first, so its gradients were dropped or left in .grad
+    (added to the next backward's), and every later step raised 'arrived twice'. Now the bucket
+    stays open until they have left, and the next step sends it: the same bits as without the
+    interrupt."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+
+    def train(interrupt):
+        model = _linear_pair()
+        opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32", bucket_mb=0.01)
+        if hooks:
+            opt.attach_hooks(model)
+        for t in range(3):
+            if interrupt and t == 1:
+                monkeypatch.setattr(AdamBridge, "_copy_out", _interrupting_copy_out(at))
+                with pytest.raises(KeyboardInterrupt):  # noqa: PT012 - from backward or step
+                    (model(x) * (t + 1)).pow(2).mean().backward()
+                    opt.step()
+                monkeypatch.undo()
+                if not hooks:  # torch's loop: the step is retried with the same gradients
+                    opt.step()
+                else:
+                    opt.step_sync()
+            else:
+                (model(x) * (t + 1)).pow(2).mean().backward()
+                opt.step_sync() if hooks else opt.step()
+            opt.zero_grad()
+        if hooks:
+            opt.detach_hooks()
+        return model
+
+    assert_same_params(train(True), train(False), f"interrupted at the {at}")
+
+
+def test_a_fork_with_updates_in_flight_raises_in_the_child():
+    """The child of a fork has no dispatcher thread, and an update that was running may have
+    been half-written into the host state it copied: waiting for it hung forever. Now every
+    wait or submit in that child raises OffloadError; the parent is unaffected."""
+    import os
+    import threading
+
+    from memopt_offload.bridge import _Bucket, _Dispatcher
+
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    d = _Dispatcher()
+    release = threading.Event()
+    d.submit(_Bucket(), lambda bucket: release.wait(10))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            d.wait()
+            os.write(w, b"returned")
+        except OffloadError as e:
+            os.write(w, b"OffloadError " + str(e)[:40].encode())
+        except BaseException as e:
+            os.write(w, repr(e)[:80].encode())
+        os._exit(0)
+    os.close(w)
+    release.set()
+    assert d.wait() is None
+    os.waitpid(pid, 0)
+    msg = os.read(r, 200).decode()
+    os.close(r)
+    assert msg.startswith("OffloadError this process was forked while"), msg

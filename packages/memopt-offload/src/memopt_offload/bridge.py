@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -110,11 +111,12 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from memopt_core.aliasing import check_aliasing
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.hook_wrappers import reject_hook_wrappers, reject_pending_gradients
 from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
-from memopt_core.plan import StateArena
+from memopt_core.plan import StateArena, overlaps_itself
 from memopt_core.sharding import is_dtensor
 from memopt_core.state_dict_hooks import (
     finished_state_dict,
@@ -156,6 +158,21 @@ def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Te
     return t
 
 
+#: AdamBridge's own settings, one per optimizer: in a param group they would be ignored
+_BRIDGE_WIDE = (
+    "precision",
+    "max_grad_norm",
+    "clip_mode",
+    "bucket_mb",
+    "pin_memory",
+    "seed",
+    "autotune",
+    "backend",
+    "update",
+    "prefetch_mb",
+)
+
+
 def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``group``'s AdamW hyperparameters as floats, checked as the host update's optimizer
     checks them (core's check): one check for both updates, when a group is added and at every
@@ -164,6 +181,12 @@ def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
         if group.get(flag):
             raise ConfigError(
                 f"AdamBridge does not support {flag}=True {where}; its update is AdamW without it"
+            )
+    for key in _BRIDGE_WIDE:
+        if key in group:
+            raise ConfigError(
+                f"{key} {where}: it is an AdamBridge-wide setting (a constructor argument), "
+                "the same for every param group"
             )
     return adam_hyperparameters(group, group["betas"], where)
 
@@ -223,8 +246,28 @@ class _Dispatcher:
         self._error: BaseException | None = None
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._forked_busy = False
+        _DISPATCHERS.add(self)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has no dispatcher thread, and its lock may be held by the parent's.
+        Updates in flight at the fork cannot finish here (one may have been half-written into
+        the host state the child copied): every later wait or submit raises."""
+        self._cond = threading.Condition()
+        self._thread = None
+        self._forked_busy = self._done != self._submitted
+
+    def _check_not_forked_busy(self) -> None:
+        if self._forked_busy:
+            raise OffloadError(
+                "this process was forked while AdamBridge updates were in flight: their host "
+                "state is undefined in the child. Call optimizer.synchronize() before forking "
+                "(DataLoader workers: create them before training, or use the 'spawn' start "
+                "method)"
+            )
 
     def submit(self, bucket: _Bucket, fn: Any, *args: Any) -> None:
+        self._check_not_forked_busy()
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -270,12 +313,14 @@ class _Dispatcher:
 
     def wait_bucket(self, bucket: _Bucket) -> bool:
         """Block until ``bucket`` ran (or was skipped); False when a step's update failed."""
+        self._check_not_forked_busy()
         with self._cond:
             self._cond.wait_for(lambda: bucket.done)
             return self._error is None
 
     def wait(self) -> BaseException | None:
         """Block until every submitted item ran; returns (and clears) the first error."""
+        self._check_not_forked_busy()
         with self._cond:
             self._cond.wait_for(lambda: self._done == self._submitted)
             err, self._error = self._error, None
@@ -291,6 +336,19 @@ class _Dispatcher:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+#: every live dispatcher, for the fork handler below
+_DISPATCHERS: weakref.WeakSet[_Dispatcher] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for dispatcher in list(_DISPATCHERS):
+        dispatcher.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _dispatch_loop(dispatcher: _Dispatcher) -> None:
@@ -391,6 +449,10 @@ class _Bucket:
     uploaded: Any = None  # torch.cuda.Event after the bucket's host-to-device copies
     hyper: dict[int, dict[str, Any]] = field(default_factory=dict)  # group -> lr, betas, ...
     done: bool = False  # set by the dispatcher once the update ran (or was skipped)
+    copied: bool = False  # the gradients are on their way to the host buffers (and freed)
+    # every gradient the bucket took, weakly (a freed one must not be kept alive): step() tells
+    # a gradient taken and left in place from one that came later
+    taken: list[weakref.ref] = field(default_factory=list)
 
     def ready(self) -> bool:
         """Whether the gradients are in host memory (the device-to-host copies finished)."""
@@ -546,9 +608,15 @@ class AdamBridge(Optimizer):
         gi = len(self.param_groups)
         device = self._device
         seen: set[int] = set()
+        held = {id(q) for g in self.param_groups for q in g["params"]}
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
+            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} is not initialized yet (a lazy "
+                    "module's): run one forward pass before creating the optimizer"
+                )
             if is_dtensor(p):
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} is a DTensor (FSDP2 / tensor parallel): "
@@ -576,12 +644,40 @@ class AdamBridge(Optimizer):
                 )
             if p.layout != torch.strided:
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {p.layout} tensor")
+            if p.is_inference():
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) was created "
+                    "under torch.inference_mode(): it cannot be updated in place outside it "
+                    "(clone it outside inference mode)"
+                )
+            if not p.is_contiguous() and overlaps_itself(p):
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) has elements "
+                    "that share memory (an expanded tensor?): it cannot be updated in place; "
+                    "give it its own memory (p.data = p.data.clone())"
+                )
             if id(p) in seen:
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) appears twice "
                     "in the group: list each parameter once"
                 )
+            if id(p) in held:
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) is already in "
+                    "another param group; each parameter belongs to one group"
+                )
             seen.add(id(p))
+        # each parameter is updated from its own old value: in memory two of them share, one
+        # update would overwrite the other's
+        check_aliasing(
+            [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)]
+            + [
+                (q, f"parameter #{j} of param group {h}")
+                for h, g in enumerate(self.param_groups)
+                for j, q in enumerate(g["params"])
+            ],
+            [],
+        )
         _check_hyper({**self.defaults, **param_group}, f"(param group {gi})")
         prev_device, self._device = self._device, device
         try:
@@ -992,10 +1088,13 @@ class AdamBridge(Optimizer):
             for done in self._dev.arrived(slot.pos, free):
                 self._dispatch(done)
             return
+        if self._bucket.copied:  # an interrupted close left it copied but not handed on
+            self._close_bucket()
         bucket = self._bucket
         self._pending[id(p)] = bucket
         bucket.slots.append(slot)
         bucket.grads.append(g)
+        bucket.taken.append(weakref.ref(g))
         bucket.free.append(free)
         bucket.nbytes += g.numel() * g.element_size()
         if bucket.nbytes >= self.bucket_bytes:
@@ -1012,8 +1111,12 @@ class AdamBridge(Optimizer):
 
     def _copy_out(self, bucket: _Bucket) -> None:
         """Copy the bucket's gradients to their pinned host buffers (on the side stream, after
-        the work that produced them), take their norms when clipping, and free them."""
-        grads, bucket.grads = [g.detach() for g in bucket.grads], []  # backward(create_graph)
+        the work that produced them), take their norms when clipping, and free them.
+
+        Safe to run again after it was interrupted (a Ctrl-C in a hook, an out-of-memory error
+        in a norm): the bucket keeps its gradients until they are copied and freed, and stays
+        open (see :meth:`_close_bucket`), so the next close copies them again."""
+        grads = [g.detach() for g in bucket.grads]  # backward(create_graph)
         hosts = [s.grad for s in bucket.slots]
         clip = self.max_grad_norm is not None
         if self._cuda:
@@ -1036,13 +1139,19 @@ class AdamBridge(Optimizer):
         for s, free in zip(bucket.slots, bucket.free, strict=True):
             if free:
                 s.param.grad = None
+        bucket.copied = True
+        bucket.grads = []
 
     def _close_bucket(self) -> None:
         bucket = self._bucket
         if not bucket.slots:
             return
+        if not bucket.copied:
+            # the bucket stays open until its gradients left: an exception here leaves it for
+            # the next close (step() / step_sync() close the open bucket), instead of orphaning
+            # gradients that the hooks had taken
+            self._copy_out(bucket)
         self._bucket = _Bucket()
-        self._copy_out(bucket)
         self._dispatch(bucket)
 
     def _dispatch(self, bucket: Any) -> None:
@@ -1164,6 +1273,7 @@ class AdamBridge(Optimizer):
         ``overlap_forward`` it returns once the updates are queued (the next forward waits for
         them). Raises :class:`~memopt_core.errors.ConfigError`, changing nothing, when a
         group's hyperparameter is invalid. Returns the closure's loss."""
+        MemOptimizer._refuse_inference_mode("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1181,7 +1291,7 @@ class AdamBridge(Optimizer):
                 continue
             if id(slot.param) in self._pending:
                 bucket = self._pending[id(slot.param)]
-                if bucket is not None and not any(x is g for x in bucket.grads):
+                if bucket is not None and not any(r() is g for r in bucket.taken):
                     # the hook took one gradient and freed it; this one came later (a backward
                     # inside no_update()), and would be added to the next step's
                     raise OffloadError(
