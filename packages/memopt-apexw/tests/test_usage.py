@@ -271,3 +271,12 @@ def test_state_of_a_reordered_parameter_is_refused_and_changes_nothing():
             set_grads(ps, t)
             o.step()
     assert_same(a, b, victim, bystander, "after the refused load")
+
+
+def test_a_step_inside_inference_mode_is_refused():
+    p = torch.nn.Parameter(torch.randn(40))
+    opt = ApexW([p], mode="torch")
+    p.grad = torch.randn(40)
+    with torch.inference_mode(), pytest.raises(ConfigError, match=r"inside torch.inference_mode"):
+        opt.step()
+    assert not opt.state

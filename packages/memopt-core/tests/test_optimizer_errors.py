@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -416,3 +417,161 @@ def test_state_dict_of_another_format_into_fp32_moments():
 def test_not_a_mapping():
     with pytest.raises(StateDictError, match="expected a state dict"):
         MemOptimizer([P(2)]).load_state_dict([1, 2])
+
+
+# ------------------------------------------------------------ input matrix (audit 2026-12-01)
+def test_parameters_sharing_memory_are_refused():
+    """Each parameter is updated from its own old value: where two share memory, the torch
+    backend kept one update of two silently (the kernels raised at step)."""
+    base = torch.zeros(8)
+    a, b = torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])
+    with pytest.raises(ConfigError, match=r"parameter #0 \(param group 0\) and parameter #1"):
+        MemOptimizer([a, b], backend="torch")
+    opt = MemOptimizer([a], backend="torch")
+    with pytest.raises(ConfigError, match="share memory"):
+        opt.add_param_group({"params": [b]})
+    assert len(opt.param_groups) == 1
+    wide = torch.nn.Parameter(torch.zeros(1, 8).expand(4, 8))
+    with pytest.raises(ConfigError, match="expanded tensor"):
+        MemOptimizer([wide], backend="torch")
+    # disjoint views of one storage are fine
+    MemOptimizer([torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[4:])], backend="torch")
+
+
+def test_inference_mode_is_refused_before_any_write():
+    p = P(40)
+    opt = MemOptimizer([p], moments="bf16", backend="torch")
+    p.grad = torch.randn(40)
+    with torch.inference_mode():
+        for call in (opt.step, opt.init_state, lambda: opt.step_parameters([p])):
+            with pytest.raises(ConfigError, match=r"inside torch.inference_mode\(\)"):
+                call()
+    assert not opt.state
+    opt.step()  # outside it: a normal first step
+    assert opt.state[p]["step"].item() == 1
+    with torch.inference_mode():
+        q = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    with pytest.raises(ConfigError, match=r"created under torch\.inference_mode"):
+        MemOptimizer([q])
+
+
+def test_lazy_parameters_are_refused_by_name():
+    lazy = torch.nn.LazyLinear(4)
+    with pytest.raises(ConfigError, match=r"not initialized yet .*run one forward pass"):
+        MemOptimizer(lazy.parameters())
+
+
+@pytest.mark.parametrize(
+    ("rule", "key", "value", "pattern"),
+    [
+        ("adamw", "amsgrad", True, "amsgrad=True: memopt has no AMSGrad"),
+        ("adam", "decoupled_weight_decay", True, "decoupled_weight_decay=True, but rule 'adam'"),
+        (
+            "adamw",
+            "decoupled_weight_decay",
+            False,
+            "decoupled_weight_decay=False, but rule 'adamw'",
+        ),
+        ("sgd", "differentiable", True, "differentiable=True: memopt's steps are not"),
+    ],
+)
+def test_torch_keys_that_change_the_rule_are_refused(rule, key, value, pattern):
+    """torch.optim group keys memopt does not implement were ignored silently."""
+    p = P(8)
+    with pytest.raises(ConfigError, match=r"\(param group 0\) sets " + pattern):
+        MemOptimizer([{"params": [p], key: value}], rule=rule)
+    opt = MemOptimizer([{"params": [p], key: not value}], rule=rule)  # the matching value
+    opt.param_groups[0][key] = value  # edited later: refused at the step, nothing written
+    p.grad = torch.ones(8)
+    before = p.detach().clone()
+    with pytest.raises(ConfigError, match=pattern):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_betas_edited_to_none():
+    p = P(8)
+    p.grad = torch.ones(8)
+    opt = MemOptimizer([p], rule="adamw")
+    opt.param_groups[0]["betas"] = None
+    with pytest.raises(ConfigError, match=r"betas \(param group 0\) is None"):
+        opt.step()
+    sgd = MemOptimizer([p], rule="sgd", momentum=0.9)  # SGD's betas are unused: None is fine
+    sgd.param_groups[0]["betas"] = None
+    sgd.step()
+    assert sgd.state[p]["step"].item() == 1
+
+
+def test_an_interrupt_as_the_kernel_returns_still_counts_the_step(monkeypatch):
+    """Python delivers a Ctrl-C that arrives during a C++ kernel once the call returns: the
+    work has run, so its step counts must advance (a retry repeated the step number)."""
+    from memopt_core.torch_backend import TorchBackend
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64))
+        return p, MemOptimizer([p], rule="adamw", moments="bf16", backend="torch")
+
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    p, opt = make()
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    clean = p.detach().clone()
+
+    p, opt = make()
+    p.grad = grads[0].clone()
+    opt.step()
+    real = TorchBackend.step
+
+    def interrupted(self, work):
+        real(self, work)
+        raise KeyboardInterrupt
+
+    for g in grads[1:]:
+        p.grad = g.clone()
+        with monkeypatch.context() as m:  # both the cached replay and an ordinary step
+            m.setattr(TorchBackend, "step", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+    assert opt.state[p]["step"].item() == 3
+    assert torch.equal(p.detach(), clean)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "dtype", "what"),
+    [
+        (dict(moments="q8"), torch.float32, "q8_signed exp_avg, q8_sqrt exp_avg_sq"),
+        (dict(moments="bf16", rule="lion"), torch.float32, "bf16 exp_avg"),
+        (dict(moments="fp32", master="ecc24"), torch.bfloat16, "weights with master 'ecc24'"),
+        (dict(moments="fp32", master="none"), torch.float16, "weights with master 'none'"),
+    ],
+)
+def test_round_to_nearest_that_stalls_warns_once(kwargs, dtype, what):
+    """An audit ran 2000 AdamW steps with stochastic_rounding=False: q8 and fp8 moments moved
+    the weights 1.7x and 2.3x as far as fp64's, silently. The default rounds stochastically."""
+    from memopt_core import RoundToNearestWarning
+
+    p, q = P(8, dtype=dtype), P(8, dtype=dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = MemOptimizer([p], stochastic_rounding=False, **kwargs)
+        opt.add_param_group({"params": [q]})  # once per optimizer
+    said = [w for w in caught if w.category is RoundToNearestWarning]
+    assert len(said) == 1
+    assert what in str(said[0].message)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(moments="fp32"),  # fp32 moments and master: nothing rounds
+        dict(moments="q8", rule="sgd"),  # SGD without momentum keeps no moment
+        dict(moments="q8", stochastic_rounding=True),
+    ],
+)
+def test_round_to_nearest_that_cannot_stall_is_quiet(kwargs):
+    kwargs.setdefault("stochastic_rounding", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MemOptimizer([P(8)], **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -226,7 +227,11 @@ def test_decouple_lr_switched_on_at_lr_zero_is_a_config_error():
 def test_a_parameter_whose_elements_share_memory_is_refused_before_any_update():
     a = torch.nn.Parameter(torch.ones(8))
     b = torch.nn.Parameter(torch.zeros(1).expand(8))  # stride 0: one memory location
+    with pytest.raises(ConfigError, match="share memory"):
+        MemOptimizer([a, b], rule="adamw", lr=0.1)
+    b = torch.nn.Parameter(torch.zeros(8))
     opt = MemOptimizer([a, b], rule="adamw", lr=0.1)
+    b.data = torch.zeros(1).expand(8)  # swapped in later: refused at the step
     a.grad, b.grad = torch.ones(8), torch.ones(8)
     with pytest.raises(ConfigError, match="share memory"):
         opt.step()
@@ -608,3 +613,42 @@ def test_param_cast_after_state_exists_is_refused():
     opt.step()
     assert opt.state[p]["step"].item() == 2
     assert torch.equal(opt.state[p]["exp_avg"], m + 0.1 * (1 - m))  # continued from m
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's imports (torch.jit)
+def test_a_compiled_step_gives_the_eager_bits():
+    """torch.compile around opt.step() runs it eagerly: inductor had compiled the torch
+    backend's rounding words (rng's wrapping int64 arithmetic) into other, partly negative
+    values, so stochastic rounding differed from step 2 on (2304 of 4096 parameters, q8)."""
+    out = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4096))
+        opt = MemOptimizer([p], rule="adamw", lr=1e-2, moments="q8", backend="torch")
+        step = torch.compile(opt.step) if compiled else opt.step
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            p.grad = torch.randn(4096, generator=gen)
+            step()
+        out.append(p.detach().clone())
+    assert torch.equal(out[0].view(torch.int32), out[1].view(torch.int32))
+
+
+@pytest.mark.parametrize("sr", [True, False])
+def test_reaching_the_float32_step_limit_warns_once_with_stochastic_rounding(sr):
+    """float32 step counts (torch's too) stop at 2**24; stochastic rounding, whose words come
+    from the count, would then repeat them at every step and could stall: said once."""
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = MemOptimizer([p], rule="adamw", moments="bf16", stochastic_rounding=sr, backend="torch")
+    p.grad = torch.randn(64)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor(2.0**24 - 2)
+    opt.load_state_dict(sd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # counts 2**24 - 1, 2**24, then stuck at 2**24
+            opt.step()
+    limit = [w for w in caught if "reached 2**24" in str(w.message)]
+    assert len(limit) == (1 if sr else 0)
+    assert opt.state[p]["step"].item() == 2**24

@@ -925,3 +925,60 @@ def test_a_gradient_that_is_its_own_parameter_steps_as_the_reference(master, mom
             opt.step()
         results.append([p.detach().view(torch.int16).clone() for p in ps])
     assert all(map(torch.equal, *results))
+
+
+# ------------------------------------------------------------ through an optimizer (audit)
+def test_a_tensor_subclass_without_memory_is_refused_by_name():
+    """A wrapper subclass (torch's TwoTensor stands for torchao-style ones) has data pointer 0:
+    refused naming the parameter, not deep in the slot table's address check."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from memopt_core import MemOptimizer
+
+    base = torch.randn(4, 8)
+    p = torch.nn.Parameter(TwoTensor(base.clone(), base.clone()))
+    opt = MemOptimizer([p], backend="cpu")
+    p.grad = TwoTensor(torch.ones(4, 8), torch.ones(4, 8))
+    with pytest.raises(ConfigError, match=r"parameter 0 .* is a TwoTensor without memory"):
+        opt.step()
+
+
+def test_an_interrupt_as_the_kernel_returns_keeps_a_strided_parameter_whole(monkeypatch):
+    """A strided parameter is updated through a contiguous copy written back after the kernel.
+    A KeyboardInterrupt delivered as the kernel returns skipped the write-back: the ECC-24 code
+    and the moments were new, the bf16 weight old (the decoded master was neither)."""
+    import memopt_kernels_cpu.ops as cpu_ops
+    from memopt_core import MemOptimizer
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(48, 40).to(torch.bfloat16).t())  # not contiguous
+        return p, MemOptimizer([p], master="ecc24", moments="q8", backend="cpu")
+
+    grads = [torch.randn(40, 48, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    p, opt = make()
+    for g in grads:
+        p.grad = g.to(torch.bfloat16)
+        opt.step()
+    clean_p, clean_code = p.detach().clone(), opt.state[p]["master_code"].clone()
+
+    class Interrupting:
+        def __getattr__(self, name):
+            return getattr(_core, name)
+
+        @staticmethod
+        def fused_step(*args, **kw):
+            _core.fused_step(*args, **kw)
+            raise KeyboardInterrupt
+
+    p, opt = make()
+    p.grad = grads[0].to(torch.bfloat16)
+    opt.step()
+    p.grad = grads[1].to(torch.bfloat16)
+    monkeypatch.setattr(cpu_ops, "_core", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    monkeypatch.undo()
+    assert torch.equal(p.detach(), clean_p)
+    assert torch.equal(opt.state[p]["master_code"], clean_code)
+    assert opt.state[p]["step"].item() == 2

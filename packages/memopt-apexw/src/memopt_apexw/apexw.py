@@ -188,9 +188,7 @@ class ApexW(MemOptimizer):
         self._graph = None  # it replays a dropped cached step
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
-        betas = super()._check_group(g, where)
-        if g.get("amsgrad"):
-            raise ConfigError(f"{where} sets amsgrad=True: {_NO_AMSGRAD}")
+        betas = super()._check_group(g, where)  # refuses amsgrad=True in a group too
         if "state" in g and g["state"] != g["moments"]:  # a key only a later edit puts there
             raise ConfigError(
                 f"{where} sets state={g['state']!r}, but its moments are {g['moments']!r}: the "
@@ -246,8 +244,10 @@ class ApexW(MemOptimizer):
         return self._decision
 
     # ----------------------------------------------------------------------------- stepping
+    @torch.compiler.disable  # as MemOptimizer.step
     def step(self, closure=None):  # type: ignore[override]
         """One AdamW step over every parameter with a gradient; returns the closure's loss."""
+        self._refuse_inference_mode("step")
         if self._release_owner is not None:
             return super().step(closure)  # warns and does nothing
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

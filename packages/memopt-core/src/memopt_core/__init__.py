@@ -29,6 +29,7 @@ from memopt_core.errors import (
     MemoptError,
     NumericsError,
     OffloadError,
+    RoundToNearestWarning,
     StateDictError,
 )
 from memopt_core.formats import StateSpec
@@ -52,6 +53,7 @@ __all__ = [
     "MemoptError",
     "NumericsError",
     "OffloadError",
+    "RoundToNearestWarning",
     "Slot",
     "StateArena",
     "StateDictError",

@@ -15,6 +15,7 @@ __all__ = [
     "MemoptError",
     "NumericsError",
     "OffloadError",
+    "RoundToNearestWarning",
     "StateDictError",
 ]
 
@@ -51,3 +52,9 @@ class OffloadError(MemoptError, RuntimeError):
 class CheckpointError(MemoptError, ValueError):
     """A checkpoint file that cannot be read as written: truncated, corrupted (checksum), of a
     newer format version, or not a memopt checkpoint. Nothing is loaded from such a file."""
+
+
+class RoundToNearestWarning(UserWarning):
+    """``stochastic_rounding=False`` with state that rounding to nearest can stall (bf16, fp8 or
+    q8 moments; a bf16/fp16 parameter without a master or with ECC-24): fine for bit-exact
+    experiments, not for training (docs/formats.md, "Long runs")."""

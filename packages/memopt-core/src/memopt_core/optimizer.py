@@ -51,8 +51,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference
+from memopt_core.aliasing import check_aliasing
 from memopt_core.cached_step import CachedEntry, CachedStep
-from memopt_core.errors import ConfigError, NumericsError, StateDictError
+from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
 from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.plan import (
     GroupPlan,
@@ -105,6 +106,8 @@ _HYPER = (
 )
 _BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
 _STATE_DICT_VERSION = 1
+#: the first step count a float32 counter cannot advance past (see _check_step_limit)
+_STEP_LIMIT = 2**24
 #: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
 _PARAM_SHAPE = "param_shape"
 
@@ -196,6 +199,20 @@ def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
     return grad in (param, torch.float32) or (
         param == torch.float32 and grad in (torch.bfloat16, torch.float16)
     )
+
+
+def _run_then(launch: Callable[[], None], ran: Callable[[], None]) -> None:
+    """``launch()`` (one work's kernel), then ``ran()`` (its bookkeeping: step counts, autograd
+    versions), also when a KeyboardInterrupt comes out of ``launch``. Python delivers a Ctrl-C
+    that arrives during a C++ kernel or a GPU launch once the call returns, so the work has
+    run: without its counts, a retried step would repeat the step number (its bias correction
+    and rounding words). An error raised by validation before the kernel skips ``ran``."""
+    try:
+        launch()
+    except KeyboardInterrupt:
+        ran()
+        raise
+    ran()
 
 
 def _describe_tensor(t: Tensor) -> str:
@@ -364,10 +381,28 @@ class MemOptimizer(Optimizer):
             raise ConfigError("optimizer got an empty parameter list")
         self._writes = WriteCounter()
         self._writes_seen = 0
+        self._warned_step_limit = False
+        self._warned_rne = False
         super().__init__(params, defaults)
         self.state = TrackedState(self._writes, self.state)
 
     # ------------------------------------------------------------------------- configuration
+    def _group_betas(self, group: Mapping[str, Any]) -> Any:
+        """The group's betas; an SGD group's may be None (unused: see :meth:`_check_group`)."""
+        betas = group["betas"]
+        return self._default_betas() if betas is None else betas
+
+    @staticmethod
+    def _refuse_inference_mode(what: str) -> None:
+        """ConfigError for a step inside torch.inference_mode(): the state it creates would be
+        inference tensors, which no later step outside it may update (torch raised half-way
+        through the next one, after writing part of the step)."""
+        if torch.is_inference_mode_enabled():
+            raise ConfigError(
+                f"{what}() inside torch.inference_mode(): the optimizer state it creates or "
+                "updates could not be updated outside it; step outside inference mode"
+            )
+
     def _default_betas(self) -> tuple[float, float]:
         return self.DEFAULT_BETAS.get(self.rule, self.FALLBACK_BETAS)
 
@@ -395,10 +430,31 @@ class MemOptimizer(Optimizer):
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         """Validate a group's hyperparameters (ConfigError); returns the betas as floats."""
-        betas = g["betas"]
-        b = adam_hyperparameters(g, self._default_betas() if betas is None else betas, where)[
-            "betas"
-        ]
+        if g["betas"] is None and self._kind != "sgd":  # SGD's groups carry betas unused
+            raise ConfigError(
+                f"betas {where} is None: give the pair of floats (the default is "
+                f"{self._default_betas()})"
+            )
+        b = adam_hyperparameters(g, self._group_betas(g), where)["betas"]
+        # torch.optim's keys that change the rule: in a group (a torch-style config, a hand
+        # edit) they would be ignored silently
+        if self._kind == "adam" and g.get("amsgrad"):
+            raise ConfigError(
+                f"{where} sets amsgrad=True: memopt has no AMSGrad (it would need a compact "
+                "running maximum of the second moments); use torch.optim's with amsgrad=True"
+            )
+        decoupled = RULES[self.rule][1]
+        dwd = g.get("decoupled_weight_decay")
+        if self._kind == "adam" and dwd is not None and bool(dwd) != decoupled:
+            raise ConfigError(
+                f"{where} sets decoupled_weight_decay={dwd!r}, but rule {self.rule!r} "
+                f"{'decouples' if decoupled else 'does not decouple'} weight decay: use the "
+                f"{'AdamW' if dwd else 'Adam'} variant instead"
+            )
+        if g.get("differentiable"):
+            raise ConfigError(
+                f"{where} sets differentiable=True: memopt's steps are not differentiable"
+            )
         momentum = _as_float(g["momentum"], "momentum", where)
         if momentum < 0:
             raise ConfigError(f"invalid momentum {momentum} {where}: it must be >= 0")
@@ -500,7 +556,17 @@ class MemOptimizer(Optimizer):
                 raise ConfigError(
                     f"parameter {label} {where} is a {type(p).__name__}, not a tensor"
                 )
+            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+                raise ConfigError(
+                    f"parameter {label} {where} is not initialized yet (a lazy module's): run "
+                    "one forward pass before creating the optimizer"
+                )
             desc = f"parameter {label} {where} ({_describe_tensor(p)})"
+            if p.is_inference():
+                raise ConfigError(
+                    f"{desc} was created under torch.inference_mode(): it cannot be updated in "
+                    "place outside it (clone it outside inference mode)"
+                )
             if not p.is_leaf:
                 raise ConfigError(
                     f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
@@ -520,6 +586,7 @@ class MemOptimizer(Optimizer):
                     f"{desc} is already in another param group; each parameter belongs to one group"
                 )
             seen.add(id(p))
+        self._check_no_shared_memory(tensors, names, where)
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         if merged.get("betas") is None:
@@ -534,6 +601,8 @@ class MemOptimizer(Optimizer):
                     f"parameter {label} {where} ({_describe_tensor(p)}): {e}"
                 ) from None
         param_group["betas"] = betas
+        if not merged["stochastic_rounding"]:
+            self._warn_round_to_nearest(merged, {p.dtype for p in tensors}, where)
         if merged["decouple_lr"] and "initial_lr" not in param_group:
             lr = _as_float(merged["lr"], "lr", where)
             if lr <= 0:
@@ -545,6 +614,72 @@ class MemOptimizer(Optimizer):
         super().add_param_group(param_group)
         self._index = None
         self._drop_cached_steps()
+
+    def _warn_round_to_nearest(
+        self, group: Mapping[str, Any], dtypes: set[torch.dtype], where: str
+    ) -> None:
+        """RoundToNearestWarning (once per optimizer) when ``group`` rounds state to nearest
+        that can stall that way: a compact moment, or a bf16/fp16 weight kept without a master
+        or with ECC-24. bf16 second moments can then never decay, q8/fp8 ones drift (1.7-2.3x
+        fp32's step in an audit's 2000-step run), small updates of such weights are lost."""
+        if self._warned_rne:
+            return
+        stalls = []
+        for dtype in dtypes:
+            spec = self._spec(group, dtype)
+            for name in self._needed_names(group):
+                fmt = self._codec_of(name, spec).name
+                if fmt != "fp32":
+                    stalls.append(f"{fmt} {name}")
+            master = spec.master_for(dtype).name
+            if master in ("none", "ecc24") and dtype != torch.float32:
+                stalls.append(f"{dtype} weights with master {master!r}")
+        if stalls:
+            self._warned_rne = True
+            warnings.warn(
+                f"stochastic_rounding=False {where} rounds {', '.join(sorted(set(stalls)))} to "
+                "nearest, which stalls (a second moment that can no longer decay, updates "
+                "smaller than half a step of the format lost): use it for bit-exact "
+                "experiments, not for training (docs/formats.md, 'Long runs')",
+                RoundToNearestWarning,
+                stacklevel=3,
+            )
+
+    def _check_no_shared_memory(self, tensors: list[Tensor], names: list[str], where: str) -> None:
+        """ConfigError when a new parameter shares memory with another parameter of this
+        optimizer or with itself (an expanded tensor): each is updated from its own old value,
+        so in the overlap one update would overwrite the other (the torch backend kept one of
+        two silently; the kernels raised at step). Sharded and storage-less parameters (meta,
+        tensor subclasses without memory) are left to the step."""
+
+        def plain(t: Tensor) -> bool:
+            if is_dtensor(t) or t.device.type == "meta":
+                return False
+            try:
+                return t.data_ptr() != 0
+            except RuntimeError:  # a tensor subclass without storage
+                return False
+
+        new = []
+        for i, p in enumerate(tensors):
+            if not plain(p):
+                continue
+            label = f"{names[i]!r}" if len(names) == len(tensors) else f"#{i}"
+            desc = f"parameter {label} {where}"
+            if not p.is_contiguous() and overlaps_itself(p):
+                raise ConfigError(
+                    f"{desc} ({_describe_tensor(p)}) has elements that share memory (an "
+                    "expanded tensor?): it cannot be updated in place; give it its own memory "
+                    "(p.data = p.data.clone())"
+                )
+            new.append((p, desc))
+        held = [
+            (q, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
+            for gi, g in enumerate(self.param_groups)
+            for i, q in enumerate(g["params"])
+            if plain(q)
+        ]
+        check_aliasing(new + held, [])
 
     # ------------------------------------------------------------------------- plans, arenas
     def _tensor_index(self) -> dict[int, int]:
@@ -763,6 +898,7 @@ class MemOptimizer(Optimizer):
         measure :meth:`state_bytes` up front, or hand state views to other code. Cast and move the
         model first: a parameter's dtype, device and shape are fixed once its state exists.
         """
+        self._refuse_inference_mode("init_state")
         with torch.no_grad():
             self._ensure_plans()
 
@@ -770,7 +906,7 @@ class MemOptimizer(Optimizer):
     def _scalars(self, group: Mapping[str, Any], step: int):
         kind, decoupled = RULES[self.rule]
         lr = float(group["lr"])
-        betas = tuple(float(b) for b in group["betas"])
+        betas = tuple(float(b) for b in self._group_betas(group))
         wd = float(group["weight_decay"])
         initial_lr = None
         if group["decouple_lr"] and decoupled:
@@ -964,15 +1100,38 @@ class MemOptimizer(Optimizer):
         backends.check_works(works[1:])
         host = iter(counters)
         for backend, work in works:
-            backend.step(work)
-            backends.mark_written(work.param_owners)
-            if work.staging is not None and not backends.writes_staging(backend):
-                for p, st in zip(work.params, work.staging, strict=True):
-                    if st is not None:
-                        st.copy_(p.reshape(st.shape))
-            if work.device_step is None:  # a device step advanced its counters itself
-                self._count_step(next(host), work)
+
+            def ran(backend=backend, work=work) -> None:
+                backends.mark_written(work.param_owners)
+                if work.staging is not None and not backends.writes_staging(backend):
+                    for p, st in zip(work.params, work.staging, strict=True):
+                        if st is not None:
+                            st.copy_(p.reshape(st.shape))
+                if work.device_step is None:  # a device step advanced its counters itself
+                    self._count_step(next(host), work)
+
+            _run_then(lambda backend=backend, work=work: backend.step(work), ran)
+        self._check_step_limit(w for _, w in works if w.device_step is None)
         return works
+
+    def _check_step_limit(self, works: Iterable[backends.GroupStep]) -> None:
+        """Warn once when a step count reaches 2**24, where float32 counters stop (torch's too).
+        Stochastic rounding draws its words from the count, so from there on every step would
+        round each element with the same word: state rounded with it could stall."""
+        if self._warned_step_limit:
+            return
+        if any(w.step >= _STEP_LIMIT and w.spec.stochastic_rounding for w in works):
+            self._warned_step_limit = True
+            warnings.warn(
+                "step counts reached 2**24 (16,777,216): memopt keeps them in float32 tensors, "
+                "as torch does, and they stop advancing there. Bias corrections are 1 long "
+                "before, but stochastic rounding draws its words from the count: from now on "
+                "each element rounds with the same word at every step, and state rounded with "
+                "it (bf16/fp8/q8 moments, ECC-24 codes) can stall. To go on, set every "
+                "state['step'] in the state dict to a smaller count (e.g. 2**23) and load it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     @staticmethod
     def _count_step(entry: _Entry, work: backends.GroupStep) -> None:
@@ -1005,7 +1164,7 @@ class MemOptimizer(Optimizer):
                 f"triton backend, for CUDA tensors); the {plan.param_dtype} parameters on "
                 f"{plan.device} run on the {backend.name!r} backend"
             )
-        betas = tuple(float(b) for b in group["betas"])
+        betas = tuple(float(b) for b in self._group_betas(group))
         if self._kind == "adam":
             try:  # before any group steps: the table is cached, this costs once per betas
                 reference.adam_bias_table(*betas)
@@ -1179,6 +1338,9 @@ class MemOptimizer(Optimizer):
             return
         super().zero_grad(set_to_none=set_to_none)
 
+    # a compiled caller runs the step eagerly: inductor compiled the torch backend's rounding
+    # words (memopt_core.rng's wrapping int64 arithmetic) into other values, silently
+    @torch.compiler.disable
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
@@ -1189,6 +1351,7 @@ class MemOptimizer(Optimizer):
         While gradient release is active: does nothing (the closure is not called), warns once
         per activation and returns None; torch's step hooks still run once.
         """
+        self._refuse_inference_mode("step")
         if self._release_owner is not None:
             self._warn_released("step")
             return None
@@ -1313,12 +1476,19 @@ class MemOptimizer(Optimizer):
         )
         for e in cached.entries:
             work = e.work
-            if e.prepared is not None:
-                e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
-            else:
-                e.backend.step(work)
-            backends.mark_written(work.param_owners)
-            self._count_step(e.counters, work)
+
+            def launch(e=e, work=work) -> None:
+                if e.prepared is not None:
+                    e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
+                else:
+                    e.backend.step(work)
+
+            def ran(e=e, work=work) -> None:
+                backends.mark_written(work.param_owners)
+                self._count_step(e.counters, work)
+
+            _run_then(launch, ran)
+        self._check_step_limit(e.work for e in cached.entries)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -1326,6 +1496,7 @@ class MemOptimizer(Optimizer):
         # itself, but sets self.grad_scale / self.found_inf (device tensors) for step() to use.
         return self._capturable
 
+    @torch.compiler.disable  # as step()
     def step_parameters(
         self,
         params: Iterable[Tensor],
@@ -1347,6 +1518,7 @@ class MemOptimizer(Optimizer):
         update on the device (parameters, state and step counts unchanged) without a host
         synchronisation, as a GradScaler's flag skips :meth:`step` (gradient release with a
         GradScaler uses it)."""
+        self._refuse_inference_mode("step_parameters")
         if isinstance(params, Tensor):
             params = [params]
         params = list(params)
@@ -1763,6 +1935,8 @@ class MemOptimizer(Optimizer):
                     st[k] = v.__reduce__()[0](*v.__reduce__()[1])
         self._writes = WriteCounter()
         self._writes_seen = 0
+        self._warned_step_limit = False
+        self._warned_rne = False
         self.state = TrackedState(self._writes, self.state)
         self._reset_plans()
 

@@ -184,7 +184,22 @@ def _check_tensor(t: object, what: str) -> Tensor:
         )
     if t.layout != torch.strided:
         raise ConfigError(f"{what} is a {t.layout} tensor; the CPU kernels take dense tensors")
+    if not _has_memory(t):
+        raise ConfigError(
+            f"{what} is a {type(t).__name__} without memory of its own (a tensor subclass): "
+            "the CPU kernels read and write memory directly; step it on the torch backend "
+            "(backend='torch'; the Flash optimizers: fused=False)"
+        )
     return t
+
+
+def _has_memory(t: Tensor) -> bool:
+    """Whether ``t``'s elements lie in memory the kernels can address: not a wrapper tensor
+    subclass, whose data pointer is 0 (empty tensors may have 0 too)."""
+    try:
+        return t.data_ptr() != 0 or t.numel() == 0
+    except RuntimeError:  # subclasses that refuse data_ptr()
+        return False
 
 
 def _check_float32(x: object, what: str) -> Tensor:
@@ -508,7 +523,12 @@ def _staging_list(staging: object, work: GroupStep) -> list[Tensor | None]:
 
 
 def _is_cpu_dense(t: object) -> bool:
-    return isinstance(t, Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+    return (
+        isinstance(t, Tensor)
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and _has_memory(t)
+    )
 
 
 def _is_int(v: object) -> bool:
@@ -761,14 +781,20 @@ def fused_step(
     if resolved is None:
         return
     prepared, config, copies, _grads = resolved  # _grads: contiguous copies the table points at
-    _core.fused_step(
-        prepared.table.data_ptr(),
-        prepared.n,
-        **prepared.static,
-        **config,
-    )
-    for dst, tmp in copies:
-        dst.detach().copy_(tmp)
+    try:
+        _core.fused_step(
+            prepared.table.data_ptr(),
+            prepared.n,
+            **prepared.static,
+            **config,
+        )
+    finally:
+        # also when a KeyboardInterrupt is raised as the kernel returns (Python delivers it
+        # then): the kernel has written codes and state, so the strided parameters must get
+        # their new values too (after an error raised before the kernel ran, the copies still
+        # hold the old values)
+        for dst, tmp in copies:
+            dst.detach().copy_(tmp)
 
 
 def check_step(

@@ -72,8 +72,9 @@ def master_codec(name: str, param_dtype: torch.dtype) -> MasterCodec:
     if param_dtype != torch.bfloat16:
         raise ConfigError(
             f"master format {name!r} splits fp32 into a bfloat16 parameter plus a code; got "
-            f"{param_dtype} parameters: cast them to bfloat16 (memopt_ecc.cast_model) or use "
-            "master format 'fp32' (float32) or 'none'"
+            f"{param_dtype} parameters: cast them to bfloat16 (memopt_ecc.cast_model), or keep "
+            "them without a split master: float32 parameters, or no master (MemOptimizer: "
+            "master='none'; memopt_ecc: master_weight_bits=None; ApexW has none)"
         )
     return ecc.Ecc24Master() if name == "ecc24" else ecc.Ecc32Master()
 
