@@ -606,3 +606,40 @@ def test_step_hooks_fire_once_per_step_call():
         post.remove()
         assert counts == {"pre": 3, "post": 3}, cls.__name__
         assert all(int(opt.state[p]["step"]) == 3 for p in params)
+
+
+# ------------------------------------------------------------- FlashOptim's API (audit round 3)
+def test_flashoptim_methods_and_error_base():
+    """recompute_param_stats() (FlashOptim's check_numerics docs call it) and step_param(p,
+    group) raised AttributeError; NumericsError was not a RuntimeError as FlashOptim's is."""
+    from memopt_ecc import NumericsError
+
+    assert issubclass(NumericsError, RuntimeError)
+    a, b = (torch.nn.Parameter(torch.randn(40).bfloat16()) for _ in range(2))
+    twin_a = torch.nn.Parameter(a.detach().clone())
+    opt = FlashAdamW([a, b], lr=1e-2)
+    ref = FlashAdamW([twin_a], lr=1e-2)
+    a.grad = twin_a.grad = torch.randn(40).bfloat16()
+    b.grad = torch.randn(40).bfloat16()
+    opt.recompute_param_stats()
+    opt.step_param(a, opt.param_groups[0])
+    ref.step()
+    assert same_bits(a, twin_a)
+    assert opt.state[a]["step"].item() == 1
+    assert b not in opt.state or opt.state[b]["step"].item() == 0  # only a stepped
+    other = FlashAdamW([torch.nn.Parameter(torch.zeros(2).bfloat16())])
+    with pytest.raises(ConfigError, match="not in that group"):
+        opt.step_param(a, other.param_groups[0])
+
+
+def test_llmfoundry_entry_points_name_the_classes():
+    from importlib.metadata import entry_points
+
+    import memopt_ecc
+
+    found = {e.name: e.load() for e in entry_points(group="llmfoundry_optimizers")}
+    assert found["flash_adam_w"] is memopt_ecc.FlashAdamW
+    assert found["flash_adam"] is memopt_ecc.FlashAdam
+    assert found["flash_lion"] is memopt_ecc.FlashLion
+    assert found["flash_sgd"] is memopt_ecc.FlashSGD
+    assert found["flash_sgd_w"] is memopt_ecc.FlashSGDW

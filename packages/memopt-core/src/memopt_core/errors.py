@@ -32,8 +32,9 @@ class FormatError(MemoptError, ValueError):
     """Data that does not fit a state format (wrong dtype, size or block layout)."""
 
 
-class NumericsError(MemoptError, ArithmeticError):
-    """A non-finite value or an update too small for the format to represent (``check_numerics``)."""
+class NumericsError(MemoptError, ArithmeticError, RuntimeError):
+    """A non-finite value or an update too small for the format to represent (``check_numerics``).
+    Also a ``RuntimeError``, as FlashOptim's ``NumericsError`` is."""
 
 
 class BackendUnavailableError(MemoptError, RuntimeError):

@@ -1740,7 +1740,8 @@ class MemOptimizer(Optimizer):
             if missing:
                 raise StateDictError(
                     f"param group {gi} of the state dict lacks {missing}: it was not saved by a "
-                    "memopt optimizer (convert it with memopt_checkpoint)"
+                    "memopt optimizer (a torch optimizer's converts with "
+                    "memopt_checkpoint.load_torch_state_dict)"
                 )
             for k in ("master", "moments"):
                 if saved[k] != group[k]:

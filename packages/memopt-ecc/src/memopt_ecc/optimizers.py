@@ -468,6 +468,20 @@ class FlashOptimizer(MemOptimizer):
         out["state"] = state
         return out
 
+    # ---------------------------------------------------------------- FlashOptim's methods
+    def recompute_param_stats(self) -> None:
+        """FlashOptim's: refresh the cached weight statistics ``check_numerics`` compares with.
+        Here a no-op: the check reads the current weights at every step (docs/ecc.md)."""
+
+    def step_param(self, p: Tensor, group: Mapping[str, Any] | None = None) -> None:
+        """FlashOptim's one-parameter step: :meth:`step_parameters` ``([p])``. ``group``, if
+        given, must be ``p``'s param group (its hyperparameters are what the step uses)."""
+        if group is not None and not any(q is p for q in group.get("params", ())):
+            raise ConfigError(
+                "step_param(p, group): p is not in that group; the step uses p's own group"
+            )
+        self.step_parameters([p])
+
     # ------------------------------------------------------------------------ fp32 weights
     def get_fp32_model_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """FlashOptim's method form of :func:`memopt_ecc.get_fp32_model_state_dict`."""
