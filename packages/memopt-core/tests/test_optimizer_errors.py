@@ -575,3 +575,18 @@ def test_round_to_nearest_that_cannot_stall_is_quiet(kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         MemOptimizer([P(8)], **kwargs)
+
+
+def test_a_block_scale_byte_of_255_is_refused_at_load():
+    """No format writes scale byte 255 (E8M0 scales are 0..254); the torch backend read it as
+    2**128 and Triton as inf (NaN parameters), so a state holding it is refused by name."""
+    p = P(64)
+    p.grad = torch.randn(64)
+    opt = MemOptimizer([p], moments="q8", backend="torch")
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg_scale"][0] = 255
+    before = opt.state[p]["exp_avg_scale"].clone()
+    with pytest.raises(StateDictError, match=r"'exp_avg_scale' .* block scale byte 255"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["exp_avg_scale"], before)

@@ -60,3 +60,34 @@ def train(
         dist.destroy_process_group()  # no barrier: the other rank may never reach it
         raise
     leave_group()
+
+
+def release_refusals(rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank: enable_gradient_release on DDP's inner module, before wrapping in DDP, and
+    under composable replicate(); writes what each raised to ``{out}/release{rank}.txt``."""
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+
+    from memopt_ecc import FlashAdamW, enable_gradient_release
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    said = []
+    try:
+        for how in ("inner", "before", "replicate", "allowed"):
+            model = make_model()
+            opt = FlashAdamW(model.parameters(), lr=1e-2)
+            target = model
+            if how == "inner":
+                target = torch.nn.parallel.DistributedDataParallel(model).module
+            elif how == "replicate":
+                replicate(model)
+            try:
+                handle = enable_gradient_release(target, opt, allow_unsynchronized=how == "allowed")
+                handle.remove()
+                said.append(f"{how}: accepted")
+            except TypeError as e:
+                said.append(f"{how}: TypeError {str(e)[:60]}")
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}/release{rank}.txt", "w") as f:
+        f.write("\n".join(said))

@@ -53,3 +53,19 @@ def test_ddp_two_ranks_equal_one_process(name, device, tmp_path):
         torch.equal(v, w)
         for v, w in zip(want.values(), make_model().state_dict().values(), strict=True)
     )
+
+
+def test_release_refuses_unsharded_parameters_of_several_processes(tmp_path):
+    """DDP averages gradients after the per-parameter hooks ran: release on its .module, on a
+    model wrapped later, or under replicate() updated each replica with its local gradient
+    (the replicas drifted apart silently). Refused unless allow_unsynchronized=True."""
+    from ddp_worker import release_refusals
+
+    outs = [tmp_path / f"release{r}.txt" for r in (0, 1)]
+    spawn_ranks(release_refusals, (2, str(tmp_path / "init"), str(tmp_path)), 2, outs)
+    for out in outs:
+        lines = out.read_text().splitlines()
+        for how in ("inner", "before", "replicate"):
+            said = f"{how}: TypeError enable_gradient_release() with 2 processes"
+            assert any(line.startswith(said) for line in lines), lines
+        assert "allowed: accepted" in lines

@@ -40,6 +40,7 @@ from memopt_apexw.auto_mode import ModeDecision, Trial
 from memopt_apexw.graph_step import GraphStep
 from memopt_core import MemOptimizer, backends
 from memopt_core.cached_step import CachedStep
+from memopt_core.eager import run_eagerly
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
 from memopt_core.sharding import is_dtensor
@@ -244,7 +245,7 @@ class ApexW(MemOptimizer):
         return self._decision
 
     # ----------------------------------------------------------------------------- stepping
-    @torch.compiler.disable  # as MemOptimizer.step
+    @run_eagerly  # as MemOptimizer.step
     def step(self, closure=None):  # type: ignore[override]
         """One AdamW step over every parameter with a gradient; returns the closure's loss."""
         self._refuse_inference_mode("step")

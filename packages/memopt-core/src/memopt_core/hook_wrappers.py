@@ -16,7 +16,7 @@ from torch import nn
 
 from memopt_core.errors import ConfigError
 
-__all__ = ["reject_hook_wrappers", "reject_pending_gradients"]
+__all__ = ["reject_hook_wrappers", "reject_pending_gradients", "reject_unsynchronized"]
 
 
 def reject_hook_wrappers(model: nn.Module, who: str) -> None:
@@ -49,6 +49,32 @@ def reject_hook_wrappers(model: nn.Module, who: str) -> None:
                 "step(); or FSDP2 (fully_shard), whose sharded parameters every memopt optimizer "
                 "but AdamBridge takes, gradient release included"
             )
+
+
+def reject_unsynchronized(model: nn.Module, who: str, escape: str | None = None) -> None:
+    """TypeError when several processes run and ``model`` trains parameters that are not
+    sharded (not DTensors): their gradients are each process's own when the per-parameter hooks
+    see them. :func:`reject_hook_wrappers` catches a DDP wrapper it is given, not one around
+    ``ddp.module``, one wrapped after the call, or composable ``replicate()``: there the hooks
+    updated each replica with its local gradient, and the replicas drifted apart silently.
+    ``escape``: how the caller lets a run whose processes train parameters of their own."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    from memopt_core.sharding import is_dtensor
+
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not is_dtensor(p)]
+    if not plain:
+        return
+    more = f" (and {len(plain) - 1} more)" if len(plain) > 1 else ""
+    raise TypeError(
+        f"{who} with {dist.get_world_size()} processes: parameter {plain[0]!r}{more} is not "
+        "sharded (not a DTensor), so the hooks would see this process's own gradient. Data "
+        "parallel training averages gradients after the hooks ran (DDP, also around the model's "
+        ".module or wrapped later, and replicate()), so each replica would be updated with its "
+        "local gradient. Use FSDP2 (fully_shard), or DDP with the ordinary loop: backward, then "
+        "step()" + (f"; if each process trains parameters of its own, {escape}" if escape else "")
+    )
 
 
 def reject_pending_gradients(model: nn.Module, held: set[int], who: str) -> None:

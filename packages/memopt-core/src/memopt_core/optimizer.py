@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from memopt_core import backends, conversions, reference
 from memopt_core.aliasing import check_aliasing
 from memopt_core.cached_step import CachedEntry, CachedStep
+from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
 from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.plan import (
@@ -235,15 +236,22 @@ def _changed_error(label: str, plan: GroupPlan, si: int) -> ConfigError:
     )
 
 
+#: frames of these packages are not the user's line (see _caller_stacklevel)
+_OWN_TOP_MODULES = frozenset(
+    ("torch", "memopt", "memopt_core", "memopt_ecc", "memopt_apexw", "memopt_offload")
+)
+
+
 def _caller_stacklevel() -> int:
-    """``stacklevel`` for a warning raised in this module that names the first frame outside it
-    and outside torch (step() runs under torch's hook wrapper, ``GradScaler.step``, LR
-    schedulers' wrappers), i.e. the user's line."""
+    """``stacklevel`` for a warning raised in this module that names the first frame outside
+    torch and memopt's optimizer packages (step() runs under torch's hook wrapper,
+    ``GradScaler.step``, LR schedulers' wrappers, :func:`memopt_core.eager.run_eagerly`'s, and
+    subclasses' methods), i.e. the user's line."""
     frame = sys._getframe(1)  # the function calling warnings.warn
     level = 1
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module != __name__ and module != "torch" and not module.startswith("torch."):
+        if module.partition(".")[0] not in _OWN_TOP_MODULES:
             break
         frame = frame.f_back
         level += 1
@@ -642,7 +650,7 @@ class MemOptimizer(Optimizer):
                 "smaller than half a step of the format lost): use it for bit-exact "
                 "experiments, not for training (docs/formats.md, 'Long runs')",
                 RoundToNearestWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
 
     def _check_no_shared_memory(self, tensors: list[Tensor], names: list[str], where: str) -> None:
@@ -1130,7 +1138,7 @@ class MemOptimizer(Optimizer):
                 "it (bf16/fp8/q8 moments, ECC-24 codes) can stall. To go on, set every "
                 "state['step'] in the state dict to a smaller count (e.g. 2**23) and load it",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=_caller_stacklevel(),
             )
 
     @staticmethod
@@ -1338,9 +1346,7 @@ class MemOptimizer(Optimizer):
             return
         super().zero_grad(set_to_none=set_to_none)
 
-    # a compiled caller runs the step eagerly: inductor compiled the torch backend's rounding
-    # words (memopt_core.rng's wrapping int64 arithmetic) into other values, silently
-    @torch.compiler.disable
+    @run_eagerly  # under torch.compile too (memopt_core.eager says why)
     def step(self, closure=None):  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
@@ -1496,7 +1502,7 @@ class MemOptimizer(Optimizer):
         # itself, but sets self.grad_scale / self.found_inf (device tensors) for step() to use.
         return self._capturable
 
-    @torch.compiler.disable  # as step()
+    @run_eagerly
     def step_parameters(
         self,
         params: Iterable[Tensor],
@@ -1887,6 +1893,12 @@ class MemOptimizer(Optimizer):
                     f"state {k!r} of {label} is {t.dtype} of shape {tuple(t.shape)}; the format "
                     f"master={spec.master!r}, moments={spec.moments!r} stores {dtype} of shape "
                     f"{tuple(shape)}"
+                )
+            if k.endswith("_scale") and dtype == torch.uint8 and bool((t == 255).any()):
+                # E8M0 block scales are 0..254: the backends would decode 255 differently
+                raise StateDictError(
+                    f"state {k!r} of {label} holds the block scale byte 255, which no memopt "
+                    "format writes (scales are 0..254): the state is corrupt or not memopt's"
                 )
             out[k] = t
         return out

@@ -58,7 +58,11 @@ from torch.autograd import Variable
 
 from memopt_core import MemOptimizer
 from memopt_core.errors import ConfigError
-from memopt_core.hook_wrappers import reject_hook_wrappers, reject_pending_gradients
+from memopt_core.hook_wrappers import (
+    reject_hook_wrappers,
+    reject_pending_gradients,
+    reject_unsynchronized,
+)
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
@@ -256,6 +260,7 @@ def enable_gradient_release(
     grad_scaler: torch.amp.GradScaler | None = None,
     pre_step: Callable[[Tensor, dict[str, Any]], bool] | None = None,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    allow_unsynchronized: bool = False,
 ) -> GradientReleaseHandle:
     """Update every trainable parameter of ``model`` held by ``optimizer`` during ``backward``.
 
@@ -271,6 +276,10 @@ def enable_gradient_release(
         bucket_mb: MiB of gradients held before they are updated in one fused step (the rest
             at the end of backward); 0 updates each parameter in its own hook. Bigger buckets
             mean fewer launches and more gradient memory held during backward.
+        allow_unsynchronized: with several processes (``torch.distributed``), parameters that
+            are not sharded by FSDP2 are refused (``TypeError``): data parallelism averages
+            their gradients after the hooks have run. True lets a run whose processes each
+            train parameters of their own.
 
     Creates the optimizer's state up front (:meth:`~memopt_core.MemOptimizer.init_state`), so
     it is not allocated inside the first backward. Returns a :class:`GradientReleaseHandle`.
@@ -299,6 +308,8 @@ def enable_gradient_release(
     ):
         raise ConfigError(f"bucket_mb must be a finite number of MiB >= 0, got {bucket_mb!r}")
     reject_hook_wrappers(model, "enable_gradient_release()")
+    if not allow_unsynchronized:
+        reject_unsynchronized(model, "enable_gradient_release()", "pass allow_unsynchronized=True")
     if optimizer.gradient_release_active:
         raise ConfigError(
             "gradient release is already active on this optimizer: call handle.remove() first"

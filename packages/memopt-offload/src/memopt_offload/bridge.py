@@ -112,11 +112,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from memopt_core.aliasing import check_aliasing
+from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
-from memopt_core.hook_wrappers import reject_hook_wrappers, reject_pending_gradients
+from memopt_core.hook_wrappers import (
+    reject_hook_wrappers,
+    reject_pending_gradients,
+    reject_unsynchronized,
+)
 from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
-from memopt_core.plan import StateArena, overlaps_itself
+from memopt_core.plan import StateArena, overlaps_itself, own_storage
 from memopt_core.sharding import is_dtensor
 from memopt_core.state_dict_hooks import (
     finished_state_dict,
@@ -880,6 +885,7 @@ class AdamBridge(Optimizer):
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
         reject_hook_wrappers(model, "AdamBridge.attach_hooks()")
+        reject_unsynchronized(model, "AdamBridge.attach_hooks()")
         reject_pending_gradients(
             model,
             {id(s.param) for s in self._slots.values() if s.param.requires_grad},
@@ -1261,8 +1267,7 @@ class AdamBridge(Optimizer):
             self._inflight.clear()
 
     # --------------------------------------------------------------------------- stepping
-    # a compiled caller runs the step eagerly: its hooks, threads and host buffers are no graph
-    @torch.compiler.disable
+    @run_eagerly  # under torch.compile too: its hooks, threads and host buffers are no graph
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         """One step. With hooks attached: collect the updates the hooks started (this is what
@@ -1386,7 +1391,9 @@ class AdamBridge(Optimizer):
             # core's shape record is not part of this format (update="device" has none): the
             # "master" entry, shaped like the parameter, already ties the state to it
             entry.pop("param_shape", None)
-            entry["master"] = slot.master.detach()
+            # a compact copy: the master is a view of a slab that also holds gradient buffers,
+            # which torch.save would write whole (+2 B per parameter and more)
+            entry["master"] = own_storage(slot.master.detach())
             state[index[id(slot.param)]] = entry
         sd["state"] = state
         sd["memopt"] = self._state_dict_meta(self._host.seed)

@@ -82,14 +82,16 @@ def _tile_words(
 @triton.jit
 def _update(
     x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-    origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+    origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
     MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, SR: tl.constexpr,
     NEED_RAND: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr,
     HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
 ):  # fmt: skip
     """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
     r0, r1, r2 = rounding_words(offs, origin, k0, k1, k2, k3, MASTER, FMT1, FMT2, NEED_RAND)
-    g, x = gradient_and_decay(g, x, inv, l2_, dec, UNSCALE, MAXIMIZE, HAS_L2, HAS_DECAY)
+    g, x = gradient_and_decay(
+        g, x, inv, l2_, dec, gkind, MASTER, UNSCALE, MAXIMIZE, HAS_L2, HAS_DECAY
+    )
     m = m + omb1 * (g - m)
     v = b2 * v + omb2 * (g * g)
     s = tl.sqrt_rn(v)
@@ -211,7 +213,7 @@ def adam_kernel(
                 v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
             _update(
                 x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
                 MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
             )  # fmt: skip
             if AHEAD:
@@ -225,6 +227,6 @@ def adam_kernel(
             v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
             _update(
                 x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
                 MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
             )  # fmt: skip

@@ -55,13 +55,15 @@ def _tile_words(
 @triton.jit
 def _update(
     x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
-    origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+    origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv, gkind,
     MASTER: tl.constexpr, FMT1: tl.constexpr, SR: tl.constexpr, NEED_RAND: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
 ):  # fmt: skip
     """One tile's update from its decoded states, encoded and stored (the module doc's order)."""
     r0, r1, _r2 = rounding_words(offs, origin, k0, k1, 0, k3, MASTER, FMT1, C.FMT_NONE, NEED_RAND)
-    g, x = gradient_and_decay(g, x, inv, 0.0, dec, UNSCALE, MAXIMIZE, False, HAS_DECAY)
+    g, x = gradient_and_decay(
+        g, x, inv, 0.0, dec, gkind, MASTER, UNSCALE, MAXIMIZE, False, HAS_DECAY
+    )
     u = b1 * m + omb1 * g
     sgn = tl.where(u > 0.0, 1.0, tl.where(u < 0.0, -1.0, 0.0))
     x = x - lr_ * sgn
@@ -165,7 +167,7 @@ def lion_kernel(
                 m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
             _update(
                 x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
-                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv, gkind,
                 MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_DECAY, UNSCALE,
             )  # fmt: skip
             if AHEAD:
@@ -178,6 +180,6 @@ def lion_kernel(
             m = C.load_moment(mp, msp, offs, soffs, rmask, amask, FMT1)
             _update(
                 x, g, m, offs, emask, amask, rmask, soffs, pp, cp, mp, msp,
-                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv,
+                origin, k0, k1, k3, lr_, b1, omb1, b2, omb2, dec, inv, gkind,
                 MASTER, FMT1, SR, NEED_RAND, MAXIMIZE, HAS_DECAY, UNSCALE,
             )  # fmt: skip

@@ -56,7 +56,9 @@ def _tile(
     x = C.load_master(pp, cp, offs, emask, amask, MASTER)
     g = C.load_grad(gaddr, gkind, start, offs, emask, MASTER, ALIGNED)
     r0, r1, _r2 = rounding_words(offs, origin, k0, k1, 0, k3, MASTER, FMT1, C.FMT_NONE, NEED_RAND)
-    g, x = gradient_and_decay(g, x, inv, l2_, dec, UNSCALE, MAXIMIZE, HAS_L2, HAS_DECAY)
+    g, x = gradient_and_decay(
+        g, x, inv, l2_, dec, gkind, MASTER, UNSCALE, MAXIMIZE, HAS_L2, HAS_DECAY
+    )
     if FMT1 != C.FMT_NONE:
         if HYPER:  # first step from the device: select, bit for bit
             old = C.load_moment(bp, bsp, offs, soffs, rmask, amask, FMT1)

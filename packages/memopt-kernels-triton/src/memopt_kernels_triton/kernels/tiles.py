@@ -134,13 +134,21 @@ def rounding_words(
 
 @triton.jit
 def gradient_and_decay(
-    g, x, inv, l2, decay, UNSCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
-    HAS_L2: tl.constexpr, HAS_DECAY: tl.constexpr,
+    g, x, inv, l2, decay, gkind, MASTER: tl.constexpr, UNSCALE: tl.constexpr,
+    MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr, HAS_DECAY: tl.constexpr,
 ):  # fmt: skip
     """``(g, x)`` after the steps every rule starts with, in core's order: unscale (a
-    GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``), decay ``x``."""
+    GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``), decay ``x``. A 16-bit
+    gradient (``gkind`` 0 beside a 16-bit master) is unscaled as ``GradScaler.unscale_`` does
+    it: the fp32 product rounded to nearest even in the gradient's dtype."""
     if UNSCALE:
         g = g * inv
+        if MASTER != C.MASTER_FP32:  # noqa: SIM102 - a constexpr test, then a runtime one
+            if gkind == 0:
+                if MASTER == C.MASTER_FP16:
+                    g = C.fp16_widen(C.fp16_round(C.f32_bits(g), 0, False))
+                else:
+                    g = C.bf16_widen(C.bf16_round(C.f32_bits(g), 0, False))
     if MAXIMIZE:
         g = C.neg(g)
     if HAS_L2:
