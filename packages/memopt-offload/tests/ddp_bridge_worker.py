@@ -39,3 +39,22 @@ def train(
         dist.destroy_process_group()  # no barrier: the other rank may never reach it
         raise
     leave_group()
+
+
+def hooks_on_inner_module(rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank: attach_hooks on DDP's inner module; writes what it raised to
+    ``{out}/hooks{rank}.txt``."""
+    init_rank(rank, world, init_file, "cpu")
+    try:
+        model = make_model("cpu")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = AdamBridge(ddp.parameters(), precision="fp32")
+        try:
+            opt.attach_hooks(ddp.module)
+            said = "accepted"
+        except TypeError as e:
+            said = f"TypeError {e}"
+    finally:
+        leave_group()
+    with open(f"{out}/hooks{rank}.txt", "w") as f:
+        f.write(said)

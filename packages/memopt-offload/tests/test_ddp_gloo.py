@@ -51,3 +51,16 @@ def test_hooks_refuse_ddp(tmp_path):
         assert not opt.hooks_attached
     finally:
         dist.destroy_process_group()
+
+
+def test_hooks_refuse_the_inner_module_of_ddp(tmp_path):
+    """Given DDP's .module, the hooks were accepted and the first backward raised a misleading
+    'arrived twice' (DDP averages after the hooks ran): refused like gradient release."""
+    from ddp_bridge_worker import hooks_on_inner_module
+
+    outs = [tmp_path / f"hooks{r}.txt" for r in (0, 1)]
+    spawn_ranks(hooks_on_inner_module, (2, str(tmp_path / "init"), str(tmp_path)), 2, outs)
+    for out in outs:
+        assert out.read_text().startswith(
+            "TypeError AdamBridge.attach_hooks() with 2 processes: parameter"
+        )
