@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from memopt_core.errors import ConfigError
-from memopt_core.plan import element_offsets
+from memopt_core.plan import element_offsets, overlaps_itself
 
-__all__ = ["Label", "check_aliasing"]
+__all__ = ["Label", "check_aliasing", "check_parameters_apart"]
 
 #: An error message's name for a tensor, or a callable that makes it (only an error needs it).
 Label = str | Callable[[], str]
@@ -124,3 +124,35 @@ def check_aliasing(
                     "place, so they must not overlap (clone one of them)"
                 )
         active.append(item)
+
+
+def _addressable(t: Tensor) -> bool:
+    """Whether ``t``'s memory can be compared: not sharded, not on meta, not a tensor subclass
+    without storage (those are left to the step's own checks)."""
+    from memopt_core.sharding import is_dtensor
+
+    if is_dtensor(t) or t.device.type == "meta":
+        return False
+    try:
+        return t.data_ptr() != 0
+    except RuntimeError:  # a subclass that refuses data_ptr()
+        return False
+
+
+def check_parameters_apart(
+    new: Sequence[tuple[Tensor, Label]], held: Sequence[tuple[Tensor, Label]]
+) -> None:
+    """ConfigError when a parameter of ``new`` overlaps itself (an expanded tensor) or shares
+    memory with another parameter of ``new`` or ``held``: an optimizer updates each parameter
+    from its own old value, so in the overlap one update would overwrite the other (the torch
+    backend kept one of two silently). Used when a param group is added (core's optimizers and
+    AdamBridge); sharded, meta and storage-less parameters are skipped."""
+    new = [(t, what) for t, what in new if _addressable(t)]
+    for t, what in new:
+        if not t.is_contiguous() and overlaps_itself(t):
+            raise ConfigError(
+                f"{_name(what)} (shape {tuple(t.shape)}) has elements that share memory (an "
+                "expanded tensor?): it cannot be updated in place; give it its own memory "
+                "(p.data = p.data.clone())"
+            )
+    check_aliasing(new + [(t, what) for t, what in held if _addressable(t)], [])

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference
-from memopt_core.aliasing import check_aliasing
+from memopt_core.aliasing import check_parameters_apart
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
@@ -654,40 +654,23 @@ class MemOptimizer(Optimizer):
             )
 
     def _check_no_shared_memory(self, tensors: list[Tensor], names: list[str], where: str) -> None:
-        """ConfigError when a new parameter shares memory with another parameter of this
-        optimizer or with itself (an expanded tensor): each is updated from its own old value,
-        so in the overlap one update would overwrite the other (the torch backend kept one of
-        two silently; the kernels raised at step). Sharded and storage-less parameters (meta,
-        tensor subclasses without memory) are left to the step."""
-
-        def plain(t: Tensor) -> bool:
-            if is_dtensor(t) or t.device.type == "meta":
-                return False
-            try:
-                return t.data_ptr() != 0
-            except RuntimeError:  # a tensor subclass without storage
-                return False
-
-        new = []
-        for i, p in enumerate(tensors):
-            if not plain(p):
-                continue
-            label = f"{names[i]!r}" if len(names) == len(tensors) else f"#{i}"
-            desc = f"parameter {label} {where}"
-            if not p.is_contiguous() and overlaps_itself(p):
-                raise ConfigError(
-                    f"{desc} ({_describe_tensor(p)}) has elements that share memory (an "
-                    "expanded tensor?): it cannot be updated in place; give it its own memory "
-                    "(p.data = p.data.clone())"
+        """:func:`~memopt_core.aliasing.check_parameters_apart` for a group being added."""
+        check_parameters_apart(
+            [
+                (
+                    p,
+                    f"parameter {names[i]!r} {where}"
+                    if len(names) == len(tensors)
+                    else f"parameter #{i} {where}",
                 )
-            new.append((p, desc))
-        held = [
-            (q, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
-            for gi, g in enumerate(self.param_groups)
-            for i, q in enumerate(g["params"])
-            if plain(q)
-        ]
-        check_aliasing(new + held, [])
+                for i, p in enumerate(tensors)
+            ],
+            [
+                (q, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
+                for gi, g in enumerate(self.param_groups)
+                for i, q in enumerate(g["params"])
+            ],
+        )
 
     # ------------------------------------------------------------------------- plans, arenas
     def _tensor_index(self) -> dict[int, int]:

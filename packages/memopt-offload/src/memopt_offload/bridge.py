@@ -111,7 +111,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from memopt_core.aliasing import check_aliasing
+from memopt_core.aliasing import check_parameters_apart
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
@@ -121,7 +121,7 @@ from memopt_core.hook_wrappers import (
     reject_unsynchronized,
 )
 from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
-from memopt_core.plan import StateArena, overlaps_itself, own_storage
+from memopt_core.plan import StateArena, own_storage
 from memopt_core.sharding import is_dtensor
 from memopt_core.state_dict_hooks import (
     finished_state_dict,
@@ -655,12 +655,6 @@ class AdamBridge(Optimizer):
                     "under torch.inference_mode(): it cannot be updated in place outside it "
                     "(clone it outside inference mode)"
                 )
-            if not p.is_contiguous() and overlaps_itself(p):
-                raise ConfigError(
-                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) has elements "
-                    "that share memory (an expanded tensor?): it cannot be updated in place; "
-                    "give it its own memory (p.data = p.data.clone())"
-                )
             if id(p) in seen:
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) appears twice "
@@ -672,16 +666,13 @@ class AdamBridge(Optimizer):
                     "another param group; each parameter belongs to one group"
                 )
             seen.add(id(p))
-        # each parameter is updated from its own old value: in memory two of them share, one
-        # update would overwrite the other's
-        check_aliasing(
-            [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)]
-            + [
+        check_parameters_apart(
+            [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)],
+            [
                 (q, f"parameter #{j} of param group {h}")
                 for h, g in enumerate(self.param_groups)
                 for j, q in enumerate(g["params"])
             ],
-            [],
         )
         _check_hyper({**self.defaults, **param_group}, f"(param group {gi})")
         prev_device, self._device = self._device, device
