@@ -233,6 +233,43 @@ def test_a_copy_of_a_released_optimizer_is_not_released(how):
         clone.step()
 
 
+# ------------------------------------------------------------- param_groups edited by hand
+@pytest.mark.parametrize("edit", ["reverse", "pop_first", "pop_then_add"])
+@pytest.mark.parametrize("partial", [False, True])
+def test_param_groups_edited_by_hand_after_steps(edit, partial):
+    """torch's optimizers follow ``param_groups`` edited in place. Plans were kept per group
+    index: after a reorder, step_parameters() (gradient release's step) skipped a whole group
+    silently, and removing a group other than the last made step() raise an IndexError. Here
+    the edited optimizer must go on exactly as one whose groups were not edited (fp32 state:
+    no rounding words, which follow a tensor's position)."""
+    cfg = CONFIGS["fp32-adamw"]
+    pa, pb = make_params(), make_params()
+    opt_a = make_opt([{"params": pa[:2], "lr": 0.1}, {"params": pa[2:]}], cfg)
+    opt_b = make_opt([{"params": pb[:2], "lr": 0.1}, {"params": pb[2:]}], cfg)
+    for t in range(2):
+        set_grads(pa, t), set_grads(pb, t)
+        opt_a.step(), opt_b.step()
+    kept = slice(0, 5)
+    if edit == "reverse":
+        opt_a.param_groups.reverse()
+    else:
+        opt_a.param_groups.pop(0)
+        kept = slice(2, 5)
+        if edit == "pop_then_add":
+            extra = [torch.zeros(4, requires_grad=True), torch.zeros(4, requires_grad=True)]
+            opt_a.add_param_group({"params": [extra[0]]})
+            opt_b.add_param_group({"params": [extra[1]]})
+            pa, pb = [*pa, extra[0]], [*pb, extra[1]]
+            kept = slice(2, 6)
+    for t in range(2, 4):
+        set_grads(pa, t), set_grads(pb, t)
+        if partial:
+            opt_a.step_parameters(pa[kept]), opt_b.step_parameters(pb[kept])
+        else:
+            opt_a.step(), opt_b.step()
+    assert_same_optimizers(pa[kept], pb[kept], opt_a, opt_b, f"{edit}, partial={partial}")
+
+
 # --------------------------------------------------------------------------- step hooks
 class Counter:
     def __init__(self, opt):

@@ -446,6 +446,9 @@ def test_deepcopy_and_pickle(name):
         assert torch.equal(clone.state[cparams[0]][k], v)
     # pickling stores compact states, not one whole arena per view
     assert len(pickle.dumps(opt)) < 4 * opt.state_bytes() + 20000
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=cfg["dtype"]))
+    clone.add_param_group({"params": [extra]})  # a copy takes groups as the original does
+    assert clone.param_groups[-1]["params"] == [extra]
 
 
 def test_step_parameters_updates_only_those():

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference
-from memopt_core.aliasing import check_parameters_apart
+from memopt_core.aliasing import Label, check_parameters_apart
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
@@ -148,6 +148,18 @@ class _GroupPlans:
     formats: tuple[str, str]
     names: tuple[str, ...]
     entries: list[_Entry]
+    #: the group dict, its params list and the list's length when the plan was last checked:
+    #: step_parameters' fast check sees a group reordered, removed or edited by identity
+    source: tuple[dict[str, Any], list[Any], int] | None = None
+
+    def describes(self, group: Mapping[str, Any]) -> bool:
+        src = self.source
+        return (
+            src is not None
+            and src[0] is group
+            and src[1] is group["params"]
+            and src[2] == len(group["params"])
+        )
 
 
 def _locals(entry: _Entry, tensors: list[Tensor]) -> list[Tensor]:
@@ -391,7 +403,13 @@ class MemOptimizer(Optimizer):
         self._writes_seen = 0
         self._warned_step_limit = False
         self._warned_rne = False
+        # While the constructor adds its groups, the checks against the groups already held
+        # wait for the last one: run per group, they made construction quadratic (33 s for
+        # 2000 one-parameter groups, where torch.optim takes 0.8 s)
+        self._initial_ids: set[int] | None = set()
         super().__init__(params, defaults)
+        self._initial_ids = None
+        check_parameters_apart(self._labelled_params(), [])
         self.state = TrackedState(self._writes, self.state)
 
     # ------------------------------------------------------------------------- configuration
@@ -556,7 +574,11 @@ class MemOptimizer(Optimizer):
                 names.append(item[0])
                 item = item[1]
             tensors.append(item)
-        existing = {id(q) for g in self.param_groups for q in g["params"]}
+        existing = (
+            self._initial_ids
+            if self._initial_ids is not None
+            else {id(q) for g in self.param_groups for q in g["params"]}
+        )
         seen: set[int] = set()
         for i, p in enumerate(tensors):
             label = f"{names[i]!r}" if len(names) == len(tensors) else f"#{i}"
@@ -594,7 +616,8 @@ class MemOptimizer(Optimizer):
                     f"{desc} is already in another param group; each parameter belongs to one group"
                 )
             seen.add(id(p))
-        self._check_no_shared_memory(tensors, names, where)
+        if self._initial_ids is None:
+            self._check_no_shared_memory(tensors, names, where)
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         if merged.get("betas") is None:
@@ -620,6 +643,8 @@ class MemOptimizer(Optimizer):
                 )
             param_group["initial_lr"] = _initial_lr(merged["lr"])
         super().add_param_group(param_group)
+        if self._initial_ids is not None:
+            self._initial_ids.update(map(id, tensors))
         self._index = None
         self._drop_cached_steps()
 
@@ -665,12 +690,16 @@ class MemOptimizer(Optimizer):
                 )
                 for i, p in enumerate(tensors)
             ],
-            [
-                (q, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
-                for gi, g in enumerate(self.param_groups)
-                for i, q in enumerate(g["params"])
-            ],
+            self._labelled_params(),
         )
+
+    def _labelled_params(self) -> list[tuple[Tensor, Label]]:
+        """Every parameter held, each with its error-message label (made only when needed)."""
+        return [
+            (p, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
+            for gi, g in enumerate(self.param_groups)
+            for i, p in enumerate(g["params"])
+        ]
 
     # ------------------------------------------------------------------------- plans, arenas
     def _tensor_index(self) -> dict[int, int]:
@@ -712,7 +741,11 @@ class MemOptimizer(Optimizer):
                 return False
             groups.add(gi)
         for gi in groups:
+            if gi >= len(self.param_groups):
+                return False
             group, cur = self.param_groups[gi], self._plans[gi]
+            if not cur.describes(group):
+                return False
             if cur.signature is None or cur.signature[:2] != (
                 (group["master"], group["moments"]),
                 group["stochastic_rounding"],
@@ -754,6 +787,13 @@ class MemOptimizer(Optimizer):
         self._writes_seen = self._writes.n
 
     def _ensure_all_plans(self) -> None:
+        reindexed = False
+        for gi in [gi for gi in self._plans if gi >= len(self.param_groups)]:
+            # a group removed from param_groups by hand (torch's optimizers allow it): the
+            # parameters it held are either gone or in a group rebuilt below
+            self._drop_plan(gi)
+            self._index = None
+            reindexed = True
         for gi, group in enumerate(self.param_groups):
             members = self._members(group)
             names = self._group_names(gi, group, members)
@@ -767,6 +807,7 @@ class MemOptimizer(Optimizer):
             )
             cur = self._plans.get(gi)
             if cur is not None and cur.signature == signature:
+                cur.source = (group, group["params"], len(group["params"]))
                 continue
             if cur is not None:
                 self._check_unchanged(members)
@@ -778,8 +819,14 @@ class MemOptimizer(Optimizer):
                     "restore the old values, or build a new optimizer (memopt_checkpoint converts "
                     "saved states between formats)"
                 )
-            if cur is None or cur.signature is None or cur.signature[3] != signature[3]:
-                self._index = None  # members changed: a group's params list edited in place
+            if not reindexed and (
+                cur is None or cur.signature is None or cur.signature[3] != signature[3]
+            ):
+                # members changed (a group's params list edited in place): the index is rebuilt
+                # from every group, so once per pass (per group, a first step of G groups was
+                # quadratic)
+                self._index = None
+                reindexed = True
             self._build_group(gi, group, members, names, formats, signature)
 
     def _check_unchanged(self, members: list[Tensor]) -> None:
@@ -796,13 +843,8 @@ class MemOptimizer(Optimizer):
                 raise _changed_error(self._param_label(p), plan, si)
 
     def _build_group(self, gi, group, members, names, formats, signature) -> None:
-        self._drop_cached_steps()  # they hold the old plans and arenas
         index = self._tensor_index()
-        old = self._plans.pop(gi, None)
-        if old is not None:
-            for entry in old.entries:
-                for p in entry.owners:
-                    self._where.pop(id(p), None)
+        self._drop_plan(gi)
         entries: list[_Entry] = []
         new_states: dict[Tensor, dict[str, Any]] = {}
         # plans hold what the kernels update: a sharded parameter's local shard
@@ -859,7 +901,20 @@ class MemOptimizer(Optimizer):
             entry.held = [dict(s) for s in entry.states]
             for si, p in enumerate(entry.owners):
                 self._where[id(p)] = (gi, ei, si)
-        self._plans[gi] = _GroupPlans(signature, formats, names, entries)
+        self._plans[gi] = _GroupPlans(
+            signature, formats, names, entries, (group, group["params"], len(group["params"]))
+        )
+
+    def _drop_plan(self, gi: int) -> None:
+        """Forget group ``gi``'s plan and where its parameters were in it (not where a rebuild
+        of another group, after param_groups were reordered, has put them since)."""
+        self._drop_cached_steps()  # they hold the old plans and arenas
+        old = self._plans.pop(gi, None)
+        if old is not None:
+            for entry in old.entries:
+                for p in entry.owners:
+                    if self._where.get(id(p), (gi,))[0] == gi:
+                        self._where.pop(id(p), None)
 
     def _new_arena(
         self, plan: GroupPlan, codecs: dict[str, MomentCodec], master: Any
@@ -1933,6 +1988,7 @@ class MemOptimizer(Optimizer):
         self._writes_seen = 0
         self._warned_step_limit = False
         self._warned_rne = False
+        self._initial_ids = None
         self.state = TrackedState(self._writes, self.state)
         self._reset_plans()
 

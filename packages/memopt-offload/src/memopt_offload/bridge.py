@@ -592,7 +592,20 @@ class AdamBridge(Optimizer):
                 "params must be an iterable of tensors or param groups: wrap it in a list"
             )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # While the constructor adds its groups, the checks against the groups already held and
+        # the host optimizer wait for the last one: made per group, they made construction
+        # quadratic in the number of groups (14.7 s for 1000 one-parameter groups)
+        self._initial_ids: set[int] | None = set()
+        self._initial_host_groups: list[dict[str, Any]] | None = []
         super().__init__(params, defaults)
+        host_groups, self._initial_host_groups, self._initial_ids = (
+            self._initial_host_groups,
+            None,
+            None,
+        )
+        check_parameters_apart(self._labelled_params(), [])
+        if host_groups:
+            self._host = self._new_host(host_groups)
 
     # ------------------------------------------------------------------------- host memory
     @property
@@ -613,7 +626,11 @@ class AdamBridge(Optimizer):
         gi = len(self.param_groups)
         device = self._device
         seen: set[int] = set()
-        held = {id(q) for g in self.param_groups for q in g["params"]}
+        held = (
+            self._initial_ids
+            if self._initial_ids is not None
+            else {id(q) for g in self.param_groups for q in g["params"]}
+        )
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
@@ -666,14 +683,11 @@ class AdamBridge(Optimizer):
                     "another param group; each parameter belongs to one group"
                 )
             seen.add(id(p))
-        check_parameters_apart(
-            [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)],
-            [
-                (q, f"parameter #{j} of param group {h}")
-                for h, g in enumerate(self.param_groups)
-                for j, q in enumerate(g["params"])
-            ],
-        )
+        if self._initial_ids is None:
+            check_parameters_apart(
+                [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)],
+                self._labelled_params(),
+            )
         _check_hyper({**self.defaults, **param_group}, f"(param group {gi})")
         prev_device, self._device = self._device, device
         try:
@@ -685,6 +699,8 @@ class AdamBridge(Optimizer):
             self._device = prev_device
             raise
         self._untrained += [(p, gi) for p in self.param_groups[gi]["params"] if not p.requires_grad]
+        if self._initial_ids is not None:
+            self._initial_ids.update(map(id, params))
 
     def _label(
         self, gi: int, group: dict[str, Any], names: list[Any], p: Tensor
@@ -755,21 +771,36 @@ class AdamBridge(Optimizer):
                 masters.append(mt)
         host_group = {k: group[k] for k in _HYPER}
         host_group["params"] = masters
-        if self._host is None:
-            host = _HostAdamW(
-                [host_group],
-                rule="adamw",
-                moments=moments,
-                master=master,
-                stochastic_rounding=True,
-                **self._host_args,
-            )
-            host.init_state()
-            self._host = host
+        if self._initial_host_groups is not None:
+            self._initial_host_groups.append(host_group)
+        elif self._host is None:
+            self._host = self._new_host([host_group])
         else:
             self._host.add_group_with_state(host_group)
         self._slabs += [pslab, uslab]
         self._slots.update((id(slot.param), slot) for slot in slots)
+
+    def _new_host(self, groups: list[dict[str, Any]]) -> _HostAdamW:
+        """The host optimizer over the masters of ``groups``, its state created."""
+        moments, master = PRECISIONS[self.precision]
+        host = _HostAdamW(
+            groups,
+            rule="adamw",
+            moments=moments,
+            master=master,
+            stochastic_rounding=True,
+            **self._host_args,
+        )
+        host.init_state()
+        return host
+
+    def _labelled_params(self) -> list[tuple[Tensor, str]]:
+        """Every parameter held, each with its error-message label."""
+        return [
+            (q, f"parameter #{j} of param group {h}")
+            for h, g in enumerate(self.param_groups)
+            for j, q in enumerate(g["params"])
+        ]
 
     def _allocate_device_group(
         self, gi: int, group: dict[str, Any], names: list[Any], train: list[Tensor]
