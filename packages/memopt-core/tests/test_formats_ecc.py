@@ -90,6 +90,32 @@ def test_ecc32_specials():
     assert ECC32.decode(p, c).isnan().all()
 
 
+@pytest.mark.parametrize(
+    ("codec", "carrying"),
+    [(ECC32, range(0x8000, 0x10000)), (ECC24, range(0x80, 0x100))],
+    ids=["ecc32", "ecc24"],
+)
+def test_a_zero_parameter_with_a_carrying_code_decodes_to_that_zero(codec, carrying):
+    """No encode pairs +-0 with a carrying code; the pair is left when a weight is zeroed in
+    place (nn.init.zeros_) after its code was written. Undoing the carry borrowed through the
+    sign: +0 decoded to a negative NaN pattern, -0 to a positive one (KERNEL_API 5)."""
+    for x in (torch.zeros(1), -torch.zeros(1), random_f32(4096, seed=3)):
+        p, c = codec.encode(x)  # what encodes make: never a carry beside +-0
+        zero = (p.view(torch.int16).to(torch.int64) & 0x7FFF) == 0
+        assert not ((c.to(torch.int64) & (0x8000 if codec is ECC32 else 0x80)) != 0)[zero].any()
+    codes = torch.tensor(list(carrying), dtype=torch.int64)
+    code = codes.to(torch.int32).to(torch.int16) if codec is ECC32 else codes.to(torch.uint8)
+    for zero in (0.0, -0.0):
+        param = torch.full((len(codes),), zero, dtype=torch.bfloat16)
+        got = codec.decode(param, code)
+        assert same_bits(got, torch.full_like(got, zero)), zero
+    # the codes that do not carry are kept below the zero: tiny values of its sign
+    low = torch.arange(0x8000 if codec is ECC32 else 0x80, dtype=torch.int64)
+    code = low.to(torch.int16) if codec is ECC32 else low.to(torch.uint8)
+    got = codec.decode(torch.zeros(len(low), dtype=torch.bfloat16), code)
+    assert torch.equal(f32_to_bits(got), low if codec is ECC32 else low << 8)
+
+
 # --------------------------------------------------------------------------- ECC-24
 def nearest16(x: torch.Tensor) -> torch.Tensor:
     """x rounded to 16 significant bits (ties to even) in double: the independent reference."""

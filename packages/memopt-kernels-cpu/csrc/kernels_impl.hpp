@@ -578,6 +578,19 @@ inline Ecc24 ecc24_encode(uint32_t u, uint32_t r) {
   return {top24, (top24 + (mag > F32_INF ? 0u : 0x80u)) >> 8};
 }
 
+// ecc.Ecc24Master / Ecc32Master decode of parameter pattern pv and code c: top16 - carry, then
+// the code below it, as one addition of the code read as a signed value. A +-0 parameter with a
+// carrying code (no encode makes one: a weight zeroed in place after its code was written)
+// decodes to that zero (KERNEL_API 6) instead of borrowing through the sign into a NaN.
+inline uint32_t ecc24_decode(uint32_t pv, uint8_t c) {
+  const uint32_t low = static_cast<uint32_t>(static_cast<int8_t>(c)) << 8;
+  return (pv << 16) + ((pv & 0x7FFFu) == 0 && c >= 0x80u ? 0u : low);
+}
+inline uint32_t ecc32_decode(uint32_t pv, uint16_t c) {
+  const uint32_t low = static_cast<uint32_t>(static_cast<int16_t>(c));
+  return (pv << 16) + ((pv & 0x7FFFu) == 0 && c >= 0x8000u ? 0u : low);
+}
+
 // Master decode of n elements; parameter entries at and after `real` read as 0 (padding),
 // codes are read for all n (the arena holds codes for the padding too).
 void dec_master(int32_t master, const void* param, const void* code, int64_t n, int64_t real,
@@ -601,10 +614,7 @@ void dec_master(int32_t master, const void* param, const void* code, int64_t n, 
       const auto* p = static_cast<const uint16_t*>(param);
       const auto* c = static_cast<const uint8_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t pv = i < real ? p[i] : 0u;
-        // top16 - (mid8 >= 0x80), then mid8 below it: one addition of the code read as a signed
-        // byte (wrapping like the reference's pattern arithmetic for a zero padding parameter)
-        x[i] = u2f((pv << 16) + (static_cast<uint32_t>(static_cast<int8_t>(c[i])) << 8));
+        x[i] = u2f(ecc24_decode(i < real ? p[i] : 0u, c[i]));  // padding: a zero parameter
       }
       return;
     }
@@ -612,9 +622,7 @@ void dec_master(int32_t master, const void* param, const void* code, int64_t n, 
       const auto* p = static_cast<const uint16_t*>(param);
       const auto* c = static_cast<const uint16_t*>(code);
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t pv = i < real ? p[i] : 0u;
-        // the code read as a signed 16-bit value (see MASTER_ECC24)
-        x[i] = u2f((pv << 16) + static_cast<uint32_t>(static_cast<int16_t>(c[i])));
+        x[i] = u2f(ecc32_decode(i < real ? p[i] : 0u, c[i]));
       }
       return;
     }
@@ -779,8 +787,7 @@ void adam_bf16_moments_ecc24_t(const StepConfig& c, int64_t n, uint16_t* __restr
   const float omb1 = c.s[0], b2 = c.s[1], omb2 = c.s[2], eps = c.s[3], lr_t = c.s[4],
               bc2 = c.s[5], dec = c.s[6];
   for (int64_t i = 0; i < n; ++i) {
-    const float x0 = u2f((static_cast<uint32_t>(p[i]) << 16) +
-                         (static_cast<uint32_t>(static_cast<int8_t>(code[i])) << 8));
+    const float x0 = u2f(ecc24_decode(p[i], code[i]));
     const float m0 = u2f(static_cast<uint32_t>(m[i]) << 16);
     const float v0 = u2f(static_cast<uint32_t>(v[i]) << 16);
     const float xi = DECAY ? x0 * dec : x0;

@@ -19,6 +19,7 @@ from memopt_core.testing import (
     MASTERS,
     assert_moment_conversions_exact,
     bits,
+    master_patterns,
     record_codec_calls,
 )
 from memopt_kernels_cpu import ops, set_chunk_size, set_isa, set_num_threads, supported_isas
@@ -78,6 +79,16 @@ def test_master_codecs(fmt, dtype, sr, isa, n):
     if c is not None:
         assert torch.equal(bits(c), bits(c_ref)), isa
     assert torch.equal(bits(ops.decode_master(fmt, p_ref, c_ref)), bits(codec.decode(p_ref, c_ref)))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("fmt", "dtype"), MASTERS, ids=MASTER_IDS)
+def test_master_decode_of_arbitrary_patterns(fmt, dtype, isa):
+    # every parameter pattern class and code, and zeros beside carrying codes (stale codes)
+    set_isa(isa)
+    codec = master_codec(fmt, dtype)
+    param, code = master_patterns(codec, 4096, seed=4)
+    assert torch.equal(bits(ops.decode_master(fmt, param, code)), bits(codec.decode(param, code)))
 
 
 def test_ecc32_round_trip_is_exact_for_every_exponent():

@@ -8,7 +8,12 @@ import torch
 from memopt_core import conversions, rng
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import master_codec, moment_codec
-from memopt_core.testing import MASTERS, assert_moment_conversions_exact, record_codec_calls
+from memopt_core.testing import (
+    MASTERS,
+    assert_moment_conversions_exact,
+    master_patterns,
+    record_codec_calls,
+)
 from memopt_kernels_triton.backend import BACKEND
 
 MOMENTS = ["fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "q8_signed", "q8_sqrt"]
@@ -104,18 +109,9 @@ def test_master_encode_decode(ops, device, fmt, dtype, sr):
     if wc is not None:
         assert c.dtype == wc.dtype
         assert torch.equal(bits(c), bits(wc))
-    # decode arbitrary bit patterns (every parameter pattern class, every code)
-    g = torch.Generator().manual_seed(4)
-    n = 4096
-    pr = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
-    if dtype == torch.float32:
-        pr = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-    param = pr.view(dtype)
-    code = None
-    if codec.code_dtype == torch.uint8:
-        code = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
-    elif codec.code_dtype == torch.int16:
-        code = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    # decode arbitrary bit patterns (every parameter pattern class, every code, zeros beside
+    # carrying codes)
+    param, code = master_patterns(codec, 4096, seed=4)
     want = codec.decode(param, code)
     got = ops.decode_master(fmt, param.to(device), None if code is None else code.to(device))
     assert torch.equal(bits(got), bits(want))

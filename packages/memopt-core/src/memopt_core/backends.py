@@ -80,7 +80,9 @@ __all__ = [
 #: 4: ``q8_sqrt`` stores a positive ``v`` that would round to code 0 as code 1.
 #: 5: ``fp8_e5m2`` stores a finite non-zero element that would round to code 0 as the smallest
 #: code of its sign.
-KERNEL_API = 5
+#: 6: an ECC master's ``+-0`` parameter with a carrying code (which no encode makes: a weight
+#: zeroed in place after its code was written) decodes to that zero, not to a NaN.
+KERNEL_API = 6
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).

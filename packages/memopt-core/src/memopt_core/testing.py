@@ -308,6 +308,26 @@ def assert_moment_conversions_exact(codec: Any, x: Tensor) -> None:
     assert torch.equal(bits(conversions.decode_moment(codec, ref)), bits(codec.decode_sliced(ref)))
 
 
+def master_patterns(codec: Any, n: int, seed: int) -> tuple[Tensor, Tensor | None]:
+    """``(param, code)`` for decoding with master ``codec``: ``n`` random bit patterns of every
+    class, then (ECC formats) ``+-0`` parameters with every carrying code, a pair no encode makes
+    (left when a weight is zeroed in place; decoded to that zero since KERNEL_API 6)."""
+    g = torch.Generator().manual_seed(seed)
+    if codec.param_dtype == torch.float32:
+        pr = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+        return pr.view(torch.float32), None
+    pr = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    if codec.code_dtype is None:
+        return pr.view(codec.param_dtype), None
+    top = 1 << (8 * codec.code_dtype.itemsize)  # 256 or 65536
+    codes = torch.randint(0, top, (n,), generator=g)
+    carrying = torch.arange(top // 2, top).repeat(2)
+    zeros = torch.tensor([0, -(2**15)], dtype=torch.int16).repeat_interleave(top // 2)
+    pr, codes = torch.cat([pr, zeros]), torch.cat([codes, carrying])
+    code = codes.to(torch.uint8) if top == 256 else codes.to(torch.int32).to(torch.int16)
+    return pr.view(codec.param_dtype), code
+
+
 def bits(t: Tensor) -> Tensor:
     """The raw bit patterns of ``t`` (flat, on the CPU) as a same-width integer tensor."""
     t = t.detach().reshape(-1).contiguous()

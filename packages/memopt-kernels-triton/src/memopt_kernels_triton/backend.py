@@ -36,7 +36,7 @@ class TritonBackend:
     #: The interface level these kernels implement, a literal (not core's value): 5 is the level
     #: whose bits they compute (``memopt_core.rng``'s stochastic-rounding words, the ``q8_sqrt``
     #: and ``fp8_e5m2`` floors), so a core at another level refuses a stale package.
-    KERNEL_API = 5
+    KERNEL_API = 6
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
 

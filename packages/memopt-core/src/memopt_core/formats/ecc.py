@@ -90,6 +90,10 @@ class Ecc32Master(MasterCodec):
     Exactly 65536 fp32 patterns share each parameter value, so the 16-bit code is a bijection
     (with ties to even, an even bf16 value would be the nearest of 65537 inputs). NaN decodes to
     NaN (payload not kept); ``rand`` is ignored (the split is exact).
+
+    No encode pairs a ``+-0`` parameter with a carrying code (``>= 0x8000``); such a pair, left
+    when a weight is set to zero in place after its code was written (``nn.init.zeros_``),
+    decodes to that zero (KERNEL_API 6), not to the NaN pattern the borrow would give.
     """
 
     name = "ecc32"
@@ -108,6 +112,7 @@ class Ecc32Master(MasterCodec):
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
         p, c = bits.int16_to_bits(param), bits.int16_to_bits(code)
+        c = _without_stale_carry(p, c, 0x8000)
         top = p - (c >= 0x8000).to(torch.int64)
         return bits.bits_to_f32((top << 16) | c)
 
@@ -119,7 +124,8 @@ class Ecc24Master(MasterCodec):
     pattern, or SR with ``frac24 = low8 << 16``), saturating at the largest finite pattern rather
     than turning a finite ``x`` into inf; then ``top24 = top16 | mid8`` is split like ECC-32:
     ``param = top16 + (mid8 >= 0x80)``, ``code = mid8``. Decoded value: 16 significant bits,
-    relative error <= 2**-16 for normal ``x`` (RNE; SR: < 2**-15 and unbiased).
+    relative error <= 2**-16 for normal ``x`` (RNE; SR: < 2**-15 and unbiased). A ``+-0``
+    parameter with a carrying code (``>= 0x80``) decodes to that zero, as in ECC-32.
     """
 
     name = "ecc24"
@@ -140,6 +146,14 @@ class Ecc24Master(MasterCodec):
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
-        p, c = bits.int16_to_bits(param), code.to(torch.int64)
+        p = bits.int16_to_bits(param)
+        c = _without_stale_carry(p, code.to(torch.int64), 0x80)
         top = p - (c >= 0x80).to(torch.int64)
         return bits.bits_to_f32((top << 16) | (c << 8))
+
+
+def _without_stale_carry(p: Tensor, c: Tensor, carry: int) -> Tensor:
+    """Code ``c`` (a 16-bit or 8-bit pattern), or 0 where parameter pattern ``p`` is ``+-0`` and
+    ``c`` carries: encodes never pair them (a carry rounds the parameter's magnitude up), and
+    undoing the carry of a zero would borrow through the sign into a NaN pattern."""
+    return torch.where(((p & 0x7FFF) == 0) & (c >= carry), 0, c)

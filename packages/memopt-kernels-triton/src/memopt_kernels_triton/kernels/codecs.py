@@ -445,9 +445,12 @@ def decode_master(p, c, MASTER: tl.constexpr):
     elif MASTER == MASTER_FP16:
         x = fp16_widen(p)
     elif MASTER == MASTER_ECC24:
-        # top16 - (mid8 >= 0x80) then mid8 below it: adding the code read as a signed byte
+        # top16 - (mid8 >= 0x80) then mid8 below it: adding the code read as a signed byte; a
+        # +-0 parameter with a carrying code (no encode makes one) decodes to that zero
+        c = tl.where(((p & 0x7FFF) == 0) & ((c & 0x80) != 0), 0, c)
         x = bits_f32((p << 16) + ((c << 24) >> 16))
     else:
+        c = tl.where(((p & 0x7FFF) == 0) & ((c & 0x8000) != 0), 0, c)  # as ECC-24
         x = bits_f32((p << 16) + ((c << 16) >> 16))  # the code read as a signed 16-bit value
     return x
 
