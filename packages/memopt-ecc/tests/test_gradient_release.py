@@ -238,6 +238,35 @@ def test_reentrant_checkpoint_backward_keeps_the_outer_bucket():
     handle.remove()
 
 
+@pytest.mark.parametrize("outside_first", [True, False])
+def test_a_parameter_in_and_outside_a_reentrant_checkpoint_is_refused(outside_first):
+    """A reentrant checkpoint's region runs its own backward, nested in the outer one: a
+    parameter used inside it and outside got its gradient in both, and each updated it with its
+    part (5 backwards gave 10 steps). Refused now, naming the parameter, in either order."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared, self.other = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            inside = lambda h: torch.tanh(self.shared(torch.tanh(self.other(h))))  # noqa: E731
+            if outside_first:  # the outer backward reaches `shared` after the nested one
+                return checkpoint(inside, self.shared(x), use_reentrant=True)
+            return self.shared(checkpoint(inside, x, use_reentrant=True))
+
+    model = cast_model(Shared(), torch.bfloat16)
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(model, opt)
+    # a checkpoint needs an input that requires grad; outside_first gets one from `shared`, and
+    # an x that required grad would make autograd refuse the update of `shared` it needs first
+    x = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=not outside_first)
+    with pytest.raises(ConfigError, match=r"two backward passes, one nested in the other"):
+        model(x).float().square().mean().backward()
+    handle.remove()
+
+
 @pytest.mark.parametrize("bad", [-1, math.nan, math.inf, "32", True])
 def test_bucket_mb_must_be_a_finite_size(bad):
     model = make_model("cpu")
@@ -546,3 +575,20 @@ def test_fsdp1_is_refused(process_group):
     opt = FlashAdamW(fsdp.parameters())
     with pytest.raises(TypeError, match=r"FSDP1.*DDP with the ordinary"):
         enable_gradient_release(fsdp, opt)
+
+
+def test_lr_schedulers_see_the_release_steps():
+    """torch's schedulers warn that lr_scheduler.step() came before optimizer.step() unless the
+    wrapped step() ran; with release, step_parameters() is the step (the schedule was right,
+    the warning was not)."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    handle = enable_gradient_release(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for idx in batches("cpu")[:2]:
+            loss_fn(model, idx).backward()
+            sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2.5e-3)
+    handle.remove()

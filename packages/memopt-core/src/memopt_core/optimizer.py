@@ -1593,6 +1593,9 @@ class MemOptimizer(Optimizer):
         self._drop_cached_steps()  # some counters advance: the cached step counts would differ
         with torch.no_grad():
             self._update(params, staging, grads, amp=amp)
+        # torch's LR schedulers warn at their first step() unless the optimizer's step() ran
+        # (they wrap it to set this flag): this is a step too, gradient release's instead of it
+        self._opt_called = True
 
     def _check_staging(self, params: list[Tensor], staging: Mapping[Tensor, Tensor]) -> None:
         if not isinstance(staging, Mapping):

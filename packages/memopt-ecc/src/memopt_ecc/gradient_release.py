@@ -102,12 +102,26 @@ class _Buckets:
     """What gradient release holds between hooks: a bucket per device (a launch and a
     GradScaler flag are per device), and the backwards whose end is awaited."""
 
-    __slots__ = ("by_device", "cap", "tasks")
+    __slots__ = ("by_device", "cap", "last_task", "tasks")
 
     def __init__(self, cap: int) -> None:
         self.cap = cap  # bytes; a bucket is updated as soon as it holds this many (0: each one)
         self.by_device: dict[torch.device, _Bucket] = {}
         self.tasks: dict[int, weakref.ref] = {}  # graph task id -> its _EndOfBackward
+        self.last_task: dict[int, int] = {}  # id(parameter) -> the backward its gradient came in
+
+    def arrived_twice(self, p: Tensor, task: int) -> bool:
+        """Record that ``p``'s gradient arrived in backward ``task``; True when it also arrived
+        in another backward that is still running or began after ``task`` did (graph task ids
+        grow): one backward nested in the other, as a reentrant checkpoint
+        (``torch.utils.checkpoint(use_reentrant=True)``) runs its region's backward. Each
+        backward would then update ``p`` with its part of the gradient."""
+        last = self.last_task.get(id(p))
+        self.last_task[id(p)] = task
+        if last is None or last == task:
+            return False
+        ref = self.tasks.get(last)
+        return last > task or (ref is not None and ref() is not None)
 
     def add(self, p: Tensor, grad: Tensor, task: int) -> bool:
         """Hold ``grad`` for ``p``; True when its device's bucket is full."""
@@ -153,6 +167,7 @@ class _Buckets:
         """Forget everything held (the handle's ``remove()``)."""
         self.by_device.clear()
         self.tasks.clear()
+        self.last_task.clear()
 
 
 class GradientReleaseHandle:
@@ -413,6 +428,16 @@ def enable_gradient_release(
             end = _EndOfBackward(lambda: update_all(task))
             Variable._execution_engine.queue_callback(end)
             buckets.tasks[task] = weakref.ref(end)
+        if buckets.arrived_twice(p, task):
+            opt = opt_ref()
+            label = opt._param_label(p) if opt is not None else "a parameter"
+            raise ConfigError(
+                f"gradient release: {label} received gradients in two backward passes, one "
+                "nested in the other (a reentrant checkpoint, torch.utils.checkpoint("
+                "use_reentrant=True), around a module whose parameters are also used outside "
+                "it): each pass would update the parameter with its part of the gradient. Use "
+                "use_reentrant=False, or the ordinary loop (handle.remove())"
+            )
         return buckets.add(p, grad, task)
 
     def make_hook(group: dict[str, Any]) -> Callable[[Tensor], None]:
