@@ -579,16 +579,19 @@ inline Ecc24 ecc24_encode(uint32_t u, uint32_t r) {
 }
 
 // ecc.Ecc24Master / Ecc32Master decode of parameter pattern pv and code c: top16 - carry, then
-// the code below it, as one addition of the code read as a signed value. A +-0 parameter with a
-// carrying code (no encode makes one: a weight zeroed in place after its code was written)
-// decodes to that zero (KERNEL_API 6) instead of borrowing through the sign into a NaN.
+// the code below it, as one addition of the code read as a signed value. The sum keeps top16's
+// sign except where a +-0 parameter meets a carrying code (no encode makes one: a weight zeroed
+// in place after its code was written): that decodes to the zero (KERNEL_API 6) instead of
+// borrowing through the sign into a NaN.
+inline uint32_t ecc_decode(uint32_t pv, uint32_t low) {
+  const uint32_t top = pv << 16, x = top + low;
+  return ((x ^ top) & 0x80000000u) ? top : x;
+}
 inline uint32_t ecc24_decode(uint32_t pv, uint8_t c) {
-  const uint32_t low = static_cast<uint32_t>(static_cast<int8_t>(c)) << 8;
-  return (pv << 16) + ((pv & 0x7FFFu) == 0 && c >= 0x80u ? 0u : low);
+  return ecc_decode(pv, static_cast<uint32_t>(static_cast<int8_t>(c)) << 8);
 }
 inline uint32_t ecc32_decode(uint32_t pv, uint16_t c) {
-  const uint32_t low = static_cast<uint32_t>(static_cast<int16_t>(c));
-  return (pv << 16) + ((pv & 0x7FFFu) == 0 && c >= 0x8000u ? 0u : low);
+  return ecc_decode(pv, static_cast<uint32_t>(static_cast<int16_t>(c)));
 }
 
 // Master decode of n elements; parameter entries at and after `real` read as 0 (padding),

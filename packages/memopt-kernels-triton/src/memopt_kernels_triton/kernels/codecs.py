@@ -444,14 +444,16 @@ def decode_master(p, c, MASTER: tl.constexpr):
         x = bf16_widen(p)
     elif MASTER == MASTER_FP16:
         x = fp16_widen(p)
-    elif MASTER == MASTER_ECC24:
-        # top16 - (mid8 >= 0x80) then mid8 below it: adding the code read as a signed byte; a
-        # +-0 parameter with a carrying code (no encode makes one) decodes to that zero
-        c = tl.where(((p & 0x7FFF) == 0) & ((c & 0x80) != 0), 0, c)
-        x = bits_f32((p << 16) + ((c << 24) >> 16))
     else:
-        c = tl.where(((p & 0x7FFF) == 0) & ((c & 0x8000) != 0), 0, c)  # as ECC-24
-        x = bits_f32((p << 16) + ((c << 16) >> 16))  # the code read as a signed 16-bit value
+        # top16 - carry then the code below it: adding the code read as a signed byte (ECC-24)
+        # or 16-bit value (ECC-32). The sum keeps top16's sign except where a +-0 parameter
+        # meets a carrying code (no encode makes one): that decodes to the zero (KERNEL_API 6)
+        top = p << 16
+        if MASTER == MASTER_ECC24:
+            x = top + ((c << 24) >> 16)
+        else:
+            x = top + ((c << 16) >> 16)
+        x = bits_f32(tl.where((x ^ top) < 0, top, x))
     return x
 
 
