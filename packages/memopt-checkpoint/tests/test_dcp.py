@@ -289,3 +289,20 @@ def test_check_dcp_load_refuses_a_parameter_frozen_after_training(tmp_path):
         StateDictError, match="state for parameter index 2; this optimizer has 2 parameters"
     ):
         check_dcp_load(hopt, tmp_path / "ck")
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize("bad", [-1.0, 2.5, float("nan")])
+def test_check_dcp_load_refuses_a_corrupt_step_count(tmp_path, bad):
+    """dcp.load writes the saved counts into the live ones, and only load_state_dict refused a
+    negative, fractional or NaN one: the live counts were overwritten by then (audit round 4)."""
+    _, opt = _mlp("saved")
+    opt.init_state()
+    sd = opt.state_dict()
+    sd["state"][1]["step"] = torch.tensor(bad)
+    dcp.save({"optim": sd}, checkpoint_id=tmp_path / "ck")
+    _, fresh = _mlp("saved")
+    fresh.init_state()
+    with pytest.raises(StateDictError, match=r"'step' of parameter index 1 in the checkpoint"):
+        check_dcp_load(fresh, tmp_path / "ck")
+    assert all(float(fresh.state[p]["step"]) == 0 for p in fresh.state)

@@ -558,6 +558,15 @@ BAD = {
     ),
     "bad step": (lambda sd: _set(sd, ["state", 4, "step"], torch.tensor(2.5)), "parameter index 4"),
     "bad lr": (lambda sd: _set(sd, ["param_groups", 0, "lr"], -1.0), "learning rate"),
+    # a bare KeyError and bool("no") == True before (audit round 4)
+    "adam moment None": (
+        lambda sd: _set(sd, ["state", 1, "exp_avg"], None),
+        r"'exp_avg' of parameter index 1 .*is None",
+    ),
+    "maximize string": (
+        lambda sd: _set(sd, ["param_groups", 0, "maximize"], "no"),
+        "maximize must be a bool, got 'no'",
+    ),
     "integer moment": (
         lambda sd: _set(sd, ["state", 0, "exp_avg"], torch.zeros(12, 6, dtype=torch.int32)),
         "parameter index 0 .*floating",
@@ -586,7 +595,7 @@ def test_a_bad_torch_dict_is_refused_and_changes_nothing(case):
     assert sd["param_groups"] == kept["param_groups"]
     for key, entry in kept["state"].items():
         for k, v in entry.items():
-            assert same_bits(sd["state"][key][k], v)
+            assert sd["state"][key][k] is None if v is None else same_bits(sd["state"][key][k], v)
     # the same optimizer still takes a good dict afterwards
     load_torch_state_dict(my_opt, ref_opt.state_dict())
 

@@ -347,6 +347,18 @@ def _mutations():
     def step(sd):
         sd["state"][0]["step"] = torch.tensor(-1.0)
 
+    def step_f32_overflow(sd):  # finite as a double, inf as the float32 count it becomes
+        sd["state"][0]["step"] = 1e300
+
+    def step_huge_int(sd):  # beyond float's range: OverflowError before
+        sd["state"][0]["step"] = 2**2000
+
+    def params_not_a_list(sd):  # a bare TypeError in the conversions before
+        sd["param_groups"][0]["params"] = None
+
+    def future_version(sd):  # was never read: any version loaded
+        sd["memopt"]["version"] = 99
+
     def orphan(sd):
         sd["state"][5] = sd["state"][0]
 
@@ -380,8 +392,12 @@ def _mutations():
         (rule, r"saved by a 'lion' optimizer; this one runs 'adamw'"),
         (groups, r"the state dict has 2 param group\(s\), this optimizer has 1"),
         (size, r"param group 0 of the state dict has 1 parameters, this optimizer's has 2"),
-        (step, r"'step' of parameter index 0 .*whole number >= 0, got -1.0"),
+        (step, r"'step' of parameter index 0 .*whole number >= 0 that float32 holds, got -1.0"),
+        (step_f32_overflow, r"'step' of parameter index 0 .*that float32 holds, got 1e\+300"),
+        (step_huge_int, r"'step' of parameter index 0 .*that float32 holds"),
         (orphan, r"state for parameter index 5, which none of its param groups lists"),
+        (params_not_a_list, r"param group 0 of the state dict: 'params' must be a list"),
+        (future_version, r"the state dict has version 99; this memopt reads versions 1 to 1"),
         (torch_dict, r"lacks \['master'\]: it was not saved by a memopt optimizer"),
         (bad_lr, r"invalid learning rate -3.0 \(param group 0 of the state dict\)"),
         (no_state, r"lacks 'state'"),

@@ -674,3 +674,24 @@ def test_a_weight_zeroed_in_place_steps_from_zero(backend, bits_, monkeypatch):
     assert lin.bias.isfinite().all()
     assert lin.weight.isfinite().all()
     assert (lin.bias.float().abs() <= 1.1e-2).all()  # one Adam step of lr 1e-2 from zero
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("fused", False), ("check_numerics", True), ("master_weight_bits", 32), ("quantize", False)],
+)
+def test_a_saved_group_with_other_flash_settings_is_refused_at_load(key, value):
+    """Every step refuses a group whose FlashOptim keys disagree with the optimizer: a load took
+    such a group, and every later step raised until another load (audit round 4)."""
+    p = torch.nn.Parameter(torch.randn(40).bfloat16())
+    opt = FlashAdamW([p], lr=1e-2)
+    p.grad = torch.randn(40).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][key] = value
+    before = [t.clone() for t in opt.state[p].values()]
+    with pytest.raises(StateDictError, match=f"param group 0 of the state dict sets {key}="):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.state[p].values(), strict=True))
+    assert key not in opt.param_groups[0] or opt.param_groups[0][key] != value
+    opt.step()  # still steps

@@ -229,9 +229,33 @@ def test_a_bad_clipping_state_is_refused():
     p = torch.nn.Parameter(torch.zeros(2))
     opt = AdamBridge([p], lr=0.1, precision="fp32", max_grad_norm=1.0, clip_mode="overlap")
     sd = opt.state_dict()
-    sd["memopt"] = {**sd["memopt"], "clip_coef": "half"}
-    with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be a number"):
+    for bad in ("half", -1.0, 0.0, 1.5):  # a coefficient is in (0, 1]: -1 reversed the updates
+        sd["memopt"] = {**sd["memopt"], "clip_coef": bad}
+        with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be None or a number"):
+            opt.load_state_dict(sd)
+    sd["memopt"] = {**sd["memopt"], "clip_coef": 0.5, "last_grad_norm": -2.0}
+    with pytest.raises(StateDictError, match=r"memopt\['last_grad_norm'\] must be None or"):
         opt.load_state_dict(sd)
+
+
+def test_a_clipping_runs_coefficient_does_not_scale_a_run_that_does_not_clip():
+    """A state dict saved by an overlap-clipping run carries its last coefficient; loaded into
+    an AdamBridge without max_grad_norm, it scaled every later gradient (audit round 4)."""
+    kw = dict(lr=1.0, betas=(0.0, 0.0), eps=1e6, precision="fp32", pin_memory=False)
+    src = AdamBridge([torch.nn.Parameter(torch.zeros(64))], **kw)
+    sd = src.state_dict()
+    out = []
+    for coef in (0.25, None):
+        w = torch.nn.Parameter(torch.zeros(64))
+        opt = AdamBridge([w], **kw)  # no clipping
+        opt.load_state_dict({**sd, "memopt": {**sd["memopt"], "clip_coef": coef}})
+        w.grad = torch.ones(64)
+        opt.step()
+        opt.synchronize()
+        out.append(w.detach().clone())
+    assert torch.equal(out[0], out[1])
+    # betas (0, 0) and eps 1e6: the update is about -lr * g / eps, unscaled (0.25 made -2.5e-7)
+    assert torch.allclose(out[0], torch.full((64,), -1e-6), rtol=1e-4, atol=0)
 
 
 # --------------------------------------------------------------- audit round 3 (2026-12-01)

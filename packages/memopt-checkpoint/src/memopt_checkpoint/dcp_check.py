@@ -26,6 +26,8 @@ from memopt_core.optimizer import MemOptimizer
 
 __all__ = ["check_dcp_load"]
 
+_UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
+
 
 def check_dcp_load(
     optimizer: MemOptimizer,
@@ -49,7 +51,10 @@ def check_dcp_load(
     ``state_dict()``, which has it, reports it missing before loading anything). Reads only
     those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
     ``dcp.load``); changes nothing. A ``param_shape`` with another number of dimensions makes
-    ``dcp.load`` raise its size mismatch here, also before anything is loaded.
+    ``dcp.load`` raise its size mismatch here, also before anything is loaded. A saved step
+    count that is not a whole number >= 0 (a corrupted checkpoint) is a ``StateDictError``
+    too. Other values (moments, codes, a block scale byte of 255, which no format writes) are
+    checked by ``load_state_dict`` only, after ``dcp.load`` wrote them into the live state.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -133,14 +138,20 @@ def check_dcp_load(
                 "init_state() made none?): dcp.load would drop it. Create its state first: "
                 "unfreeze it, call optimizer.init_state(), freeze it again"
             )
-    # the saved shape of each parameter index (state_dict() numbers every parameter in order):
-    # a second read, so a size mismatch in it cannot hide the format checks above
+    # the saved shape and step count of each parameter index (state_dict() numbers every
+    # parameter in order): a second read, so a size mismatch in it cannot hide the format checks
+    # above. dcp.load writes the counts into the live ones too, before load_state_dict refuses a
+    # negative or fractional one
     shapes: dict[int, tuple[int, ...]] = {}
     for index, p in enumerate(params):
         if p in optimizer.state:
             shapes[index] = tuple(p.shape)
     state = {
-        i: {"param_shape": torch.full((len(s),), -1, dtype=torch.int64)} for i, s in shapes.items()
+        i: {
+            "param_shape": torch.full((len(s),), -1, dtype=torch.int64),
+            "step": torch.full((), _UNREAD, dtype=torch.float32),
+        }
+        for i, s in shapes.items()
     }
     dcp.load(
         {key: {"state": state}},
@@ -150,6 +161,8 @@ def check_dcp_load(
         process_group=process_group,
     )
     for i, shape in shapes.items():
+        if state[i]["step"].item() != _UNREAD:
+            optimizer._validated_step(state[i]["step"], f"parameter index {i} in the checkpoint")
         saved = tuple(state[i]["param_shape"].tolist())
         if saved == (-1,) * len(shape):
             continue  # saved without param_shape (an older memopt)

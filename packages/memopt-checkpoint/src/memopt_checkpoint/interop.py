@@ -410,7 +410,10 @@ def _merged_group(
         merged[k] = _plain(saved[k])
     if kind == "adam" and isinstance(merged["betas"], (list, tuple)):
         merged["betas"] = tuple(_plain(b) for b in merged["betas"])
-    merged["maximize"] = bool(saved.get("maximize", False))
+    maximize = saved.get("maximize", False)
+    if not isinstance(maximize, bool):  # bool("no") is True
+        raise StateDictError(f"{what}: maximize must be a bool, got {maximize!r}")
+    merged["maximize"] = maximize
     merged["decouple_lr"] = False  # torch decays by lr * weight_decay
     if "initial_lr" in saved:
         merged["initial_lr"] = _plain(saved["initial_lr"])
@@ -446,6 +449,8 @@ def _validated_entry(kind: str, key: Any, gi: int, p: Tensor, entry: Any) -> dic
             out[name] = value  # memopt's load_state_dict checks it (whole number >= 0)
             continue
         if value is None:
+            if kind == "adam":  # Adam stores both moments from its first step
+                raise StateDictError(f"state {name!r} of {label} is None (Adam stores a tensor)")
             continue  # SGD without a buffer (yet)
         if not isinstance(value, Tensor) or not value.is_floating_point():
             got = f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__

@@ -38,10 +38,11 @@ import functools
 import math
 import numbers
 import operator
+import reprlib
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -1740,6 +1741,7 @@ class MemOptimizer(Optimizer):
                 f"expected a state dict (a mapping), got {type(state_dict).__name__}"
             )
         state_dict = run_load_pre_hooks(self, dict(state_dict))
+        _check_saved_param_lists(state_dict)
         self._check_param_shapes(state_dict)  # first: before any layout conversion complains
         state_dict = self._prepare_loaded(self._localized(state_dict))
         for key in ("state", "param_groups"):
@@ -1751,6 +1753,16 @@ class MemOptimizer(Optimizer):
         if meta is not None:
             if not isinstance(meta, Mapping):
                 raise StateDictError("the state dict's 'memopt' entry must be a dict")
+            version = meta.get("version", _STATE_DICT_VERSION)
+            if (
+                isinstance(version, bool)
+                or not isinstance(version, int)
+                or not 1 <= version <= _STATE_DICT_VERSION
+            ):
+                raise StateDictError(
+                    f"the state dict has version {version!r}; this memopt reads versions 1 to "
+                    f"{_STATE_DICT_VERSION} (a newer memopt wrote it?)"
+                )
             if meta.get("rule", self.rule) != self.rule:
                 raise StateDictError(
                     f"the state dict was saved by a {meta['rule']!r} optimizer; this one runs "
@@ -1953,8 +1965,16 @@ class MemOptimizer(Optimizer):
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise StateDictError(f"'step' of {label} must be a number, got {step!r}")
-        if not math.isfinite(value) or value < 0 or value != int(value):
-            raise StateDictError(f"'step' of {label} must be a whole number >= 0, got {value}")
+        try:
+            # counts are float32 tensors: 1e300 passed as finite and was stored as inf, which
+            # every later step failed to convert
+            whole = 0 <= float(value) <= _F32_MAX and value == int(value)
+        except (OverflowError, ValueError):  # an int beyond float's range; NaN
+            whole = False
+        if not whole:
+            raise StateDictError(
+                f"'step' of {label} must be a whole number >= 0 that float32 holds, got {value}"
+            )
         return _step_tensor(value)
 
     # ------------------------------------------------------------------------ pickle, deepcopy
@@ -2016,6 +2036,27 @@ def _identity(t: Tensor) -> Tensor:
 
 def _from_bytes(t: Tensor, dtype: str) -> Tensor:
     return t.view(getattr(torch, dtype))
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
+    """StateDictError unless every saved param group's ``params`` is a list of parameter keys
+    (None, a number or nested lists raised a bare TypeError in the conversions before the
+    checks)."""
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, (list, tuple)):
+        return  # the checks explain it
+    for gi, saved in enumerate(groups):
+        if not isinstance(saved, Mapping) or "params" not in saved:
+            continue  # likewise
+        keys = saved["params"]
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, Hashable) for k in keys):
+            raise StateDictError(
+                f"param group {gi} of the state dict: 'params' must be a list of parameter "
+                f"indices, got {reprlib.repr(keys)}"
+            )
 
 
 def _step_tensor(value: Any) -> Tensor:

@@ -412,6 +412,14 @@ class FlashOptimizer(MemOptimizer):
             self.param_groups
         ):
             return sd  # core explains what is wrong
+        for gi, saved in enumerate(saved_groups):
+            # the step refuses these keys where they disagree with the optimizer: refused here,
+            # a load took them and every later step raised until another load
+            if isinstance(saved, Mapping) and {"master", "moments"} <= saved.keys():
+                try:
+                    self._check_flash_keys(saved, f"param group {gi} of the state dict")
+                except ConfigError as e:
+                    raise StateDictError(str(e)) from None
         state = dict(sd["state"])
         changed = False
         for group, saved in zip(self.param_groups, saved_groups, strict=True):

@@ -1184,7 +1184,9 @@ class AdamBridge(Optimizer):
 
     def _dispatch(self, bucket: Any) -> None:
         """Submit a closed bucket's update, or hold it until the step's norm is known."""
-        if self.max_grad_norm is not None and (self.clip_mode == "wait" or self._prev_coef is None):
+        if self.max_grad_norm is None:
+            self._submit(bucket, None)
+        elif self.clip_mode == "wait" or self._prev_coef is None:
             self._held.append(bucket)  # needs this step's norm: updates wait for backward's end
         else:
             self._submit(bucket, self._prev_coef)
@@ -1515,8 +1517,10 @@ class AdamBridge(Optimizer):
         self._load_clipping(meta)
 
     def _load_clipping(self, meta: Mapping[str, Any]) -> None:
-        """The clipping state of a loaded dict (None in dicts from before it was saved)."""
-        self._prev_coef = meta.get("clip_coef")
+        """The clipping state of a loaded dict (None in dicts from before it was saved). Its
+        coefficient is kept only where this optimizer clips: one saved by a clipping run must
+        not scale the gradients of one that does not."""
+        self._prev_coef = meta.get("clip_coef") if self.max_grad_norm is not None else None
         self.last_grad_norm = meta.get("last_grad_norm")
 
     def _saved_groups(self, state_dict: Any) -> list[Mapping[str, Any]]:
@@ -1526,12 +1530,19 @@ class AdamBridge(Optimizer):
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise StateDictError("expected the dict AdamBridge.state_dict() returns")
         meta = state_dict.get("memopt")
-        for key in ("clip_coef", "last_grad_norm"):
+        for key, low, high in (("clip_coef", 0.0, 1.0), ("last_grad_norm", 0.0, math.inf)):
             v = meta.get(key) if isinstance(meta, Mapping) else None
             if v is not None and (
-                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or not low <= v <= high
+                or (key == "clip_coef" and v == 0)
             ):
-                raise StateDictError(f"the state dict's memopt[{key!r}] must be a number or None")
+                what = "in (0, 1]" if key == "clip_coef" else "finite and >= 0"
+                raise StateDictError(
+                    f"the state dict's memopt[{key!r}] must be None or a number {what}, got {v!r}"
+                )
         if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
             raise StateDictError(
                 "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"

@@ -449,7 +449,7 @@ def decode_master(p, c, MASTER: tl.constexpr):
         # or 16-bit value (ECC-32). The sum keeps top16's sign except where a +-0 parameter
         # meets a carrying code (no encode makes one): that decodes to the zero (KERNEL_API 6)
         top = p << 16
-        if MASTER == MASTER_ECC24:
+        if MASTER == MASTER_ECC24:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
             x = top + ((c << 24) >> 16)
         else:
             x = top + ((c << 16) >> 16)
