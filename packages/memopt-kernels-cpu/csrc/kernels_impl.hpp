@@ -1023,14 +1023,16 @@ void step_range(const StepConfig& c, const SlotRow& s, int64_t begin, int64_t en
     void* grad = at<void>(s.grad, t0 * (s.grad_kind == GRAD_FP32 ? 4 : 2));
     // A tile without padding updates an fp32 master in place and reads an fp32 gradient where it
     // lies, as the fast paths above do: copying them in and out took a fifth of a q8 step. The
-    // rules write the gradient only for maximize and L2, which keep the copy.
+    // rules write the gradient only for maximize and L2, which keep the copy. A gradient that is
+    // its parameter's memory (p.grad = p.detach()) is copied too: SGD's and Lion's decay pass
+    // writes every weight before the update reads the gradient.
     float* xt = x;
     if (c.master == MASTER_FP32 && real == n)
       xt = static_cast<float*>(param);
     else
       dec_master(c.master, param, code, n, real, x);
     float* gt = g;
-    if (s.grad_kind == GRAD_FP32 && real == n && !c.maximize && !c.has_l2)
+    if (s.grad_kind == GRAD_FP32 && real == n && !c.maximize && !c.has_l2 && grad != param)
       gt = static_cast<float*>(grad);
     else
       load_grad(s.grad_kind, grad, n, real, g);

@@ -17,6 +17,7 @@ from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
 from memopt_core.reference import lion_scalars
+from memopt_core.testing import bits
 from memopt_kernels_cpu import _core
 from memopt_kernels_cpu.ops import SLOT_COLUMNS
 
@@ -905,9 +906,20 @@ def test_an_optimizer_step_refused_in_a_later_group_changes_nothing(monkeypatch)
 
 
 @pytest.mark.parametrize(
-    ("master", "moments"), [("ecc24", "q8"), ("ecc32", "bf16"), ("none", "fp8")]
+    ("rule", "dtype", "master", "moments"),
+    [
+        ("adamw", torch.bfloat16, "ecc24", "q8"),
+        ("adamw", torch.bfloat16, "ecc32", "bf16"),
+        ("adamw", torch.bfloat16, "none", "fp8"),
+        # fp32 parameters update in place, and SGD's and Lion's decay pass wrote every weight
+        # before the update read the gradient (audit round 4)
+        ("sgdw", torch.float32, "none", "fp32"),
+        ("sgdw", torch.float32, "none", "q8"),
+        ("lion", torch.float32, "none", "fp32"),
+        ("adamw", torch.float32, "none", "fp32"),
+    ],
 )
-def test_a_gradient_that_is_its_own_parameter_steps_as_the_reference(master, moments):
+def test_a_gradient_that_is_its_own_parameter_steps_as_the_reference(rule, dtype, master, moments):
     """``p.grad = p.detach()``: every element's gradient is read before the element is written,
     so the step computes with ``g = p``, the same bits as core's torch backend."""
     from memopt_core import MemOptimizer
@@ -915,15 +927,17 @@ def test_a_gradient_that_is_its_own_parameter_steps_as_the_reference(master, mom
     results = []
     for backend in ("cpu", "torch"):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (1, 33, 1000)]
+        ps = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n in (1, 33, 1000)]
+        momentum = {"momentum": 0.9} if rule == "sgdw" else {}
         opt = MemOptimizer(
-            ps, rule="adamw", lr=1e-2, master=master, moments=moments, backend=backend
-        )
+            ps, rule=rule, lr=1e-2, weight_decay=0.5, master=master, moments=moments,
+            backend=backend, **momentum,
+        )  # fmt: skip
         for _ in range(3):
             for p in ps:
                 p.grad = p.detach()
             opt.step()
-        results.append([p.detach().view(torch.int16).clone() for p in ps])
+        results.append([bits(p) for p in ps] + [bits(v) for p in ps for v in opt.state[p].values()])
     assert all(map(torch.equal, *results))
 
 
