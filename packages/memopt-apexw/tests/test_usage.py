@@ -75,7 +75,10 @@ def test_backend_is_checked_at_construction(mode, monkeypatch):
     ("reason", "match"),
     [
         ("failed to import: ImportError: MEMOPT_CPU_ISA='neon'", "MEMOPT_CPU_ISA='neon'"),
-        (None, r"'cpu' is not installed \(pip install memopt-kernels-cpu\)"),
+        (
+            None,
+            r"'cpu' is not installed \(from a checkout: pip install packages/memopt-kernels-cpu\)",
+        ),
     ],
     ids=["unusable", "not-installed"],
 )

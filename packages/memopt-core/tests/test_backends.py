@@ -146,7 +146,7 @@ def test_env_var_forcing_a_missing_backend(monkeypatch, fresh_backends):
     monkeypatch.setenv("MEMOPT_BACKEND", "triton")
     with pytest.raises(
         BackendUnavailableError,
-        match=r"memopt backend 'triton' is not installed \(pip install memopt-kernels-triton.*\); installed backends: torch \(forced by MEMOPT_BACKEND='triton'\)",
+        match=r"memopt backend 'triton' is not installed \(from a checkout: pip install packages/memopt-kernels-triton.*\); installed backends: torch \(forced by MEMOPT_BACKEND='triton'\)",
     ):
         backends.select_backend("adam", SPEC, "cpu", torch.float32)
     monkeypatch.setenv("MEMOPT_BACKEND", " Auto ")

@@ -24,7 +24,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip() not in ("", "0")
 _MISSING = [m for m in ("triton", "numpy") if importlib.util.find_spec(m) is None]
 _MISSING_REASON = (
     f"needs {' and '.join(_MISSING)} (the Triton interpreter runs kernels through numpy): "
-    "pip install memopt-kernels-triton[test]"
+    'pip install "packages/memopt-kernels-triton[test]" from a checkout'
 )
 
 DEVICES = [

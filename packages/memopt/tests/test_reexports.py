@@ -15,7 +15,7 @@ import memopt_ecc
 def test_every_export_resolves_to_the_component_object():
     for name, (module, dist) in memopt._EXPORTS.items():
         if importlib.util.find_spec(module.split(".")[0]) is None:  # an extra not installed
-            with pytest.raises(ImportError, match=f"pip install {dist}"):
+            with pytest.raises(ImportError, match=f"pip install packages/{dist}"):
                 getattr(memopt, name)
             continue
         assert getattr(memopt, name) is getattr(__import__(module, fromlist=[name]), name)
@@ -28,7 +28,7 @@ def test_unknown_name_is_an_attribute_error():
 
 def test_missing_component_names_the_package(monkeypatch):
     monkeypatch.setitem(memopt._EXPORTS, "Ghost", ("memopt_ghost_pkg", "memopt-ghost"))
-    with pytest.raises(ImportError, match="pip install memopt-ghost"):
+    with pytest.raises(ImportError, match="pip install packages/memopt-ghost"):
         _ = memopt.Ghost
 
 

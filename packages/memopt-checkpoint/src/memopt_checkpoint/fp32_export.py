@@ -51,7 +51,7 @@ def fp32_model_state_dict(
         except ImportError as e:
             raise ConfigError(
                 "the fp32 export of a memopt optimizer's ECC masters needs memopt-ecc: "
-                "pip install memopt-ecc"
+                "from a checkout, pip install packages/memopt-ecc"
             ) from e
         sd = get_fp32_model_state_dict(model, optimizer)
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}

@@ -90,8 +90,8 @@ RULES = ("sgd", "adam", "lion")
 #: Parameter dtypes every rule and format is defined for.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INSTALL_HINT = {
-    "cpu": "pip install memopt-kernels-cpu",
-    "triton": "pip install memopt-kernels-triton (and triton, on a CUDA machine)",
+    "cpu": "from a checkout: pip install packages/memopt-kernels-cpu",
+    "triton": "from a checkout: pip install packages/memopt-kernels-triton, on a CUDA machine",
 }
 
 

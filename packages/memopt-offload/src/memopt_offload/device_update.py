@@ -189,7 +189,7 @@ class DeviceUpdater:
         if plan.device.type == "cuda" and backend.name != "triton" and self.backend_name is None:
             raise ConfigError(
                 "update='device' runs memopt-kernels-triton's fused kernels on CUDA, and its "
-                "backend is not usable here (pip install memopt-kernels-triton; "
+                "backend is not usable here (from a checkout: pip install packages/memopt-kernels-triton; "
                 "memopt_core.backends.available_backends() says why); backend='torch' runs "
                 "core's reference kernels instead (slow, for checks)"
             )

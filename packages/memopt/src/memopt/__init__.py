@@ -62,14 +62,17 @@ def _import(module: str, what: str, dist: str) -> Any:
         top = module.partition(".")[0]
         if exc.name not in (top, module):
             raise
-        raise ImportError(f"{what} needs the {dist} package: pip install {dist}") from exc
+        raise ImportError(
+            f"{what} needs the {dist} package (from a checkout: pip install packages/{dist})"
+        ) from exc
 
 
 def __getattr__(name: str) -> Any:
     if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
         if not _installed("memopt_checkpoint"):
             raise ImportError(
-                "memopt.checkpoint needs the memopt-checkpoint package: pip install memopt-checkpoint"
+                "memopt.checkpoint needs the memopt-checkpoint package (from a checkout: pip "
+                "install packages/memopt-checkpoint)"
             )
         return importlib.import_module("memopt.checkpoint")
     if name not in _EXPORTS:
