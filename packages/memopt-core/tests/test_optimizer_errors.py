@@ -353,6 +353,9 @@ def _mutations():
     def step_huge_int(sd):  # beyond float's range: OverflowError before
         sd["state"][0]["step"] = 2**2000
 
+    def meta_state(sd):  # NotImplementedError at the copy before
+        sd["state"][0]["exp_avg"] = torch.empty_like(sd["state"][0]["exp_avg"], device="meta")
+
     def params_not_a_list(sd):  # a bare TypeError in the conversions before
         sd["param_groups"][0]["params"] = None
 
@@ -396,6 +399,7 @@ def _mutations():
         (step_f32_overflow, r"'step' of parameter index 0 .*that float32 holds, got 1e\+300"),
         (step_huge_int, r"'step' of parameter index 0 .*that float32 holds"),
         (orphan, r"state for parameter index 5, which none of its param groups lists"),
+        (meta_state, r"state 'exp_avg' of parameter index 0 .*on the meta device"),
         (params_not_a_list, r"param group 0 of the state dict: 'params' must be a list"),
         (future_version, r"the state dict has version 99; this memopt reads versions 1 to 1"),
         (torch_dict, r"lacks \['master'\]: it was not saved by a memopt optimizer"),

@@ -1947,6 +1947,11 @@ class MemOptimizer(Optimizer):
                     f"master={spec.master!r}, moments={spec.moments!r} stores {dtype} of shape "
                     f"{tuple(shape)}"
                 )
+            if t.is_meta:  # no values to copy (torch raised NotImplementedError at the copy)
+                raise StateDictError(
+                    f"state {k!r} of {label} is on the meta device and holds no values (a state "
+                    "dict built under a meta device context?)"
+                )
             if k.endswith("_scale") and dtype == torch.uint8 and bool((t == 255).any()):
                 # E8M0 block scales are 0..254: the backends would decode 255 differently
                 raise StateDictError(
@@ -1960,7 +1965,7 @@ class MemOptimizer(Optimizer):
     def _validated_step(step: Any, label: str) -> Tensor:
         value = step
         if isinstance(value, Tensor):
-            if value.numel() != 1 or value.is_complex():
+            if value.numel() != 1 or value.is_complex() or value.is_meta:
                 raise StateDictError(f"'step' of {label} must be a single number, got {value!r}")
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
