@@ -3,7 +3,11 @@ inspectable, and never a change to the computed bits."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import pickle
+import stat
 
 import pytest
 import torch
@@ -21,7 +25,7 @@ from apexw_testutil import (
 
 from memopt_apexw import ApexW, ModeDecision, auto_mode
 from memopt_apexw.auto_mode import TIMED_ROUNDS, WARMUP_STEPS, Trial
-from memopt_core.errors import ConfigError
+from memopt_core.errors import ConfigError, NumericsError
 
 
 def train(opt, params, steps):
@@ -118,6 +122,76 @@ def test_corrupt_cache_is_remeasured_and_rewritten(tmp_path):
     train(opt, a, TRIAL_STEPS + 1)
     assert opt.mode_decision.source == "measured"
     assert json.loads(cache.read_text())["version"] == 1
+
+
+@needs_two_candidates
+@pytest.mark.parametrize("case", ["deeply-nested", "int-beyond-float"])
+def test_a_cache_that_broke_every_step_is_remeasured(tmp_path, case):
+    """RecursionError and OverflowError escaped the cache read at every step (audit round 4)."""
+    a = make_params("cpu")
+    key = auto_mode.signature(ApexW(a, mode_cache=None).param_groups, False)[0]
+    cache = tmp_path / "modes.json"
+    if case == "deeply-nested":
+        cache.write_text("[" * 200000)
+    else:  # an int JSON reads exactly and float() cannot convert
+        entry = '{"mode": "fused", "timings_ms": {"fused": 1' + "0" * 400 + "}}"
+        cache.write_text(f'{{"version": 1, "entries": {{"{key}": {entry}}}}}')
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+
+
+@needs_two_candidates
+def test_a_cache_path_that_is_no_regular_file_is_left_alone(tmp_path):
+    """The rename replaced whatever the path named (a device such as /dev/null became a regular
+    file), and a FIFO blocked the read forever; a symlink was replaced instead of followed."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=fifo)
+    with pytest.warns(UserWarning, match="is not a regular file"):
+        train(opt, a, TRIAL_STEPS + 1)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    shared = tmp_path / "shared.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(shared)
+    b = make_params("cpu")
+    opt = ApexW(b, mode_cache=link)
+    train(opt, b, TRIAL_STEPS + 1)
+    assert link.is_symlink()
+    assert json.loads(shared.read_text())["entries"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+
+
+@needs_two_candidates
+def test_a_timed_step_that_raises_leaves_the_trial_going():
+    """A NumericsError in a timed trial step left its candidate without a time, and every later
+    step raised StatisticsError (audit round 4)."""
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=None, check_numerics=True)
+    train(opt, a, 2 * WARMUP_STEPS)
+    p = next(p for p in a if p.numel() and p.grad is not None)
+    p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(NumericsError):
+        opt.step()  # the first timed step
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+
+
+@needs_two_candidates
+def test_an_unpickled_optimizer_decides_again():
+    """A measured decision belongs to the process that made it: pickled with it, "fused" raised
+    where the kernels could not run. The copy decides again (the same bits either way)."""
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=None)
+    train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == "measured"
+    clone = pickle.loads(pickle.dumps(opt))
+    assert clone.mode_decision is None
+    assert copy.deepcopy(opt).mode_decision is None
+    assert ApexW.__getstate__(clone)["mode"] == "auto"
 
 
 @needs_two_candidates

@@ -267,6 +267,8 @@ class ApexW(MemOptimizer):
             if timed:
                 with auto_mode.timed(self._devices()) as t:
                     self._step_in(mode)
+                # recorded only when the step ran: one that raised (a NumericsError the caller
+                # catches) has no time, and the trial goes on
                 assert self._trial is not None
                 self._trial.record(mode, t.ms)
             else:
@@ -470,6 +472,10 @@ class ApexW(MemOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._reset_fast()
         super().__setstate__(state)
+        if self._decision is not None and self._decision.source in ("cache", "measured"):
+            # decided for the process that pickled it: its kernels may not run here (the cache
+            # key holds the usable backends, so the cache answers for this process)
+            self._decision = None
 
 
 def state_bytes_per_param(state: str, param_dtype: torch.dtype, master: str = "ecc24") -> float:

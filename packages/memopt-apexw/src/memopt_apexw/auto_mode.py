@@ -54,6 +54,8 @@ WARMUP_STEPS = 2
 TIMED_ROUNDS = 3
 DROP_FACTOR = 4.0
 _CACHE_VERSION = 1
+#: Bytes beyond which a file is not a cache (an entry takes about 1 KiB): it is measured again.
+_MAX_CACHE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -141,11 +143,14 @@ def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict
 
 
 def _entries(path: Path) -> dict[str, Any]:
-    """The entries of the cache at ``path`` (empty when absent, unreadable, of another version or
-    of another shape)."""
+    """The entries of the cache at ``path`` (empty when absent, unreadable, not a regular file,
+    larger than any cache, of another version or of another shape)."""
     try:
+        # a FIFO would block the read forever, a device or a huge file is no cache
+        if not path.is_file() or path.stat().st_size > _MAX_CACHE_BYTES:
+            return {}
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: deeply nested JSON
         return {}
     if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
         return {}
@@ -163,9 +168,11 @@ def load_decision(path: Path, key: str) -> ModeDecision | None:
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in timings.values()
     ):
         return None
-    return ModeDecision(
-        entry["mode"], "cache", {k: float(v) for k, v in timings.items()}, key, str(path)
-    )
+    try:
+        ms = {k: float(v) for k, v in timings.items()}
+    except OverflowError:  # an int beyond float's range
+        return None
+    return ModeDecision(entry["mode"], "cache", ms, key, str(path))
 
 
 def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str, Any]) -> None:
@@ -178,9 +185,17 @@ def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str,
         "about": about,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    # through a symlink to the file it names; never over something else (the rename replaced a
+    # device such as /dev/null, given as "no cache", with a regular file)
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        raise OSError(f"{path} exists and is not a regular file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp makes it 0600)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
@@ -214,12 +229,13 @@ class Trial:
         return self._queue.pop(0)
 
     def _alive(self) -> list[str]:
-        if self._round == 0:
+        """The candidates still in the trial: within DROP_FACTOR of the best median. One
+        without a time yet (its timed step raised) stays in."""
+        med = self.medians()
+        if self._round == 0 or not med:
             return self.candidates
-        best = min(statistics.median(t) for t in self.times.values() if t)
-        return [
-            c for c in self.candidates if statistics.median(self.times[c]) <= DROP_FACTOR * best
-        ]
+        best = min(med.values())
+        return [c for c in self.candidates if med.get(c, 0.0) <= DROP_FACTOR * best]
 
     def record(self, candidate: str, ms: float) -> None:
         self.times[candidate].append(ms)
@@ -229,7 +245,7 @@ class Trial:
 
     def decide(self) -> str:
         med = self.medians()
-        return min(med, key=med.__getitem__)
+        return min(med, key=med.__getitem__) if med else self.candidates[-1]  # "torch"
 
 
 def timed(devices: set[torch.device]):
