@@ -592,3 +592,77 @@ def test_lr_schedulers_see_the_release_steps():
             sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(2.5e-3)
     handle.remove()
+
+
+# ------------------------------------------------------- training-loop patterns (audit round 4)
+def test_a_pre_step_that_raises_leaves_no_gradient_to_apply_late():
+    """The hook called pre_step before it took the gradient out of .grad: when pre_step raised,
+    the gradient stayed there, and the retried backward added its own and applied both. Now
+    the failed backward's gradients are all dropped: the same as never running that batch."""
+    data = batches("cpu")
+    ref_model = make_model("cpu")
+    rel_model = copy.deepcopy(ref_model)
+    ref_opt = FlashAdamW(ref_model.parameters(), lr=1e-2)
+    rel_opt = FlashAdamW(rel_model.parameters(), lr=1e-2)
+    for idx in data[1:]:
+        ref_opt.zero_grad()
+        loss_fn(ref_model, idx).backward()
+        ref_opt.step()
+    fail = [True]
+    target = rel_model.mix.weight
+
+    def pre_step(p, group):
+        if fail[0] and p is target:
+            raise RuntimeError("pre_step failed")
+        return True
+
+    handle = enable_gradient_release(rel_model, rel_opt, pre_step=pre_step)
+    with pytest.raises(RuntimeError, match="pre_step failed"):
+        loss_fn(rel_model, data[0]).backward()
+    fail[0] = False
+    assert target.grad is None
+    with pytest.warns(RuntimeWarning, match="were dropped, not applied"):
+        loss_fn(rel_model, data[1]).backward()
+    for idx in data[2:]:
+        loss_fn(rel_model, idx).backward()
+    assert_same_state(ref_opt, params_of(ref_model), rel_opt, params_of(rel_model))
+    handle.remove()
+
+
+def test_a_pre_step_that_returns_no_bool_is_refused():
+    """A logging callback without `return True` returned None, which skipped every update."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(model, opt, pre_step=lambda p, group: None)
+    with pytest.raises(TypeError, match=r"pre_step must return True \(update\) or False"):
+        loss_fn(model, batches("cpu")[0]).backward()
+    handle.remove()
+
+
+def test_remove_inside_a_backward_is_refused():
+    """remove() from a hook dropped the gradients the running backward held: the parameters
+    released before it missed that batch's update."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    handles = []
+    handles.append(
+        enable_gradient_release(model, opt, pre_step=lambda p, g: handles[0].remove() or True)
+    )
+    with pytest.raises(ConfigError, match=r"remove\(\) inside a running backward"):
+        loss_fn(model, batches("cpu")[0]).backward()
+    assert handles[0].active
+    handles[0].remove()  # between backwards: fine
+    assert not handles[0].active
+
+
+def test_a_parameter_released_by_two_optimizers_is_refused():
+    """The first optimizer's hook took the gradient, so the second never updated the
+    parameter, silently."""
+    model = make_model("cpu")
+    first = FlashAdamW(model.parameters(), lr=1e-2)
+    second = FlashAdamW(model.parameters(), lr=1e-2)
+    handle = enable_gradient_release(model, first)
+    with pytest.raises(ConfigError, match="already released by another optimizer's handle"):
+        enable_gradient_release(model, second)
+    handle.remove()
+    enable_gradient_release(model, second).remove()  # once the first is removed

@@ -98,6 +98,21 @@ class _EndOfBackward:
         self.run()
 
 
+#: id(parameter) -> (the parameter, its handle), weakly, for each parameter with a release
+#: hook: a second optimizer's hook on it would always find its gradient taken. (Keyed by id:
+#: weak-keyed dicts compare tensors with ==.)
+_RELEASED: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _releasing_handle(p: Tensor) -> GradientReleaseHandle | None:
+    """The active handle whose hook releases ``p``, if any."""
+    entry = _RELEASED.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    handle = entry[1]()
+    return handle if handle is not None and handle._active else None
+
+
 class _Buckets:
     """What gradient release holds between hooks: a bucket per device (a launch and a
     GradScaler flag are per device), and the backwards whose end is awaited."""
@@ -205,13 +220,23 @@ class GradientReleaseHandle:
 
     def remove(self) -> None:
         """Remove the hooks; ``step()`` and ``zero_grad()`` work normally again. Gradients held
-        by a backward that raised before its end are dropped, not applied. Idempotent."""
+        by a backward that raised before its end are dropped, not applied. Idempotent. Raises
+        ``ConfigError`` inside a running backward (a hook, ``pre_step``): the gradients it
+        holds would be dropped, and its remaining parameters left to the ordinary loop."""
+        if self._active and torch._C._current_graph_task_id() >= 0:
+            raise ConfigError(
+                "GradientReleaseHandle.remove() inside a running backward: the parameters "
+                "already released in it would miss this backward's update. Call it between "
+                "backwards"
+            )
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self._buckets is not None:
             self._buckets.drop()
         self._active = False
+        for key in [k for k, (_, h) in _RELEASED.items() if h() is self]:
+            del _RELEASED[key]
         self._optimizer.end_gradient_release(self)
 
     def __enter__(self) -> GradientReleaseHandle:
@@ -445,25 +470,44 @@ def enable_gradient_release(
             grad = p.grad
             if opt_ref() is None or grad is None:
                 return
+            # the gradient leaves .grad before anything that can raise: left there, the next
+            # backward would add its own to it and apply both (never late, as ecc.md says)
+            p.grad = None
             if scaler is not None and scaler._scale is None:
                 raise RuntimeError(
                     "gradient release with a GradScaler: the scaler has no scale yet; call "
                     "scaler.scale(loss).backward()"
                 )
-            take = pre_step is None or pre_step(p, group)
-            p.grad = None
+            take = True if pre_step is None else pre_step(p, group)
+            if not isinstance(take, bool):  # a logging callback without `return True`
+                raise TypeError(
+                    f"gradient release: pre_step must return True (update) or False (skip), "
+                    f"got {take!r}"
+                )
             if take and hold(p, grad):
                 update(grad.device)
 
         return hook
 
+    hooked = [
+        p  # deduplicated: a tied parameter gets one hook
+        for p in model.parameters()
+        if id(p) in groups and p.requires_grad
+    ]
+    for key in [k for k, (p, _) in _RELEASED.items() if p() is None]:
+        del _RELEASED[key]  # parameters that no longer exist
+    for p in hooked:
+        if _releasing_handle(p) is not None:
+            raise ConfigError(
+                f"gradient release: {optimizer._param_label(p)} is already released by another "
+                "optimizer's handle, whose hook takes its gradient first: this optimizer would "
+                "never update it. Give each parameter to one optimizer, or remove that handle"
+            )
     optimizer.begin_gradient_release(handle)  # step()/zero_grad() become warning no-ops
     try:
-        for p in model.parameters():  # deduplicated: a tied parameter gets one hook
-            group = groups.get(id(p))
-            if group is None or not p.requires_grad:
-                continue
-            handle._hooks.append(p.register_post_accumulate_grad_hook(make_hook(group)))
+        for p in hooked:
+            handle._hooks.append(p.register_post_accumulate_grad_hook(make_hook(groups[id(p)])))
+            _RELEASED[id(p)] = (weakref.ref(p), weakref.ref(handle))
     except BaseException:
         handle.remove()
         raise
