@@ -13,8 +13,9 @@ validation (the uncached path), not at every replay.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from torch import Tensor
 from memopt_core.errors import ConfigError
 from memopt_core.plan import element_offsets, overlaps_itself
 
-__all__ = ["Label", "check_aliasing", "check_parameters_apart"]
+__all__ = ["Label", "check_aliasing", "check_parameters_apart", "labelled_parameters"]
 
 #: An error message's name for a tensor, or a callable that makes it (only an error needs it).
 Label = str | Callable[[], str]
@@ -137,6 +138,16 @@ def _addressable(t: Tensor) -> bool:
         return t.data_ptr() != 0
     except RuntimeError:  # a subclass that refuses data_ptr()
         return False
+
+
+def labelled_parameters(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[Tensor, Label]]:
+    """Every parameter of ``param_groups`` with its error-message label ("parameter #i of param
+    group g", made only when an error needs it), for :func:`check_parameters_apart`."""
+    return [
+        (p, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
+        for gi, g in enumerate(param_groups)
+        for i, p in enumerate(g["params"])
+    ]
 
 
 def check_parameters_apart(

@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference
-from memopt_core.aliasing import Label, check_parameters_apart
+from memopt_core.aliasing import check_parameters_apart, labelled_parameters
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
@@ -410,7 +410,7 @@ class MemOptimizer(Optimizer):
         self._initial_ids: set[int] | None = set()
         super().__init__(params, defaults)
         self._initial_ids = None
-        check_parameters_apart(self._labelled_params(), [])
+        check_parameters_apart(labelled_parameters(self.param_groups), [])
         self.state = TrackedState(self._writes, self.state)
 
     # ------------------------------------------------------------------------- configuration
@@ -691,16 +691,8 @@ class MemOptimizer(Optimizer):
                 )
                 for i, p in enumerate(tensors)
             ],
-            self._labelled_params(),
+            labelled_parameters(self.param_groups),
         )
-
-    def _labelled_params(self) -> list[tuple[Tensor, Label]]:
-        """Every parameter held, each with its error-message label (made only when needed)."""
-        return [
-            (p, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
-            for gi, g in enumerate(self.param_groups)
-            for i, p in enumerate(g["params"])
-        ]
 
     # ------------------------------------------------------------------------- plans, arenas
     def _tensor_index(self) -> dict[int, int]:

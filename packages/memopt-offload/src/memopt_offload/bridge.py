@@ -111,7 +111,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from memopt_core.aliasing import check_parameters_apart
+from memopt_core.aliasing import check_parameters_apart, labelled_parameters
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
@@ -603,7 +603,7 @@ class AdamBridge(Optimizer):
             None,
             None,
         )
-        check_parameters_apart(self._labelled_params(), [])
+        check_parameters_apart(labelled_parameters(self.param_groups), [])
         if host_groups:
             self._host = self._new_host(host_groups)
 
@@ -686,7 +686,7 @@ class AdamBridge(Optimizer):
         if self._initial_ids is None:
             check_parameters_apart(
                 [(p, f"parameter #{i} of param group {gi}") for i, p in enumerate(params)],
-                self._labelled_params(),
+                labelled_parameters(self.param_groups),
             )
         _check_hyper({**self.defaults, **param_group}, f"(param group {gi})")
         prev_device, self._device = self._device, device
@@ -793,14 +793,6 @@ class AdamBridge(Optimizer):
         )
         host.init_state()
         return host
-
-    def _labelled_params(self) -> list[tuple[Tensor, str]]:
-        """Every parameter held, each with its error-message label."""
-        return [
-            (q, f"parameter #{j} of param group {h}")
-            for h, g in enumerate(self.param_groups)
-            for j, q in enumerate(g["params"])
-        ]
 
     def _allocate_device_group(
         self, gi: int, group: dict[str, Any], names: list[Any], train: list[Tensor]
