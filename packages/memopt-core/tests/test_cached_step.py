@@ -295,6 +295,27 @@ def run_parameter_resized_in_place(backend):
     assert None not in opt._cached_steps
 
 
+def run_parameter_retyped_at_its_address(backend):
+    """A parameter of another dtype at the old one's address (the allocator reuses freed
+    memory; here a view of the same memory): the replay wrote the old dtype's bytes into it (on
+    the cpu backend a 4-byte fp32 master into a 2-byte tensor corrupted the heap), so the step
+    refuses it as an ordinary step does, changing nothing."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    p = a[3]
+    address = p.data_ptr()
+    p.data = p.data.view(torch.float16)
+    assert p.data_ptr() == address
+    p.grad.normal_()  # the same buffer, of the dtype the replay was prepared for
+    before = [bits(q).clone() for q in a]
+    with pytest.raises(ConfigError, match=r"changed since its state was created"):
+        opt.step()
+    assert all(torch.equal(bits(q), x) for q, x in zip(a, before, strict=True))
+    assert None not in opt._cached_steps
+
+
 def run_transposed_gradient_at_its_address(backend):
     """A gradient replaced by a transposed view of itself (``p.grad = p.grad.t()`` on a square
     parameter): the same address, dtype and size, another layout. The step must read it as the
@@ -382,6 +403,7 @@ ADDRESS_SCENARIOS = [
     run_step_parameters_between_steps,
     run_momentum_switched_on,
     run_parameter_resized_in_place,
+    run_parameter_retyped_at_its_address,
     run_transposed_gradient_at_its_address,
     run_transposed_parameter_at_its_address,
     run_transposed_gradient_beside_a_strided_one,

@@ -14,9 +14,10 @@ edited hyperparameters take effect), launches and advances the counters.
 
 :meth:`CachedStep.current_grads` is the check before every replay: the same param group objects
 and lengths, the same resolution keys (backend choice, formats, kernel variants: what
-``MemOptimizer._resolution_keys`` returns), every parameter at its address and of its number of
+``MemOptimizer._resolution_keys`` returns), every parameter at its address, of its number of
 elements (``p.data = p.data[:n]`` keeps the address; a prepared launch would write the old
-size), every gradient of
+size) and of its dtype (a new tensor of another dtype can land where the allocator freed the
+old one: the kernels would write the old dtype's bytes into it), every gradient of
 its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
 launch prepared for one gradient dtype must not read the other; and every parameter and
 gradient that was contiguous still contiguous (``p.grad = p.grad.t()`` or ``p.data =
@@ -62,6 +63,7 @@ __all__ = [
     "grad_addresses",
     "grad_dtypes",
     "param_addresses",
+    "param_dtypes",
     "param_sizes",
     "still_contiguous",
 ]
@@ -109,6 +111,11 @@ def still_contiguous(tensors: Sequence[Tensor | None], positions: tuple[int, ...
         return all(t is None or t.is_contiguous() for t in chosen)
 
 
+def param_dtypes(params: Sequence[Tensor]) -> tuple[Any, ...]:
+    """Dtypes of ``params``."""
+    return tuple(map(_DTYPE, params))
+
+
 def grad_dtypes(grads: Sequence[Tensor | None]) -> tuple[Any, ...]:
     """Dtypes of ``grads`` (None for None)."""
     try:
@@ -152,6 +159,7 @@ class CachedStep:
         self._counts = [len(g["params"]) for g in groups]
         self._pptrs = [param_addresses(g["params"]) for g in groups]
         self._psizes = [param_sizes(g["params"]) for g in groups]
+        self._pdtypes = [param_dtypes(g["params"]) for g in groups]
         self._pcontig = [contiguous_positions(g["params"]) for g in groups]
         grads = [list(map(_GRAD, g["params"])) for g in groups]
         self._gptrs = list(map(grad_addresses, grads))
@@ -190,6 +198,9 @@ class CachedStep:
                 if param_sizes(params) != self._psizes[gi]:
                     return None  # resized at its address (``p.data = p.data[:n]``): a prepared
                     # launch would still write the old size
+                if param_dtypes(params) != self._pdtypes[gi]:
+                    return None  # another dtype at the same address (``p.data = new`` where the
+                    # allocator reused the old memory): the kernels would write the old one
                 if not still_contiguous(params, self._pcontig[gi]):
                     return None  # another layout at the same address (``p.data = p.data.t()``):
                     # a prepared launch would write its memory in the old order
