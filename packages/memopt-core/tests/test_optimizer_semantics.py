@@ -532,6 +532,25 @@ def test_check_numerics_raises_before_touching_anything():
     assert opt.state[params[0]]["step"].item() == 2
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", range(4))
+def test_check_numerics_names_the_one_bad_gradient_among_small_and_large(bad, where):
+    """The check reduces small gradients of a dtype together and large ones alone (min-max
+    reductions): one bad element, anywhere (here the last), in any of them is found and named,
+    and gradients at the largest finite values pass."""
+    shapes = [(3,), (1 << 16,), (5, 7), ((1 << 16) + 1,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    params = [torch.zeros(s, dtype=d).requires_grad_() for s, d in zip(shapes, dtypes, strict=True)]
+    opt = MemOptimizer([(f"p{i}", p) for i, p in enumerate(params)], check_numerics=True)
+    for p in params:
+        p.grad = torch.full_like(p, torch.finfo(p.dtype).max)
+        p.grad.view(-1)[0] = torch.finfo(p.dtype).min
+    opt.step()  # finite extremes: no error
+    params[where].grad.view(-1)[-1] = bad
+    with pytest.raises(NumericsError, match=rf"in 1 parameter\(s\): parameter 'p{where}' "):
+        opt.step()
+
+
 def test_without_check_numerics_nan_flows_into_the_parameter():
     p = torch.nn.Parameter(torch.ones(4))
     opt = MemOptimizer([p])

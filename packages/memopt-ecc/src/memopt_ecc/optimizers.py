@@ -319,19 +319,21 @@ class FlashOptimizer(MemOptimizer):
             return
         by_device: dict[torch.device, list[tuple[Tensor, Mapping[str, Any], Tensor]]] = {}
         for p, g, grad in items:
-            x = _decode(self, p, g).abs()
-            x = torch.where(torch.isfinite(x), x, torch.zeros((), device=x.device))
-            # the largest |g| (SGD's step) and whether g is finite (else core's error comes first)
-            gmax = grad.abs().amax().float() if kind == "sgd" else torch.zeros((), device=x.device)
-            finite = torch.isfinite(grad).all().float()
-            stats = torch.stack([x.amax(), gmax, finite])
+            # the decoded master's finite extremes and the gradient's, one min-max reduction
+            # each (aminmax keeps NaN and inf; on the CPU isfinite() and abs() took 20-50x as
+            # long), read once per device
+            xlo, xhi = torch.aminmax(_decode(self, p, g).nan_to_num(0.0, 0.0, 0.0))
+            glo, ghi = torch.aminmax(grad)
+            stats = torch.stack([xlo, xhi, glo.float(), ghi.float()])
             by_device.setdefault(p.device, []).append((p, g, stats))
         bad: list[str] = []
         for entries in by_device.values():
             values = torch.stack([s for *_, s in entries])
-            for (p, g, _), (mag, gmax, finite) in zip(entries, values.tolist(), strict=True):
-                if not finite:
+            for (p, g, _), (xlo, xhi, glo, ghi) in zip(entries, values.tolist(), strict=True):
+                if not (math.isfinite(glo) and math.isfinite(ghi)):
                     continue  # core reports non-finite gradients
+                mag = max(abs(xlo), abs(xhi))  # the largest finite |x|
+                gmax = max(abs(glo), abs(ghi)) if kind == "sgd" else 0.0  # SGD's step: max |g|
                 master = "fp32" if p.dtype == torch.float32 else g["master"]
                 sr = bool(g["stochastic_rounding"])
                 res = master_resolution(mag, master, p.dtype, sr)
