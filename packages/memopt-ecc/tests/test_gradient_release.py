@@ -6,9 +6,11 @@ non-finite gradient skips its bucket), DDP/FSDP1 refused."""
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -174,7 +176,7 @@ def test_backward_that_raises_leaves_its_bucket_unapplied():
     hook.remove()
     for n, p in rel_model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
-    assert handle._buckets.by_device  # the held gradients are still there...
+    assert handle._release.buckets.by_device  # the held gradients are still there...
     data = batches("cpu", n=3)
     with pytest.warns(RuntimeWarning, match=r"raised before its end.*3 parameter\(s\).*dropped"):
         loss_fn(rel_model, data[1]).backward()  # ...and dropped here
@@ -195,10 +197,10 @@ def test_remove_drops_held_gradients():
     with pytest.raises(RuntimeError):
         loss_fn(model, batches("cpu")[0]).backward()
     hook.remove()
-    assert handle._buckets.by_device
+    assert handle._release.buckets.by_device
     handle.remove()
-    assert not handle._buckets.by_device
-    assert not handle._buckets.tasks
+    assert not handle._release.buckets.by_device
+    assert not handle._release.buckets.tasks
 
 
 def test_reentrant_checkpoint_backward_keeps_the_outer_bucket():
@@ -666,3 +668,68 @@ def test_a_parameter_released_by_two_optimizers_is_refused():
         enable_gradient_release(model, second)
     handle.remove()
     enable_gradient_release(model, second).remove()  # once the first is removed
+
+
+def _hooks_on(model):
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_dropping_the_optimizer_and_handle_ends_the_release_without_gc():
+    """Optimizer and handle held each other: dropped without remove(), the hooks kept taking
+    every gradient and updating the weights until the cyclic collector happened to run."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1.0)
+    handle = enable_gradient_release(model, opt)
+    loss_fn(model, batches("cpu")[0]).backward()
+    gc.disable()
+    try:
+        del opt, handle
+        assert _hooks_on(model) == 0  # removed with the release
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_fn(model, batches("cpu")[1]).backward()
+        assert model.mix.weight.grad is not None  # the gradient stays for whoever steps next
+        for b, p in zip(before, model.parameters(), strict=True):
+            assert torch.equal(b, p.detach())
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_release_frees_its_model_without_remove():
+    """Each hook held its param group, and so its own parameter: a cycle through autograd's
+    hook table that gc cannot see, so every model of a sweep stayed in memory."""
+    model = make_model("cpu")
+    handle = enable_gradient_release(model, FlashAdamW(model.parameters(), lr=1e-2))
+    loss_fn(model, batches("cpu")[0]).backward()
+    weight = weakref.ref(model.mix.weight)
+    del model, handle
+    gc.collect()
+    assert weight() is None
+
+
+@pytest.mark.parametrize("keep", ["optimizer", "handle"])
+def test_either_the_optimizer_or_the_handle_keeps_the_release_active(keep):
+    """The return value ignored (the optimizer kept) or the optimizer built inline (the handle
+    kept): the release goes on in both cases, bit for bit as with both kept."""
+    ref_model = make_model("cpu")
+    ref_opt = FlashAdamW(ref_model.parameters(), lr=1e-2)
+    ref_handle = enable_gradient_release(ref_model, ref_opt)
+    model = make_model("cpu")
+    if keep == "optimizer":
+        opt = FlashAdamW(model.parameters(), lr=1e-2)
+        enable_gradient_release(model, opt)
+    else:
+        handle = enable_gradient_release(model, FlashAdamW(model.parameters(), lr=1e-2))
+    gc.collect()
+    for idx in batches("cpu"):
+        loss_fn(ref_model, idx).backward()
+        loss_fn(model, idx).backward()
+    for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(model.mix.weight, make_model("cpu").mix.weight)
+    ref_handle.remove()
+    if keep == "handle":
+        handle.remove()
+        assert _hooks_on(model) == 0
+    else:
+        assert opt.gradient_release_active
+        assert _hooks_on(model) > 0

@@ -84,6 +84,23 @@ class _Bucket:
         self.nbytes = 0
 
 
+class _Release:
+    """One activation's state, held by the optimizer (its ``begin_gradient_release`` owner) and
+    by the handle, and only weakly by the hooks: with no strong path from a parameter's hook
+    back to that parameter, dropping the model, the optimizer and the handle frees them without
+    ``remove()`` (a hook that held its group held its own parameter, a cycle through autograd
+    that Python's collector cannot see), and the hooks go with them (:func:`weakref.finalize`).
+    Either of the optimizer and the handle keeps the release active."""
+
+    __slots__ = ("__weakref__", "buckets", "frozen", "groups", "hooks")
+
+    def __init__(self, groups: dict[int, dict[str, Any]], frozen: list[Tensor], cap: int) -> None:
+        self.groups = groups  # id(parameter) -> its param group (pre_step's second argument)
+        self.frozen = frozen  # held parameters frozen at enable time (they get no hook)
+        self.buckets = _Buckets(cap)
+        self.hooks: list[Any] = []
+
+
 class _EndOfBackward:
     """The callback queued on a backward's graph task. autograd's engine runs it at the end of
     that backward, or drops it unrun when the backward raises: a dead weak reference to an
@@ -98,19 +115,22 @@ class _EndOfBackward:
         self.run()
 
 
-#: id(parameter) -> (the parameter, its handle), weakly, for each parameter with a release
+#: id(parameter) -> (the parameter, its release), weakly, for each parameter with a release
 #: hook: a second optimizer's hook on it would always find its gradient taken. (Keyed by id:
 #: weak-keyed dicts compare tensors with ==.)
 _RELEASED: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _releasing_handle(p: Tensor) -> GradientReleaseHandle | None:
-    """The active handle whose hook releases ``p``, if any."""
+def _is_released(p: Tensor) -> bool:
+    """Whether a live release hooks ``p``."""
     entry = _RELEASED.get(id(p))
-    if entry is None or entry[0]() is not p:
-        return None
-    handle = entry[1]()
-    return handle if handle is not None and handle._active else None
+    return entry is not None and entry[0]() is p and entry[1]() is not None
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+    hooks.clear()
 
 
 class _Buckets:
@@ -188,15 +208,16 @@ class _Buckets:
 class GradientReleaseHandle:
     """Returned by :func:`enable_gradient_release`; :meth:`remove` restores the ordinary loop."""
 
-    def __init__(self, optimizer: MemOptimizer, hooks: list[Any], scaler: Any = None) -> None:
+    def __init__(self, optimizer: MemOptimizer, release: _Release, scaler: Any = None) -> None:
         self._optimizer = optimizer
-        self._hooks = hooks
+        self._release = release
         self._active = True
         self.grad_scaler = scaler
         self._skipped = 0
         # a capturable optimizer skips on the device: its flags are summed here, read on demand
         self._skipped_on_device: Tensor | None = None
-        self._buckets: _Buckets | None = None  # set by enable_gradient_release
+        # the hooks go when the release does: at remove(), or once nothing holds it
+        self._finalizer = weakref.finalize(release, _remove_hooks, release.hooks)
 
     @property
     def skipped(self) -> int:
@@ -229,15 +250,12 @@ class GradientReleaseHandle:
                 "already released in it would miss this backward's update. Call it between "
                 "backwards"
             )
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self._buckets is not None:
-            self._buckets.drop()
+        self._finalizer()
+        self._release.buckets.drop()
         self._active = False
-        for key in [k for k, (_, h) in _RELEASED.items() if h() is self]:
+        for key in [k for k, (_, r) in _RELEASED.items() if r() is self._release]:
             del _RELEASED[key]
-        self._optimizer.end_gradient_release(self)
+        self._optimizer.end_gradient_release(self._release)
 
     def __enter__(self) -> GradientReleaseHandle:
         return self
@@ -246,7 +264,7 @@ class GradientReleaseHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"GradientReleaseHandle(active={self.active}, hooks={len(self._hooks)})"
+        return f"GradientReleaseHandle(active={self.active}, hooks={len(self._release.hooks)})"
 
 
 #: (device type, dtype) pairs torch's unscale kernel does not implement (bf16 on CUDA)
@@ -383,17 +401,23 @@ def enable_gradient_release(
     # first backward, on top of the live activations (measured: a 3 GiB higher first-step peak
     # on the Qwen2.5-0.5B shape). The same bits either way (MemOptimizer.init_state).
     optimizer.init_state()
-    handle = GradientReleaseHandle(optimizer, [], grad_scaler)
-    buckets = handle._buckets = _Buckets(int(bucket_mb * 2**20))
+    # held parameters frozen now get no hook: one unfrozen later would never be updated
+    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+    release = _Release(groups, frozen, int(bucket_mb * 2**20))
+    handle = GradientReleaseHandle(optimizer, release, grad_scaler)
     on_device = bool(optimizer._step_supports_amp_scaling)  # capturable: skips on the device
+    # the hooks reach all of these weakly (_Release says why)
     opt_ref = weakref.ref(optimizer)
     handle_ref = weakref.ref(handle)
+    release_ref = weakref.ref(release)
 
     def update(device: torch.device) -> None:
         """One fused update of ``device``'s bucket."""
-        params, grads = buckets.take(device)
-        opt = opt_ref()
-        if opt is None or not params:
+        opt, rel = opt_ref(), release_ref()
+        if opt is None or rel is None:
+            return
+        params, grads = rel.buckets.take(device)
+        if not params:
             return
         held = dict(zip(params, grads, strict=True))
         if scaler is None:
@@ -415,15 +439,15 @@ def enable_gradient_release(
         else:
             opt.step_parameters(params, grads=held)
 
-    # held parameters frozen now get no hook: one unfrozen later would never be updated
-    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-
     def update_all(task: int) -> None:
-        buckets.tasks.pop(task, None)
-        for device in list(buckets.by_device):
+        rel = release_ref()
+        if rel is None:
+            return
+        rel.buckets.tasks.pop(task, None)
+        for device in list(rel.buckets.by_device):
             update(device)  # gradients of an enclosing backward too: they are final
         opt = opt_ref()
-        late = [p for p in frozen if p.requires_grad and p.grad is not None]
+        late = [p for p in rel.frozen if p.requires_grad and p.grad is not None]
         if late and opt is not None:
             listed = "; ".join(opt._param_label(p) for p in late[:4])
             more = f" and {len(late) - 4} more" if len(late) > 4 else ""
@@ -435,7 +459,7 @@ def enable_gradient_release(
                 "parameters of this backward were updated)"
             )
 
-    def hold(p: Tensor, grad: Tensor) -> bool:
+    def hold(buckets: _Buckets, p: Tensor, grad: Tensor) -> bool:
         """Hold ``grad`` until its bucket is full or its backward ends; True: update now."""
         task = torch._C._current_graph_task_id()
         if task < 0:  # not inside autograd's engine (nothing to wait for): update at once
@@ -465,29 +489,27 @@ def enable_gradient_release(
             )
         return buckets.add(p, grad, task)
 
-    def make_hook(group: dict[str, Any]) -> Callable[[Tensor], None]:
-        def hook(p: Tensor) -> None:
-            grad = p.grad
-            if opt_ref() is None or grad is None:
-                return
-            # the gradient leaves .grad before anything that can raise: left there, the next
-            # backward would add its own to it and apply both (never late, as ecc.md says)
-            p.grad = None
-            if scaler is not None and scaler._scale is None:
-                raise RuntimeError(
-                    "gradient release with a GradScaler: the scaler has no scale yet; call "
-                    "scaler.scale(loss).backward()"
-                )
-            take = True if pre_step is None else pre_step(p, group)
-            if not isinstance(take, bool):  # a logging callback without `return True`
-                raise TypeError(
-                    f"gradient release: pre_step must return True (update) or False (skip), "
-                    f"got {take!r}"
-                )
-            if take and hold(p, grad):
-                update(grad.device)
-
-        return hook
+    def hook(p: Tensor) -> None:
+        grad = p.grad
+        rel = release_ref()
+        if rel is None or opt_ref() is None or grad is None:
+            return
+        # the gradient leaves .grad before anything that can raise: left there, the next
+        # backward would add its own to it and apply both (never late, as ecc.md says)
+        p.grad = None
+        if scaler is not None and scaler._scale is None:
+            raise RuntimeError(
+                "gradient release with a GradScaler: the scaler has no scale yet; call "
+                "scaler.scale(loss).backward()"
+            )
+        take = True if pre_step is None else pre_step(p, rel.groups[id(p)])
+        if not isinstance(take, bool):  # a logging callback without `return True`
+            raise TypeError(
+                f"gradient release: pre_step must return True (update) or False (skip), "
+                f"got {take!r}"
+            )
+        if take and hold(rel.buckets, p, grad):
+            update(grad.device)
 
     hooked = [
         p  # deduplicated: a tied parameter gets one hook
@@ -497,17 +519,17 @@ def enable_gradient_release(
     for key in [k for k, (p, _) in _RELEASED.items() if p() is None]:
         del _RELEASED[key]  # parameters that no longer exist
     for p in hooked:
-        if _releasing_handle(p) is not None:
+        if _is_released(p):
             raise ConfigError(
                 f"gradient release: {optimizer._param_label(p)} is already released by another "
                 "optimizer's handle, whose hook takes its gradient first: this optimizer would "
                 "never update it. Give each parameter to one optimizer, or remove that handle"
             )
-    optimizer.begin_gradient_release(handle)  # step()/zero_grad() become warning no-ops
+    optimizer.begin_gradient_release(release)  # step()/zero_grad() become warning no-ops
     try:
         for p in hooked:
-            handle._hooks.append(p.register_post_accumulate_grad_hook(make_hook(groups[id(p)])))
-            _RELEASED[id(p)] = (weakref.ref(p), weakref.ref(handle))
+            release.hooks.append(p.register_post_accumulate_grad_hook(hook))
+            _RELEASED[id(p)] = (weakref.ref(p), release_ref)
     except BaseException:
         handle.remove()
         raise
