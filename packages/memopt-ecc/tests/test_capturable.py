@@ -161,6 +161,29 @@ def test_whole_iteration_in_a_cuda_graph():
     assert float(graphed.state[next(m_graph.parameters())]["step"]) == 12.0
 
 
+@pytest.mark.gpu
+@_CUDA
+def test_a_host_step_in_a_cuda_graph_is_refused():
+    """capturable=False keeps step counts and bias corrections on the host: captured, every
+    replay repeated the captured step and no count advanced, silently. Refused before any
+    change; the same optimizer with capturable=True captures (the test above)."""
+    params = _params(torch.bfloat16)
+    opt = FlashAdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # warm: tables and state exist
+    before = [p.detach().clone() for p in params]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ConfigError, match=r"captured in a CUDA graph, but .* capturable=False"):  # noqa: SIM117
+        with torch.cuda.graph(graph):
+            opt.step()
+    for b, p in zip(before, params, strict=True):
+        assert torch.equal(b, p.detach())
+    assert float(opt.state[params[0]]["step"]) == 1.0
+    opt.step()  # still usable eagerly
+    assert float(opt.state[params[0]]["step"]) == 2.0
+
+
 _RELEASE_WITH_SCALER = r"""
 import copy, math, sys
 sys.path.insert(0, sys.argv[1])

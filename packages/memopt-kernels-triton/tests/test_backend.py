@@ -131,3 +131,30 @@ def test_cuda_groups_route_to_triton_through_the_registry():
     spec = StateSpec(master="ecc24", moments="q8")
     chosen = backends.select_backend("adam", spec, "cuda", torch.bfloat16, "auto")
     assert chosen.name == "triton"
+
+
+def test_a_group_the_kernels_refuse_fails_before_any_group_runs(device):
+    """core takes a bf16 gradient for an fp32 parameter (its own master); these kernels refuse
+    it. With a bf16 group first, that group was updated before the fp32 one raised: the
+    backend's check() now refuses the step before any launch, changing nothing."""
+    from memopt_core import ConfigError, MemOptimizer
+
+    gen = torch.Generator().manual_seed(0)
+    half = torch.nn.Parameter(torch.randn(33, generator=gen).to(torch.bfloat16).to(device))
+    full = torch.nn.Parameter(torch.randn(31, generator=gen).to(device))
+    opt = MemOptimizer([half, full], lr=1e-2, backend="triton")
+    half.grad = torch.randn(33, generator=gen).to(torch.bfloat16).to(device)
+    full.grad = torch.randn(31, generator=gen).to(device)
+    opt.step()  # state exists
+    if hasattr(full, "grad_dtype"):  # torch 2.12+ refuses another gradient dtype unless told
+        full.grad_dtype = None
+    full.grad = full.grad.to(torch.bfloat16)
+    before = [t.clone() for t in (half.detach(), full.detach())]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in (half, full)]
+    with pytest.raises(ConfigError, match="gradients must have the parameter's dtype or float32"):
+        opt.step()
+    assert torch.equal(half.detach(), before[0])
+    assert torch.equal(full.detach(), before[1])
+    for p, saved in zip((half, full), states, strict=True):
+        for k, v in saved.items():
+            assert torch.equal(opt.state[p][k], v), k

@@ -1405,12 +1405,25 @@ class MemOptimizer(Optimizer):
         the per-tensor host work.
 
         While gradient release is active: does nothing (the closure is not called), warns once
-        per activation and returns None; torch's step hooks still run once.
+        per activation and returns None; torch's step hooks still run once. Inside a CUDA graph
+        capture it needs ``capturable=True`` (``ConfigError`` otherwise, before any change).
         """
         self._refuse_inference_mode("step")
         if self._release_owner is not None:
             self._warn_released("step")
             return None
+        if (
+            not self._capturable
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            raise ConfigError(
+                f"{type(self).__name__}.step() is being captured in a CUDA graph, but the "
+                "optimizer has capturable=False: its step counts, bias corrections and stochastic"
+                "-rounding step live on the host and would be frozen into the graph (every "
+                "replay would repeat the captured step and no count would advance). Construct "
+                "it with capturable=True to capture its step"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

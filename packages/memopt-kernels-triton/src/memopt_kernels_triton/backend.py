@@ -7,7 +7,8 @@ preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stoc
 ``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`;
 a capturable step, ``GroupStep.device_step``, adds one small launch that computes the per-tensor
 scalars from step counts on the device);
-``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
+``check()`` validates a group without launching (core runs it on every group of a step before
+the first launch); ``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
 device tensor (CUDA-graph capture); ``codecs()`` hands core's conversions (state dicts, fp32
 export) the standalone codecs of :mod:`memopt_kernels_triton.ops` for CUDA tensors.
 Nothing here imports triton before it is needed.
@@ -67,6 +68,15 @@ class TritonBackend:
         from memopt_kernels_triton import ops
 
         ops.fused_step(work)
+
+    def check(self, work: GroupStep) -> None:
+        """Raise what :meth:`step` would raise for ``work``'s tensors, launching nothing (core
+        checks every group of a step before the first one runs: a refused gradient in the
+        second group left the first one updated). The validated tables stay cached for the
+        step."""
+        from memopt_kernels_triton import ops
+
+        ops.prepare_step(work)
 
     def prepare(self, work: GroupStep):
         """``work`` resolved for repeated launches (:func:`memopt_kernels_triton.ops.prepare_step`);
