@@ -79,3 +79,25 @@ def test_an_installed_component_that_fails_to_import_raises_its_own_error(tmp_pa
     assert out.returncode != 0
     assert "a stale build" in out.stderr.splitlines()[-1]
     assert "needs the memopt-offload package" not in out.stderr
+
+
+def test_what_type_checkers_see_matches_the_exports():
+    """The names imported under TYPE_CHECKING and the literal __all__ there are what mypy and
+    IDEs read (the lazy __getattr__ gave them Any): each must be an export, from its module."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(memopt.__file__).read_text())
+    imported: dict[str, str] = {}
+    literal: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for sub in node.body:
+                if isinstance(sub, ast.ImportFrom):
+                    imported.update({a.name: sub.module for a in sub.names})
+                elif isinstance(sub, ast.Assign):
+                    literal = set(ast.literal_eval(sub.value))
+    assert set(imported) == set(memopt._EXPORTS)
+    assert literal == {*memopt._EXPORTS, "__version__"}
+    for name, module in imported.items():
+        assert getattr(__import__(module, fromlist=[name]), name) is getattr(memopt, name)

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from memopt_apexw import auto_mode
 from memopt_apexw.auto_mode import ModeDecision, Trial
@@ -101,7 +102,7 @@ class ApexW(MemOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
@@ -246,7 +247,7 @@ class ApexW(MemOptimizer):
 
     # ----------------------------------------------------------------------------- stepping
     @run_eagerly  # as MemOptimizer.step
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One AdamW step over every parameter with a gradient; returns the closure's loss."""
         self._refuse_inference_mode("step")
         if self._release_owner is not None:

@@ -332,7 +332,7 @@ class MemOptimizer(Optimizer):
         self,
         params: Iterable[Any],
         rule: str = "adamw",
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] | None = None,
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -1397,7 +1397,7 @@ class MemOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     @run_eagerly  # under torch.compile too (memopt_core.eager says why)
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
         Without ``capturable``, the works of an earlier step are replayed while every parameter

@@ -35,7 +35,7 @@ import functools
 import warnings
 from collections.abc import Iterable
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -161,13 +161,16 @@ def _remove_hooks(model: nn.Module) -> None:
         m.__dict__.pop(_IN_DTYPES, None)
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
 def cast_model(
-    model: nn.Module,
+    model: _M,
     dtype: torch.dtype = torch.bfloat16,
     selective: bool = True,
     full_precision_layers: Iterable[str | nn.Module] | str | nn.Module | None = (),
     full_precision_recast_layers: Iterable[str | nn.Module] | str | nn.Module | None = (),
-) -> nn.Module:
+) -> _M:
     """Cast ``model``'s floating parameters and buffers to ``dtype`` in place; returns ``model``.
 
     See the module doc for the exact semantics of ``selective``, ``full_precision_layers`` (kept

@@ -159,7 +159,7 @@ class FlashOptimizer(MemOptimizer):
         params: Iterable[Any],
         *,
         rule: str,
-        lr: float,
+        lr: float | Tensor,
         betas: tuple[float, float] | None = None,
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -539,7 +539,7 @@ class FlashSGD(FlashOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -580,7 +580,7 @@ class FlashSGDW(FlashOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
@@ -627,7 +627,7 @@ class FlashAdam(FlashOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
@@ -670,7 +670,7 @@ class FlashAdamW(FlashOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
@@ -715,7 +715,7 @@ class FlashLion(FlashOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
         decouple_lr: bool = False,

@@ -100,10 +100,10 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -132,6 +132,9 @@ from memopt_core.state_dict_hooks import (
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
+
+if TYPE_CHECKING:  # imported where used: the autotuner is optional work
+    from memopt_offload.autotune import AutoTuneConfig
 
 __all__ = ["PRECISIONS", "UPDATES", "AdamBridge"]
 
@@ -501,7 +504,7 @@ class AdamBridge(Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
@@ -512,7 +515,7 @@ class AdamBridge(Optimizer):
         bucket_mb: float | None = None,
         pin_memory: bool = True,
         seed: int = 0,
-        autotune: Any = None,
+        autotune: bool | AutoTuneConfig | None = None,
         backend: str | None = None,
         update: str = "host",
         prefetch_mb: float = 512.0,
@@ -1285,7 +1288,7 @@ class AdamBridge(Optimizer):
     # --------------------------------------------------------------------------- stepping
     @run_eagerly  # under torch.compile too: its hooks, threads and host buffers are no graph
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step. With hooks attached: collect the updates the hooks started (this is what
         :meth:`step_sync` calls). Any parameter holding a gradient the hooks did not take (no
         hooks, a backward inside :meth:`no_update`, or a parameter outside the hooked model)

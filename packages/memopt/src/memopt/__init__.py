@@ -12,9 +12,37 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: each name with its component's types
+    from memopt_apexw import ApexW
+    from memopt_core.errors import (
+        BackendUnavailableError,
+        CheckpointError,
+        ConfigError,
+        FormatError,
+        MemoptError,
+        NumericsError,
+        OffloadError,
+        RoundToNearestWarning,
+        StateDictError,
+    )
+    from memopt_core.formats import StateSpec
+    from memopt_core.optimizer import MemOptimizer
+    from memopt_ecc import (
+        FlashAdam,
+        FlashAdamW,
+        FlashLion,
+        FlashSGD,
+        FlashSGDW,
+        cast_model,
+        enable_gradient_release,
+        get_fp32_model_state_dict,
+        set_fp32_model_state_dict,
+    )
+    from memopt_offload import AdamBridge
 
 #: public name -> (module that defines it, distribution that ships the module)
 _EXPORTS: dict[str, tuple[str, str]] = {
@@ -39,6 +67,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "AdamBridge": ("memopt_offload", "memopt-offload"),
     "ApexW": ("memopt_apexw", "memopt-apexw"),
     "OffloadError": ("memopt_core.errors", "memopt-core"),
+    "RoundToNearestWarning": ("memopt_core.errors", "memopt-core"),
 }
 
 
@@ -48,8 +77,39 @@ def _installed(module: str) -> bool:
 
 
 #: the names of the installed components only, so ``from memopt import *`` and ``dir()`` work
-#: whatever is installed; a missing component's name still explains itself when asked for
-__all__ = ["__version__", *(name for name, (module, _) in _EXPORTS.items() if _installed(module))]
+#: whatever is installed; a missing component's name still explains itself when asked for.
+#: Type checkers read the literal (every name; a test keeps it equal to ``_EXPORTS``).
+if TYPE_CHECKING:
+    __all__ = [
+        "AdamBridge",
+        "ApexW",
+        "BackendUnavailableError",
+        "CheckpointError",
+        "ConfigError",
+        "FlashAdam",
+        "FlashAdamW",
+        "FlashLion",
+        "FlashSGD",
+        "FlashSGDW",
+        "FormatError",
+        "MemOptimizer",
+        "MemoptError",
+        "NumericsError",
+        "OffloadError",
+        "RoundToNearestWarning",
+        "StateDictError",
+        "StateSpec",
+        "__version__",
+        "cast_model",
+        "enable_gradient_release",
+        "get_fp32_model_state_dict",
+        "set_fp32_model_state_dict",
+    ]
+else:
+    __all__ = [
+        "__version__",
+        *(name for name, (module, _) in _EXPORTS.items() if _installed(module)),
+    ]
 
 
 def _import(module: str, what: str, dist: str) -> Any:
