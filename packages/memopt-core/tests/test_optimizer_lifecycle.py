@@ -163,6 +163,9 @@ def test_release_switch_turns_step_and_zero_grad_into_warning_no_ops():
     msg = str(rec[0].message)
     assert "MemOptimizer.step() does nothing while enable_gradient_release() is active" in msg
     assert "handle.remove()" in msg  # what to do
+    # what it means for a framework's loop, which calls step() itself
+    assert "gradient accumulation" in msg
+    assert "clip_grad_norm_ finds no gradient" in msg
     assert rec[0].filename == __file__  # points at the caller, through torch's hook wrapper
     assert not called  # the closure is not evaluated
     with pytest.warns(UserWarning, match=r"MemOptimizer\.zero_grad\(\) does nothing") as rec:

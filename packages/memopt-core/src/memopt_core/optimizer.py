@@ -1381,9 +1381,12 @@ class MemOptimizer(Optimizer):
         warnings.warn(
             f"{type(self).__name__}.{what}() does nothing while enable_gradient_release() is "
             "active: its hooks update each parameter during backward, as soon as its gradient is "
-            f"final, and then free that gradient. Drop the {what}() call from the training loop, "
-            "or call handle.remove() to go back to the ordinary zero_grad()/backward()/step() "
-            "loop (this warning is shown once per activation)",
+            "final, and then free that gradient. So every backward is a whole update: gradient "
+            "accumulation (a framework's gradient_accumulation_steps) updates once per "
+            "micro-batch, and clip_grad_norm_ finds no gradient to clip. Drop the "
+            f"{what}() call from the training loop (in a framework: no accumulation, no "
+            "clipping), or call handle.remove() to go back to the ordinary "
+            "zero_grad()/backward()/step() loop (this warning is shown once per activation)",
             UserWarning,
             stacklevel=_caller_stacklevel(),
         )
