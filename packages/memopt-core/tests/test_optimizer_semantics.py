@@ -656,6 +656,33 @@ def test_a_compiled_step_gives_the_eager_bits():
     assert torch.equal(out[0].view(torch.int32), out[1].view(torch.int32))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # dynamo's imports
+def test_a_compiled_training_step_gives_the_eager_bits(device):
+    """A compiled training step (forward, backward and opt.step() in one torch.compile): the
+    step graph-breaks into the eager step, with the eager bits. On the H200 (torch 2.11)
+    dynamo failed an internal assertion tracing the step wrapper's own bookkeeping."""
+    out = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)
+        ).to(device)
+        opt = MemOptimizer(model.parameters(), rule="adamw", lr=1e-2, moments="q8")
+
+        def train_step(x, model=model, opt=opt):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        step = torch.compile(train_step, backend="eager") if compiled else train_step
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            step(torch.randn(8, 16, generator=gen).to(device))
+        out.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*out, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 @pytest.mark.parametrize("sr", [True, False])
 def test_reaching_the_float32_step_limit_warns_once_with_stochastic_rounding(sr):
     """float32 step counts (torch's too) stop at 2**24; stochastic rounding, whose words come

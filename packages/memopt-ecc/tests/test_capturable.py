@@ -10,6 +10,7 @@ memopt-kernels-triton's ``test_device_step.py``.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -174,9 +175,11 @@ def test_a_host_step_in_a_cuda_graph_is_refused():
     opt.step()  # warm: tables and state exist
     before = [p.detach().clone() for p in params]
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ConfigError, match=r"captured in a CUDA graph, but .* capturable=False"):  # noqa: SIM117
-        with torch.cuda.graph(graph):
-            opt.step()
+    with warnings.catch_warnings():  # the capture ends empty, and torch says so
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with pytest.raises(ConfigError, match=r"captured in a CUDA graph, but .* capturable=False"):  # noqa: SIM117
+            with torch.cuda.graph(graph):
+                opt.step()
     for b, p in zip(before, params, strict=True):
         assert torch.equal(b, p.detach())
     assert float(opt.state[params[0]]["step"]) == 1.0

@@ -1339,7 +1339,9 @@ class MemOptimizer(Optimizer):
             finally:
                 self._in_step = False
 
-        return wrapper
+        # eager under torch.compile as the step it wraps: torch 2.11's dynamo, tracing a
+        # compiled training step into it, failed an internal assertion at the _in_step setattr
+        return run_eagerly(wrapper)
 
     # --------------------------------------------------------------------- gradient release
     @property
