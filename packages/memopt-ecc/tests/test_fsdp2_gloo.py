@@ -115,3 +115,43 @@ def test_fp32_state_dict_of_a_sharded_model(tmp_path):
             memopt_ecc.set_fp32_model_state_dict(sharded, opts[1], want)
     finally:
         dist.destroy_process_group()
+
+
+def test_check_numerics_on_a_sharded_model(tmp_path):
+    """check_numerics on FSDP2 parameters (DTensors; a one-rank mesh): the resolution check
+    raised RuntimeError (.tolist() of a DTensor) at every step. Now each process checks its
+    shard: the same steps as the plain model, a too-small lr and a NaN refused alike."""
+    from torch.distributed.fsdp import fully_shard
+
+    from memopt_core import NumericsError
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain, sharded = make_model(), make_model()
+        fully_shard(sharded)
+        opts = [
+            memopt_ecc.FlashAdamW(m.parameters(), lr=1e-2, check_numerics=True)
+            for m in (plain, sharded)
+        ]
+        for t in range(3):
+            for m, o in zip((plain, sharded), opts, strict=True):
+                loss_of(m, t, 0).backward()
+                o.step()
+                o.zero_grad()
+        want = memopt_ecc.get_fp32_model_state_dict(plain, opts[0])
+        got = memopt_ecc.get_fp32_model_state_dict(sharded, opts[1])
+        for k, v in want.items():
+            assert torch.equal(got[k].full_tensor(), v), k
+        for m, o in zip((plain, sharded), opts, strict=True):
+            loss_of(m, 3, 0).backward()
+            for g in o.param_groups:
+                g["lr"] = 1e-12  # far below ECC-24's resolution at these weights
+            with pytest.raises(NumericsError, match="below the master format's resolution"):
+                o.step()
+            for g in o.param_groups:
+                g["lr"] = 1e-2
+            next(iter(m.parameters())).grad.view(-1)[0] = float("nan")
+            with pytest.raises(NumericsError, match="non-finite gradient"):
+                o.step()
+    finally:
+        dist.destroy_process_group()

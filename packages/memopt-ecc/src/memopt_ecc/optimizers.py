@@ -321,8 +321,12 @@ class FlashOptimizer(MemOptimizer):
         for p, g, grad in items:
             # the decoded master's finite extremes and the gradient's, one min-max reduction
             # each (aminmax keeps NaN and inf; on the CPU isfinite() and abs() took 20-50x as
-            # long), read once per device
-            xlo, xhi = torch.aminmax(_decode(self, p, g).nan_to_num(0.0, 0.0, 0.0))
+            # long), read once per device. A sharded parameter is checked on this process's
+            # shard (a DTensor's .tolist() raised): the largest weights it updates
+            x, grad = local_shard(_decode(self, p, g)), local_shard(grad)
+            if x.numel() == 0:
+                continue  # a process holding none of the tensor
+            xlo, xhi = torch.aminmax(x.nan_to_num(0.0, 0.0, 0.0))
             glo, ghi = torch.aminmax(grad)
             stats = torch.stack([xlo, xhi, glo.float(), ghi.float()])
             by_device.setdefault(p.device, []).append((p, g, stats))
