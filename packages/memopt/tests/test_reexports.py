@@ -101,3 +101,18 @@ def test_what_type_checkers_see_matches_the_exports():
     assert literal == {*memopt._EXPORTS, "__version__"}
     for name, module in imported.items():
         assert getattr(__import__(module, fromlist=[name]), name) is getattr(memopt, name)
+
+
+def test_public_signatures_resolve_at_runtime():
+    """Tools that read signatures at runtime (config builders, CLIs) call get_type_hints: an
+    annotation naming a type imported only for type checkers raised NameError there."""
+    import inspect
+    import typing
+
+    for name, (module, _) in memopt._EXPORTS.items():
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            continue
+        obj = getattr(memopt, name)
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        if inspect.isfunction(target):
+            typing.get_type_hints(target)

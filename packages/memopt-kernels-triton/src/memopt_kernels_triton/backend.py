@@ -72,11 +72,10 @@ class TritonBackend:
     def check(self, work: GroupStep) -> None:
         """Raise what :meth:`step` would raise for ``work``'s tensors, launching nothing (core
         checks every group of a step before the first one runs: a refused gradient in the
-        second group left the first one updated). The validated tables stay cached for the
-        step."""
+        second group left the first one updated): :func:`memopt_kernels_triton.ops.check_step`."""
         from memopt_kernels_triton import ops
 
-        ops.prepare_step(work)
+        ops.check_step(work)
 
     def prepare(self, work: GroupStep):
         """``work`` resolved for repeated launches (:func:`memopt_kernels_triton.ops.prepare_step`);

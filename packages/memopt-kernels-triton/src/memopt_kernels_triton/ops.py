@@ -58,6 +58,7 @@ __all__ = [
     "KernelConfig",
     "PreparedStep",
     "adam_hyper_words",
+    "check_step",
     "decode_master",
     "decode_moment",
     "device_step",
@@ -1316,6 +1317,24 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
     if strided:  # the slot table holds the copies' addresses: no with_grads either
         return PreparedStep(work.rule, grid, head, kw, copies, dev, n, held=grads)
     return PreparedStep(work.rule, grid, head, kw, copies, dev, n, tables.host_slots, gd, gn)
+
+
+def check_step(work: GroupStep) -> None:
+    """Raise what :func:`fused_step` would raise for ``work``'s tensors, launching nothing:
+    :func:`prepare_step` where every tensor is contiguous (its validated tables stay cached for
+    the step), else the per-tensor validation alone (prepare_step would copy the strided
+    tensors, only for the step to copy them again)."""
+    try:
+        contiguous = all(map(Tensor.is_contiguous, work.params)) and all(
+            map(Tensor.is_contiguous, work.grads)
+        )
+    except (TypeError, AttributeError):  # not tensors: prepare_step says why
+        contiguous = True
+    if contiguous:
+        prepare_step(work)
+        return
+    _validate(work, work.plan)
+    _check_bases(work, work.plan)
 
 
 def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:

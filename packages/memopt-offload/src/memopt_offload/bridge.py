@@ -103,7 +103,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -130,11 +130,9 @@ from memopt_core.state_dict_hooks import (
     run_load_pre_hooks,
 )
 from memopt_kernels_cpu import ops as cpu_ops
+from memopt_offload.autotune import AutoTuneConfig
 from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
-
-if TYPE_CHECKING:  # imported where used: the autotuner is optional work
-    from memopt_offload.autotune import AutoTuneConfig
 
 __all__ = ["PRECISIONS", "UPDATES", "AdamBridge"]
 
@@ -553,12 +551,8 @@ class AdamBridge(Optimizer):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if autotune is True:
-            from memopt_offload.autotune import AutoTuneConfig
-
             AutoTuneConfig.load_or_measure().apply()
         elif autotune is not None and autotune is not False:  # 0 is no bool: refused below
-            from memopt_offload.autotune import AutoTuneConfig
-
             if not isinstance(autotune, AutoTuneConfig):  # the class itself, say
                 raise ConfigError(
                     f"autotune must be None, True or an AutoTuneConfig instance, got {autotune!r}"
