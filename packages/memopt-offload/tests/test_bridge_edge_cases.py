@@ -404,3 +404,16 @@ def test_a_saved_state_dict_holds_the_state_only():
     buf = io.BytesIO()
     torch.save(sd, buf)
     assert buf.tell() < held * 1.01 + 4096
+
+
+def test_a_gradient_taken_by_an_earlier_hook_is_named():
+    """A post-accumulate-grad hook registered before attach_hooks() that takes the gradient
+    (p.grad = None, as gradient release does) made AdamBridge's hook fail with an
+    AttributeError from inside backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = AdamBridge(model.parameters(), lr=1e-2, pin_memory=False)
+    model.bias.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    opt.attach_hooks(model)
+    with pytest.raises(OffloadError, match=r"has no gradient in AdamBridge's hook"):
+        model(torch.randn(2, 4)).sum().backward()

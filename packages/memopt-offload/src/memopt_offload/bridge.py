@@ -1022,6 +1022,12 @@ class AdamBridge(Optimizer):
     def _on_grad(self, p: Tensor) -> None:
         if self._accumulating:
             return
+        if p.grad is None:  # an earlier post-accumulate-grad hook took it (AttributeError before)
+            raise OffloadError(
+                f"{self._slots[id(p)].label} has no gradient in AdamBridge's hook: a hook "
+                "registered before attach_hooks() took it (p.grad = None; memopt_ecc's "
+                "enable_gradient_release does so). Give each parameter to one optimizer's hooks"
+            )
         self._offload(self._slots[id(p)], free=True)
         if not self._callback_queued:
             self._callback_queued = True
