@@ -1937,7 +1937,10 @@ class MemOptimizer(Optimizer):
         spec = self._spec(group, p.dtype)
         master = spec.master_for(p.dtype)
         padded = round_up(p.numel(), padding_unit(spec))
-        needed = set(self._needed_names(group))
+        # SGD's momentum buffer appears at the first step with momentum: one switched on after
+        # a step has none until then, and a state saved in between loads without it (the
+        # buffer starts at zero either way)
+        needed = set(self._needed_names(group)) if self._kind != "sgd" else set()
         allowed = self._allowed_names()
         layout = {
             name: expected_layout({name: self._codec_of(name, spec)}, None, p.shape, padded)
