@@ -355,6 +355,15 @@ def test_a_rewrite_keeps_the_files_permission_bits(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "new.bin").st_mode) == 0o666 & ~umask
 
 
+def test_a_missing_folder_is_named(tmp_path):
+    """open() named the hidden temporary file (``run/.ck.bin.tmp-...``), not the missing folder;
+    nothing is created."""
+    path = tmp_path / "run" / "ck.bin"
+    with pytest.raises(FileNotFoundError, match=r"the folder of '.*run/ck\.bin' does not exist"):
+        write_checkpoint(path, {"a": torch.ones(3)})
+    assert listing(tmp_path) == set()
+
+
 @pytest.mark.skipif(os.name != "posix", reason="symlinks")
 def test_a_symlink_is_written_through_to_its_target(tmp_path):
     store = tmp_path / "store"

@@ -49,6 +49,10 @@ class AtomicFile:
         self.path = Path(os.path.realpath(path))  # a symlink's target, replaced beside it
         self.state = "unopened"
         directory = self.path.parent
+        if not directory.is_dir():  # else open() names the hidden temporary file, not the folder
+            raise FileNotFoundError(
+                errno.ENOENT, f"the folder of {os.fspath(path)!r} does not exist", str(directory)
+            )
         for _ in range(100):
             tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(6)}"
             try:
