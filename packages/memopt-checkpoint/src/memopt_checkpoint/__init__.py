@@ -19,10 +19,13 @@ from memopt_checkpoint.api import load, save
 from memopt_checkpoint.dcp_check import check_dcp_load
 from memopt_checkpoint.fp32_export import export_fp32, fp32_model_state_dict
 from memopt_checkpoint.interop import load_torch_state_dict, to_torch_state_dict
+from memopt_core.errors import CheckpointError, StateDictError  # what these functions raise
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "StateDictError",
     "__version__",
     "check_dcp_load",
     "export_fp32",

@@ -11,8 +11,9 @@ parameter, and :mod:`memopt_offload.autotune` for the machine measurements.
 
 from __future__ import annotations
 
+from memopt_core.errors import OffloadError, StateDictError  # what AdamBridge raises
 from memopt_offload.bridge import PRECISIONS, UPDATES, AdamBridge
 
 __version__ = "0.1.0"
 
-__all__ = ["PRECISIONS", "UPDATES", "AdamBridge", "__version__"]
+__all__ = ["PRECISIONS", "UPDATES", "AdamBridge", "OffloadError", "StateDictError", "__version__"]

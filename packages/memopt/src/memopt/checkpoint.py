@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 from memopt_checkpoint import (
+    CheckpointError,
+    StateDictError,
     check_dcp_load,
     export_fp32,
     fp32_model_state_dict,
@@ -14,6 +16,8 @@ from memopt_checkpoint import (
 )
 
 __all__ = [
+    "CheckpointError",
+    "StateDictError",
     "check_dcp_load",
     "export_fp32",
     "fp32_model_state_dict",
