@@ -215,6 +215,25 @@ def test_no_cache_measures_in_memory(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_no_home_directory_decides_without_a_cache(monkeypatch):
+    """The default cache with no HOME and no passwd entry (docker --user 12345): Path.home()
+    raised RuntimeError at the first step. Now one warning naming the variable to set, and the
+    decision is made in memory."""
+    monkeypatch.delenv(auto_mode.CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(auto_mode.Path, "home", staticmethod(no_home))
+    a = make_params("cpu")
+    opt = ApexW(a)  # the default cache
+    with pytest.warns(RuntimeWarning, match=f"no default decision cache .* {auto_mode.CACHE_ENV}"):
+        train(opt, a, TRIAL_STEPS + 1)
+    assert opt.mode_decision.source in ("measured", "only candidate")
+    assert opt.mode_decision.cache_path is None
+
+
 def test_fixed_modes_report_themselves():
     assert ApexW(make_params("cpu"), mode="torch").mode_decision.source == "fixed"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -275,10 +276,55 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch, fake):
 
 def test_default_cache_dir_is_under_home(tmp_path, monkeypatch):
     monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert autotune.default_cache_dir() == tmp_path / ".cache" / "memopt"
     monkeypatch.setenv(CACHE_DIR_ENV, "")  # empty: unset
     assert autotune.default_cache_dir() == tmp_path / ".cache" / "memopt"
+    # as ApexW's decision cache: XDG_CACHE_HOME first (autotune had ignored it)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert autotune.default_cache_dir() == tmp_path / "xdg" / "memopt"
+
+
+def test_no_home_directory_measures_without_a_cache(monkeypatch, fake):
+    """A uid without a passwd entry and no HOME (docker --user 12345): Path.home() raises
+    RuntimeError, which reached AdamBridge(autotune=True) as a crash. Now a warning that names
+    the variable to set, and the measurement."""
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(autotune.Path, "home", staticmethod(no_home))
+    with pytest.warns(RuntimeWarning, match=f"no cache directory .* \\(set {CACHE_DIR_ENV}"):
+        assert AutoTuneConfig.load_or_measure() == fake.config
+    assert fake.calls == [False]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_cache_path_that_is_no_regular_file_is_never_read_or_replaced(tmp_path, fake):
+    """A FIFO at the cache path blocked load_or_measure forever; it is neither read nor
+    replaced (a warning says the measurement is not kept)."""
+    path = cache_path(tmp_path)
+    os.mkfifo(path)
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert AutoTuneConfig.load_or_measure(tmp_path) == fake.config
+    assert stat.S_ISFIFO(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[" * 100_000 + "]" * 100_000,  # RecursionError in json: uncaught before
+        json.dumps({**_with_config(), "schema": True}),  # True == 1
+    ],
+    ids=["deeply-nested", "bool-schema"],
+)
+def test_pathological_cache_files_are_measured_again(tmp_path, fake, content):
+    cache_path(tmp_path).write_text(content)
+    assert AutoTuneConfig.load_or_measure(tmp_path) == fake.config
+    assert fake.calls == [False]
 
 
 def test_unwritable_cache_warns_and_returns_measurement(tmp_path, fake):

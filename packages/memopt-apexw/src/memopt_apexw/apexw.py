@@ -411,7 +411,17 @@ class ApexW(MemOptimizer):
         if self.mode_cache is None:
             return None
         if isinstance(self.mode_cache, str) and self.mode_cache == _DEFAULT_CACHE:
-            return auto_mode.default_cache_path()
+            try:
+                return auto_mode.default_cache_path()
+            except RuntimeError as e:  # no home directory (a uid without a passwd entry)
+                warnings.warn(
+                    f"ApexW(mode='auto'): no default decision cache ({e}); deciding without "
+                    f"one (set {auto_mode.CACHE_ENV} to a file path to keep decisions)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.mode_cache = None  # decided once, without a cache, as mode_cache=None
+                return None
         return Path(self.mode_cache)
 
     def _start_auto(self) -> None:

@@ -8,8 +8,9 @@ fsyncing the folder after the rename propagates with the new file already in pla
 systems that cannot fsync a folder, ``EINVAL``/``ENOTSUP``, are tolerated).
 
 As ``open(path, "wb")`` would, a symlink at ``path`` is written through (its target is
-replaced, the link stays), and a file that exists keeps its permission bits (a private 0600
-checkpoint stays private, also while the new one is written).
+replaced, the link stays), a file that exists keeps its permission bits (a private 0600
+checkpoint stays private, also while the new one is written), and a read-only file, a directory
+or a missing folder at ``path`` is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class AtomicFile:
             raise FileNotFoundError(
                 errno.ENOENT, f"the folder of {os.fspath(path)!r} does not exist", str(directory)
             )
+        # refused as open(path, "wb") refuses them: a rename would replace a read-only file
+        # (a checkpoint protected with chmod) and fail only at the end for a folder
+        if self.path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(self.path))
+        if self.path.exists() and not os.access(self.path, os.W_OK):
+            raise PermissionError(errno.EACCES, "the file is not writable", str(self.path))
         for _ in range(100):
             tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(6)}"
             try:

@@ -250,8 +250,10 @@ class CheckpointWriter:
         """Run ``fn``; on any error remove the temporary file and re-raise."""
         try:
             return fn(*args)
-        except BaseException:
+        except BaseException as e:
             self.abort()
+            if isinstance(e, OSError) and e.filename is None:  # a full disk: say which file
+                e.add_note(f"while writing the checkpoint {str(self.path)!r} (not written)")
             raise
 
     @property

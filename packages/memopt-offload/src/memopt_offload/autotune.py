@@ -25,11 +25,13 @@ smaller host copy and fewer repeats.
 
 :meth:`AutoTuneConfig.load_or_measure` caches the result as JSON in
 ``<cache dir>/autotune-<sha1 of the machine key>.json``; the cache directory is the
-``cache_dir`` argument, else ``$MEMOPT_CACHE_DIR``, else ``~/.cache/memopt``. The machine key
-(:func:`machine_key`) names the CPU model, the logical and usable core counts, the kernels'
+``cache_dir`` argument, else ``$MEMOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memopt``, else
+``~/.cache/memopt`` (no home directory: measured, not kept, with a ``RuntimeWarning``). The
+machine key (:func:`machine_key`) names the CPU model, the logical and usable core counts, the kernels'
 instruction set, the torch version and the CUDA device, so a different machine, build or
 container size gets its own file. A file that cannot be read, is corrupt, has another ``schema``
-version or another machine key is measured again and overwritten, never an error; files are
+version or another machine key is measured again and overwritten, never an error (a path that
+is not a regular file, a FIFO say, is neither read nor replaced); files are
 written atomically (temporary file + ``os.replace``) under a lock file, so of several processes
 starting together on one host the first measures and the others read its file. A file written by
 a ``quick`` measurement serves only ``quick`` requests; a full one serves both.
@@ -43,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import platform
+import stat
 import statistics
 import tempfile
 import time
@@ -79,7 +83,8 @@ __all__ = [
 
 #: Version of the cache file layout; a file with another version is measured again.
 SCHEMA_VERSION = 1
-#: Environment variable naming the cache directory (default ``~/.cache/memopt``).
+#: Environment variable naming the cache directory (default ``$XDG_CACHE_HOME/memopt``, else
+#: ``~/.cache/memopt``).
 CACHE_DIR_ENV = "MEMOPT_CACHE_DIR"
 #: Kernel chunk sizes (elements) a full measurement tries; ``quick`` tries the middle one.
 CHUNK_CANDIDATES = (16384, 65536, 262144)
@@ -132,11 +137,14 @@ def machine_key() -> str:
 
 
 def default_cache_dir() -> Path:
-    """``$MEMOPT_CACHE_DIR`` when set (and not empty), else ``~/.cache/memopt``."""
+    """``$MEMOPT_CACHE_DIR`` when set (and not empty), else ``$XDG_CACHE_HOME/memopt``
+    (``~/.cache/memopt``), as ApexW's decision cache. ``RuntimeError`` when neither is set and
+    there is no home directory (a uid without a passwd entry)."""
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    return Path.home() / ".cache" / "memopt"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "memopt"
 
 
 def cache_path(cache_dir: str | os.PathLike | None = None, machine: str | None = None) -> Path:
@@ -430,7 +438,16 @@ class AutoTuneConfig:
         a ``quick`` measurement serves only ``quick`` requests. If the file cannot be written
         the measurement is still returned, with a ``RuntimeWarning``."""
         key = machine_key()
-        path = cache_path(cache_dir, key)
+        try:
+            path = cache_path(cache_dir, key)
+        except RuntimeError as e:  # no home directory for the default, or a ~user without one
+            warnings.warn(
+                f"memopt autotune: no cache directory ({e}); the measurement is used but not "
+                f"kept (set {CACHE_DIR_ENV} to a writable directory)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return cls.measure(quick=quick)
         if not refresh:
             cached = _read_cache(path, key, quick)
             if cached is not None:
@@ -501,13 +518,17 @@ def _read_cache(path: Path, key: str, quick: bool) -> AutoTuneConfig | None:
     """The config in ``path`` when it is valid for ``key`` (and, unless ``quick``, came from a
     full measurement); None otherwise, whatever is wrong with the file."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
+            return None
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION:
+        if not isinstance(data, dict) or type(data.get("schema")) is not int:
+            return None
+        if data["schema"] != SCHEMA_VERSION:
             return None
         if data.get("quick") is not False and not quick:
             return None
         config = AutoTuneConfig.from_dict(data["config"])
-    except (OSError, ValueError, TypeError, KeyError):  # ConfigError is a ValueError
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):  # ConfigError: ValueError
         return None
     return config if config.machine == key else None
 
@@ -522,6 +543,8 @@ def _write_cache(path: Path, config: AutoTuneConfig, quick: bool) -> None:
     }
     tmp = None
     try:
+        if path.exists() and not path.is_file():
+            raise OSError(errno.EEXIST, "not a regular file; left as it is", str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -573,7 +596,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--refresh", action="store_true", help="measure even if cached")
     parser.add_argument("--quick", action="store_true", help="small buffers, small grid")
     parser.add_argument(
-        "--cache-dir", default=None, help=f"default: ${CACHE_DIR_ENV} or ~/.cache/memopt"
+        "--cache-dir",
+        default=None,
+        help=f"default: ${CACHE_DIR_ENV}, $XDG_CACHE_HOME/memopt or ~/.cache/memopt",
     )
     args = parser.parse_args(argv)
     config = AutoTuneConfig.load_or_measure(args.cache_dir, refresh=args.refresh, quick=args.quick)
