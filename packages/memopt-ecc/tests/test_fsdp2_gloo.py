@@ -11,6 +11,7 @@ positions in the whole tensor, so the ranks reproduce one process exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -81,22 +82,39 @@ def test_fsdp2_two_ranks_equal_one_process(job, results):
             assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
 
 
+@contextlib.contextmanager
+def _one_rank(tmp_path):
+    """A one-process gloo group (a one-rank mesh for fully_shard in this process)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trained_plain_and_sharded(**kw):
+    """The test model plain and under fully_shard, each with a FlashAdamW(lr=1e-2, **kw), after
+    the same 3 steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    plain, sharded = make_model(), make_model()
+    fully_shard(sharded)
+    opts = [memopt_ecc.FlashAdamW(m.parameters(), lr=1e-2, **kw) for m in (plain, sharded)]
+    for t in range(3):
+        for m, o in zip((plain, sharded), opts, strict=True):
+            loss_of(m, t, 0).backward()
+            o.step()
+            o.zero_grad()
+    return (plain, sharded), opts
+
+
 def test_fp32_state_dict_of_a_sharded_model(tmp_path):
     """get_fp32_model_state_dict hands out DTensors sharded like the parameters, holding the
     decoded masters; set_fp32_model_state_dict takes them back (a one-rank mesh)."""
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        plain, sharded = make_model(), make_model()
-        fully_shard(sharded)
-        opts = [memopt_ecc.FlashAdamW(m.parameters(), lr=1e-2) for m in (plain, sharded)]
-        for t in range(3):
-            for m, o in zip((plain, sharded), opts, strict=True):
-                loss_of(m, t, 0).backward()
-                o.step()
-                o.zero_grad()
+    with _one_rank(tmp_path):
+        (plain, sharded), opts = _trained_plain_and_sharded()
         want = memopt_ecc.get_fp32_model_state_dict(plain, opts[0])
         got = memopt_ecc.get_fp32_model_state_dict(sharded, opts[1])
         for k, v in want.items():
@@ -113,31 +131,16 @@ def test_fp32_state_dict_of_a_sharded_model(tmp_path):
             assert torch.equal(back[k].full_tensor(), v), k
         with pytest.raises(StateDictError, match="sharded"):
             memopt_ecc.set_fp32_model_state_dict(sharded, opts[1], want)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_check_numerics_on_a_sharded_model(tmp_path):
     """check_numerics on FSDP2 parameters (DTensors; a one-rank mesh): the resolution check
     raised RuntimeError (.tolist() of a DTensor) at every step. Now each process checks its
     shard: the same steps as the plain model, a too-small lr and a NaN refused alike."""
-    from torch.distributed.fsdp import fully_shard
-
     from memopt_core import NumericsError
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        plain, sharded = make_model(), make_model()
-        fully_shard(sharded)
-        opts = [
-            memopt_ecc.FlashAdamW(m.parameters(), lr=1e-2, check_numerics=True)
-            for m in (plain, sharded)
-        ]
-        for t in range(3):
-            for m, o in zip((plain, sharded), opts, strict=True):
-                loss_of(m, t, 0).backward()
-                o.step()
-                o.zero_grad()
+    with _one_rank(tmp_path):
+        (plain, sharded), opts = _trained_plain_and_sharded(check_numerics=True)
         want = memopt_ecc.get_fp32_model_state_dict(plain, opts[0])
         got = memopt_ecc.get_fp32_model_state_dict(sharded, opts[1])
         for k, v in want.items():
@@ -153,5 +156,3 @@ def test_check_numerics_on_a_sharded_model(tmp_path):
             next(iter(m.parameters())).grad.view(-1)[0] = float("nan")
             with pytest.raises(NumericsError, match="non-finite gradient"):
                 o.step()
-    finally:
-        dist.destroy_process_group()

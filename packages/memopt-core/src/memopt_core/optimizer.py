@@ -1354,9 +1354,9 @@ class MemOptimizer(Optimizer):
         parameters during backward, through :meth:`step_parameters`.
 
         ``memopt_ecc.enable_gradient_release`` calls it with its activation's state; call it
-        yourself only when you write such hooks. Until :meth:`end_gradient_release` with the same ``owner``,
-        :meth:`step` and :meth:`zero_grad` do nothing and warn (a ``UserWarning``, once each per
-        activation): an update in ``step()`` would apply gradients twice, a ``zero_grad()`` would
+        yourself only when you write such hooks. Until :meth:`end_gradient_release` with the
+        same ``owner``, :meth:`step` and :meth:`zero_grad` do nothing and warn (a
+        ``UserWarning``, once each per activation): an update in ``step()`` would apply gradients twice, a ``zero_grad()`` would
         free gradients the hooks still need. Raises :class:`ConfigError` while already active.
         A copy (``copy.deepcopy``, pickle) of the optimizer starts inactive.
         """
