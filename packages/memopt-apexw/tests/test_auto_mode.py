@@ -220,6 +220,7 @@ def test_no_home_directory_decides_without_a_cache(monkeypatch):
     raised RuntimeError at the first step. Now one warning naming the variable to set, and the
     decision is made in memory."""
     monkeypatch.delenv(auto_mode.CACHE_ENV, raising=False)
+    monkeypatch.delenv("MEMOPT_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 
     def no_home():

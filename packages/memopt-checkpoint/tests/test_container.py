@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memopt_checkpoint import atomic_write, container
+from memopt_checkpoint import container
 from memopt_checkpoint.container import (
     FORMAT_VERSION,
     SUPPORTED_DTYPES,
@@ -30,6 +30,7 @@ from memopt_checkpoint.container import (
     read_meta,
     write_checkpoint,
 )
+from memopt_core import atomic_write
 from memopt_core.errors import CheckpointError, ConfigError
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -370,6 +371,17 @@ def test_a_directory_at_the_path_is_refused_before_writing(tmp_path):
     (tmp_path / "ck.bin").mkdir()
     with pytest.raises(IsADirectoryError, match="is a directory"):
         write_checkpoint(tmp_path / "ck.bin", {"a": torch.ones(3)})
+    assert listing(tmp_path) == {"ck.bin"}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_path_that_is_no_regular_file_is_refused_before_writing(tmp_path):
+    """The rename replaced whatever the path named with a regular file: a FIFO here, and run as
+    root, a device such as /dev/null."""
+    os.mkfifo(tmp_path / "ck.bin")
+    with pytest.raises(OSError, match="not a regular file"):
+        write_checkpoint(tmp_path / "ck.bin", {"a": torch.ones(3)})
+    assert stat.S_ISFIFO(os.stat(tmp_path / "ck.bin").st_mode)
     assert listing(tmp_path) == {"ck.bin"}
 
 

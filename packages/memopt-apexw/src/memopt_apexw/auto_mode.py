@@ -21,12 +21,10 @@ trial, no cache.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ from typing import Any
 
 import torch
 
-from memopt_core import backends
+from memopt_core import backends, cache_files
 
 __all__ = [
     "CACHE_ENV",
@@ -54,8 +52,6 @@ WARMUP_STEPS = 2
 TIMED_ROUNDS = 3
 DROP_FACTOR = 4.0
 _CACHE_VERSION = 1
-#: Bytes beyond which a file is not a cache (an entry takes about 1 KiB): it is measured again.
-_MAX_CACHE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -75,12 +71,14 @@ class ModeDecision:
 
 
 def default_cache_path() -> Path:
-    """``$MEMOPT_APEXW_CACHE``, else ``$XDG_CACHE_HOME/memopt/apexw-modes.json`` (``~/.cache``)."""
+    """``$MEMOPT_APEXW_CACHE`` (``~`` expanded), else ``apexw-modes.json`` in memopt's cache
+    folder (:func:`memopt_core.cache_files.cache_dir`: ``$MEMOPT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/memopt``, else ``~/.cache/memopt``). ``RuntimeError`` when that needs a
+    home directory and there is none."""
     env = os.environ.get(CACHE_ENV)
     if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "memopt" / "apexw-modes.json"
+        return Path(env).expanduser()
+    return cache_files.cache_dir() / "apexw-modes.json"
 
 
 def _versions() -> dict[str, str]:
@@ -145,13 +143,7 @@ def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict
 def _entries(path: Path) -> dict[str, Any]:
     """The entries of the cache at ``path`` (empty when absent, unreadable, not a regular file,
     larger than any cache, of another version or of another shape)."""
-    try:
-        # a FIFO would block the read forever, a device or a huge file is no cache
-        if not path.is_file() or path.stat().st_size > _MAX_CACHE_BYTES:
-            return {}
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):  # RecursionError: deeply nested JSON
-        return {}
+    data = cache_files.read_json(path)
     if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
         return {}
     entries = data.get("entries")
@@ -185,24 +177,7 @@ def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str,
         "about": about,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    # through a symlink to the file it names; never over something else (the rename replaced a
-    # device such as /dev/null, given as "no cache", with a regular file)
-    path = Path(os.path.realpath(path))
-    if path.exists() and not path.is_file():
-        raise OSError(f"{path} exists and is not a regular file")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp makes it 0600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    cache_files.write_json(path, data)
 
 
 class Trial:

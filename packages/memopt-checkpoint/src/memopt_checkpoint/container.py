@@ -76,7 +76,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from memopt_checkpoint.atomic_write import AtomicFile
+from memopt_core.atomic_write import AtomicFile
 from memopt_core.errors import CheckpointError, ConfigError
 
 __all__ = [

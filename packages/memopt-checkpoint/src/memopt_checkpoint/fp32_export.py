@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memopt_checkpoint.atomic_write import atomic_file
+from memopt_core.atomic_write import atomic_file
 from memopt_core.errors import ConfigError
 from memopt_core.optimizer import MemOptimizer
 

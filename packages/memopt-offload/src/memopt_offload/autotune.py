@@ -45,15 +45,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import hashlib
 import json
 import math
 import os
 import platform
-import stat
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -63,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from memopt_core import reference
+from memopt_core import cache_files, reference
 from memopt_core.backends import GroupStep
 from memopt_core.errors import ConfigError
 from memopt_core.formats import StateSpec
@@ -85,7 +82,7 @@ __all__ = [
 SCHEMA_VERSION = 1
 #: Environment variable naming the cache directory (default ``$XDG_CACHE_HOME/memopt``, else
 #: ``~/.cache/memopt``).
-CACHE_DIR_ENV = "MEMOPT_CACHE_DIR"
+CACHE_DIR_ENV = cache_files.CACHE_DIR_ENV
 #: Kernel chunk sizes (elements) a full measurement tries; ``quick`` tries the middle one.
 CHUNK_CANDIDATES = (16384, 65536, 262144)
 _QUICK_CHUNK = 65536
@@ -136,15 +133,9 @@ def machine_key() -> str:
     )
 
 
-def default_cache_dir() -> Path:
-    """``$MEMOPT_CACHE_DIR`` when set (and not empty), else ``$XDG_CACHE_HOME/memopt``
-    (``~/.cache/memopt``), as ApexW's decision cache. ``RuntimeError`` when neither is set and
-    there is no home directory (a uid without a passwd entry)."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "memopt"
+#: memopt's cache folder, shared with ApexW's decision cache
+#: (:func:`memopt_core.cache_files.cache_dir`).
+default_cache_dir = cache_files.cache_dir
 
 
 def cache_path(cache_dir: str | os.PathLike | None = None, machine: str | None = None) -> Path:
@@ -517,18 +508,16 @@ class AutoTuneConfig:
 def _read_cache(path: Path, key: str, quick: bool) -> AutoTuneConfig | None:
     """The config in ``path`` when it is valid for ``key`` (and, unless ``quick``, came from a
     full measurement); None otherwise, whatever is wrong with the file."""
+    data = cache_files.read_json(path)
+    if not isinstance(data, dict) or type(data.get("schema")) is not int:
+        return None
+    if data["schema"] != SCHEMA_VERSION:
+        return None
+    if data.get("quick") is not False and not quick:
+        return None
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or type(data.get("schema")) is not int:
-            return None
-        if data["schema"] != SCHEMA_VERSION:
-            return None
-        if data.get("quick") is not False and not quick:
-            return None
         config = AutoTuneConfig.from_dict(data["config"])
-    except (OSError, ValueError, TypeError, KeyError, RecursionError):  # ConfigError: ValueError
+    except (ValueError, TypeError, KeyError):  # ConfigError is a ValueError
         return None
     return config if config.machine == key else None
 
@@ -541,20 +530,9 @@ def _write_cache(path: Path, config: AutoTuneConfig, quick: bool) -> None:
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "config": config.to_dict(),
     }
-    tmp = None
     try:
-        if path.exists() and not path.is_file():
-            raise OSError(errno.EEXIST, "not a regular file; left as it is", str(path))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        cache_files.write_json(path, data)
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         warnings.warn(
             f"memopt autotune: could not write the cache file {path} ({e}); the measurement is "
             f"used but not kept (set {CACHE_DIR_ENV} to a writable directory)",

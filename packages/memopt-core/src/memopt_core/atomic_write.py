@@ -10,7 +10,11 @@ systems that cannot fsync a folder, ``EINVAL``/``ENOTSUP``, are tolerated).
 As ``open(path, "wb")`` would, a symlink at ``path`` is written through (its target is
 replaced, the link stays), a file that exists keeps its permission bits (a private 0600
 checkpoint stays private, also while the new one is written), and a read-only file, a directory
-or a missing folder at ``path`` is refused before anything is written.
+or a missing folder at ``path`` is refused before anything is written. Unlike ``open``, so is
+anything else that is not a regular file (a device such as ``/dev/null``, a FIFO, a socket):
+the rename would replace it with a regular file.
+
+What memopt-checkpoint writes checkpoints with, and :mod:`memopt_core.cache_files` its caches.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ class AtomicFile:
         # (a checkpoint protected with chmod) and fail only at the end for a folder
         if self.path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "is a directory", str(self.path))
+        if self.path.exists() and not self.path.is_file():
+            raise OSError(errno.EEXIST, "exists and is not a regular file", str(self.path))
         if self.path.exists() and not os.access(self.path, os.W_OK):
             raise PermissionError(errno.EACCES, "the file is not writable", str(self.path))
         for _ in range(100):
