@@ -133,10 +133,16 @@ void check_range(const char* what, int64_t v, int64_t lo, int64_t hi) {
         "], got " + std::to_string(v));
 }
 
-// What is wrong with address `addr` of `what` ("" when nothing is).
-std::string addr_problem(const char* what, int64_t addr, bool needed) {
+// What is wrong with address `addr` of `what` ("" when nothing is). The kernels access whole
+// elements through typed pointers, so an address must be a multiple of the element size `align`
+// (a misaligned one is undefined behaviour, a fault where the compiler vectorizes with aligned
+// loads).
+std::string addr_problem(const char* what, int64_t addr, bool needed, int64_t align = 1) {
   if (addr < 0) return std::string(what) + ": negative address " + std::to_string(addr);
   if (needed && addr == 0) return std::string(what) + " is required here but the address is 0";
+  if (addr % align != 0)
+    return std::string(what) + ": address " + std::to_string(addr) + " is not a multiple of " +
+           "its element size, " + std::to_string(align) + " bytes";
   return {};
 }
 
@@ -177,7 +183,9 @@ void check_moment(const char* name, int32_t fmt, int64_t codes, const char* scal
 // What is wrong with one slot-table row of a fused step ("" when nothing is).
 std::string slot_row_problem(const SlotRow& r, int32_t master, int32_t want_param_kind,
                              int32_t block, int64_t arena_elements) {
-  if (r.numel < 0) return "negative numel";
+  // bounded first: rounding numel near 2**63 up to the block would overflow
+  if (r.numel < 0 || r.numel > (int64_t{1} << 62))
+    return "numel " + std::to_string(r.numel) + " must be in [0, 2**62]";
   const int64_t want = (r.numel + block - 1) / block * block;
   if (r.padded != want)
     return "padded " + std::to_string(r.padded) + " is not numel " + std::to_string(r.numel) +
@@ -192,9 +200,10 @@ std::string slot_row_problem(const SlotRow& r, int32_t master, int32_t want_para
       (master != MASTER_FP32 && r.grad_kind != GRAD_FP32 && r.grad_kind != want_param_kind))
     return "grad_kind " + std::to_string(r.grad_kind) +
            " must be GRAD_FP32 or the parameter's own dtype (fp32 parameters: any Grad)";
-  std::string a = addr_problem("param", r.param, r.numel > 0);
-  if (a.empty()) a = addr_problem("grad", r.grad, r.numel > 0);
-  if (a.empty()) a = addr_problem("staging", r.staging, false);
+  const int64_t grad_bytes = r.grad_kind == GRAD_FP32 ? 4 : 2;
+  std::string a = addr_problem("param", r.param, r.numel > 0, master_param_bytes(master));
+  if (a.empty()) a = addr_problem("grad", r.grad, r.numel > 0, grad_bytes);
+  if (a.empty()) a = addr_problem("staging", r.staging, false, 2);
   if (!a.empty()) return a;
   if (r.staging != 0 && master == MASTER_FP16)
     return "bf16 staging is for fp32 and bf16 parameters, not fp16 ones";

@@ -831,6 +831,52 @@ def test_core_fused_step_checks_its_arguments(ops, make_work, core, monkeypatch)
     fails(r"slot_table row 1: index_base 4611686018427387840 \(\+ padded 64\)", t=rows.data_ptr())
     rows[1, 8] = 2**62 - 65
     real(rows.data_ptr(), n, **kw)  # the largest base allowed
+    rows = read_table(table_addr, n).clone()
+    rows[1, 4] = 2**63 - 1  # numel: rounding it up to the block overflowed int64 (UBSan)
+    fails(r"slot_table row 1: numel 9223372036854775807 must be in \[0, 2\*\*62\]",
+          t=rows.data_ptr())  # fmt: skip
+    rows = read_table(table_addr, n).clone()
+    rows[0, 0] += 1  # a bf16 parameter at an odd address
+    fails(r"slot_table row 0: param: address \d+ is not a multiple of its element size, 2 bytes",
+          t=rows.data_ptr())  # fmt: skip
+    rows = read_table(table_addr, n).clone()
+    rows[1, 1] += 2  # an fp32 gradient two bytes off
+    rows[1, 2] = 0
+    fails(r"slot_table row 1: grad: address \d+ is not a multiple of its element size, 4 bytes",
+          t=rows.data_ptr())  # fmt: skip
+
+
+def _misaligned(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` elements of ``dtype`` one byte past an aligned address (torch.frombuffer with an
+    offset makes such tensors; so does an unaligned numpy array)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    t = torch.frombuffer(bytearray(size * n + 64), dtype=dtype, offset=1, count=n)
+    assert t.data_ptr() % size == 1
+    return t
+
+
+def test_misaligned_tensors_are_refused(ops, make_work, recorder):
+    """The kernels read whole elements through typed pointers: a tensor at an address that is
+    not a multiple of its element size was accessed misaligned (undefined behaviour in C++,
+    flagged by UBSan; a fault where the compiler uses aligned vector loads)."""
+    x = _misaligned(64, torch.float32)
+    with pytest.raises(ConfigError, match=r"x starts at address \d+, not a multiple of its "):
+        ops.encode_moment("bf16", x)
+    ops.encode_moment("bf16", x.clone())  # an aligned copy is taken
+    base = make_work()
+    p, g = base.params, base.grads
+    bad_p = _misaligned(p[0].numel(), p[0].dtype).view(p[0].shape)
+    bad_g = _misaligned(g[1].numel(), g[1].dtype).view(g[1].shape)
+    for changes, pattern in (
+        ({"params": [bad_p, *p[1:]]}, r"parameter 0 \(slot 0\) starts at address"),
+        ({"grads": [g[0], bad_g, *g[2:]]}, r"the gradient of parameter 1 .* starts at address"),
+    ):
+        work = make_work()
+        for k, v in changes.items():
+            setattr(work, k, v)
+        with pytest.raises(ConfigError, match=pattern):
+            ops.fused_step(work)
+    assert not recorder
 
 
 # ----------------------------------------------------------------------------------- GPU host

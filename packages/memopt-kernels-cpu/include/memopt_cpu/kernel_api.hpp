@@ -7,7 +7,8 @@
 
 namespace memopt_cpu {
 
-// Ids shared with memopt_kernels_cpu/ops.py (and equal to memopt-kernels-triton's).
+// Ids shared with memopt_kernels_cpu/ops.py. Master and Moment ids are memopt_core.backends'
+// kernel ids (the Triton kernels take the same); the Rule ids are this package's own.
 enum Rule : int32_t { RULE_SGD = 0, RULE_ADAM = 1, RULE_LION = 2 };
 enum Master : int32_t {
   MASTER_FP32 = 0,   // fp32 parameter is the master

@@ -41,7 +41,6 @@ from torch import Tensor
 
 from memopt_core.aliasing import Label, check_aliasing
 from memopt_core.backends import (
-    KERNEL_MOMENT_IDS,
     PARAM_DTYPES,
     RULES,
     GroupStep,
@@ -59,7 +58,6 @@ from memopt_kernels_cpu.backend import CpuBackend
 __all__ = [
     "GRAD_IDS",
     "INDEX_LIMIT",
-    "MOMENT_IDS",
     "NONE_ID",
     "SLOT_COLUMNS",
     "PreparedStep",
@@ -118,8 +116,6 @@ def set_chunk_size(n: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- ids
-#: Moment format name -> ``Moment`` id of ``kernel_api.hpp`` (fp8_e4m3 and q8_signed share one).
-MOMENT_IDS = KERNEL_MOMENT_IDS
 #: ``FMT_NONE``: the rule keeps no such state.
 NONE_ID = 5
 #: Gradient dtype -> ``Grad`` id.
@@ -190,7 +186,21 @@ def _check_tensor(t: object, what: str) -> Tensor:
             "the CPU kernels read and write memory directly; step it on the torch backend "
             "(backend='torch'; the Flash optimizers: fused=False)"
         )
+    if not _aligned(t):
+        raise ConfigError(
+            f"{what} starts at address {t.data_ptr()}, not a multiple of its element size "
+            f"({t.element_size()} bytes; torch.frombuffer with an offset or an unaligned numpy "
+            "array makes one): the CPU kernels read whole elements; copy it (.clone()) or step "
+            "it on the torch backend (backend='torch'; the Flash optimizers: fused=False)"
+        )
     return t
+
+
+def _aligned(t: Tensor) -> bool:
+    """Whether ``t``'s address is a multiple of its element size: the kernels access typed
+    elements, and a misaligned access is undefined behaviour in C++ (a fault where the compiler
+    uses aligned vector loads)."""
+    return t.data_ptr() % t.element_size() == 0
 
 
 def _has_memory(t: Tensor) -> bool:
@@ -528,6 +538,7 @@ def _is_cpu_dense(t: object) -> bool:
         and t.device.type == "cpu"
         and t.layout == torch.strided
         and _has_memory(t)
+        and _aligned(t)
     )
 
 
