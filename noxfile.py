@@ -71,11 +71,6 @@ def _pytest(
         )
 
 
-def _is_compiled(package: Path) -> bool:
-    """Whether a package builds an extension (CMake, scikit-build-core) rather than pure Python."""
-    return (package / "CMakeLists.txt").is_file()
-
-
 #: Extension builds in CI sessions: compiler warnings are errors (scikit-build-core reads this).
 _STRICT_BUILD = {"SKBUILD_CMAKE_DEFINE": "MEMOPT_WERROR=ON"}
 

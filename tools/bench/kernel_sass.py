@@ -36,11 +36,6 @@ _MOMENT_PTR = {0: "*fp32", 1: "*i16", 2: "*u8", 4: "*u8"}
 _INTS = ("n_chunks", "seed", "step", "hstride")
 
 
-def compile_adam(name: str, arch: int, rows: int, warps: int, ahead: bool | None = None):
-    """The AdamW kernel for format ``name`` (stochastic rounding on), compiled for ``arch``."""
-    return compile_kernel("adam", name, arch, rows, warps, ahead)
-
-
 def compile_kernel(
     rule: str, name: str, arch: int, rows: int, warps: int, ahead: bool | None = None
 ):

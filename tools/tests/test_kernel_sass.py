@@ -21,7 +21,7 @@ def test_counts_the_tile_loop(tmp_path) -> None:
 
     counts = {}
     for name in ("fp32m", "q8m"):
-        k = kernel_sass.compile_adam(name, 90, rows=16, warps=8)
+        k = kernel_sass.compile_kernel("adam", name, 90, rows=16, warps=8)
         cubin = tmp_path / f"{name}.cubin"
         cubin.write_bytes(k.asm["cubin"])
         body = kernel_sass.inner_loop(kernel_sass.sass_lines(cubin))

@@ -46,7 +46,7 @@ def P(*shape, dtype=torch.float32):
         (dict(master="ecc16"), r"unknown master format 'ecc16'.*'none', 'ecc24' or 'ecc32'"),
         (dict(moments="int4"), r"unknown moment format 'int4'.*\('fp32', 'bf16', 'fp8', 'q8'\)"),
         (dict(seed=-1), r"seed must be an int in \[0, 2\*\*64\)"),
-        (dict(check_numerics="yes"), r"check_numerics must be a bool"),
+        (dict(check_numerics="yes"), r"check_numerics must be True or False"),
         (dict(backend=3), r"backend must be None or a backend name"),
         (
             dict(decouple_lr=True, lr=0.0),

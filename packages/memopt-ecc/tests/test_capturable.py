@@ -39,7 +39,7 @@ def test_capturable_needs_the_fused_path():
     p = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]
     with pytest.raises(ConfigError, match="fused=False"):
         FlashAdamW(p, capturable=True, fused=False)
-    with pytest.raises(ConfigError, match="capturable must be a bool"):
+    with pytest.raises(ConfigError, match="capturable must be True or False"):
         FlashAdamW(p, capturable="yes")
 
 

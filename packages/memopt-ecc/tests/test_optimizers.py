@@ -165,7 +165,7 @@ def test_defaults_map_to_ecc24_q8_sr(cls):
         (dict(quantize=1), "quantize must be True or False"),
         (dict(fused="yes"), "fused must be True or False"),
         (dict(compress_state_dict=None), "compress_state_dict must be True or False"),
-        (dict(check_numerics=1), "check_numerics must be a bool"),
+        (dict(check_numerics=1), "check_numerics must be True or False"),
         (dict(lr=-1.0), "invalid learning rate"),
         (dict(betas=(1.0, 0.9)), "invalid beta1"),
         (dict(eps=-1e-8), "invalid eps"),

@@ -209,7 +209,7 @@ def test_words_follow_core_scalars(device):
 
 def test_capturable_errors(device):
     p = [torch.nn.Parameter(torch.zeros(4, device=device))]
-    with pytest.raises(ConfigError, match="capturable must be a bool"):
+    with pytest.raises(ConfigError, match="capturable must be True or False"):
         MemOptimizer(p, capturable=1)
     with pytest.raises(ConfigError, match="exclude each other"):
         MemOptimizer(p, capturable=True, check_numerics=True)

@@ -44,6 +44,7 @@ from memopt_core.cached_step import CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
+from memopt_core.optimizer import check_bool
 from memopt_core.sharding import is_dtensor
 
 __all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
@@ -59,11 +60,6 @@ _NO_AMSGRAD = (
     "ApexW does not implement amsgrad=True (it would need a compact running maximum of the second "
     "moment); use torch.optim.AdamW(amsgrad=True)"
 )
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -118,13 +114,13 @@ class ApexW(MemOptimizer):
         seed: int = 0,
         check_numerics: bool = False,
     ) -> None:
-        _check_bool("amsgrad", amsgrad)
+        check_bool("amsgrad", amsgrad)
         if amsgrad:
             raise ConfigError(_NO_AMSGRAD)
         _check_choice("state", state, STATES)
         _check_choice("master", master, _MASTERS)
         _check_choice("mode", mode, MODES)
-        _check_bool("capturable", capturable)
+        check_bool("capturable", capturable)
         if capturable and mode == "torch":
             raise ConfigError(
                 "capturable=True captures the fused Triton step; mode='torch' has none: use "

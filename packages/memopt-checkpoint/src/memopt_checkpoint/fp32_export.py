@@ -42,7 +42,7 @@ def fp32_model_state_dict(
     """``model.state_dict()`` (of the model inside a DDP/DataParallel wrapper) in fp32 with
     master weights where ``optimizer`` keeps them (see the module doc); new CPU tensors."""
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     while isinstance(model, _WRAPPERS):  # keys without "module.", as memopt_ecc's
         model = model.module
     if isinstance(optimizer, MemOptimizer):

@@ -45,7 +45,7 @@ from torch import Tensor
 from memopt_core import conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.formats import MOMENT_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
-from memopt_core.optimizer import MemOptimizer
+from memopt_core.optimizer import MemOptimizer, require_memopt_optimizer
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 
 __all__ = [
@@ -93,18 +93,10 @@ QUANTIZATION_BOUNDS: dict[str, str] = {
 _BIG = 2.0**127  # beyond this a value may round to inf: no finite bound is stated
 
 
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, MemOptimizer):
-        raise ConfigError(
-            f"expected a memopt optimizer (memopt_core.MemOptimizer or a memopt_ecc Flash*), got "
-            f"{type(optimizer).__name__}"
-        )
-
-
 def torch_optimizer_class(optimizer: MemOptimizer) -> type[torch.optim.Optimizer]:
     """The torch optimizer class whose state dicts ``optimizer`` exchanges: ``AdamW`` (rule
     ``adamw``), ``Adam`` (``adam``), ``SGD`` (``sgd``, ``sgdw``). Lion: :class:`ConfigError`."""
-    _check_optimizer(optimizer)
+    require_memopt_optimizer(optimizer)
     if optimizer.rule not in _TORCH_CLASS:
         raise ConfigError(
             f"torch.optim has no {optimizer.rule!r} optimizer (no Lion): there is no torch state "
@@ -526,7 +518,7 @@ def quantization_bound(fmt: str) -> str:
     ``fmt``: a moment format (``fp32``, ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``, ``q8_signed``,
     ``q8_sqrt``) or a preset (``fp8``, ``q8``: first and second moment). Values from
     docs/formats.md, restated in :data:`QUANTIZATION_BOUNDS`; ``bf16`` is 2**-8 relative (its 8
-    significant bits; formats.md's "2**-9" undercounts by one bit). Magnitudes >= 2**127 may round
+    significant bits). Magnitudes >= 2**127 may round
     to inf (no bound); NaN stays NaN (fp8/q8: inf is stored as NaN in e4m3, kept in e5m2).
     """
     if fmt in QUANTIZATION_BOUNDS:

@@ -11,12 +11,19 @@ ordinary loop's ``zero_grad`` comes before backward, and hooks need none):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from memopt_core.errors import ConfigError
 
-__all__ = ["reject_hook_wrappers", "reject_pending_gradients", "reject_unsynchronized"]
+__all__ = [
+    "reject_hook_wrappers",
+    "reject_pending_gradients",
+    "reject_unsynchronized",
+    "remove_hooks",
+]
 
 
 def reject_hook_wrappers(model: nn.Module, who: str) -> None:
@@ -87,3 +94,10 @@ def reject_pending_gradients(model: nn.Module, held: set[int], who: str) -> None
                 "from an earlier backward, which the next backward would add to its own before "
                 "the hook updates it: call zero_grad() first"
             )
+
+
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove every hook of ``handles`` (``RemovableHandle``s) and empty the list."""
+    for h in handles:
+        h.remove()
+    handles.clear()

@@ -82,7 +82,13 @@ from memopt_core.state_dict_hooks import (
 )
 from memopt_core.tracked_state import ParamState, TrackedState, WriteCounter
 
-__all__ = ["RULES", "MemOptimizer", "adam_hyperparameters"]
+__all__ = [
+    "RULES",
+    "MemOptimizer",
+    "adam_hyperparameters",
+    "check_bool",
+    "require_memopt_optimizer",
+]
 
 #: rule -> (backend rule, decoupled weight decay)
 RULES: dict[str, tuple[str, bool]] = {
@@ -186,6 +192,13 @@ def _as_float(value: Any, what: str, where: str) -> float:
     if not math.isfinite(value):
         raise ConfigError(f"{what} {where} must be finite, got {value}")
     return value
+
+
+def check_bool(name: str, value: Any) -> None:
+    """``ConfigError`` naming ``name`` unless ``value`` is True or False (1, "yes" and None are
+    refused: a flag that is not a bool is a mistake more often than a shorthand)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
 def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[str, Any]:
@@ -353,10 +366,8 @@ class MemOptimizer(Optimizer):
             raise ConfigError(f"unknown rule {rule!r}; choose one of {tuple(RULES)}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        if not isinstance(check_numerics, bool):
-            raise ConfigError(f"check_numerics must be a bool, got {check_numerics!r}")
-        if not isinstance(capturable, bool):
-            raise ConfigError(f"capturable must be a bool, got {capturable!r}")
+        check_bool("check_numerics", check_numerics)
+        check_bool("capturable", capturable)
         if capturable and check_numerics:
             raise ConfigError(
                 "capturable=True and check_numerics=True exclude each other: check_numerics reads "
@@ -491,8 +502,7 @@ class MemOptimizer(Optimizer):
             raise ConfigError(f"invalid momentum {momentum} {where}: it must be >= 0")
         dampening = _as_float(g["dampening"], "dampening", where)
         for name in _BOOLS:
-            if not isinstance(g[name], bool):
-                raise ConfigError(f"{name} {where} must be True or False, got {g[name]!r}")
+            check_bool(f"{name} {where}", g[name])
         if g["nesterov"] and (momentum <= 0 or dampening != 0):
             raise ConfigError(
                 f"nesterov=True {where} needs momentum > 0 and dampening == 0, got momentum="
@@ -2051,6 +2061,17 @@ class MemOptimizer(Optimizer):
         self._initial_ids = None
         self.state = TrackedState(self._writes, self.state)
         self._reset_plans()
+
+
+def require_memopt_optimizer(optimizer: object) -> MemOptimizer:
+    """``optimizer`` when it is a :class:`MemOptimizer`, else ``TypeError`` naming its type: the
+    conversions of memopt-ecc and memopt-checkpoint read a memopt optimizer's state."""
+    if not isinstance(optimizer, MemOptimizer):
+        raise TypeError(
+            f"expected a memopt optimizer (memopt_core.MemOptimizer or a memopt_ecc Flash*), got "
+            f"{type(optimizer).__name__}"
+        )
+    return optimizer
 
 
 class _Picklable:

@@ -53,9 +53,14 @@ __all__ = [
 CHUNK_COLUMNS = ("slot", "start", "length", "arena_offset")
 
 
+def ceil_div(n: int, d: int) -> int:
+    """``n / d`` rounded up, for integers (``d > 0``)."""
+    return -(-n // d)
+
+
 def round_up(n: int, block: int) -> int:
     """``n`` rounded up to a multiple of ``block``."""
-    return -(-n // block) * block
+    return ceil_div(n, block) * block
 
 
 _EXACT_LAYOUT_LIMIT = (

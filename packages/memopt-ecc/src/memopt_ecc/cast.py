@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from memopt_core.errors import ConfigError
+from memopt_core.optimizer import check_bool
 
 __all__ = ["RUNNING_STAT_NORMS", "cast_model"]
 
@@ -175,7 +176,8 @@ def cast_model(
 
     See the module doc for the exact semantics of ``selective``, ``full_precision_layers`` (kept
     fp32, output stays fp32) and ``full_precision_recast_layers`` (kept fp32, output cast back to
-    ``dtype``). Raises ``ConfigError`` when a tied tensor would need two dtypes.
+    ``dtype``). Raises ``ConfigError`` when a tied tensor would need two dtypes. Works on any
+    device, where the tensors are; a cast fp32 tensor goes from 4 to 2 bytes per element.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"cast_model expects a torch.nn.Module, got {type(model).__name__}")
@@ -184,8 +186,7 @@ def cast_model(
             "dtype must be a floating torch dtype of 16 bits or more: torch.bfloat16, "
             f"torch.float16, torch.float32 or torch.float64; got {dtype!r}"
         )
-    if not isinstance(selective, bool):
-        raise ConfigError(f"selective must be True or False, got {selective!r}")
+    check_bool("selective", selective)
     keep = _specs(full_precision_layers, "full_precision_layers")
     recast = _specs(full_precision_recast_layers, "full_precision_recast_layers")
 

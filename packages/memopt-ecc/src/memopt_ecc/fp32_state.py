@@ -23,17 +23,10 @@ from torch import Tensor, nn
 from memopt_core import MemOptimizer, conversions
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
+from memopt_core.optimizer import require_memopt_optimizer
 from memopt_core.sharding import is_dtensor, local_shard, sharded_like
 
 __all__ = ["fp32_master", "get_fp32_model_state_dict", "set_fp32_model_state_dict"]
-
-
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, MemOptimizer):
-        raise TypeError(
-            f"expected a memopt optimizer (memopt_core.MemOptimizer or a memopt_ecc Flash*), got "
-            f"{type(optimizer).__name__}"
-        )
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -71,7 +64,7 @@ def fp32_master(optimizer: MemOptimizer, param: Tensor) -> Tensor:
     parameter without state yet, or one the optimizer does not hold) the parameter widened to
     fp32, which is also what a fresh ECC state decodes to.
     """
-    _check_optimizer(optimizer)
+    require_memopt_optimizer(optimizer)
     return _decode(optimizer, param, _groups(optimizer).get(id(param)))
 
 
@@ -83,7 +76,7 @@ def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict
     Parameters with an ECC code hold their full master weight; other floating parameters and
     buffers are widened to fp32; integer buffers (``num_batches_tracked``) keep their dtype.
     """
-    _check_optimizer(optimizer)
+    require_memopt_optimizer(optimizer)
     model = _unwrap(model)
     held = _groups(optimizer)
     out: dict[str, Any] = {}
@@ -132,7 +125,7 @@ def set_fp32_model_state_dict(
     float32 tensors of the parameter's shape; tied parameters must get equal values. Everything is
     checked before anything changes (:class:`memopt_core.StateDictError`).
     """
-    _check_optimizer(optimizer)
+    require_memopt_optimizer(optimizer)
     model = _unwrap(model)
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a state dict (a mapping), got {type(state_dict).__name__}")

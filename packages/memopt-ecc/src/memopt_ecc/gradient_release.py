@@ -62,6 +62,7 @@ from memopt_core.hook_wrappers import (
     reject_hook_wrappers,
     reject_pending_gradients,
     reject_unsynchronized,
+    remove_hooks,
 )
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
@@ -125,12 +126,6 @@ def _is_released(p: Tensor) -> bool:
     """Whether a live release hooks ``p``."""
     entry = _RELEASED.get(id(p))
     return entry is not None and entry[0]() is p and entry[1]() is not None
-
-
-def _remove_hooks(hooks: list[Any]) -> None:
-    for h in hooks:
-        h.remove()
-    hooks.clear()
 
 
 class _Buckets:
@@ -217,7 +212,7 @@ class GradientReleaseHandle:
         # a capturable optimizer skips on the device: its flags are summed here, read on demand
         self._skipped_on_device: Tensor | None = None
         # the hooks go when the release does: at remove(), or once nothing holds it
-        self._finalizer = weakref.finalize(release, _remove_hooks, release.hooks)
+        self._finalizer = weakref.finalize(release, remove_hooks, release.hooks)
 
     @property
     def skipped(self) -> int:

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions
 from memopt_core.errors import ConfigError, StateDictError
-from memopt_core.optimizer import RULES
+from memopt_core.optimizer import RULES, check_bool
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 from memopt_core.sharding import local_shard
 
@@ -79,13 +79,8 @@ def _master_for_bits(bits: Any) -> str:
     return MASTER_WEIGHT_BITS[bits]
 
 
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
-
-
 def _moments_for_quantize(quantize: Any) -> str:
-    _check_flag("quantize (param group)", quantize)
+    check_bool("quantize (param group)", quantize)
     return "q8" if quantize else "fp32"
 
 
@@ -148,6 +143,12 @@ class FlashOptimizer(MemOptimizer):
     (ECC or none), float16 (``master_weight_bits=None`` only) or float32, on CPU or CUDA; mixed
     dtypes in one optimizer are grouped internally; non-contiguous parameters are handled.
 
+    Fused (``fused=True``, the default): one kernel launch per (dtype, format) group decodes the
+    master and the moments, applies the rule (with a GradScaler's unscale and inf skip when
+    ``capturable``) and encodes them back, in one pass over memory: memopt-kernels-triton on
+    CUDA, memopt-kernels-cpu on the CPU. Without them, or with ``fused=False``, core's pure-torch
+    backend computes the same bits.
+
     While :func:`memopt_ecc.enable_gradient_release` is active, :meth:`step` and
     :meth:`zero_grad` do nothing and warn once per activation (core's switch, shared by every
     :class:`~memopt_core.MemOptimizer`). With ``check_numerics`` the resolution check runs before
@@ -182,7 +183,7 @@ class FlashOptimizer(MemOptimizer):
             ("compress_state_dict", compress_state_dict),
             ("fused", fused),
         ):
-            _check_flag(name, value)
+            check_bool(name, value)
         if capturable is True and not fused:
             raise ConfigError(
                 "capturable=True runs the fused Triton step with device-resident step counts; "
@@ -579,7 +580,8 @@ class FlashSGD(FlashOptimizer):
 
 class FlashSGDW(FlashOptimizer):
     """SGD with decoupled weight decay (``p *= 1 - lr*wd``, or ``1 - lr/initial_lr*wd`` with
-    ``decouple_lr``). Bytes and dtypes as :class:`FlashSGD`."""
+    ``decouple_lr``). Bytes, dtypes and devices as :class:`FlashSGD`; fused as every
+    :class:`FlashOptimizer`."""
 
     def __init__(
         self,

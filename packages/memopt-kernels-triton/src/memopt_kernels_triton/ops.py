@@ -41,7 +41,7 @@ from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_mome
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
-from memopt_core.plan import overlaps_itself
+from memopt_core.plan import ceil_div, overlaps_itself, round_up
 from memopt_core.reference import adam_bias_table, round_to_float32
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
@@ -267,7 +267,7 @@ def encode_moment(
     scale = fields.get("scale", torch.zeros(1, dtype=torch.uint8, device=x.device))
     if n:
         rows = _rows()
-        grid = (triton_cdiv(n, 32 * rows),)
+        grid = (ceil_div(n, 32 * rows),)
         _launch(
             _convert.moment_encode_kernel,
             grid,
@@ -310,7 +310,7 @@ def decode_moment(fmt: str, fields: dict[str, Tensor]) -> Tensor:
         rows = _rows()
         _launch(
             _convert.moment_decode_kernel,
-            (triton_cdiv(n, 32 * rows),),
+            (ceil_div(n, 32 * rows),),
             _kernel_view(main.resolve_neg().reshape(-1).contiguous()),
             scale.resolve_neg().reshape(-1).contiguous(),
             out,
@@ -367,7 +367,7 @@ def encode_master(
         rows = _rows()
         _launch(
             _convert.master_encode_kernel,
-            (triton_cdiv(n, 32 * rows),),
+            (ceil_div(n, 32 * rows),),
             flat,
             _kernel_view(param),
             code if code is not None else torch.zeros(1, dtype=torch.uint8, device=x.device),
@@ -395,7 +395,7 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
         rows = _rows()
         _launch(
             _convert.master_decode_kernel,
-            (triton_cdiv(n, 32 * rows),),
+            (ceil_div(n, 32 * rows),),
             _kernel_view(param.resolve_neg().reshape(-1).contiguous()),
             (
                 code.resolve_neg().reshape(-1).contiguous()
@@ -443,7 +443,7 @@ def stream_words(
         block = 128 if interpreting() else 1024
         _launch(
             _convert.stream_words_kernel,
-            (triton_cdiv(n, block),),
+            (ceil_div(n, block),),
             idx,
             out,
             n,
@@ -454,10 +454,6 @@ def stream_words(
         )
     words = out.to(torch.int64) & 0xFFFFFFFF
     return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------------- fused step
@@ -609,8 +605,8 @@ def _chunk_size(cfg: KernelConfig, plan, total: int) -> int:
     if cfg.chunk_size is not None:
         return cfg.chunk_size
     unit = 32 * cfg.rows
-    target = -(-total // (_sm_count(plan.device) * cfg.waves))
-    return min(max(-(-target // unit) * unit, unit), cfg.max_chunk)
+    target = ceil_div(total, _sm_count(plan.device) * cfg.waves)
+    return min(max(round_up(target, unit), unit), cfg.max_chunk)
 
 
 _DUMMY: dict[tuple, Tensor] = {}
@@ -1347,7 +1343,11 @@ def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
 
 
 _WORDS_BLOCK = 128
-_RULE_IDS = {"adam": 0, "lion": 1, "sgd": 2}
+_RULE_IDS = {
+    "adam": _words.RULE_ADAM.value,
+    "lion": _words.RULE_LION.value,
+    "sgd": _words.RULE_SGD.value,
+}
 #: (device, beta1, beta2) -> (bc1 float64, bc2_sqrt fp32 bits as int32, last index)
 _BIAS_TABLES: dict = {}
 
@@ -1429,7 +1429,7 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
     dummy = _dummy(dev, torch.float32)
     _launch(
         _words.device_words_kernel,
-        (triton_cdiv(n, _WORDS_BLOCK),),
+        (ceil_div(n, _WORDS_BLOCK),),
         words,
         steps,
         slots,

@@ -64,7 +64,7 @@ from memopt_core import cache_files, reference
 from memopt_core.backends import GroupStep
 from memopt_core.errors import ConfigError
 from memopt_core.formats import StateSpec
-from memopt_core.plan import GroupPlan, StateArena
+from memopt_core.plan import GroupPlan, StateArena, round_up
 from memopt_kernels_cpu import ops
 
 __all__ = [
@@ -271,7 +271,7 @@ def _host_copy_bytes(quick: bool) -> int:
     (128 MiB and one cache size ``quick``), at most 1 GiB, so the copy runs from DRAM."""
     llc = _last_level_cache_bytes()
     want = max(128 * _MiB, llc) if quick else max(256 * _MiB, 2 * llc)
-    return min(-(-want // _MiB) * _MiB, 1024 * _MiB)
+    return min(round_up(want, _MiB), 1024 * _MiB)
 
 
 def _host_gbs(threads: int, quick: bool) -> float:

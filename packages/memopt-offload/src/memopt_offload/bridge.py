@@ -119,8 +119,9 @@ from memopt_core.hook_wrappers import (
     reject_hook_wrappers,
     reject_pending_gradients,
     reject_unsynchronized,
+    remove_hooks,
 )
-from memopt_core.optimizer import MemOptimizer, adam_hyperparameters
+from memopt_core.optimizer import MemOptimizer, adam_hyperparameters, check_bool
 from memopt_core.plan import StateArena, own_storage
 from memopt_core.sharding import is_dtensor
 from memopt_core.state_dict_hooks import (
@@ -404,12 +405,6 @@ class _WeakHook:
         return bound.__self__.__getstate__()  # raises the optimizer's TypeError
 
 
-def _remove_hooks(handles: list[Any]) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
 class _ReadGuard(TorchFunctionMode):
     """The check of the first forward that overlaps updates (``overlap_forward``): a torch
     function that reads a parameter whose update is still in flight, before any forward
@@ -497,6 +492,10 @@ class AdamBridge(Optimizer):
 
     Host memory is allocated when a param group is added (at construction), with an
     :class:`~memopt_core.errors.OffloadError` before anything is allocated when the host lacks it.
+
+    Fused: ``update="host"`` runs one C++ kernel call per bucket that decodes the host state,
+    applies AdamW and encodes it back, writing the bf16 copy of the new weights for the GPU in
+    the same pass; ``update="device"`` one Triton launch per bucket on the state copied in.
     """
 
     def __init__(
@@ -884,8 +883,7 @@ class AdamBridge(Optimizer):
         and the next forward overlaps them: a forward pre-hook on every module that holds one
         of the optimizer's parameters waits for that module's own parameters (module doc,
         "Overlapping the next forward")."""
-        if not isinstance(overlap_forward, bool):
-            raise ConfigError(f"overlap_forward must be True or False, got {overlap_forward!r}")
+        check_bool("overlap_forward", overlap_forward)
         if overlap_forward and self.update == "device":
             raise ConfigError(
                 "overlap_forward is for update='host': with update='device' step_sync() does "
@@ -954,7 +952,7 @@ class AdamBridge(Optimizer):
         """Remove the hooks (waits for in-flight updates first); idempotent."""
         if self._pending or self._inflight:
             self._finish()
-        _remove_hooks(self._hooks)  # the same list: the finalizer holds it
+        remove_hooks(self._hooks)  # the same list: the finalizer holds it
         self._overlap = False
         self._guard_next_forward = False
         # a forward interrupted by a BaseException (KeyboardInterrupt: the always-called
@@ -1056,7 +1054,7 @@ class AdamBridge(Optimizer):
         # stops the thread when the optimizer is collected (the thread holds no reference to it)
         weakref.finalize(self, self._dispatcher.stop)
         # an AdamBridge dropped with hooks attached: they hold it weakly, and go with it
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        weakref.finalize(self, remove_hooks, self._hooks)
         self._streams: tuple[Any, Any] | None = None
         self._prev_coef: float | None = None
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from memopt_core.errors import OffloadError
+from memopt_core.plan import round_up
 from memopt_kernels_cpu import ops as cpu_ops
 
 __all__ = ["ALIGN", "HostSlab", "SlabLayout", "available_host_bytes", "check_host_memory"]
@@ -78,7 +79,7 @@ class SlabLayout:
         if numel == 0:  # no bytes, no padding
             self.entries.append(_Entry(self.nbytes, 0, dtype, shape))
             return len(self.entries) - 1
-        offset = -(-self.nbytes // ALIGN) * ALIGN
+        offset = round_up(self.nbytes, ALIGN)
         self.entries.append(_Entry(offset, numel, dtype, shape))
         self.nbytes = offset + numel * dtype.itemsize
         return len(self.entries) - 1

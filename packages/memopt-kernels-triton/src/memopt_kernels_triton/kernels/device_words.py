@@ -129,7 +129,8 @@ def device_words_kernel(
         _put(row, 8, inv_bits, mask)
         _put(row, 9, skip, mask)
     else:
-        # lr, momentum, one_minus_dampening, decay, l2, seed, step, first_step, inv_scale, skip
+        # RULE_SGD: lr, momentum, one_minus_dampening, decay, l2, seed, step, first_step,
+        # inv_scale, skip
         _put(row, 0, zero + w0, mask)
         _put(row, 1, zero + w1, mask)
         _put(row, 2, zero + w2, mask)
