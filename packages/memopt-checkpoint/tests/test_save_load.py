@@ -681,3 +681,19 @@ def test_fp32_state_dict_of_a_wrapped_model_has_the_same_keys_for_every_optimize
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", [None, "torch"])
+def test_fp32_state_dict_without_a_memopt_optimizer_is_fp32(optimizer):
+    """Without a memopt optimizer every floating entry is widened from the model (mutation
+    testing: this path was never dtype-checked)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).bfloat16()
+    opt = None if optimizer is None else torch.optim.SGD(model.parameters(), lr=0.1)
+    sd = fp32_model_state_dict(model, opt)
+    floating = {k: v for k, v in sd.items() if v.is_floating_point()}
+    assert set(floating) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                             "1.running_var"}  # fmt: skip
+    for k, v in floating.items():
+        assert v.dtype == torch.float32, k
+        assert torch.equal(v, model.state_dict()[k].float()), k

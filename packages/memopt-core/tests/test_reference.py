@@ -195,3 +195,22 @@ def test_round_to_float32_matches_torch():
         want = torch.tensor(v, dtype=torch.float32).item()
         assert got == want, v
         assert math.copysign(1.0, got) == math.copysign(1.0, want), v
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.5, 0.9), (0.0, 0.99), (0.99, 0.9999)])
+def test_bias_table_saturates_at_exactly_one_and_matches_adam_scalars(betas):
+    """The capturable step reads its bias corrections from ``adam_bias_table`` (last entry for
+    every later step): the table must end where both corrections are exactly 1.0, and agree
+    with ``adam_scalars`` bit for bit there and beyond (mutation testing: a table ended early
+    passed every CPU test)."""
+    bc1, bc2 = R.adam_bias_table(*betas)
+    last = len(bc1) - 1
+    assert bc1[last] == 1.0
+    assert bc2[last] == 1.0
+    for step in (1, 2, last, last + 1, last + 1000):
+        s = R.adam_scalars(
+            lr=0.1, betas=betas, eps=1e-8, weight_decay=0.0, step=step, decoupled=True
+        )
+        k = min(step, last)
+        assert s.step_size == 0.1 / bc1[k]
+        assert s.bc2_sqrt == bc2[k]

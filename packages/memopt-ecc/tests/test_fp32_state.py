@@ -215,3 +215,20 @@ def test_fp32_master_without_state_is_the_parameter():
     assert same_bits(fp32_master(opt, p), p.detach().float())
     q = nn.Parameter(torch.randn(5))
     assert same_bits(fp32_master(opt, q), q.detach())  # not held: itself
+
+
+def test_fp32_state_dict_is_fp32_for_buffers_and_frozen_parameters():
+    """Buffers and parameters the optimizer does not hold are widened too (mutation testing:
+    dropping their ``.float()`` went unnoticed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(torch.bfloat16)
+    model[2].weight.requires_grad_(False)  # frozen: not in the optimizer
+    opt = FlashAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randn(8, 4, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    sd = get_fp32_model_state_dict(model, opt)
+    floating = {k: v.dtype for k, v in sd.items() if v.is_floating_point()}
+    assert set(floating) >= {"0.weight", "1.running_mean", "1.running_var", "2.weight"}
+    assert set(floating.values()) == {torch.float32}
+    assert torch.equal(sd["2.weight"], model[2].weight.float())
+    assert torch.equal(sd["1.running_var"], model[1].running_var.float())

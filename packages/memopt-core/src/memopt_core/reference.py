@@ -158,8 +158,9 @@ def adam_bias_table(beta1: float, beta2: float) -> tuple[tuple[float, ...], tupl
     arithmetic :func:`adam_scalars` does at step ``k`` (so ``step_size = lr / bc1[k]`` and
     ``bc2_sqrt[k]`` are its fields bit for bit).
 
-    The tables end at the first ``K`` from which both corrections are exactly 1.0 (``beta**K <
-    2**-55`` for both betas; about 38,000 entries for beta2 = 0.999): entry ``K`` holds for every
+    The tables end at the first ``K`` with ``beta**K < 2**-55`` for both betas (about 38,000
+    entries for beta2 = 0.999), where both corrections are exactly 1.0 (they become 1.0
+    earlier, at ``beta**k <= 2**-54``): entry ``K`` holds for every
     later step, so a device step reads entry ``min(k, K)``. ``K`` is at most
     :data:`DEVICE_STEP_LIMIT`; betas closer to 1 raise ``ValueError``."""
     for b in (beta1, beta2):
