@@ -1995,7 +1995,7 @@ class MemOptimizer(Optimizer):
                     "dict built under a meta device context?)"
                 )
             if k.endswith("_scale") and dtype == torch.uint8 and bool((t == 255).any()):
-                # E8M0 block scales are 0..254: the backends would decode 255 differently
+                # E8M0 block scales are 0..254: 255 decodes as an inf factor (inf and NaN)
                 raise StateDictError(
                     f"state {k!r} of {label} holds the block scale byte 255, which no memopt "
                     "format writes (scales are 0..254): the state is corrupt or not memopt's"

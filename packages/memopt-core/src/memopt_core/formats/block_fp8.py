@@ -92,6 +92,10 @@ class BlockMinifloatCodec(MomentCodec):
             out = torch.where(mag > self.inf_code, 0x7FC00000, out)
         else:
             out = torch.where(mag > self.max_code, 0x7FC00000, out)
+        # the scale byte 255, which no encoder writes, decodes as the kernels decode it: their
+        # fp32 factor 2**(255 - 127) is inf, so code 0 gives NaN and every other finite code inf
+        special = torch.where(mag == 0, 0x7FC00000, bits.F32_INF)
+        out = torch.where((k == 255 - SCALE_BIAS) & (mag <= self.max_code), special, out)
         if self.sign_bit:
             out = out | ((c >> 7) << 31)
         return bits.bits_to_f32(out).view(codes.shape)
