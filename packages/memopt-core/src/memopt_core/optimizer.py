@@ -308,7 +308,8 @@ class MemOptimizer(Optimizer):
         moments: moment format preset: ``"fp32"``, ``"bf16"``, ``"fp8"``, ``"q8"``.
         stochastic_rounding: round master and moments stochastically (counter-based, so every
             backend gives the same bits) where the format offers it.
-        seed: key of the stochastic-rounding generator.
+        seed: key of the stochastic-rounding generator; its low 32 bits key it (docs/formats.md),
+            so seeds equal modulo 2**32 round alike.
         check_numerics: refuse non-finite gradients with :class:`NumericsError`, before any state
             or parameter changes.
         capturable: keep step counts on the parameters' device (``state["step"]`` float32 device

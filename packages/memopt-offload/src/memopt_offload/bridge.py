@@ -476,7 +476,8 @@ class AdamBridge(Optimizer):
             for ``update="host"``, 64 for ``update="device"`` (each bucket costs the device
             update about 1 ms of Python; 64 was faster than 32 on the Qwen2.5-0.5B shape).
         pin_memory: page-lock the host buffers (GPU parameters only).
-        seed: key of the stochastic-rounding generator.
+        seed: key of the stochastic-rounding generator; its low 32 bits key it (docs/formats.md),
+            so seeds equal modulo 2**32 round alike.
         autotune: an :class:`memopt_offload.autotune.AutoTuneConfig` to apply (kernel threads
             and chunk size), True to load or measure one, None to leave the settings as they are.
         backend: kernel backend. ``update="host"``: ``"cpu"`` (the C++ kernels, what None
