@@ -187,6 +187,79 @@ def test_a_host_step_in_a_cuda_graph_is_refused():
     assert float(opt.state[params[0]]["step"]) == 2.0
 
 
+def _refused_capture(opt, match):
+    """Capture ``opt.step()``, which must raise ConfigError matching ``match``."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings():  # the capture ends empty, and torch says so
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with pytest.raises(ConfigError, match=match):  # noqa: SIM117
+            with torch.cuda.graph(graph, stream=side):
+                opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_first_step_in_a_capture_is_refused_before_any_change(cls):
+    """A first step allocates state and copies tables from the host: captured, torch raised a
+    RuntimeError about pageable copies (audit round 6's GPU probe). Refused before any change,
+    and the optimizer then steps eagerly as one that never saw the capture."""
+    params, ref = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = cls(params, capturable=True, **CASES[cls])
+    other = cls(ref, capturable=True, **CASES[cls])
+    for p, q in zip(params, ref, strict=True):
+        p.grad = torch.full_like(p, 0.25)
+        q.grad = p.grad.clone()
+    _refused_capture(opt, r"takes its first step inside a CUDA graph capture.*eager step")
+    assert not opt.state
+    assert all(torch.equal(p, q) for p, q in zip(params, ref, strict=True))
+    opt.step()
+    other.step()
+    torch.cuda.synchronize()
+    assert_same_state(opt, params, other, ref)
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_cuda_tensor_lr_in_a_capture_is_refused():
+    """A captured step read a CUDA tensor lr with .item(): the capture failed with
+    cudaErrorStreamCaptureInvalidated. Refused, naming lr; eager steps with it work."""
+    params = _params(torch.bfloat16)
+    opt = FlashAdamW(params, lr=torch.tensor(1e-3, device="cuda"), capturable=True)
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    _refused_capture(opt, r"param group 0: lr is a tensor on cuda:0")
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert float(opt.state[params[0]]["step"]) == 1.0
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_capture_needing_a_new_table_is_refused():
+    """Gradients at new addresses need a new slot table, copied from the host: captured, the
+    copy would read a freed pinned buffer at every replay. Refused before the launch."""
+    params = _params(torch.bfloat16)
+    opt = FlashAdamW(params, lr=1e-3, capturable=True)
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    opt.step()
+    keep = [p.grad for p in params]  # held, so the new gradients get new addresses
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    assert all(p.grad.data_ptr() != k.data_ptr() for p, k in zip(params, keep, strict=True))
+    before = [p.detach().clone() for p in params]
+    _refused_capture(opt, r"not cached yet .* take one eager step")
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    opt.step()  # eagerly, the new table is built
+    assert float(opt.state[params[0]]["step"]) == 2.0
+
+
 _RELEASE_WITH_SCALER = r"""
 import copy, math, sys
 sys.path.insert(0, sys.argv[1])

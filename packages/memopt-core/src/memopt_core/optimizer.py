@@ -1440,6 +1440,12 @@ class MemOptimizer(Optimizer):
                 "replay would repeat the captured step and no count would advance). Construct "
                 "it with capturable=True to capture its step"
             )
+        if (
+            self._capturable
+            and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()
+        ):
+            self._refuse_unready_capture()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1451,6 +1457,30 @@ class MemOptimizer(Optimizer):
             elif not self._replay(None):
                 self._update_and_cache(None)
         return loss
+
+    def _refuse_unready_capture(self) -> None:
+        """ConfigError, before any change, for a captured step that would have to read a device
+        value on the host or copy from the host: a parameter's first step allocates its state
+        and uploads its tables (torch refused the pageable copy with a RuntimeError that did
+        not say why), and a CUDA tensor lr is read with a synchronising ``.item()`` (the capture
+        failed with ``cudaErrorStreamCaptureInvalidated``)."""
+        for gi, group in enumerate(self.param_groups):
+            lr = group["lr"]
+            if isinstance(lr, Tensor) and lr.device.type != "cpu":
+                raise ConfigError(
+                    f"param group {gi}: lr is a tensor on {lr.device}, which a captured step "
+                    "would read on the host (a synchronisation a CUDA graph capture cannot "
+                    "hold); give lr as a float or a CPU tensor (its value at capture is the "
+                    "one the graph replays)"
+                )
+            for p in group["params"]:
+                if p.grad is not None and p not in self.state:
+                    raise ConfigError(
+                        f"{self._param_label(p)} takes its first step inside a CUDA graph "
+                        "capture: a first step allocates the state and copies tables from the "
+                        "host, which a capture cannot hold. Take one eager step (with the "
+                        "gradient buffers the graph will use) before capturing"
+                    )
 
     # ---------------------------------------------------------------------- the cached step
     def _resolved_for(self, group: Mapping[str, Any]) -> tuple:

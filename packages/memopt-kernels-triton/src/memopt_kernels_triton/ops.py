@@ -663,6 +663,15 @@ def _table_cache_limits(n_slots: int) -> tuple[int, int]:
 
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # captured, the copy would read a temporary pinned buffer at every replay, long
+            # after it is freed and reused
+            raise ConfigError(
+                "a table of this step is not cached yet (the first step of these tensors, "
+                "gradients at new addresses, or new betas), and a CUDA graph capture cannot copy "
+                "it from the host: take one eager step with the same tensors and "
+                "hyperparameters before capturing"
+            )
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
