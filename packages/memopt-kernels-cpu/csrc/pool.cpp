@@ -70,7 +70,11 @@ class Pool {
     threads_.reserve(n_);
     try {
       for (int i = 0; i < n_; ++i) threads_.emplace_back([this, i] { work(i); });
-    } catch (...) {  // a thread could not start: stop the others, never wait for a missing one
+    } catch (const std::exception& e) {
+      // a thread could not start (a pids limit, RLIMIT_NPROC, address space): stop the others,
+      // never wait for a missing one, and say which setting to lower (the bare system error,
+      // "Resource temporarily unavailable", named neither the pool nor the thread count)
+      const size_t started = threads_.size();
       {
         std::lock_guard<std::mutex> lk(mu_);
         stop_ = true;
@@ -79,7 +83,9 @@ class Pool {
       for (auto& t : threads_) t.join();
       threads_.clear();
       stop_ = false;
-      throw;
+      throw std::runtime_error("memopt-kernels-cpu could start only " + std::to_string(started) +
+                               " of the " + std::to_string(n_) + " threads asked for (" +
+                               e.what() + "); lower memopt_kernels_cpu.set_num_threads");
     }
   }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -209,6 +210,36 @@ def test_pool_works_after_fork(run_py):
     )
     out = run_py(code)
     assert out.stdout.strip().splitlines()[-1] == "0", out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX resource limits")
+def test_threads_that_cannot_start_are_named(run_py):
+    """Under an address-space limit 4096 threads cannot all start: the error names the pool,
+    the counts and the setting (it was a bare "Resource temporarily unavailable"), no kernel
+    runs, and a smaller pool works again."""
+    code = (
+        "import resource, torch\n"
+        "import memopt_kernels_cpu as m\n"
+        "x = torch.randn(1 << 20)\n"
+        "want = m.ops.encode_moment('bf16', x)['']\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), resource.RLIM_INFINITY))\n"
+        "m.set_num_threads(4096); m.set_chunk_size(32)\n"  # enough parts for every thread
+        "try:\n"
+        "    m.ops.encode_moment('bf16', x)\n"
+        "    print('no error')\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+        "m.set_num_threads(2)\n"
+        "print(torch.equal(m.ops.encode_moment('bf16', x)[''], want))\n"
+    )
+    out = run_py(code).stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"memopt-kernels-cpu could start only \d+ of the 4096 threads asked for \(.+\); lower "
+        r"memopt_kernels_cpu.set_num_threads",
+        out[0],
+    ), out
+    assert out[1] == "True"
 
 
 def _step_all(ops, make_work, bits, threads: int, chunk: int):
