@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt_core.aliasing import check_aliasing
+from memopt_core.aliasing import check_aliasing, check_parameters_apart
 from memopt_core.errors import ConfigError
+from memopt_core.plan import overlaps_itself
 
 
 def test_disjoint_views_and_shared_reads_pass():
@@ -35,3 +36,42 @@ def test_overlaps_are_refused_with_both_names():
         check_aliasing([(buf[:50], "a"), (buf[40:], lambda: "b")], [])
     with pytest.raises(ConfigError, match="share memory"):  # strided, sharing one element
         check_aliasing([(buf[0::3], "a")], [(buf[3:4], "b")])
+
+
+def test_overlap_after_an_empty_tensor_inside_a_range():
+    buf = torch.zeros(100)
+    with pytest.raises(ConfigError, match="share memory"):
+        check_aliasing([(buf[:50], "a"), (buf[10:10], "empty")], [(buf[20:30], "b")])
+
+
+def test_pair_with_other_strides_is_not_the_same_view():
+    base = torch.zeros(4, 4)
+    p = base[:, :2]  # shape (4,2) strides (4,1)
+    g = torch.as_strided(base, (4, 2), (1, 4))  # same ptr/shape/dtype, other strides
+    with pytest.raises(ConfigError, match="share memory"):
+        check_aliasing([(p, "p")], [(g, "g")], [(p, g)])
+
+
+def test_adjacent_tensors_next_to_a_strided_one_pass():
+    buf = torch.zeros(100)
+    # a strided tensor makes the quick check defer to the exact one
+    check_aliasing([(buf[0:10], "a"), (buf[10:20], "b")], [(torch.zeros(8, 2)[:, 0], "s")])
+
+
+def test_strided_extent_includes_its_last_element():
+    buf = torch.zeros(100)
+    s = buf[0:10:3]  # elements 0,3,6,9
+    with pytest.raises(ConfigError, match="share memory"):
+        check_aliasing([(s, "s")], [(buf[9:12], "b")])
+
+
+@pytest.mark.parametrize(("shape", "stride"), [((4,), (0,)), ((3, 4), (0, 1)), ((2, 3), (1, 1))])
+def test_overlaps_itself(shape, stride):
+    t = torch.as_strided(torch.zeros(16), shape, stride)
+    assert overlaps_itself(t)
+
+
+def test_expanded_parameter_refused():
+    p = torch.zeros(1).expand(4)
+    with pytest.raises(ConfigError, match="share memory"):
+        check_parameters_apart([(p, "p")], [])

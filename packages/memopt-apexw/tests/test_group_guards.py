@@ -1,0 +1,62 @@
+"""ApexW guards that no test pinned (audit round 6, mutation testing round 2): groups edited or
+added with round-to-nearest or another master, the graph step seeing a flipped maximize or L2,
+decision-cache entries of another version or an unknown mode."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from memopt_apexw import ApexW, auto_mode
+from memopt_apexw.graph_step import GraphStep
+from memopt_core.errors import ConfigError
+
+
+def _opt():
+    p = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    return p, ApexW([p], lr=1e-3, mode="torch", mode_cache=None)
+
+
+def test_a_group_edited_to_round_to_nearest_is_refused():
+    p, opt = _opt()
+    opt.param_groups[0]["stochastic_rounding"] = False
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="stochastic"):
+        opt.step()
+
+
+def test_an_added_group_with_round_to_nearest_is_refused():
+    _p, opt = _opt()
+    q = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ConfigError, match="stochastic"):
+        opt.add_param_group({"params": [q], "stochastic_rounding": False})
+
+
+def test_an_added_group_with_another_master_is_refused():
+    _p, opt = _opt()
+    q = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ConfigError, match="master"):
+        opt.add_param_group({"params": [q], "master": "none"})
+
+
+def test_variant_matches_sees_maximize_flip():
+    gs = GraphStep.__new__(GraphStep)
+    gs._flags = [{"maximize": False, "has_l2": False, "has_decay": True}]
+    assert gs.variant_matches([SimpleNamespace(maximize=False, l2=0.0, decay=0.99)])
+    assert not gs.variant_matches([SimpleNamespace(maximize=True, l2=0.0, decay=0.99)])
+    assert not gs.variant_matches([SimpleNamespace(maximize=False, l2=0.1, decay=0.99)])
+
+
+def test_cache_entries_of_another_version_or_mode_are_ignored(tmp_path):
+    path = tmp_path / "c.json"
+    good = {"mode": "fused", "timings_ms": {"fused": 1.0}}
+    path.write_text(json.dumps({"version": auto_mode._CACHE_VERSION, "entries": {"k": good}}))
+    assert auto_mode.load_decision(path, "k").mode == "fused"
+    path.write_text(json.dumps({"version": auto_mode._CACHE_VERSION + 1, "entries": {"k": good}}))
+    assert auto_mode.load_decision(path, "k") is None
+    bad = dict(good, mode="bogus")
+    path.write_text(json.dumps({"version": auto_mode._CACHE_VERSION, "entries": {"k": bad}}))
+    assert auto_mode.load_decision(path, "k") is None
