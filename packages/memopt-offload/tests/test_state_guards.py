@@ -14,15 +14,24 @@ from memopt_offload import AdamBridge, OffloadError
 CPU = torch.device("cpu")
 
 
-def test_overlap_state_dict_with_small_gradients_reloads():
+def _overlap_state_dict(max_grad_norm: float) -> dict:
+    """The state dict of a bf16 AdamBridge clipping in overlap mode, after one hooked step."""
     model = make_model(CPU)
     opt = AdamBridge(
-        model.parameters(), lr=2e-3, precision="bf16", max_grad_norm=1e6, clip_mode="overlap"
+        model.parameters(),
+        lr=2e-3,
+        precision="bf16",
+        max_grad_norm=max_grad_norm,
+        clip_mode="overlap",
     )
     opt.attach_hooks(model)
     loss_of(model, batch(0, CPU)).backward()
     opt.step_sync()
-    sd = opt.state_dict()
+    return opt.state_dict()
+
+
+def test_overlap_state_dict_with_small_gradients_reloads():
+    sd = _overlap_state_dict(1e6)
     assert sd["memopt"]["clip_coef"] is None or sd["memopt"]["clip_coef"] <= 1.0
     m2 = make_model(CPU)
     AdamBridge(
@@ -31,14 +40,7 @@ def test_overlap_state_dict_with_small_gradients_reloads():
 
 
 def test_a_non_clipping_bridge_does_not_keep_a_loaded_coefficient():
-    src = make_model(CPU)
-    o = AdamBridge(
-        src.parameters(), lr=2e-3, precision="bf16", max_grad_norm=0.05, clip_mode="overlap"
-    )
-    o.attach_hooks(src)
-    loss_of(src, batch(0, CPU)).backward()
-    o.step_sync()
-    sd = o.state_dict()
+    sd = _overlap_state_dict(0.05)
     assert sd["memopt"]["clip_coef"] is not None
     m = make_model(CPU)
     plain = AdamBridge(m.parameters(), lr=2e-3, precision="bf16")
