@@ -8,7 +8,8 @@ Per element, in core's order with every operation individually rounded (launched
     p = p * decay                       if HAS_DECAY
     m = m + one_minus_beta1 * (g - m)
     v = beta2 * v + one_minus_beta2 * (g * g)
-    d = sqrt_rn(v) / bc2_sqrt + eps     (div_rn)
+    d = sqrt_rn(v) / bc2_sqrt + eps     (div_rn; on the GPU through bc2_sqrt's reciprocal,
+                                        kernels.division, same bits)
     p = p - step_size * (m / d)         (div_rn)
 
 States are decoded and encoded with the inlined codecs (``MASTER``, ``FMT1``, ``FMT2``);
@@ -47,6 +48,12 @@ import triton
 import triton.language as tl
 
 from memopt_kernels_triton.kernels import codecs as C
+from memopt_kernels_triton.kernels.division import (
+    FAST_SCALAR_DIVISION,
+    div_rn_by,
+    divisor_in_range,
+    divisor_reciprocal,
+)
 from memopt_kernels_triton.kernels.rng import step_keys
 from memopt_kernels_triton.kernels.tiles import (
     chunk_info,
@@ -82,8 +89,8 @@ def _tile_words(
 @triton.jit
 def _update(
     x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-    origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
-    MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, SR: tl.constexpr,
+    origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, rbc2, bc2_fast, dec, l2_, inv,
+    gkind, MASTER: tl.constexpr, FMT1: tl.constexpr, FMT2: tl.constexpr, SR: tl.constexpr,
     NEED_RAND: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr,
     HAS_DECAY: tl.constexpr, UNSCALE: tl.constexpr,
 ):  # fmt: skip
@@ -95,7 +102,14 @@ def _update(
     m = m + omb1 * (g - m)
     v = b2 * v + omb2 * (g * g)
     s = tl.sqrt_rn(v)
-    d = tl.div_rn(s, bc2) + eps_
+    if FAST_SCALAR_DIVISION:
+        if bc2_fast:  # noqa: SIM108 (a uniform runtime branch: the chunk's divisor)
+            q = div_rn_by(s, bc2, rbc2)
+        else:
+            q = tl.div_rn(s, bc2)
+    else:
+        q = tl.div_rn(s, bc2)
+    d = q + eps_
     x = x - lr_t * tl.div_rn(m, d)
     C.store_master(x, pp, cp, offs, emask, amask, r0, MASTER, SR)
     C.store_moment(m, mp, msp, offs, soffs, rmask, amask, r1, FMT1, SR, m)
@@ -175,6 +189,12 @@ def adam_kernel(
             step_ = step
             inv = 1.0
             limit = padded
+        if FAST_SCALAR_DIVISION:
+            bc2_fast = divisor_in_range(bc2)
+            rbc2 = divisor_reciprocal(bc2)
+        else:
+            bc2_fast = False
+            rbc2 = 0.0
         if NEED_RAND:  # the chunk's tensor at this step
             k0, k1, k2, k3 = step_keys(seed_, tid, step_)
             origin = base + start  # index of the chunk's element 0
@@ -213,7 +233,8 @@ def adam_kernel(
                 v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
             _update(
                 x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, rbc2, bc2_fast, dec,
+                l2_, inv, gkind,
                 MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
             )  # fmt: skip
             if AHEAD:
@@ -227,6 +248,7 @@ def adam_kernel(
             v = C.load_moment(vp, vsp, offs, soffs, rmask, amask, FMT2)
             _update(
                 x, g, m, v, offs, emask, amask, rmask, soffs, pp, cp, mp, msp, vp, vsp,
-                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, dec, l2_, inv, gkind,
+                origin, k0, k1, k2, k3, omb1, b2, omb2, eps_, lr_t, bc2, rbc2, bc2_fast, dec,
+                l2_, inv, gkind,
                 MASTER, FMT1, FMT2, SR, NEED_RAND, MAXIMIZE, HAS_L2, HAS_DECAY, UNSCALE,
             )  # fmt: skip
