@@ -14,7 +14,9 @@ profile (8 x 64M, 4096 x 32K) the tool first runs one launch of each side from t
 compares every output bit (``same_bits``), then times prepared launches in ``--rounds``
 interleaved rounds (median of 11 launches between CUDA events per round; the row's ``ms`` is the
 median over rounds). Constexprs the baseline does not declare (e.g. ``AHEAD``) are dropped for it.
-``--cases adam:bf16m,lion:ecc24q8`` runs a subset.
+``--cases adam:bf16m,lion:ecc24q8`` runs a subset; ``--launcher-geometry`` times each case at the
+launcher's default configuration (``ops.kernel_config``: geometry and register cap) instead of
+the geometries listed here.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default=None, help="rule:format list (default: all)")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--launcher-geometry", action="store_true", help="time at the launcher's default config"
+    )
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[2]
     sides = (load_baseline(args.baseline, root), dict(ops._KERNELS))
@@ -147,16 +152,21 @@ def main() -> None:
             continue
         for n, numel in PROFILES:
             work = group_work(name, n, numel, rule)
+            configs = [ops.KernelConfig(rows=r, num_warps=w) for r, w in geos]
+            if args.launcher_geometry:
+                ops.reset_kernel_config()
+                dtype = work.plan.param_dtype
+                mid = ops.master_id(work.spec.master_for(dtype).name, dtype)
+                configs = [
+                    ops.kernel_config(blocked=work.plan.block_size == 32, rule=rule, master=mid)
+                ]
             start = [t.clone() for t in _state(work)]
             ends = []
             for side in sides:
                 for t, s in zip(_state(work), start, strict=True):
                     t.copy_(s)
                 ops._KERNELS[rule] = side[rule]
-                rows_, warps = geos[0]
-                ops.prepare_step(work, ops.KernelConfig(rows=rows_, num_warps=warps)).launch(
-                    work.scalars, 10, 0, False
-                )
+                ops.prepare_step(work, configs[0]).launch(work.scalars, 10, 0, False)
                 torch.cuda.synchronize()
                 ends.append([t.clone() for t in _state(work)])
             same = all(
@@ -164,18 +174,20 @@ def main() -> None:
                 for a, b in zip(*ends, strict=True)
             )
             del start, ends
-            times: dict[tuple[int, int, int], list[float]] = {}
+            times: dict[tuple[int, int], list[float]] = {}
             for _ in range(args.rounds):
                 for i, side in enumerate(sides):
                     ops._KERNELS[rule] = side[rule]
-                    for r, w in geos:
-                        p = ops.prepare_step(work, ops.KernelConfig(rows=r, num_warps=w))
+                    for j, config in enumerate(configs):
+                        p = ops.prepare_step(work, config)
                         ms = events_ms(lambda p=p, s=work.scalars: p.launch(s, 10, 0, False), 11)
-                        times.setdefault((i, r, w), []).append(ms)
-            for (i, r, w), ms in times.items():
+                        times.setdefault((i, j), []).append(ms)
+            ops.reset_kernel_config()
+            for (i, j), ms in times.items():
+                r, w, cap = configs[j].rows, configs[j].num_warps, configs[j].maxnreg
                 row = {
                     "rule": rule, "format": name, "tensors": n, "numel": numel,
-                    "kernels": labels[i], "rows": r, "warps": w,
+                    "kernels": labels[i], "rows": r, "warps": w, "maxnreg": cap,
                     "ms": round(statistics.median(ms), 4), "rounds": [round(x, 4) for x in ms],
                     "same_bits": same,
                 }  # fmt: skip
