@@ -7,6 +7,7 @@ CPU sessions pin torch==2.13.0 (a CPU build; an unpinned torch pulls a multi-GB 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tomllib
@@ -192,10 +193,22 @@ _CROSS_TARGETS = {
         ["MEMOPT_HAVE_AVX2", "MEMOPT_HAVE_AVX512"],
     ),
 }
-_ISA_FLAGS = {
-    "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-}
+
+
+def _cmake_build_facts() -> tuple[list[str], dict[str, list[str]]]:
+    """memopt-kernels-cpu's common sources and per-ISA flags as its CMakeLists.txt sets them (the
+    one place they are written), for the cross-compile session."""
+    text = (PACKAGES / "memopt-kernels-cpu" / "CMakeLists.txt").read_text()
+    found = {
+        "sources": re.search(r"set\(MEMOPT_SOURCES ([^)]*)\)", text),
+        "isa_avx2.cpp": re.search(r'isa_avx2\.cpp PROPERTIES COMPILE_OPTIONS\s+"([^"]*)"', text),
+        "isa_avx512.cpp": re.search(r'set\(_avx512_flags "([^"]*)"\)', text),
+    }
+    missing = [k for k, m in found.items() if m is None]
+    if missing:
+        raise RuntimeError(f"CMakeLists.txt no longer sets what cross_compile reads: {missing}")
+    common = [Path(s).name for s in found.pop("sources").group(1).split()]
+    return common, {src: m.group(1).split(";") for src, m in found.items()}
 
 
 @nox.session(default=False)
@@ -215,14 +228,14 @@ def cross_compile(session: nox.Session) -> None:
         "print(sysconfig.get_paths()['include'])",
         silent=True,
     ).split()  # fmt: skip
-    common = ["module.cpp", "pool.cpp", "cpu_probe.cpp", "isa_scalar.cpp"]
+    common, isa_flags = _cmake_build_facts()
     out = Path(session.create_tmp()) / "cross.o"
     for target, (isa_sources, defines) in _CROSS_TARGETS.items():
         for source in common + isa_sources:
             session.run(
                 "python", "-m", "ziglang", "c++", "-target", target, "-std=c++17", "-O2",
                 "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-Wall", "-Wextra",
-                "-Werror", *_ISA_FLAGS.get(source, []), *[f"-D{d}" for d in defines],
+                "-Werror", *isa_flags.get(source, []), *[f"-D{d}" for d in defines],
                 '-DMEMOPT_VERSION="cross"', f"-I{pkg / 'include'}", f"-I{pkg / 'csrc'}",
                 *[f"-I{i}" for i in includes], "-c", str(pkg / "csrc" / source), "-o", str(out),
             )  # fmt: skip
