@@ -11,6 +11,10 @@ Byte model, per parameter and step: the weights are read and written (2 W), the 
 (G = W) and every byte of optimizer state is read and written (2 S, S from the optimizer's own
 count after a step). torch AdamW fp32: 2·4 + 4 + 2·8 = 28 B; ECC-24 with q8 moments about 12.
 The fraction of copy bandwidth compares that rate with a large ``copy_`` measured in the same run.
+
+Each timed step starts on an idle GPU (the timer synchronizes first), so the host's part of a step
+before its launch counts in full. ``--pipelined N`` also times N steps run back to back, as a
+training loop runs them, where each step's host part overlaps the GPU's work on the step before.
 """
 
 from __future__ import annotations
@@ -276,6 +280,8 @@ class Row:
     copy_fraction: float | None = None
     triad_fraction: float | None = None
     time_vs_adamw: float | None = None
+    pipelined_ms: float | None = None
+    pipelined_vs_adamw: float | None = None
     backend: str = "-"
     notes: str = ""
     error: str | None = None
@@ -300,6 +306,23 @@ class Timer:
         t0 = time.perf_counter()
         fn()
         return 1e3 * (time.perf_counter() - t0)
+
+    def pipelined(self, fn: Callable[[], object], calls: int) -> float:
+        """Milliseconds per call of ``calls`` calls of ``fn`` run back to back, nothing
+        synchronized between them (on a GPU the host queues the next call while the last runs)."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / calls
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return 1e3 * (time.perf_counter() - t0) / calls
 
     def median(
         self,
@@ -439,6 +462,8 @@ def measure(
         full_warmup=args.full_warmup if config.full_warmup else 0,
         settled=(lambda: config.settled(opt)) if config.settled else None,
     )
+    if args.pipelined:
+        row.pipelined_ms = timer.pipelined(opt.step, args.pipelined)
     row.backend = backend_of(opt, params, device)
     if config.notes is not None:
         row.notes = " ".join(config.notes(opt).replace("|", "/").split())
@@ -531,11 +556,13 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
     """The report: how it was made, then one table row per (profile, configuration)."""
     lines = ["# Optimizer step benchmark", ""]
     lines += [f"- {key}: {value}" for key, value in header.items()]
+    piped = any(r.pipelined_ms is not None for r in rows)
     lines += [
         "",
         "| profile | optimizer | tensors | params | step ms | steps timed | moved B/param | GB/s "
-        "| of copy BW | of triad BW | state B/param | time / AdamW | backend | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| of copy BW | of triad BW | state B/param | time / AdamW | backend | notes |"
+        + (" pipelined ms | pipelined / AdamW |" if piped else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if piped else ""),
     ]
     for r in rows:
         if r.error is not None:
@@ -550,6 +577,11 @@ def markdown(rows: list[Row], header: dict[str, Any]) -> str:
             f"| {_fmt(r.copy_fraction, '.0%')} | {_fmt(r.triad_fraction, '.0%')} "
             f"| {_fmt(r.state_bytes_per_param, '.2f')} "
             f"| {_fmt(r.time_vs_adamw, '.2f')} | {r.backend} | {r.notes} |"
+            + (
+                f" {_fmt(r.pipelined_ms, '.3f')} | {_fmt(r.pipelined_vs_adamw, '.2f')} |"
+                if piped
+                else ""
+            )
         )
     return "\n".join(lines) + "\n"
 
@@ -602,6 +634,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of params and grads (%(default)s)")
     p.add_argument(
+        "--pipelined",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N steps back to back, unsynchronized, per row (%(default)s: not)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         help="CPU threads for torch and memopt's C++ kernels alike (default: their defaults)",
@@ -622,6 +661,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scale must be at least 1")
     if args.copy_mib < 1:  # 0 MiB: every row's bandwidth figures would divide by zero
         p.error("--copy-mib must be at least 1")
+    if args.pipelined < 0:
+        p.error("--pipelined must be at least 0")
     if args.warmup < 1 or args.iters < 1:
         p.error(f"--warmup and --iters must be at least 1, got {args.warmup} and {args.iters}")
     return args
@@ -707,6 +748,10 @@ def run_profile(
     for r in rows:
         if r.ms is not None and base:
             r.time_vs_adamw = r.ms / base
+    base = next((r.pipelined_ms for r in rows if r.config == "adamw"), None)
+    for r in rows:
+        if r.pipelined_ms is not None and base:
+            r.pipelined_vs_adamw = r.pipelined_ms / base
     return rows
 
 
@@ -730,6 +775,14 @@ def report_header(
         "byte model": "per param, moved = 2 W (weights read + write) + W (grad read) "
         "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
         "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
+        **(
+            {
+                "pipelined": f"{args.pipelined} steps back to back, not synchronized between "
+                "them (the host's part of a step overlaps the previous step's GPU work), per step"
+            }
+            if args.pipelined
+            else {}
+        ),
         "skipped": "; ".join(f"{k}: {v}" for k, v in skipped.items()) or "none",
         "warmup of memopt and peer rows": f"{args.full_warmup} untimed steps whatever the "
         "budget (CUDA graph capture, mode choice, the peers' per-shape compilation, memopt's "

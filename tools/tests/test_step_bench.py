@@ -42,6 +42,24 @@ def test_tiny_run_reports_every_importable_config(tmp_path) -> None:
     assert "| torch AdamW pure bf16 fused |" in (tmp_path / "step_bench.md").read_text()
 
 
+def test_pipelined_steps_are_timed_and_reported(tmp_path) -> None:
+    argv = ["--device", "cpu", "--scale", "4096", "--warmup", "1", "--iters", "2", "--copy-mib"]
+    argv += ["4", "--optimizers", "adamw,adamw-bf16", "--profiles", "8x64M", "--out", str(tmp_path)]
+    assert step_bench.main([*argv, "--pipelined", "3"]) == 0
+    rows = json.loads((tmp_path / "step_bench.json").read_text())["rows"]
+    assert all(r["pipelined_ms"] > 0 for r in rows)
+    assert rows[0]["pipelined_vs_adamw"] == pytest.approx(1.0)
+    assert rows[1]["pipelined_vs_adamw"] == pytest.approx(
+        rows[1]["pipelined_ms"] / rows[0]["pipelined_ms"]
+    )
+    text = (tmp_path / "step_bench.md").read_text()
+    assert "pipelined / AdamW |" in text
+    assert "- pipelined: 3 steps back to back" in text
+    # without the flag the table keeps its columns
+    assert step_bench.main(argv) == 0
+    assert "pipelined ms" not in (tmp_path / "step_bench.md").read_text()
+
+
 def test_many_small_profile_mixes_vectors_and_matrices() -> None:
     shapes = step_bench.PROFILES["16384x8K"]
     assert len(shapes) == 16384
@@ -167,6 +185,13 @@ def test_zero_copy_buffer_is_an_argparse_error(capsys) -> None:
         step_bench.parse_args(["--device", "cpu", "--copy-mib", "0"])
     assert exc.value.code == 2
     assert "--copy-mib must be at least 1" in capsys.readouterr().err
+
+
+def test_negative_pipelined_is_an_argparse_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--device", "cpu", "--pipelined", "-1"])
+    assert exc.value.code == 2
+    assert "--pipelined must be at least 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--warmup", "-1"], ["--iters", "0"]])
