@@ -184,6 +184,8 @@ def _initial_lr(lr: Any) -> Any:
 def _as_float(value: Any, what: str, where: str) -> float:
     """``value`` as a finite float: a real number (numpy's included, as torch's optimizers take
     them; not a bool) or a one-element real tensor; ConfigError otherwise."""
+    if type(value) is float and math.isfinite(value):  # the common case, checked every step
+        return value
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
