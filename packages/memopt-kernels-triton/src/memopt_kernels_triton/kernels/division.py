@@ -33,9 +33,9 @@ FAST_SCALAR_DIVISION: tl.constexpr = tl.constexpr(not INTERPRETED.value)
 @triton.jit
 def divisor_in_range(b):
     """Whether scalar ``b`` may divide through :func:`div_rn_by`: ``2**-60 <= b <= 1``, which
-    holds for every ``bc2_sqrt = sqrt(1 - beta2**step)`` unless ``beta2`` rounds to 1 in fp32 or
-    lies within about ``2**-120`` of it. With dividends below ``2**65`` (square roots of fp32
-    values) quotients stay below ``2**125`` and the reciprocal at most ``2**60``."""
+    holds for every ``bc2_sqrt = sqrt(1 - beta2**step)`` of a ``beta2`` in [0, 1) (computed in
+    double, as core does: at least ``sqrt(2**-53)``). With dividends below ``2**65`` (square
+    roots of fp32 values) quotients stay below ``2**125`` and the reciprocal at most ``2**60``."""
     return (b >= 8.673617379884035e-19) & (b <= 1.0)
 
 
