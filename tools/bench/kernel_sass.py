@@ -7,7 +7,11 @@ ptxas, and its cuobjdump disassembles it.
 
 For each format (AdamW unless prefixed ``lion:``, stochastic rounding on; the names of
 ``kernel_geometry.py``) it prints the instruction count of the innermost loop (one ``[ROWS, 32]``
-tile), that count per element (tile elements over threads), and the opcodes that dominate it.
+tile), that count per element (tile elements over threads), and the opcodes that dominate it;
+then the instructions one tile executes on the fast path (:func:`fast_path`): the static count
+also holds code that runs only for rare operands (the slow-path calls of IEEE division and
+square root, and the ``div_rn`` fallback of the per-chunk reciprocal division), so a change can
+add static instructions while the executed ones fall.
 The kernels are compiled as a launch on aligned tensors specializes them (pointer arguments
 16-byte aligned, ``ALIGNED``). ``--ahead`` picks the kernels' loading one tile ahead (``AHEAD``): as the launcher does
 (``ops._loads_ahead``, the default: on for fp32 masters with unblocked moments and for AdamW's
@@ -106,17 +110,53 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
-def inner_loop(ins: list[tuple[int, str]]) -> list[str]:
-    """Opcodes of the shortest backward-branch loop (the tile loop)."""
+def _branch_target(text: str) -> int | None:
+    m = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
+    return int(m.group(1), 16) if m else None
+
+
+def _loop_bounds(ins: list[tuple[int, str]]) -> tuple[int, int, dict[int, int]]:
+    """First and last index of the shortest backward-branch loop (the tile loop), and the index
+    of every address."""
     where = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (a, text) in enumerate(ins):
         if opcode(text) == "BRA":
-            m = re.search(r"0x([0-9a-f]+)", text.split("BRA", 1)[1])
-            if m and int(m.group(1), 16) < a and int(m.group(1), 16) in where:
-                loops.append((where[int(m.group(1), 16)], i))
+            target = _branch_target(text)
+            if target is not None and target < a and target in where:
+                loops.append((where[target], i))
     start, end = min(loops, key=lambda se: se[1] - se[0])
+    return start, end, where
+
+
+def inner_loop(ins: list[tuple[int, str]]) -> list[str]:
+    """Opcodes of the shortest backward-branch loop (the tile loop)."""
+    start, end, _ = _loop_bounds(ins)
     return [opcode(t) for _, t in ins[start : end + 1]]
+
+
+_SLOW = ("CALL.REL.NOINC", "FCHK")  # a slow-path subroutine call, or div_rn's range check
+
+
+def fast_path(ins: list[tuple[int, str]]) -> list[str]:
+    """Opcodes one pass through the tile loop executes when every operand takes the fast path:
+    a conditional forward branch over code that holds a slow-path call (or a ``div_rn``, whose
+    range check ``FCHK`` comes first) is taken, every other one falls through (a masked load,
+    for instance, runs), and unconditional jumps are followed."""
+    start, end, where = _loop_bounds(ins)
+    out, i = [], start
+    while i <= end:
+        text = ins[i][1]
+        op = opcode(text)
+        out.append(op)
+        if op == "BRA" and i != end:
+            target = where[_branch_target(text)]
+            skipped = {opcode(t) for _, t in ins[i + 1 : target]}
+            if not text.startswith("@") or (target > i and skipped & set(_SLOW)):
+                i = target
+                continue
+        i += 1
+    return out
 
 
 def main() -> None:
@@ -140,10 +180,13 @@ def main() -> None:
         (args.out / f"{stem}.ptx").write_text(k.asm["ptx"])
         cubin = args.out / f"{stem}.cubin"
         cubin.write_bytes(k.asm["cubin"])
-        body = inner_loop(sass_lines(cubin))
+        ins = sass_lines(cubin)
+        body = inner_loop(ins)
         top = ", ".join(f"{op} {n}" for op, n in collections.Counter(body).most_common(8))
+        fast = len(fast_path(ins))
         print(f"{label:13s} tile loop {len(body):4d} instructions, "
               f"{len(body) / per_thread:6.1f} per element ({per_thread:g} per thread); {top}")  # fmt: skip
+        print(f"{'':13s} fast path {fast:4d} executed, {fast / per_thread:6.1f} per element")
 
 
 if __name__ == "__main__":

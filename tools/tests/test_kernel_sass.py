@@ -33,6 +33,29 @@ def test_counts_the_tile_loop(tmp_path) -> None:
     assert 1.5 * counts["fp32m"] < counts["q8m"]
 
 
+def test_fast_path_skips_the_slow_calls(tmp_path) -> None:
+    import kernel_sass
+
+    from memopt_kernels_triton.kernels import division
+
+    k = kernel_sass.compile_kernel("adam", "fp32m", 90, rows=16, warps=8)
+    cubin = tmp_path / "fp32m.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    ins = kernel_sass.sass_lines(cubin)
+    static, fast = kernel_sass.inner_loop(ins), kernel_sass.fast_path(ins)
+    assert "CALL.REL.NOINC" in static
+    assert "CALL.REL.NOINC" not in fast
+    assert fast[-1] == "BRA"
+    assert any(op.startswith("LDG") for op in fast)
+    assert any(op.startswith("STG") for op in fast)
+    assert len(fast) < len(static)
+    if division.FAST_SCALAR_DIVISION:
+        # 2 elements per thread at 16 x 8: one reciprocal each for m / d, none for the division
+        # by bc2_sqrt (its reciprocal is computed once per chunk, outside the tile loop)
+        assert fast.count("MUFU.RCP") == 2
+        assert fast.count("MUFU.RSQ") == 2
+
+
 def test_counts_lion(tmp_path) -> None:
     import kernel_sass
 
