@@ -744,14 +744,11 @@ def run_profile(
         free_memory(timer.device)
         if done is not None:
             done(rows)
-    base = next((r.ms for r in rows if r.config == "adamw"), None)
-    for r in rows:
-        if r.ms is not None and base:
-            r.time_vs_adamw = r.ms / base
-    base = next((r.pipelined_ms for r in rows if r.config == "adamw"), None)
-    for r in rows:
-        if r.pipelined_ms is not None and base:
-            r.pipelined_vs_adamw = r.pipelined_ms / base
+    for timed, ratio in (("ms", "time_vs_adamw"), ("pipelined_ms", "pipelined_vs_adamw")):
+        base = next((getattr(r, timed) for r in rows if r.config == "adamw"), None)
+        for r in rows:
+            if getattr(r, timed) is not None and base:
+                setattr(r, ratio, getattr(r, timed) / base)
     return rows
 
 

@@ -102,11 +102,8 @@ def _update(
     m = m + omb1 * (g - m)
     v = b2 * v + omb2 * (g * g)
     s = tl.sqrt_rn(v)
-    if FAST_SCALAR_DIVISION:
-        if bc2_fast:  # noqa: SIM108 (a uniform runtime branch: the chunk's divisor)
-            q = div_rn_by(s, bc2, rbc2)
-        else:
-            q = tl.div_rn(s, bc2)
+    if bc2_fast:  # noqa: SIM108 (a uniform runtime branch on the chunk's divisor)
+        q = div_rn_by(s, bc2, rbc2)
     else:
         q = tl.div_rn(s, bc2)
     d = q + eps_
@@ -192,7 +189,7 @@ def adam_kernel(
         if FAST_SCALAR_DIVISION:
             bc2_fast = divisor_in_range(bc2)
             rbc2 = divisor_reciprocal(bc2)
-        else:
+        else:  # the interpreter: div_rn (no inline PTX there)
             bc2_fast = False
             rbc2 = 0.0
         if NEED_RAND:  # the chunk's tensor at this step
