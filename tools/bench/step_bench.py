@@ -12,6 +12,11 @@ Byte model, per parameter and step: the weights are read and written (2 W), the 
 count after a step). torch AdamW fp32: 2·4 + 4 + 2·8 = 28 B; ECC-24 with q8 moments about 12.
 The fraction of copy bandwidth compares that rate with a large ``copy_`` measured in the same run.
 
+``--param-groups`` splits the parameters into param groups, as training scripts do: ``N``
+contiguous groups of about equal size, each with its own lr (layer-wise lr decay: ``1e-3 *
+0.9**(N - 1 - i)``), or ``no-decay-1d``: 1-D tensors (biases, norm gains) in a group without
+weight decay, the rest with it (what the Hugging Face Trainer builds).
+
 Each timed step starts on an idle GPU (the timer synchronizes first), so the host's part of a step
 before its launch counts in full. ``--pipelined N`` also times N steps run back to back, as a
 training loop runs them, where each step's host part overlaps the GPU's work on the step before.
@@ -394,6 +399,24 @@ def make_params(
     return params
 
 
+def param_groups(params: list[torch.nn.Parameter], spec: str) -> list[Any]:
+    """``params`` as the param groups ``--param-groups`` names (see the module doc): the plain
+    list for ``1``."""
+    if spec == "no-decay-1d":
+        return [
+            {"params": [p for p in params if p.dim() > 1]},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+        ]
+    n = int(spec)
+    if n == 1:
+        return params
+    bounds = [len(params) * i // n for i in range(n + 1)]
+    return [
+        {"params": params[bounds[i] : bounds[i + 1]], "lr": 1e-3 * 0.9 ** (n - 1 - i)}
+        for i in range(n)
+    ]
+
+
 def _plain_tensors(value: Any) -> Iterable[torch.Tensor]:
     """The plain tensors that hold ``value``'s bytes: a tensor subclass (torchao's 8-bit states)
     through ``__tensor_flatten__``, another object (FlashOptim's quantized-state holder) through
@@ -453,7 +476,7 @@ def measure(
     params = make_params(shapes, config.param_dtype, device, args.seed)
     n = sum(p.numel() for p in params)
     row = Row(profile, config.name, config.label, len(params), n)
-    opt = config.build(module, params, device)
+    opt = config.build(module, param_groups(params, args.param_groups), device)
     row.ms, row.timed = timer.median(
         opt.step,
         args.warmup,
@@ -641,6 +664,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also time N steps back to back, unsynchronized, per row (%(default)s: not)",
     )
     p.add_argument(
+        "--param-groups",
+        default="1",
+        metavar="N|no-decay-1d",
+        help="param groups of every row: N groups with their own lr, or 1-D tensors without "
+        "weight decay apart (%(default)s)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         help="CPU threads for torch and memopt's C++ kernels alike (default: their defaults)",
@@ -661,6 +691,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scale must be at least 1")
     if args.copy_mib < 1:  # 0 MiB: every row's bandwidth figures would divide by zero
         p.error("--copy-mib must be at least 1")
+    if args.param_groups != "no-decay-1d" and not (
+        args.param_groups.isdigit() and int(args.param_groups) >= 1
+    ):
+        p.error(f"--param-groups must be a count >= 1 or no-decay-1d, got {args.param_groups!r}")
     if args.pipelined < 0:
         p.error("--pipelined must be at least 0")
     if args.warmup < 1 or args.iters < 1:
@@ -726,6 +760,8 @@ def run_profile(
     ``done(rows so far)`` runs after each row (the partial report)."""
     shapes = scaled(PROFILES[profile], args.scale)
     name = profile if args.scale == 1 else f"{profile}/{args.scale}"
+    if args.param_groups != "1":
+        name += f" ({args.param_groups} groups)"
     rows: list[Row] = []
     for config in (c for c in CONFIGS if c.name in modules):
         try:
@@ -772,6 +808,9 @@ def report_header(
         "byte model": "per param, moved = 2 W (weights read + write) + W (grad read) "
         "+ 2 S (state read + write); S = optimizer state bytes after the steps / params",
         "time / AdamW": "step time over torch AdamW fp32 fused's on the same profile, this run",
+        "param groups": args.param_groups
+        if args.param_groups != "1"
+        else "one (every parameter in one group)",
         **(
             {
                 "pipelined": f"{args.pipelined} steps back to back, not synchronized between "

@@ -201,3 +201,34 @@ def test_warmup_and_iters_below_one_are_argparse_errors(argv, capsys) -> None:
         step_bench.parse_args(["--device", "cpu", *argv])
     assert exc.value.code == 2
     assert "--warmup and --iters must be at least 1" in capsys.readouterr().err
+
+
+def test_param_groups_split_as_named() -> None:
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 2), (4,), (3, 3), (2,), (5,)]]
+    assert step_bench.param_groups(params, "1") is params
+    groups = step_bench.param_groups(params, "2")
+    assert [len(g["params"]) for g in groups] == [2, 3]
+    assert [g["lr"] for g in groups] == [pytest.approx(9e-4), pytest.approx(1e-3)]
+    decay, no_decay = step_bench.param_groups(params, "no-decay-1d")
+    assert [p.dim() for p in decay["params"]] == [2, 2]
+    assert [p.dim() for p in no_decay["params"]] == [1, 1, 1]
+    assert no_decay["weight_decay"] == 0.0
+    assert "weight_decay" not in decay
+
+
+def test_param_groups_reach_the_rows_and_the_report(tmp_path) -> None:
+    argv = ["--device", "cpu", "--scale", "4096", "--warmup", "1", "--iters", "2", "--copy-mib"]
+    argv += ["4", "--optimizers", "adamw,memopt-ecc32-q8", "--profiles", "qwen2.5-0.5b"]
+    assert step_bench.main([*argv, "--out", str(tmp_path), "--param-groups", "5"]) == 0
+    rows = json.loads((tmp_path / "step_bench.json").read_text())["rows"]
+    assert [r["profile"] for r in rows] == ["qwen2.5-0.5b/4096 (5 groups)"] * 2
+    assert all(r["error"] is None for r in rows), rows
+    assert "- param groups: 5" in (tmp_path / "step_bench.md").read_text()
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_param_groups_are_argparse_errors(value, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--device", "cpu", "--param-groups", value])
+    assert exc.value.code == 2
+    assert "--param-groups must be a count >= 1 or no-decay-1d" in capsys.readouterr().err

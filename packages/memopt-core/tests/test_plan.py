@@ -11,6 +11,7 @@ from memopt_core.plan import (
     GroupPlan,
     StateArena,
     clear_chunk_cache,
+    family_arenas,
     make_plans,
     own_storage,
     round_up,
@@ -113,6 +114,56 @@ def test_arena_fields_and_views():
     assert arena.master_code[32].item() == 9
     expected = sum(t.numel() * t.element_size() for t in arena.tensors())
     assert arena.nbytes() == expected == 2 * (total + total // 32) + total
+
+
+@pytest.mark.parametrize("spec", [Q8, FP32], ids=["blocked", "unblocked"])
+def test_family_arenas_are_views_of_one_arena(spec):
+    """Each member's arena has the fields and views a separate arena would, zeroed, and lies
+    at its offset in the family's fields: a chunk table of the family plan addresses it."""
+    dtype = torch.bfloat16 if spec is Q8 else torch.float32
+    groups = [[(3, 5), (40,)], [(1,)], [(), (33,), (0,)]]
+    plans = [
+        GroupPlan([torch.zeros(s, dtype=dtype) for s in shapes], spec, group_index=gi)
+        for gi, shapes in enumerate(groups)
+    ]
+    codecs = {"exp_avg": spec.first, "exp_avg_sq": spec.second}
+    master = spec.master_for(dtype)
+    members = family_arenas(plans, codecs, master)
+    family = members[0].family
+    assert family is not None
+    assert all(a.family is family for a in members)
+    assert family.plan.params == [t for plan in plans for t in plan.params]
+    assert family.plan.total == sum(plan.total for plan in plans)  # nothing between members
+    assert family.nbytes() == sum(a.nbytes() for a in members)
+    slot = 0
+    for plan, arena in zip(plans, members, strict=True):
+        alone = StateArena(plan, codecs, master)
+        assert arena.family_slot == slot
+        assert arena.family_offset == family.plan.slots[slot].offset
+        for s in plan.slots:
+            whole = family.plan.slots[arena.family_slot + s.index]
+            assert whole.offset == arena.family_offset + s.offset
+            mine, theirs = arena.views(s), alone.views(s)
+            assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {
+                k: (v.shape, v.dtype) for k, v in theirs.items()
+            }
+            assert all(not v.any() for v in mine.values())
+            # a write through a member's view lands in the family at the family slot's place
+            for key, view in mine.items():
+                view.fill_(5)
+                got = family.views(whole)[key]
+                assert torch.equal(
+                    got.reshape(-1).view(torch.uint8), view.reshape(-1).view(torch.uint8)
+                )
+        slot += len(plan.slots)
+    assert family_arenas([], codecs, master) == []
+
+
+def test_family_arenas_refuse_plans_of_another_kind():
+    a = GroupPlan([torch.zeros(3)], FP32)
+    b = GroupPlan([torch.zeros(3, dtype=torch.bfloat16)], Q8)
+    with pytest.raises(ConfigError, match="one device, parameter dtype and spec"):
+        family_arenas([a, b], {"exp_avg": FP32.first}, None)
 
 
 def test_unblocked_views_are_shaped_like_the_param():

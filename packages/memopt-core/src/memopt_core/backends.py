@@ -17,7 +17,8 @@ backend object, or to a class / zero-argument factory returning one, with an int
 cached step's replays, ``codecs(device)`` for :mod:`memopt_core.conversions`, ``check(work)``
 raising what ``step(work)`` would raise without changing anything: :func:`check_works` runs it
 on every group of a step before the first one runs, so a step either updates every group or
-none). A backend that
+none; ``merges_groups = True`` with ``step_all(works, prepared, done)``, see
+:func:`merges_groups`). A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 
@@ -65,6 +66,7 @@ __all__ = [
     "kernel_master_id",
     "kernel_moment_id",
     "mark_written",
+    "merges_groups",
     "refresh_backends",
     "runs_device_steps",
     "select_backend",
@@ -202,6 +204,20 @@ def runs_device_steps(backend: object) -> bool:
     """Whether ``backend.step`` runs :attr:`GroupStep.device_step` work (its optional
     ``device_steps`` attribute): what ``MemOptimizer(capturable=True)`` needs."""
     return bool(getattr(backend, "device_steps", False))
+
+
+def merges_groups(backend: object) -> bool:
+    """Whether ``backend`` steps several param groups in one launch (its optional
+    ``merges_groups`` attribute). Such a backend has ``step_all(works, prepared, done)``: it
+    runs every host work of ``works`` (no ``device_step``, no ``staging``), launching together
+    the works whose arenas are views of one family arena
+    (:func:`memopt_core.plan.family_arenas`), with the same bits as one launch each.
+    ``prepared`` is None or aligned with ``works``: each work's prepared launch from the
+    backend's ``prepare`` (a cached step's), or None. It validates every work before the first
+    launch and calls ``done(i)`` once work ``i``'s launch is issued (also when a
+    KeyboardInterrupt comes out of it). memopt's optimizers give such backends family arenas
+    for the param groups that can share one."""
+    return bool(getattr(backend, "merges_groups", False))
 
 
 def writes_staging(backend: object) -> bool:

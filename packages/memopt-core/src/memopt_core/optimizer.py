@@ -55,12 +55,19 @@ from memopt_core import backends, conversions, reference
 from memopt_core.aliasing import check_parameters_apart, labelled_parameters
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
-from memopt_core.errors import ConfigError, NumericsError, RoundToNearestWarning, StateDictError
+from memopt_core.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    NumericsError,
+    RoundToNearestWarning,
+    StateDictError,
+)
 from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
 from memopt_core.plan import (
     GroupPlan,
     StateArena,
     expected_layout,
+    family_arenas,
     make_plans,
     overlaps_itself,
     padding_unit,
@@ -244,6 +251,40 @@ def _run_then(launch: Callable[[], None], ran: Callable[[], None]) -> None:
     ran()
 
 
+def _run_works(
+    works: list[tuple[Any, backends.GroupStep]],
+    prepared: list[Any] | None,
+    launch: Callable[[int], None],
+    ran: Callable[[int], None],
+) -> None:
+    """Run ``works`` (``(backend, work)`` pairs) in order, ``ran(i)`` after work ``i``: each
+    run of consecutive host works of one backend that merges param groups
+    (:func:`memopt_core.backends.merges_groups`) through its ``step_all`` (one launch per
+    family of arenas), every other work alone through ``launch(i)``. ``prepared``: None, or
+    the works' prepared launches (a cached step's)."""
+    i, n = 0, len(works)
+    while i < n:
+        backend = works[i][0]
+        j = i
+        if backends.merges_groups(backend):
+            while (
+                j < n
+                and works[j][0] is backend
+                and works[j][1].device_step is None
+                and works[j][1].staging is None
+            ):
+                j += 1
+        if j - i > 1:
+            part = [w for _, w in works[i:j]]
+            backend.step_all(
+                part, None if prepared is None else prepared[i:j], lambda k, i=i: ran(i + k)
+            )
+            i = j
+        else:
+            _run_then(lambda i=i: launch(i), lambda i=i: ran(i))
+            i += 1
+
+
 def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
@@ -326,7 +367,10 @@ class MemOptimizer(Optimizer):
             ``MEMOPT_BACKEND`` and then to the automatic choice.
 
     Every hyperparameter except ``rule``, ``seed``, ``check_numerics`` and ``backend`` may differ
-    per param group. State lives in one arena per (param group, device, dtype); ``self.state[p]``
+    per param group. State lives in one arena per (param group, device, dtype); where the backend
+    steps several param groups in one launch (Triton), the arenas of groups that share a device,
+    a dtype and formats are views of one family arena (``memopt_core.plan.family_arenas``).
+    ``self.state[p]``
     holds views of it under named keys (``step``, ``exp_avg``, ``exp_avg_sq``,
     ``momentum_buffer``, codec fields like ``exp_avg_scale``, ``master_code``). The first
     :meth:`step` creates it, or :meth:`init_state` earlier.
@@ -798,12 +842,19 @@ class MemOptimizer(Optimizer):
 
     def _ensure_all_plans(self) -> None:
         reindexed = False
+        # a rebuilt group leaves its family arena (memopt_core.plan.family_arenas): the family's
+        # other groups are rebuilt with it, so that no dead region of the old storage stays
+        # held by their views and the groups share one arena again
+        left: set[int] = set()
         for gi in [gi for gi in self._plans if gi >= len(self.param_groups)]:
             # a group removed from param_groups by hand (torch's optimizers allow it): the
             # parameters it held are either gone or in a group rebuilt below
+            left |= self._families_of(gi)
             self._drop_plan(gi)
             self._index = None
             reindexed = True
+        builds: dict[int, tuple] = {}
+        current: dict[int, tuple] = {}
         for gi, group in enumerate(self.param_groups):
             members = self._members(group)
             names = self._group_names(gi, group, members)
@@ -818,6 +869,7 @@ class MemOptimizer(Optimizer):
             cur = self._plans.get(gi)
             if cur is not None and cur.signature == signature:
                 cur.source = (group, group["params"], len(group["params"]))
+                current[gi] = (gi, group, members, names, formats, signature)
                 continue
             if cur is not None:
                 self._check_unchanged(members)
@@ -837,7 +889,68 @@ class MemOptimizer(Optimizer):
                 # quadratic)
                 self._index = None
                 reindexed = True
-            self._build_group(gi, group, members, names, formats, signature)
+            builds[gi] = (gi, group, members, names, formats, signature)
+        for gi in builds:
+            left |= self._families_of(gi)
+        kept: set[int] = set()
+        for gi, args in current.items():
+            if self._families_of(gi) & left:
+                builds[gi] = args
+                kept.add(gi)
+        if builds:
+            self._build_groups([builds[gi] for gi in sorted(builds)], kept)
+
+    def _families_of(self, gi: int) -> set[int]:
+        """The ids of the family arenas group ``gi``'s arenas are views of (none: empty)."""
+        cur = self._plans.get(gi)
+        if cur is None:
+            return set()
+        return {id(e.arena.family) for e in cur.entries if e.arena.family is not None}
+
+    def _build_groups(self, builds: list[tuple], kept: set[int]) -> None:
+        """Build the plans and arenas of the groups ``builds`` lists (``(gi, group, members,
+        names, formats, signature)`` each). Plans of several groups that share a device, a
+        parameter dtype, a spec and state names get one family arena where their backend steps
+        several groups in one launch (``merges_groups``); the others get their own. The groups
+        in ``kept`` did not change (they move to a new family with a changed one): their
+        parameters keep their tensor ids (the stochastic-rounding words), so that the move
+        changes no bit."""
+        plans: dict[int, list[GroupPlan]] = {}
+        for gi, group, members, *_ in builds:
+            # plans hold what the kernels update: a sharded parameter's local shard
+            plans[gi] = make_plans(
+                [local_shard(p) for p in members],
+                lambda dt, group=group: self._spec(group, dt),
+                group_index=gi,
+            )
+        kin: dict[tuple, list[GroupPlan]] = defaultdict(list)
+        for gi, _, _, names, *_ in builds:
+            for plan in plans[gi]:
+                kin[(plan.device, plan.param_dtype, plan.spec, names)].append(plan)
+        arenas: dict[int, StateArena] = {}
+        for (_, dtype, spec, names), members in kin.items():
+            if len(members) > 1 and self._merges_groups(members[0]):
+                codecs = {n: self._codec_of(n, spec) for n in names}
+                family = family_arenas(members, codecs, spec.master_for(dtype))
+                arenas.update(zip(map(id, members), family, strict=True))
+        for args in builds:
+            gi = args[0]
+            ids = None
+            if gi in kept:
+                ids = {id(p): e.tensor_ids[si] for e in self._plans[gi].entries
+                       for si, p in enumerate(e.owners)}  # fmt: skip
+            self._build_group(*args, plans[gi], arenas, ids)
+
+    def _merges_groups(self, plan: GroupPlan) -> bool:
+        """Whether the backend that will step ``plan`` runs several param groups in one launch
+        (and so their arenas should share a family)."""
+        try:
+            backend = backends.select_backend(
+                self._kind, plan.spec, plan.device, plan.param_dtype, self.backend
+            )
+        except (ConfigError, BackendUnavailableError):  # the step says why
+            return False
+        return backends.merges_groups(backend)
 
     def _check_unchanged(self, members: list[Tensor]) -> None:
         """Raise ConfigError when a parameter with state was cast, moved or reshaped since its
@@ -852,17 +965,19 @@ class MemOptimizer(Optimizer):
             if not _fits_plan(local_shard(p), plan, si):
                 raise _changed_error(self._param_label(p), plan, si)
 
-    def _build_group(self, gi, group, members, names, formats, signature) -> None:
-        index = self._tensor_index()
+    def _build_group(
+        self, gi, group, members, names, formats, signature, plans, arenas, ids=None
+    ) -> None:
+        index = self._tensor_index() if ids is None else ids
         self._drop_plan(gi)
         entries: list[_Entry] = []
         new_states: dict[Tensor, dict[str, Any]] = {}
-        # plans hold what the kernels update: a sharded parameter's local shard
         owner_of = {id(local_shard(p)): p for p in members}
-        shards = [local_shard(p) for p in members]
-        for plan in make_plans(shards, lambda dt: self._spec(group, dt), group_index=gi):
+        for plan in plans:
             master = plan.spec.master_for(plan.param_dtype)
-            arena = self._new_arena(plan, {n: self._codec_of(n, plan.spec) for n in names}, master)
+            arena = arenas.get(id(plan)) or self._new_arena(
+                plan, {n: self._codec_of(n, plan.spec) for n in names}, master
+            )
             owners = [owner_of[id(t)] for t in plan.params]
             for slot, p, t in zip(plan.slots, owners, plan.params, strict=True):
                 prev = self.state.get(p) or {}
@@ -930,7 +1045,8 @@ class MemOptimizer(Optimizer):
         self, plan: GroupPlan, codecs: dict[str, MomentCodec], master: Any
     ) -> StateArena:
         """The zeroed state arena of ``plan`` (extension point: a subclass may allocate it
-        elsewhere, e.g. memopt-offload first-touches host pages from its update threads)."""
+        elsewhere, e.g. memopt-offload first-touches host pages from its update threads). Not
+        called for the arenas of a family (:meth:`_build_groups`)."""
         return StateArena(plan, codecs, master)
 
     def state_bytes(self) -> int:
@@ -1110,7 +1226,8 @@ class MemOptimizer(Optimizer):
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         works: list[tuple[Any, backends.GroupStep]] = []
-        counters: list[_Entry] = []  # each host work's entry (its counters advance after it ran)
+        counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
+        # after it ran; None for a device step, which advances its own)
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
@@ -1138,6 +1255,7 @@ class MemOptimizer(Optimizer):
                 works.append(
                     (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
                 )
+                counters.append(None)
                 continue
             steps = self._entry_steps(entry, [si for si, _, _ in part])
             counts = steps.tolist()  # one read for the whole entry
@@ -1154,19 +1272,18 @@ class MemOptimizer(Optimizer):
         if self.check_numerics:
             self._check_finite(works)
         backends.check_works(works[1:])
-        host = iter(counters)
-        for backend, work in works:
 
-            def ran(backend=backend, work=work) -> None:
-                backends.mark_written(work.param_owners)
-                if work.staging is not None and not backends.writes_staging(backend):
-                    for p, st in zip(work.params, work.staging, strict=True):
-                        if st is not None:
-                            st.copy_(p.reshape(st.shape))
-                if work.device_step is None:  # a device step advanced its counters itself
-                    self._count_step(next(host), work)
+        def ran(i: int) -> None:
+            backend, work = works[i]
+            backends.mark_written(work.param_owners)
+            if work.staging is not None and not backends.writes_staging(backend):
+                for p, st in zip(work.params, work.staging, strict=True):
+                    if st is not None:
+                        st.copy_(p.reshape(st.shape))
+            if work.device_step is None:  # a device step advanced its counters itself
+                self._count_step(counters[i], work)
 
-            _run_then(lambda backend=backend, work=work: backend.step(work), ran)
+        _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
         self._check_step_limit(w for _, w in works if w.device_step is None)
         return works
 
@@ -1591,21 +1708,24 @@ class MemOptimizer(Optimizer):
         backends.check_works(
             [(e.backend, e.work) for e in cached.entries[1:] if e.prepared is None]
         )
-        for e in cached.entries:
+        entries = cached.entries
+
+        def launch(i: int) -> None:
+            e = entries[i]
             work = e.work
+            if e.prepared is not None:
+                e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
+            else:
+                e.backend.step(work)
 
-            def launch(e=e, work=work) -> None:
-                if e.prepared is not None:
-                    e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
-                else:
-                    e.backend.step(work)
+        def ran(i: int) -> None:
+            e = entries[i]
+            backends.mark_written(e.work.param_owners)
+            self._count_step(e.counters, e.work)
 
-            def ran(e=e, work=work) -> None:
-                backends.mark_written(work.param_owners)
-                self._count_step(e.counters, work)
-
-            _run_then(launch, ran)
-        self._check_step_limit(e.work for e in cached.entries)
+        works = [(e.backend, e.work) for e in entries]
+        _run_works(works, [e.prepared for e in entries], launch, ran)
+        self._check_step_limit(e.work for e in entries)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

@@ -10,6 +10,12 @@ A :class:`StateArena` stores every state of the group in a few flat tensors: for
 hold ``total / block_size`` entries), plus the master-weight codes of ECC formats. Per-parameter
 state entries are views of these tensors.
 
+Param groups whose plans share a device, a parameter dtype and a spec can keep their arenas in
+one *family* (:func:`family_arenas`): a :class:`StateArena` over all their tensors (its plan
+concatenates theirs), of which each group's arena is a view. A backend can then step those
+groups in one launch, addressing every group's state from the family's fields (memopt's
+optimizers do so where the backend offers it, ``merges_groups``).
+
 A *chunk table* (:meth:`GroupPlan.chunk_table`) cuts the work into chunks of at most
 ``chunk_size`` elements that never cross a tensor: an int64 ``(n_chunks, 4)`` tensor with
 columns ``(slot, start within the tensor, length, arena offset of the chunk's first element)``.
@@ -41,6 +47,7 @@ __all__ = [
     "clear_chunk_cache",
     "element_offsets",
     "expected_layout",
+    "family_arenas",
     "make_plans",
     "overlaps_itself",
     "own_storage",
@@ -290,6 +297,12 @@ class StateArena:
         self.plan = plan
         self.codecs: dict[str, MomentCodec] = dict(moments)
         self.master = master
+        #: the family arena this one is a view of (:func:`family_arenas`), or None; then
+        #: ``plan.slots[i]`` is slot ``family_slot + i`` of the family's plan, at element
+        #: ``family_offset + plan.slots[i].offset`` of its fields
+        self.family: StateArena | None = None
+        self.family_slot = 0
+        self.family_offset = 0
         self.fields: dict[str, dict[str, Tensor]] = {}
         for name, codec in self.codecs.items():
             if plan.block_size % codec.block_size:
@@ -303,6 +316,24 @@ class StateArena:
         self.master_code: Tensor | None = (
             zeros(plan.total, code_dtype, plan.device) if code_dtype is not None else None
         )
+
+    def _member(self, plan: GroupPlan, slot: int) -> StateArena:
+        """The arena of ``plan``, whose tensors are this arena's slots ``slot, slot + 1, ...``:
+        views of this arena's fields (see :func:`family_arenas`)."""
+        first = self.plan.slots[slot]
+        offset, total = first.offset, plan.total
+        member = StateArena.__new__(StateArena)
+        member.plan, member.codecs, member.master = plan, self.codecs, self.master
+        member.family, member.family_slot, member.family_offset = self, slot, offset
+        member.fields = {}
+        for name, codec in self.codecs.items():
+            member.fields[name] = {}
+            for suffix, flat in self.fields[name].items():
+                unit = codec.block_size if codec.fields[suffix].per_block else 1
+                member.fields[name][suffix] = flat[offset // unit : (offset + total) // unit]
+        code = self.master_code
+        member.master_code = None if code is None else code[offset : offset + total]
+        return member
 
     def field_slice(self, name: str, suffix: str, slot: Slot) -> Tensor:
         """Flat view of field ``suffix`` of state ``name`` covering ``slot`` (padded length)."""
@@ -341,6 +372,44 @@ class StateArena:
     def nbytes(self) -> int:
         """Bytes of all the arena's tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def family_arenas(
+    plans: Sequence[GroupPlan],
+    moments: Mapping[str, MomentCodec],
+    master: MasterCodec | None = None,
+    zeros: Callable[[int, torch.dtype, torch.device], Tensor] | None = None,
+) -> list[StateArena]:
+    """The arenas of ``plans`` (one device, parameter dtype and spec; several param groups),
+    as views of one family arena: a :class:`StateArena` over a plan of all their tensors in
+    order, allocated once (``zeros`` as for :class:`StateArena`). Each returned arena's
+    ``family`` is that arena; its plan's slot ``i`` is the family plan's slot ``family_slot +
+    i``, at the same arena offset plus ``family_offset``, so a chunk table of the family plan
+    addresses every member's state from the family's fields. The arenas hold what separate
+    arenas would (zeroed fields of the same shapes), and no padding lies between members."""
+    if not plans:
+        return []
+    head = plans[0]
+    for plan in plans[1:]:
+        if (plan.device, plan.param_dtype, plan.spec) != (head.device, head.param_dtype, head.spec):
+            raise ConfigError(
+                f"a family of arenas needs plans of one device, parameter dtype and spec; got "
+                f"{head!r} and {plan!r}"
+            )
+    tensors = [t for plan in plans for t in plan.params]
+    whole = GroupPlan(
+        tensors,
+        head.spec,
+        group_index=head.group_index,
+        device=head.device,
+        param_dtype=head.param_dtype,
+    )
+    family = StateArena(whole, moments, master, zeros)
+    out, slot = [], 0
+    for plan in plans:
+        out.append(family._member(plan, slot) if plan.slots else StateArena(plan, moments, master))
+        slot += len(plan.slots)
+    return out
 
 
 def expected_layout(

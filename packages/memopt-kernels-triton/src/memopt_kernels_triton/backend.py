@@ -6,7 +6,8 @@ CPU interpreter; then CPU tensors are accepted too, which is how CPU CI tests th
 preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stochastic rounding.
 ``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`;
 a capturable step, ``GroupStep.device_step``, adds one small launch that computes the per-tensor
-scalars from step counts on the device);
+scalars from step counts on the device); ``step_all()`` runs the groups of one family arena
+(param groups with the same device, dtype and formats) in one launch;
 ``check()`` validates a group without launching (core runs it on every group of a step before
 the first launch); ``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
 device tensor (CUDA-graph capture); ``codecs()`` hands core's conversions (state dicts, fp32
@@ -40,6 +41,8 @@ class TritonBackend:
     KERNEL_API = 6
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
+    #: steps the param groups of one family arena in one launch (:meth:`step_all`)
+    merges_groups = True
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -68,6 +71,13 @@ class TritonBackend:
         from memopt_kernels_triton import ops
 
         ops.fused_step(work)
+
+    def step_all(self, works, prepared=None, done=None) -> None:
+        """Every host work of ``works``, one launch per family arena and kernel variant
+        (:func:`memopt_kernels_triton.ops.fused_steps`; core's ``merges_groups``)."""
+        from memopt_kernels_triton import ops
+
+        ops.fused_steps(works, prepared, done)
 
     def check(self, work: GroupStep) -> None:
         """Raise what :meth:`step` would raise for ``work``'s tensors, launching nothing (core

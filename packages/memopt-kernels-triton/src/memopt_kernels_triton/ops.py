@@ -27,11 +27,14 @@ which. Every launch passes ``enable_fp_fusion=False`` so no multiply-add is cont
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import struct
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,6 +57,7 @@ __all__ = [
     "ADAM_HYPER_FIELDS",
     "HYPER_FIELDS",
     "LION_HYPER_FIELDS",
+    "MERGE_MIN_WORKS",
     "SGD_HYPER_FIELDS",
     "KernelConfig",
     "PreparedStep",
@@ -67,6 +71,7 @@ __all__ = [
     "encode_master",
     "encode_moment",
     "fused_step",
+    "fused_steps",
     "hyper_words",
     "interpreting",
     "kernel_config",
@@ -971,6 +976,7 @@ class PreparedStep:
         "_held",
         "_kw",
         "_rows",
+        "_variant",
         "device",
         "n_slots",
         "reusable",
@@ -1000,6 +1006,7 @@ class PreparedStep:
         self._rows = rows  # the slot table on the host (the device copy is head[2])
         self._gdtypes = gdtypes  # the gradients' dtypes and sizes, in the step's order
         self._gnumels = gnumels
+        self._variant: tuple | None = None  # fused_steps' merge key of the compiled variant
 
     def with_grads(self, grads: Sequence[Tensor]) -> PreparedStep | None:
         """This step reading ``grads``: the same tensors' gradients at new addresses (what
@@ -1349,6 +1356,234 @@ def fused_step(work: GroupStep, config: KernelConfig | None = None) -> None:
         device_step(work, config)
         return
     prepare_step(work, config).launch(work.scalars, work.step, work.seed, work.first_step)
+
+
+def fused_steps(
+    works: Sequence[GroupStep],
+    prepared: Sequence[PreparedStep | None] | None = None,
+    done: Callable[[int], None] | None = None,
+    config: KernelConfig | None = None,
+) -> None:
+    """Every host step of ``works`` in as few launches as their arenas allow (the backend's
+    ``step_all``): works whose arenas are views of one family arena (core's
+    ``memopt_core.plan.family_arenas``: param groups that share a device, a parameter dtype and
+    a spec) and that compile to the same kernel variant run in one launch when they are at
+    least :data:`MERGE_MIN_WORKS`, each tensor reading its own work's scalars from a
+    per-tensor row (:meth:`PreparedStep.launch_hyper`): the same bits as one launch per work,
+    for one launch's fixed cost. The others run alone.
+
+    ``prepared``: None, or aligned with ``works``: each work's :class:`PreparedStep` (for its
+    current gradients) or None (prepared here). Every work is prepared, and so validated, before
+    the first launch. ``done(i)`` is called once work ``i``'s launch is issued (also when a
+    KeyboardInterrupt comes out of it: the launch ran)."""
+    n = len(works)
+    if prepared is None:
+        prepared = [None] * n
+    if len(prepared) != n:
+        raise ConfigError(f"fused_steps got {len(prepared)} prepared steps for {n} works")
+    for w in works:
+        if w.device_step is not None or w.staging is not None:
+            raise ConfigError(
+                "fused_steps runs host steps; a capturable step (device_step) or one with "
+                "staging goes through fused_step"
+            )
+    ready = [
+        p if p is not None else prepare_step(w, config)
+        for w, p in zip(works, prepared, strict=True)
+    ]
+    runs: dict[tuple, list[int]] = {}
+    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
+        runs.setdefault(_merge_key(w, p, i), []).append(i)
+    launches: list[tuple[list[int], Callable[[], None]]] = []
+    for run in runs.values():
+        if len(run) >= MERGE_MIN_WORKS:
+            merged = _merged_launch([works[i] for i in run], [ready[i] for i in run], config)
+            launches.append((run, merged))
+            continue
+        for i in run:
+            w, p = works[i], ready[i]
+            launches.append(
+                ([i], lambda w=w, p=p: p.launch(w.scalars, w.step, w.seed, w.first_step))
+            )
+    for run, launch in launches:
+        try:
+            launch()
+        except KeyboardInterrupt:
+            if done is not None:
+                for i in run:
+                    done(i)
+            raise
+        if done is not None:
+            for i in run:
+                done(i)
+
+
+#: The fewest works :func:`fused_steps` launches together. A merged launch uploads its words
+#: (two torch calls and a pinned block per step) and saves one launch per further work: on the
+#: H200 with the Qwen2.5-0.5B shapes, 25 param groups ran 4-19% faster back to back merged,
+#: while 2 groups ran 0.1-1% slower back to back and up to 17% slower timed from an idle GPU
+#: (docs/benchmarks/2026-12-02-merged-param-groups.md). Counts between were not measured.
+MERGE_MIN_WORKS = 4
+
+
+def _merge_key(work: GroupStep, prepared: PreparedStep, i: int) -> tuple:
+    """What works launched together share: one family arena, the rule, the compiled variant
+    (every flag but the alignment ones, which a merged launch takes for all, and ``HAS_DECAY``,
+    harmless where the decay factor is exactly 1). ``("alone", i)`` for a work without a family
+    or a reusable launch."""
+    fam = work.arena.family
+    if fam is None or not prepared.reusable or prepared._grid is None:
+        return ("alone", i)
+    s = work.scalars
+    if work.rule == "lion":
+        flags: tuple = (bool(s.maximize),)
+    elif work.rule == "adam":
+        flags = (bool(s.maximize), s.l2 != 0.0)
+    else:
+        flags = (bool(s.maximize), s.l2 != 0.0, bool(s.nesterov))
+    kw = prepared._variant
+    if kw is None:  # once per prepared step: replays reuse it
+        kw = prepared._variant = tuple(
+            sorted((k, v) for k, v in prepared._kw.items() if k not in ("ALIGNED", "ARENA_ALIGNED"))
+        )
+    return (id(fam), work.rule, flags, kw)
+
+
+def _words_rows(rule: str, works: list[GroupStep], counts: list[int]) -> bytearray:
+    """The per-tensor device words of a merged launch, as the bytes of an int32 ``[sum(counts),
+    len(HYPER_FIELDS[rule])]`` table: :func:`hyper_words` of each work, repeated for each of
+    its ``counts`` tensors. The fp32 scalars of all works are rounded in one ``array``
+    conversion (the C double -> float cast that ``round_to_float32`` documents as its own): a
+    step over many param groups costs no torch call per group."""
+    fields = HYPER_FIELDS[rule]
+    n = fields.index("seed")
+    try:
+        values = array("f", [getattr(w.scalars, f) for w in works for f in fields[:n]])
+    except AttributeError as e:
+        raise ConfigError(
+            f"the scalars have no {e.name!r}: pass core's scalars of the step's rule "
+            "(adam_scalars, lion_scalars or sgd_scalars)"
+        ) from None
+    tail = struct.Struct(f"<{len(fields) - n}i")
+    blob = bytearray()
+    for k, (w, count) in enumerate(zip(works, counts, strict=True)):
+        words = [_i32(w.seed, "seed"), _i32(w.step, "step")]
+        if rule == "sgd":
+            words.append(int(bool(w.first_step)))
+        row = values[k * n : (k + 1) * n].tobytes() + tail.pack(*words, _ONE_BITS, 0)
+        blob += row * count
+    return blob
+
+
+def _upload_words(blob: bytearray, width: int, device: torch.device) -> Tensor:
+    """The ``[rows, width]`` int32 table whose bytes are ``blob``, on ``device``: written into
+    a pinned block of torch's caching host allocator (which keeps it from reuse until the copy
+    has run) and copied without blocking; two torch calls, since each costs tens of
+    microseconds on a slow host. Refused during a CUDA graph capture (it would copy at
+    capture only)."""
+    if device.type != "cuda":
+        return torch.frombuffer(blob, dtype=torch.int32).view(-1, width)
+    if torch.cuda.is_current_stream_capturing():
+        raise ConfigError(
+            "a step over several param groups copies its scalars from the host, which a CUDA "
+            "graph capture cannot hold: capture a capturable optimizer's step"
+        )
+    host = torch.empty((len(blob) // (4 * width), width), dtype=torch.int32, pin_memory=True)
+    ctypes.memmove(host.data_ptr(), (ctypes.c_char * len(blob)).from_buffer(blob), len(blob))
+    return host.to(device, non_blocking=True)
+
+
+#: merged launches a family plan keeps (chunk tables, merged steps): a few steps' worth
+_MERGED_CACHE = 8
+
+
+def _merged_cached(plan, kind: str, parts: tuple, build: Callable[[], Any]) -> Any:
+    """``build()`` for the family ``plan``, cached on the identity of ``parts`` (objects, and
+    ints by value; the cached value holds the objects, so their ids stay theirs)."""
+    lru: OrderedDict = plan.cache(("triton_merged", kind), OrderedDict)
+    key = tuple(p if type(p) is int else id(p) for p in parts)
+    hit = lru.get(key)
+    if hit is not None:
+        lru.move_to_end(key)
+        return hit[0]
+    value = build()
+    lru[key] = (value, parts)
+    while len(lru) > _MERGED_CACHE:
+        lru.popitem(last=False)
+    return value
+
+
+def _merged_step(
+    works: list[GroupStep], ready: list[PreparedStep], config: KernelConfig | None
+) -> PreparedStep:
+    """One prepared launch of ``works`` (one family, one variant: :func:`_merge_key`): their
+    chunk tables concatenated with each chunk's slot column moved past the rows of the works
+    before it and its arena offset moved into the family's fields, their slot tables
+    concatenated, the family's state pointers. Cached on the prepared steps it merges (a
+    replay hands the same ones while the gradients stay put)."""
+    head0, dev, rule = works[0], ready[0].device, works[0].rule
+    fam = head0.arena.family
+    offsets = [w.arena.family_offset for w in works]
+
+    def build() -> PreparedStep:
+        counts = [p.n_slots for p in ready]
+        firsts = [sum(counts[:k]) for k in range(len(counts))]
+        chunk_parts = tuple(p._head[0] for p in ready)
+
+        def merge_chunks() -> Tensor:
+            delta = torch.tensor(
+                [[r, 0, 0, o] for r, o in zip(firsts, offsets, strict=True)], dtype=torch.int64
+            )
+            rows = delta.repeat_interleave(torch.tensor([p._head[1] for p in ready]), dim=0)
+            return torch.cat(chunk_parts) + _to_device(rows, dev)
+
+        # the chunk tables stay when gradients move (with_grads keeps them): merged once
+        chunks = _merged_cached(fam.plan, "chunks", (*chunk_parts, *offsets), merge_chunks)
+        n_chunks = sum(p._head[1] for p in ready)
+        slots = torch.cat([p._head[2] for p in ready])
+        kw = dict(ready[0]._kw)
+        kw["ALIGNED"] = all(p._kw["ALIGNED"] for p in ready)
+        kw["ARENA_ALIGNED"] = kw["BS"] == 32 or (
+            all(p._kw["ARENA_ALIGNED"] for p in ready) and all(o % 8 == 0 for o in offsets)
+        )
+        code = fam.master_code if fam.master_code is not None else _dummy(dev, torch.uint8)
+        head: tuple = (chunks, n_chunks, slots, _kernel_view(code))
+        if rule == "adam":
+            head += (
+                *_moment_args(fam, "exp_avg", dev)[1:],
+                *_moment_args(fam, "exp_avg_sq", dev)[1:],
+            )
+        elif rule == "lion":
+            head += _moment_args(fam, "exp_avg", dev)[1:]
+        else:
+            name = "momentum_buffer" if kw["_HAS_MOMENTUM"] else None
+            head += _moment_args(fam, name, dev)[1:]
+        cfg = config or kernel_config(blocked=kw["BS"] == 32, rule=rule, master=kw["MASTER"])
+        programs = cfg.programs or _sm_count(dev) * cfg.waves
+        return PreparedStep(rule, (min(n_chunks, programs),), head, kw, [], dev, sum(counts))
+
+    return _merged_cached(fam.plan, "step", (*ready, *offsets), build)
+
+
+def _merged_launch(
+    works: list[GroupStep], ready: list[PreparedStep], config: KernelConfig | None
+) -> Callable[[], None]:
+    """The launch of ``works`` together (:func:`_merged_step`), each tensor reading its own
+    work's scalars from a row of device words."""
+    merged = _merged_step(works, ready, config)
+    rule = works[0].rule
+    blob = _words_rows(rule, works, [p.n_slots for p in ready])
+    words = _upload_words(blob, len(HYPER_FIELDS[rule]), merged.device)
+    s = works[0].scalars
+    flags: dict = {
+        "maximize": bool(s.maximize),
+        "has_decay": any(w.scalars.decay != 1.0 for w in works),
+    }
+    if rule in ("adam", "sgd"):
+        flags["has_l2"] = s.l2 != 0.0
+    if rule == "sgd":
+        flags["nesterov"] = bool(s.nesterov)
+    return lambda: merged.launch_hyper(words, **flags)
 
 
 _WORDS_BLOCK = 128

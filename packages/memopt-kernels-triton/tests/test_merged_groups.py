@@ -1,0 +1,300 @@
+"""Param groups in one launch: groups that share a device, a parameter dtype and formats keep
+their arenas in one family (``memopt_core.plan.family_arenas``), and the backend's
+``step_all`` (``ops.fused_steps``) steps them together, each tensor reading its own group's
+scalars. The bits must be those of core's torch backend, step after step, on the ordinary step
+and on the cached replays, with gradients that move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memopt_core import MemOptimizer
+
+CASES = [
+    # rule, param dtype, master, moments, group settings (one dict per group)
+    pytest.param(
+        "adamw", torch.bfloat16, "ecc24", "q8",
+        [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 3e-4, "weight_decay": 0.0},
+         {"lr": 2e-3, "betas": (0.8, 0.99), "eps": 1e-6}],
+        id="adamw-ecc24-q8",
+    ),
+    pytest.param(
+        "adam", torch.float32, "none", "bf16",
+        [{"lr": 1e-2, "weight_decay": 0.01}, {"lr": 5e-3, "weight_decay": 0.02}],
+        id="adam-l2-fp32-bf16-moments",
+    ),
+    pytest.param(
+        "lion", torch.bfloat16, "ecc32", "fp32",
+        [{"lr": 1e-4, "weight_decay": 0.1}, {"lr": 3e-4, "betas": (0.95, 0.98)}],
+        id="lion-ecc32",
+    ),
+    pytest.param(
+        "sgdw", torch.float16, "none", "bf16",
+        [{"lr": 0.1, "momentum": 0.9, "nesterov": True},
+         {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 1e-4}],
+        id="sgdw-nesterov-fp16",
+    ),
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _merge_pairs(request, monkeypatch):
+    """Merge from two works on, so that the tests stay small (the default,
+    ``ops.MERGE_MIN_WORKS``, is where merging measured faster; a test marked ``default_min``
+    keeps it)."""
+    if "default_min" not in request.keywords:
+        from memopt_kernels_triton import ops
+
+        monkeypatch.setattr(ops, "MERGE_MIN_WORKS", 2)
+
+
+def _sizes(device) -> list[int]:
+    return [0, 1, 33, 65, 7] if device.type == "cpu" else [0, 1, 31, 33, 4095, 65537, 1023]
+
+
+def _pair(device, rule, dtype, master, moments, settings, **kw):
+    """A triton optimizer and a torch-backend one over equal copies of the same groups."""
+    gen = torch.Generator().manual_seed(7)
+    sizes = _sizes(device)
+    groups = []
+    for k, extra in enumerate(settings):
+        shapes = [sizes[(k + j) % len(sizes)] for j in range(3)]
+        params = [torch.randn(n, generator=gen).to(dtype) for n in shapes]
+        groups.append((params, extra))
+    opts, models = [], []
+    for backend in ("triton", "torch"):
+        ps = [[torch.nn.Parameter(p.clone().to(device)) for p in params] for params, _ in groups]
+        gs = [{"params": p, **extra} for p, (_, extra) in zip(ps, groups, strict=True)]
+        opts.append(
+            MemOptimizer(gs, rule=rule, master=master, moments=moments, backend=backend, **kw)
+        )
+        models.append([p for group in ps for p in group])
+    return opts, models
+
+
+def _grads(models, step: int, dtype, *, move: bool) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for ps in zip(*models, strict=True):
+        g = torch.randn(ps[0].shape, generator=gen).to(dtype)
+        for p in ps:
+            if move or p.grad is None:
+                p.grad = g.to(p.device)  # a new tensor: the cached step follows it
+            else:
+                p.grad.copy_(g.to(p.device))
+
+
+def _same(opts, models) -> None:
+    for a, b in zip(*models, strict=True):
+        assert torch.equal(a.detach().cpu(), b.detach().cpu()), (a, b)
+        sa, sb = opts[0].state[a], opts[1].state[b]
+        assert sorted(sa) == sorted(sb)
+        for key in sa:
+            assert torch.equal(sa[key].cpu(), sb[key].cpu()), (key, sa[key], sb[key])
+
+
+class _Launches:
+    """Counts the fused kernel launches: PreparedStep.launch (host scalars, one group) and
+    launch_hyper (device words: a merged launch), with the tensors each covered."""
+
+    def __init__(self, monkeypatch, ops) -> None:
+        self.calls: list[tuple[str, int]] = []
+        for name in ("launch", "launch_hyper"):
+            original = getattr(ops.PreparedStep, name)
+
+            def spy(this, *a, _original=original, _name=name, **k):
+                self.calls.append((_name, this.n_slots))
+                return _original(this, *a, **k)
+
+            monkeypatch.setattr(ops.PreparedStep, name, spy)
+
+    def take(self) -> list[tuple[str, int]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+@pytest.mark.parametrize(("rule", "dtype", "master", "moments", "settings"), CASES)
+def test_groups_of_one_family_run_in_one_launch(
+    ops, device, monkeypatch, rule, dtype, master, moments, settings
+):
+    opts, models = _pair(device, rule, dtype, master, moments, settings)
+    launches = _Launches(monkeypatch, ops)
+    n = len(models[0])
+    for step in range(5):
+        # steps 0-1: gradients kept in place (a replay reuses the prepared launches); then new
+        # gradient tensors every step (the replay follows them)
+        _grads(models, step, dtype, move=step >= 2)
+        for opt in opts:
+            opt.step()
+        assert launches.take() == [("launch_hyper", n)], step
+        _same(opts, models)
+    entries = [e for gp in opts[0]._plans.values() for e in gp.entries]
+    assert all(e.arena.family is entries[0].arena.family for e in entries)
+    assert entries[0].arena.family is not None
+
+
+def test_groups_of_other_formats_or_variants_launch_apart(ops, device, monkeypatch):
+    """Another master format is another family; a maximize group compiles another variant:
+    each runs in a launch of its own. A decay of exactly 1 (weight_decay 0) rides in a launch
+    compiled with the decay term, multiplying by 1."""
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in (33, 1, 65, 7, 31)]
+
+    def groups(dev):
+        ps = [torch.nn.Parameter(p.clone().to(dev)) for p in base]
+        return ps, [
+            {"params": ps[0:1], "weight_decay": 0.1},
+            {"params": ps[1:2], "weight_decay": 0.0},
+            {"params": ps[2:3], "master": "ecc32"},
+            {"params": ps[3:4], "maximize": True},
+            {"params": ps[4:5], "lr": 3e-3},
+        ]
+
+    (pa, ga), (pb, gb) = groups(device), groups(device)
+    opts = [
+        MemOptimizer(ga, master="ecc24", moments="q8", backend="triton"),
+        MemOptimizer(gb, master="ecc24", moments="q8", backend="torch"),
+    ]
+    launches = _Launches(monkeypatch, ops)
+    for step in range(3):
+        _grads([pa, pb], step, torch.bfloat16, move=False)
+        for opt in opts:
+            opt.step()
+        # groups 0, 1 and 4 together; the ecc32 group and the maximize group alone
+        assert sorted(launches.take()) == [("launch", 1), ("launch", 1), ("launch_hyper", 3)]
+        _same(opts, [pa, pb])
+
+
+def test_a_rebuilt_group_rebuilds_its_family(ops, device, monkeypatch):
+    """A param group whose params list is edited in place gets a new plan; the groups sharing
+    its family arena are rebuilt with it, so that no region of the old arena stays held, and
+    every state carries over."""
+    opts, models = _pair(
+        device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
+    )
+    for step in range(2):
+        _grads(models, step, torch.bfloat16, move=False)
+        for opt in opts:
+            opt.step()
+    old = opts[0]._plans[0].entries[0].arena.family
+    extra = torch.randn(17, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for opt, ps in zip(opts, models, strict=True):
+        p = torch.nn.Parameter(extra.clone().to(device))
+        opt.param_groups[1]["params"].append(p)
+        ps.append(p)
+    launches = _Launches(monkeypatch, ops)
+    for step in range(2, 4):
+        _grads(models, step, torch.bfloat16, move=False)
+        for opt in opts:
+            opt.step()
+        assert launches.take() == [("launch_hyper", len(models[0]))]
+        _same(opts, models)
+    entries = [e for gp in opts[0]._plans.values() for e in gp.entries]
+    assert {id(e.arena.family) for e in entries} == {id(entries[0].arena.family)}
+    assert entries[0].arena.family is not old
+    family = entries[0].arena.family
+    assert opts[0].state_bytes() == family.nbytes()  # the members cover it, nothing else held
+
+
+def test_an_interrupted_merged_launch_counts_every_group(ops, device, monkeypatch):
+    """A KeyboardInterrupt out of a merged launch comes after the kernel was issued (Python
+    delivers it when the call returns): every group's step count advances, as after one
+    launch per group."""
+    opts, models = _pair(device, "adamw", torch.float32, "none", "fp32", [{}, {"lr": 2e-3}])
+    opt = opts[0]
+    _grads(models, 0, torch.float32, move=False)
+    original = ops.PreparedStep.launch_hyper
+
+    def interrupted(this, *a, **k):
+        original(this, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops.PreparedStep, "launch_hyper", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert [int(opt.state[p]["step"]) for p in models[0]] == [1] * len(models[0])
+
+
+def test_fused_steps_refuses_device_steps_and_other_counts(ops, device):
+    from memopt_core.errors import ConfigError
+
+    opts, models = _pair(device, "adamw", torch.float32, "none", "fp32", [{}, {}])
+    _grads(models, 0, torch.float32, move=False)
+    opts[0].step()
+    works = [e.work for e in opts[0]._cached_steps[None].entries]
+    with pytest.raises(ConfigError, match="prepared steps for"):
+        ops.fused_steps(works, [None])
+
+
+@pytest.mark.parametrize("rule", ["adam", "lion", "sgd"])
+def test_words_table_equals_hyper_words(ops, rule):
+    """The merged launch's words, rounded by one array conversion, are hyper_words' bits
+    (rounded one Python call at a time), also past the fp32 range and below its normal
+    numbers, one row per tensor."""
+    from memopt_core import reference
+    from memopt_core.backends import GroupStep
+
+    values = [1e-3, 0.9, 1e39, -1e39, 1e-45, 3e-39, 0.1 + 1e-12, 1.0 / 3.0]
+    works = []
+    for k, v in enumerate(values):
+        if rule == "adam":
+            s = reference.adam_scalars(
+                lr=v, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=k + 1, decoupled=True
+            )
+        elif rule == "lion":
+            s = reference.lion_scalars(lr=v, betas=(0.9, 0.99), weight_decay=0.1)
+        else:
+            s = reference.sgd_scalars(
+                lr=v, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=1e-4
+            )
+        work = GroupStep(rule, None, None, [], [], [], None, s, k + 1, 2**40 + k, [], k == 0)
+        works.append(work)
+    counts = [k % 3 + 1 for k in range(len(works))]  # each work's row once per tensor
+    want = [
+        ops.hyper_words(rule, w.scalars, w.seed, w.step, first_step=w.first_step)
+        for w, c in zip(works, counts, strict=True)
+        for _ in range(c)
+    ]
+    blob = ops._words_rows(rule, works, counts)
+    got = ops._upload_words(blob, len(ops.HYPER_FIELDS[rule]), torch.device("cpu"))
+    assert got.tolist() == want
+
+
+def test_back_to_back_steps_read_their_own_words(device):
+    """Steps queued without a synchronization, each with other lrs (a scheduler): every merged
+    launch reads the words its step uploaded, not a later step's (the host buffer of a queued
+    copy is not reused)."""
+    opts, models = _pair(
+        device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {"lr": 3e-3}]
+    )
+    _grads(models, 0, torch.bfloat16, move=False)
+    for step in range(12):
+        for opt in opts:
+            for k, group in enumerate(opt.param_groups):
+                group["lr"] = 1e-3 * (k + 1) * (1 + step / 7)
+            opt.step()
+    _same(opts, models)
+
+
+@pytest.mark.default_min
+def test_fewer_works_than_the_minimum_launch_apart(ops, device, monkeypatch):
+    """Below ``MERGE_MIN_WORKS`` works the merged launch's word upload costs more than the
+    launches it saves (2 groups measured slower): each group launches alone, and at the minimum
+    they launch together, the same bits either way."""
+    n = ops.MERGE_MIN_WORKS
+    for groups, want in ((n - 1, [("launch", 3)] * (n - 1)), (n, [("launch_hyper", 3 * n)])):
+        opts, models = _pair(
+            device,
+            "adamw",
+            torch.float32,
+            "none",
+            "bf16",
+            [{"lr": 1e-3 * (k + 1)} for k in range(groups)],
+        )
+        launches = _Launches(monkeypatch, ops)
+        for step in range(2):
+            _grads(models, step, torch.float32, move=False)
+            for opt in opts:
+                opt.step()
+            assert launches.take() == want, (groups, step)
+            _same(opts, models)
