@@ -1421,7 +1421,7 @@ def fused_steps(
 #: The fewest works :func:`fused_steps` launches together. A merged launch uploads its words
 #: (two torch calls and a pinned block per step) and saves one launch per further work: on the
 #: H200 with the Qwen2.5-0.5B shapes, 25 param groups ran 4-19% faster back to back merged,
-#: while 2 groups ran 0.1-1% slower back to back and up to 17% slower timed from an idle GPU
+#: while 2 groups ran 0-1% slower back to back and up to 17% slower timed from an idle GPU
 #: (docs/benchmarks/2026-12-02-merged-param-groups.md). Counts between were not measured.
 MERGE_MIN_WORKS = 4
 
