@@ -224,6 +224,13 @@ def test_fused_steps_refuses_device_steps_and_other_counts(ops, device):
     works = [e.work for e in opts[0]._cached_steps[None].entries]
     with pytest.raises(ConfigError, match="prepared steps for"):
         ops.fused_steps(works, [None])
+    from dataclasses import replace
+
+    from memopt_core.backends import DeviceStep
+
+    capturable = replace(works[0], device_step=DeviceStep(torch.zeros(1), 1e-3, (0.9, 0.999)))
+    with pytest.raises(ConfigError, match="runs host steps"):
+        ops.fused_steps([capturable, works[1]])
 
 
 @pytest.mark.parametrize("rule", ["adam", "lion", "sgd"])

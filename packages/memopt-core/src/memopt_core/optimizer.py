@@ -370,8 +370,7 @@ class MemOptimizer(Optimizer):
     per param group. State lives in one arena per (param group, device, dtype); where the backend
     steps several param groups in one launch (Triton), the arenas of groups that share a device,
     a dtype and formats are views of one family arena (``memopt_core.plan.family_arenas``).
-    ``self.state[p]``
-    holds views of it under named keys (``step``, ``exp_avg``, ``exp_avg_sq``,
+    ``self.state[p]`` holds views of it under named keys (``step``, ``exp_avg``, ``exp_avg_sq``,
     ``momentum_buffer``, codec fields like ``exp_avg_scale``, ``master_code``). The first
     :meth:`step` creates it, or :meth:`init_state` earlier.
 
