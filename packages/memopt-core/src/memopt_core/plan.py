@@ -407,7 +407,9 @@ def family_arenas(
     family = StateArena(whole, moments, master, zeros)
     out, slot = [], 0
     for plan in plans:
-        out.append(family._member(plan, slot) if plan.slots else StateArena(plan, moments, master))
+        out.append(
+            family._member(plan, slot) if plan.slots else StateArena(plan, moments, master, zeros)
+        )
         slot += len(plan.slots)
     return out
 
