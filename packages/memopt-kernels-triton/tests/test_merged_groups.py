@@ -165,6 +165,47 @@ def test_groups_of_other_formats_or_variants_launch_apart(ops, device, monkeypat
         _same(opts, [pa, pb])
 
 
+def test_a_merged_launch_sizes_its_chunks_for_all_its_works(ops, device, monkeypatch):
+    """A merged launch cuts its tensors into chunks sized for the merged total, as one group of
+    the same tensors is cut, not for each work's own total: each work's size fills the GPU with
+    that work alone, and 25 groups ran chunks 7x smaller and a 5% slower kernel on the H200.
+    Chunking does not change the bits."""
+    # 4 programs' worth of chunks of 32 elements upwards, on every device
+    monkeypatch.setattr(ops, "kernel_config", lambda **_: ops.KernelConfig(rows=1, waves=1))
+    monkeypatch.setattr(ops, "_sm_count", lambda _: 4)
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(n, generator=gen) for n in (40, 70) * 3]
+
+    def groups(dev):
+        ps = [torch.nn.Parameter(p.clone().to(dev)) for p in base]
+        return ps, [{"params": ps[2 * k : 2 * k + 2], "lr": 1e-3 * (k + 1)} for k in range(3)]
+
+    (pa, ga), (pb, gb) = groups(device), groups(device)
+    opts = [
+        MemOptimizer(g, master="none", moments="fp32", backend=b)
+        for g, b in ((ga, "triton"), (gb, "torch"))
+    ]
+    merged = []
+    original = ops.PreparedStep.launch_hyper
+
+    def spy(this, *a, **k):
+        merged.append(this)
+        return original(this, *a, **k)
+
+    monkeypatch.setattr(ops.PreparedStep, "launch_hyper", spy)
+    for step in range(3):
+        _grads([pa, pb], step, torch.float32, move=step == 2)
+        for opt in opts:
+            opt.step()
+        _same(opts, [pa, pb])
+    # each group alone (110 elements over 4 programs) takes chunks of 32: 2 + 3 per group;
+    # the merged total (330) takes chunks of 96: one per tensor
+    assert {m._head[1] for m in merged} == {6}
+    chunks = merged[-1]._head[0].cpu()
+    assert chunks[:, 2].tolist() == [40, 70] * 3  # lengths
+    assert chunks[:, 1].tolist() == [0] * 6  # every tensor from its start
+
+
 def test_a_rebuilt_group_rebuilds_its_family(ops, device, monkeypatch):
     """A param group whose params list is edited in place gets a new plan; the groups sharing
     its family arena are rebuilt with it, so that no region of the old arena stays held, and

@@ -49,7 +49,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 from torch import Tensor
@@ -69,10 +70,16 @@ __all__ = [
 ]
 
 _GRAD = attrgetter("grad")
+_PARAMS = itemgetter("params")
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
 _CONTIGUOUS = Tensor.is_contiguous
+
+
+def _all_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
+    """Every param group's parameters, in order, in one list."""
+    return list(chain.from_iterable(map(_PARAMS, groups)))
 
 
 def param_addresses(params: Sequence[Tensor]) -> tuple[int, ...]:
@@ -139,7 +146,8 @@ class CachedEntry:
     def last_step(self) -> int:
         """The step count the work's parameters have reached (read from their counters, which
         another cached step of the same optimizer may also have advanced)."""
-        return int(self.counters.steps[self.work.slots[0]])
+        # the slot's own view: indexing the counters tensor costs a torch call per group
+        return int(self.counters.step_views[self.work.slots[0]].item())
 
 
 class CachedStep:
@@ -153,18 +161,25 @@ class CachedStep:
         self.replays = 0
         #: True: a gradient at a new address invalidates the step (a captured graph holds them)
         self.fixed_grads = False
-        self._moved: dict[int, tuple[int, ...]] = {}  # group -> new gradient addresses
+        self._moved: set[int] = set()  # groups whose gradients moved (new addresses: _new_gptrs)
+        self._new_gptrs: tuple[int, ...] = ()
         self._groups = list(groups)
         self._keys = keys
+        # the checks run over every group's tensors at once (one C-level pass each): per-group
+        # passes cost several microseconds per group (per-layer param groups: dozens)
         self._counts = [len(g["params"]) for g in groups]
-        self._pptrs = [param_addresses(g["params"]) for g in groups]
-        self._psizes = [param_sizes(g["params"]) for g in groups]
-        self._pdtypes = [param_dtypes(g["params"]) for g in groups]
-        self._pcontig = [contiguous_positions(g["params"]) for g in groups]
-        grads = [list(map(_GRAD, g["params"])) for g in groups]
-        self._gptrs = list(map(grad_addresses, grads))
-        self._dtypes = list(map(grad_dtypes, grads))
-        self._gcontig = list(map(contiguous_positions, grads))
+        self._spans = [
+            (sum(self._counts[:gi]), sum(self._counts[: gi + 1])) for gi in range(len(groups))
+        ]
+        params = _all_params(groups)
+        self._pptrs = param_addresses(params)
+        self._psizes = param_sizes(params)
+        self._pdtypes = param_dtypes(params)
+        self._pcontig = contiguous_positions(params)
+        grads = list(map(_GRAD, params))
+        self._gptrs = grad_addresses(grads)
+        self._dtypes = grad_dtypes(grads)
+        self._gcontig = contiguous_positions(grads)
         #: the parameters the works update: a replay advances all of their step counters
         self.participants = frozenset(id(p) for e in entries for p in e.work.param_owners)
 
@@ -184,40 +199,41 @@ class CachedStep:
         """Each param group's gradients when replaying is valid for ``groups`` (the optimizer's
         ``param_groups``) with resolution ``keys`` now, else None. Gradients at new addresses
         are noted for :meth:`follow_grads` (None with ``fixed_grads``)."""
-        self._moved = {}
+        self._moved = set()
         if keys != self._keys or len(groups) != len(self._groups):
             return None
-        out = []
+        if not all(map(is_, groups, self._groups)):
+            return None
+        if list(map(len, map(_PARAMS, groups))) != self._counts:
+            return None
+        params = _all_params(groups)
         try:
-            for gi, group in enumerate(groups):
-                params = group["params"]
-                if group is not self._groups[gi] or len(params) != self._counts[gi]:
-                    return None
-                if param_addresses(params) != self._pptrs[gi]:
-                    return None
-                if param_sizes(params) != self._psizes[gi]:
-                    return None  # resized at its address (``p.data = p.data[:n]``): a prepared
-                    # launch would still write the old size
-                if param_dtypes(params) != self._pdtypes[gi]:
-                    return None  # another dtype at the same address (``p.data = new`` where the
-                    # allocator reused the old memory): the kernels would write the old one
-                if not still_contiguous(params, self._pcontig[gi]):
-                    return None  # another layout at the same address (``p.data = p.data.t()``):
-                    # a prepared launch would write its memory in the old order
-                grads = list(map(_GRAD, params))
-                if grad_dtypes(grads) != self._dtypes[gi]:  # None where None, as before
-                    return None
-                if not still_contiguous(grads, self._gcontig[gi]):
-                    return None  # likewise ``p.grad = p.grad.t()``, read in the old order
-                gptrs = grad_addresses(grads)
-                if gptrs != self._gptrs[gi]:
-                    if self.fixed_grads:
-                        return None
-                    self._moved[gi] = gptrs
-                out.append(grads)
+            if param_addresses(params) != self._pptrs:
+                return None
+            if param_sizes(params) != self._psizes:
+                return None  # resized at its address (``p.data = p.data[:n]``): a prepared
+                # launch would still write the old size
+            if param_dtypes(params) != self._pdtypes:
+                return None  # another dtype at the same address (``p.data = new`` where the
+                # allocator reused the old memory): the kernels would write the old one
+            if not still_contiguous(params, self._pcontig):
+                return None  # another layout at the same address (``p.data = p.data.t()``): a
+                # prepared launch would write its memory in the old order
+            grads = list(map(_GRAD, params))
+            if grad_dtypes(grads) != self._dtypes:  # None where None, as before
+                return None
+            if not still_contiguous(grads, self._gcontig):
+                return None  # likewise ``p.grad = p.grad.t()``, read in the old order
+            gptrs = grad_addresses(grads)
         except RuntimeError:  # a tensor without storage (a sparse gradient): the ordinary step
             return None  # explains what is wrong
-        return out
+        if gptrs != self._gptrs:
+            if self.fixed_grads:
+                return None
+            old = self._gptrs
+            self._moved = {gi for gi, (a, b) in enumerate(self._spans) if gptrs[a:b] != old[a:b]}
+            self._new_gptrs = gptrs
+        return [grads[a:b] for a, b in self._spans]
 
     def follow_grads(self) -> None:
         """Point the prepared launches of the groups whose gradients moved (found by the last
@@ -236,9 +252,9 @@ class CachedStep:
 
     def _settle_moved(self) -> None:
         """The prepared launches read the moved gradients: compare with those from now on."""
-        for gi, gptrs in self._moved.items():
-            self._gptrs[gi] = gptrs
-        self._moved = {}
+        if self._moved:
+            self._gptrs = self._new_gptrs
+        self._moved = set()
 
     def hand_grads(self, grads: list[list[Tensor | None]]) -> None:
         """Give each work the current gradients of its parameters."""

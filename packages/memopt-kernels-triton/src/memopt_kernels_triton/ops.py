@@ -760,6 +760,13 @@ def _check_bases(work: GroupStep, plan) -> list[int]:
     return [int(b) for b in bases]
 
 
+def _step_extent(plan, slots: tuple) -> tuple[bool, int]:
+    """(full, total) of a step over plan ``slots``: whether they are every slot in order (the
+    plan-wide tables serve exactly those; anything else is partial) and the padded length."""
+    full = slots == plan.cache("triton_all_slots", lambda: tuple(range(len(plan.slots))))
+    return full, plan.total if full else _partial_total(plan, slots)
+
+
 def _partial_total(plan, slots: tuple) -> int:
     """The padded length of a step over plan ``slots`` (not the whole plan); ConfigError unless
     they are distinct int indices into the plan (in any order)."""
@@ -1215,9 +1222,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             f"{other.total} elements) than the step's ({len(plan.slots)}, {plan.total})"
         )
     slots = tuple(work.slots)
-    # the plan-wide tables serve exactly the slots 0..n-1 in order; anything else is partial
-    full = slots == plan.cache("triton_all_slots", lambda: tuple(range(len(plan.slots))))
-    total = plan.total if full else _partial_total(plan, slots)
+    full, total = _step_extent(plan, slots)
 
     params, grads = work.params, work.grads
     copies: list[tuple[Tensor, Tensor]] = []
@@ -1419,10 +1424,11 @@ def fused_steps(
 
 
 #: The fewest works :func:`fused_steps` launches together. A merged launch uploads its words
-#: (two torch calls and a pinned block per step) and saves one launch per further work: on the
-#: H200 with the Qwen2.5-0.5B shapes, 25 param groups ran 4-19% faster back to back merged,
-#: while 2 groups ran 0-1% slower back to back and up to 17% slower timed from an idle GPU
-#: (docs/benchmarks/2026-12-02-merged-param-groups.md). Counts between were not measured.
+#: (two torch calls and a pinned block per step) and saves one launch per further work. On the
+#: H200 with the Qwen2.5-0.5B shapes, back to back, merging was even at 2 param groups and
+#: 1-3% faster from 3 to 12 (5-6% at 25); timed from an idle GPU it was mostly 1-6% slower,
+#: since the one launch waits for every group's host work
+#: (docs/benchmarks/2026-12-02-merged-chunks.md, 2026-12-02-merged-param-groups.md).
 MERGE_MIN_WORKS = 4
 
 
@@ -1517,10 +1523,10 @@ def _merged_step(
     works: list[GroupStep], ready: list[PreparedStep], config: KernelConfig | None
 ) -> PreparedStep:
     """One prepared launch of ``works`` (one family, one variant: :func:`_merge_key`): their
-    chunk tables concatenated with each chunk's slot column moved past the rows of the works
-    before it and its arena offset moved into the family's fields, their slot tables
-    concatenated, the family's state pointers. Cached on the prepared steps it merges (a
-    replay hands the same ones while the gradients stay put)."""
+    chunk tables, cut with the chunk size of the merged total, concatenated with each chunk's
+    slot column moved past the rows of the works before it and its arena offset moved into the
+    family's fields, their slot tables concatenated, the family's state pointers. Cached on the
+    prepared steps it merges (a replay hands the same ones while the gradients stay put)."""
     head0, dev, rule = works[0], ready[0].device, works[0].rule
     fam = head0.arena.family
     offsets = [w.arena.family_offset for w in works]
@@ -1528,20 +1534,29 @@ def _merged_step(
     def build() -> PreparedStep:
         counts = [p.n_slots for p in ready]
         firsts = [sum(counts[:k]) for k in range(len(counts))]
-        chunk_parts = tuple(p._head[0] for p in ready)
+        kw = dict(ready[0]._kw)
+        cfg = config or kernel_config(blocked=kw["BS"] == 32, rule=rule, master=kw["MASTER"])
+        # chunks sized for the merged launch, not for each work alone: a work's own size fills
+        # the GPU with that work's chunks, so 25 groups took chunks 7x smaller than one group
+        # of the same tensors, and the kernel 5% longer (per-chunk setup) on the H200
+        extents = [_step_extent(w.plan, tuple(w.slots)) for w in works]
+        cs = _chunk_size(cfg, head0.plan, sum(total for _, total in extents))
+        chunk_parts = tuple(
+            _chunk_table(w.plan, w.slots, full, cs)
+            for w, (full, _) in zip(works, extents, strict=True)
+        )
+        n_chunks = sum(t.shape[0] for t in chunk_parts)
 
         def merge_chunks() -> Tensor:
             delta = torch.tensor(
                 [[r, 0, 0, o] for r, o in zip(firsts, offsets, strict=True)], dtype=torch.int64
             )
-            rows = delta.repeat_interleave(torch.tensor([p._head[1] for p in ready]), dim=0)
+            rows = delta.repeat_interleave(torch.tensor([t.shape[0] for t in chunk_parts]), dim=0)
             return torch.cat(chunk_parts) + _to_device(rows, dev)
 
         # the chunk tables stay when gradients move (with_grads keeps them): merged once
         chunks = _merged_cached(fam.plan, "chunks", (*chunk_parts, *offsets), merge_chunks)
-        n_chunks = sum(p._head[1] for p in ready)
         slots = torch.cat([p._head[2] for p in ready])
-        kw = dict(ready[0]._kw)
         kw["ALIGNED"] = all(p._kw["ALIGNED"] for p in ready)
         kw["ARENA_ALIGNED"] = kw["BS"] == 32 or (
             all(p._kw["ARENA_ALIGNED"] for p in ready) and all(o % 8 == 0 for o in offsets)
@@ -1558,7 +1573,6 @@ def _merged_step(
         else:
             name = "momentum_buffer" if kw["_HAS_MOMENTUM"] else None
             head += _moment_args(fam, name, dev)[1:]
-        cfg = config or kernel_config(blocked=kw["BS"] == 32, rule=rule, master=kw["MASTER"])
         programs = cfg.programs or _sm_count(dev) * cfg.waves
         return PreparedStep(rule, (min(n_chunks, programs),), head, kw, [], dev, sum(counts))
 
