@@ -346,3 +346,134 @@ def test_fewer_works_than_the_minimum_launch_apart(ops, device, monkeypatch):
                 opt.step()
             assert launches.take() == want, (groups, step)
             _same(opts, models)
+
+
+@pytest.mark.parametrize(("rule", "dtype", "master", "moments", "settings"), CASES)
+def test_capturable_groups_run_in_one_launch(
+    ops, device, monkeypatch, rule, dtype, master, moments, settings
+):
+    """Capturable steps (``capturable=True``) of a family merge from two groups on (captured
+    in a CUDA graph; here eagerly, as the flag allows): each group's device-words kernel
+    writes its rows into one table and one launch reads it. The bits and step counts are the
+    host step's, also at a step where some tensors have no gradient (their groups step a part
+    of their tensors, at other counts)."""
+    monkeypatch.setattr(ops, "MERGE_MIN_WORKS", 10**6)  # host merging off: device steps merge
+    monkeypatch.setattr(ops, "MERGE_DEVICE_STEPS_EAGERLY", True)  # as under a graph capture
+    opts, models = _pair(device, rule, dtype, master, moments, settings)
+    mine = MemOptimizer(
+        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+         for g in opts[0].param_groups],
+        rule=rule, master=master, moments=moments, backend="triton", capturable=True,
+    )  # fmt: skip
+    ps = [p for g in mine.param_groups for p in g["params"]]
+    launches = _Launches(monkeypatch, ops)
+    for step in range(4):
+        _grads([models[1], ps], step, dtype, move=True)
+        if step == 2:  # two tensors without a gradient: their counts fall behind
+            for p in (models[1][0], ps[0], models[1][-1], ps[-1]):
+                p.grad = None
+        opts[1].step()
+        mine.step()
+        stepped = sum(p.grad is not None and p.numel() > 0 for p in ps)
+        calls = launches.take()
+        assert calls == [("launch_hyper", sum(p.grad is not None for p in ps))], (step, calls)
+        assert stepped > 0
+        _same([mine, opts[1]], [ps, models[1]])
+
+
+def test_capturable_groups_launch_apart_outside_a_capture(ops, device, monkeypatch):
+    """Eager capturable steps (no capture, ``MERGE_DEVICE_STEPS_EAGERLY`` off) launch per
+    group, every group of the family, with the host step's bits."""
+    opts, models = _pair(
+        device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
+    )
+    mine = MemOptimizer(
+        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+         for g in opts[0].param_groups],
+        master="ecc24", moments="q8", backend="triton", capturable=True,
+    )  # fmt: skip
+    ps = [p for g in mine.param_groups for p in g["params"]]
+    launches = _Launches(monkeypatch, ops)
+    for step in range(3):
+        _grads([models[1], ps], step, torch.bfloat16, move=True)
+        opts[1].step()
+        mine.step()
+        assert launches.take() == [("launch_hyper", len(g["params"])) for g in mine.param_groups]
+        _same([mine, opts[1]], [ps, models[1]])
+
+
+def test_capturable_merged_groups_with_a_grad_scaler(ops, device, monkeypatch):
+    """A GradScaler's scale and found-inf reach every group of a merged capturable launch: a
+    power-of-two scale unscales exactly (the bits of the host step on unscaled gradients), and
+    a nonzero found-inf leaves every group, its state and its counts unchanged."""
+    monkeypatch.setattr(ops, "MERGE_DEVICE_STEPS_EAGERLY", True)
+    launches = _Launches(monkeypatch, ops)
+    opts, models = _pair(
+        device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
+    )
+    mine = MemOptimizer(
+        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+         for g in opts[0].param_groups],
+        master="ecc24", moments="q8", backend="triton", capturable=True,
+    )  # fmt: skip
+    ps = [p for g in mine.param_groups for p in g["params"]]
+    mine.grad_scale = torch.full((1,), 8.0, device=device)
+    for step in range(3):
+        _grads([models[1], ps], step, torch.bfloat16, move=True)
+        for p in ps:
+            p.grad = p.grad * 8  # exact: a power of two (a new tensor: CPU copies share one)
+        mine.found_inf = torch.full((1,), float(step == 1), device=device)
+        if step != 1:
+            opts[1].step()
+        before = [p.detach().clone() for p in ps]
+        mine.step()
+        if step == 1:
+            assert all(torch.equal(a, b) for a, b in zip(before, ps, strict=True))
+        assert launches.take() == [("launch_hyper", len(ps))]
+        _same([mine, opts[1]], [ps, models[1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
+    """The capturable step of three groups captured in a CUDA graph after one eager step: the
+    capture merges their launches (the eager step launches per group), and replays with new
+    gradients in the same buffers give the host step's bits."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("GPU tests compile kernels: unset TRITON_INTERPRET")
+    opts, models = _pair(
+        torch.device("cuda"), "adamw", torch.bfloat16, "ecc24", "q8",
+        [{"lr": 1e-3}, {"lr": 2e-3, "weight_decay": 0.0}, {"betas": (0.8, 0.99)}],
+    )  # fmt: skip
+    mine = MemOptimizer(
+        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+         for g in opts[0].param_groups],
+        master="ecc24", moments="q8", backend="triton", capturable=True,
+    )  # fmt: skip
+    ps = [p for g in mine.param_groups for p in g["params"]]
+    for p in ps:
+        p.grad = torch.zeros_like(p)
+    launches = _Launches(monkeypatch, ops)
+    graph = None
+    for step in range(5):
+        _grads([models[1], ps], step, torch.bfloat16, move=False)
+        opts[1].step()
+        if step == 0:
+            mine.step()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                mine.step()
+            torch.cuda.current_stream().wait_stream(stream)
+            sizes = [len(g["params"]) for g in mine.param_groups]
+            assert launches.take() == [
+                *(("launch_hyper", n) for n in sizes),  # eager: per group
+                ("launch_hyper", len(ps)),  # captured: merged
+            ]
+        else:
+            graph.replay()
+        torch.cuda.synchronize()
+        _same([mine, opts[1]], [ps, models[1]])

@@ -209,11 +209,12 @@ def runs_device_steps(backend: object) -> bool:
 def merges_groups(backend: object) -> bool:
     """Whether ``backend`` steps several param groups in one launch (its optional
     ``merges_groups`` attribute). Such a backend has ``step_all(works, prepared, done)``: it
-    runs every host work of ``works`` (no ``device_step``, no ``staging``), launching together
-    the works whose arenas are views of one family arena
+    runs every work of ``works`` (all host steps or, where it also has ``device_steps``, all
+    capturable ones with a ``device_step``; none with ``staging``), launching together the
+    works whose arenas are views of one family arena
     (:func:`memopt_core.plan.family_arenas`), with the same bits as one launch each.
-    ``prepared`` is None or aligned with ``works``: each work's prepared launch from the
-    backend's ``prepare`` (a cached step's), or None. It validates every work before the first
+    ``prepared`` is None or, for host steps, aligned with ``works``: each work's prepared
+    launch from the backend's ``prepare`` (a cached step's), or None. It validates every work before the first
     launch and calls ``done(i)`` once work ``i``'s launch is issued (also when a
     KeyboardInterrupt comes out of it). memopt's optimizers give such backends family arenas
     for the param groups that can share one."""

@@ -258,19 +258,21 @@ def _run_works(
     ran: Callable[[int], None],
 ) -> None:
     """Run ``works`` (``(backend, work)`` pairs) in order, ``ran(i)`` after work ``i``: each
-    run of consecutive host works of one backend that merges param groups
-    (:func:`memopt_core.backends.merges_groups`) through its ``step_all`` (one launch per
-    family of arenas), every other work alone through ``launch(i)``. ``prepared``: None, or
-    the works' prepared launches (a cached step's)."""
+    run of consecutive works of one backend that merges param groups
+    (:func:`memopt_core.backends.merges_groups`), all host steps or all capturable ones and
+    none with staging, through its ``step_all`` (one launch per family of arenas), every
+    other work alone through ``launch(i)``. ``prepared``: None, or the works' prepared
+    launches (a cached step's)."""
     i, n = 0, len(works)
     while i < n:
         backend = works[i][0]
+        on_device = works[i][1].device_step is not None
         j = i
         if backends.merges_groups(backend):
             while (
                 j < n
                 and works[j][0] is backend
-                and works[j][1].device_step is None
+                and (works[j][1].device_step is not None) == on_device
                 and works[j][1].staging is None
             ):
                 j += 1

@@ -1369,47 +1369,41 @@ def fused_steps(
     done: Callable[[int], None] | None = None,
     config: KernelConfig | None = None,
 ) -> None:
-    """Every host step of ``works`` in as few launches as their arenas allow (the backend's
+    """Every step of ``works`` in as few launches as their arenas allow (the backend's
     ``step_all``): works whose arenas are views of one family arena (core's
     ``memopt_core.plan.family_arenas``: param groups that share a device, a parameter dtype and
-    a spec) and that compile to the same kernel variant run in one launch when they are at
-    least :data:`MERGE_MIN_WORKS`, each tensor reading its own work's scalars from a
-    per-tensor row (:meth:`PreparedStep.launch_hyper`): the same bits as one launch per work,
-    for one launch's fixed cost. The others run alone.
+    a spec) and that compile to the same kernel variant run in one launch, each tensor reading
+    its own work's scalars from a per-tensor row (:meth:`PreparedStep.launch_hyper`): the same
+    bits as one launch per work, for one launch's fixed cost. The others run alone.
 
-    ``prepared``: None, or aligned with ``works``: each work's :class:`PreparedStep` (for its
-    current gradients) or None (prepared here). Every work is prepared, and so validated, before
-    the first launch. ``done(i)`` is called once work ``i``'s launch is issued (also when a
-    KeyboardInterrupt comes out of it: the launch ran)."""
+    ``works`` are all host steps or all capturable ones (``device_step``; none with staging).
+    Host steps merge from :data:`MERGE_MIN_WORKS` works on, their rows uploaded from the host.
+    Capturable steps merge from two on while a CUDA graph is being captured (see
+    :data:`MERGE_DEVICE_STEPS_EAGERLY`): each work's device-words kernel writes its rows into
+    one table, which the merged launch reads, so the merge costs no host-to-device copy and
+    the graph holds it (after one eager step has cached its tables).
+
+    ``prepared`` (host steps only): None, or aligned with ``works``: each work's
+    :class:`PreparedStep` (for its current gradients) or None (prepared here). Every work is
+    prepared, and so validated, before the first launch. ``done(i)`` is called once work
+    ``i``'s launch is issued (also when a KeyboardInterrupt comes out of it: the launch ran)."""
     n = len(works)
     if prepared is None:
         prepared = [None] * n
     if len(prepared) != n:
         raise ConfigError(f"fused_steps got {len(prepared)} prepared steps for {n} works")
-    for w in works:
-        if w.device_step is not None or w.staging is not None:
-            raise ConfigError(
-                "fused_steps runs host steps; a capturable step (device_step) or one with "
-                "staging goes through fused_step"
-            )
-    ready = [
-        p if p is not None else prepare_step(w, config)
-        for w, p in zip(works, prepared, strict=True)
-    ]
-    runs: dict[tuple, list[int]] = {}
-    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
-        runs.setdefault(_merge_key(w, p, i), []).append(i)
-    launches: list[tuple[list[int], Callable[[], None]]] = []
-    for run in runs.values():
-        if len(run) >= MERGE_MIN_WORKS:
-            merged = _merged_launch([works[i] for i in run], [ready[i] for i in run], config)
-            launches.append((run, merged))
-            continue
-        for i in run:
-            w, p = works[i], ready[i]
-            launches.append(
-                ([i], lambda w=w, p=p: p.launch(w.scalars, w.step, w.seed, w.first_step))
-            )
+    if any(w.staging is not None for w in works):
+        raise ConfigError("fused_steps runs steps without staging; those go through fused_step")
+    on_device = sum(w.device_step is not None for w in works)
+    if on_device and (on_device < n or any(p is not None for p in prepared)):
+        raise ConfigError(
+            "fused_steps runs host steps (with or without prepared launches) or capturable "
+            "steps (device_step, prepared here), not both in one call"
+        )
+    if on_device:
+        launches = _device_launches(works, config)
+    else:
+        launches = _host_launches(works, prepared, config)
     for run, launch in launches:
         try:
             launch()
@@ -1421,6 +1415,104 @@ def fused_steps(
         if done is not None:
             for i in run:
                 done(i)
+
+
+_Launches = list[tuple[list[int], Callable[[], None]]]
+
+
+def _host_launches(
+    works: Sequence[GroupStep],
+    prepared: Sequence[PreparedStep | None],
+    config: KernelConfig | None,
+) -> _Launches:
+    """:func:`fused_steps`' launches of host steps: (work indices, launch) pairs."""
+    ready = [
+        p if p is not None else prepare_step(w, config)
+        for w, p in zip(works, prepared, strict=True)
+    ]
+    runs: dict[tuple, list[int]] = {}
+    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
+        runs.setdefault(_merge_key(w, p, i), []).append(i)
+    launches: _Launches = []
+    for run in runs.values():
+        if len(run) >= MERGE_MIN_WORKS:
+            merged = _merged_launch([works[i] for i in run], [ready[i] for i in run], config)
+            launches.append((run, merged))
+            continue
+        for i in run:
+            w, p = works[i], ready[i]
+            launches.append(
+                ([i], lambda w=w, p=p: p.launch(w.scalars, w.step, w.seed, w.first_step))
+            )
+    return launches
+
+
+def _device_launches(works: Sequence[GroupStep], config: KernelConfig | None) -> _Launches:
+    """:func:`fused_steps`' launches of capturable steps: each run of works that merge writes
+    its device words into one table (a slice per work) and launches once."""
+    ready = [_prepare_device_step(w, config) for w in works]  # validates them all first
+    runs: dict[tuple, list[int]] = {}
+    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
+        if p is None:  # no tensor: nothing to launch
+            key: tuple = ("empty", i)
+        else:  # the same AMP values (each group holds its own view of the scaler's tensors)
+            ds = w.device_step
+            amp = tuple(None if t is None else t.data_ptr() for t in (ds.grad_scale, ds.found_inf))
+            key = (*_merge_key(w, p, i), amp)
+        runs.setdefault(key, []).append(i)
+    launches: _Launches = []
+    for key, run in runs.items():
+        if key[0] == "empty":
+            launches.append((run, lambda: None))
+            continue
+        if len(run) >= 2:
+            # built (and its tables cached) at an eager step too: a capture copies nothing
+            merged = _merged_device_launch([works[i] for i in run], [ready[i] for i in run], config)
+            if MERGE_DEVICE_STEPS_EAGERLY or _capturing():
+                launches.append((run, merged))
+                continue
+        for i in run:
+            launches.append(([i], lambda w=works[i], p=ready[i]: _device_launch(w, p)))
+    return launches
+
+
+def _merged_device_launch(
+    works: list[GroupStep], ready: list[PreparedStep], config: KernelConfig | None
+) -> Callable[[], None]:
+    """The launch of capturable ``works`` together: each work's device-words kernel fills its
+    rows of the merged launch's table, then the merged kernel runs."""
+    merged = _merged_step(works, ready, config)
+    width = len(HYPER_FIELDS[works[0].rule])
+    table = _merged_cached(
+        works[0].arena.family.plan,
+        "device_words",
+        (merged,),
+        lambda: torch.zeros((merged.n_slots, width), dtype=torch.int32, device=merged.device),
+    )
+    flags = _device_flags(works)
+
+    def launch() -> None:
+        first = 0
+        for w in works:
+            _device_words(w, table[first : first + len(w.slots)])
+            first += len(w.slots)
+        merged.launch_hyper(table, **flags)
+
+    return launch
+
+
+#: Whether capturable steps also merge outside a CUDA graph capture. Captured, a merged
+#: launch is what every replay runs: the Qwen2.5-0.5B shapes in 25 param groups replayed in
+#: 4.00-4.02 ms merged against 4.38-4.39 ms as 25 launches on the H200. Eager, a capturable
+#: step's host work (about 0.3 ms per group there) comes before the one launch, where separate
+#: launches let the GPU start on the first groups: merged, the step took 12.1-12.3 ms from an
+#: idle GPU against 7.4-11.4 ms (docs/benchmarks/2026-12-02-merged-chunks.md). Tests set it
+#: to run the merged launch under the interpreter.
+MERGE_DEVICE_STEPS_EAGERLY = False
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 #: The fewest works :func:`fused_steps` launches together. A merged launch uploads its words
@@ -1447,12 +1539,18 @@ def _merge_key(work: GroupStep, prepared: PreparedStep, i: int) -> tuple:
         flags = (bool(s.maximize), s.l2 != 0.0)
     else:
         flags = (bool(s.maximize), s.l2 != 0.0, bool(s.nesterov))
+    return (id(fam), work.rule, flags, _variant(prepared))
+
+
+def _variant(prepared: PreparedStep) -> tuple:
+    """``prepared``'s compile-time keywords but the alignment ones (which a merged launch takes
+    for all its works), as a sorted tuple; computed once per prepared step (replays reuse it)."""
     kw = prepared._variant
-    if kw is None:  # once per prepared step: replays reuse it
+    if kw is None:
         kw = prepared._variant = tuple(
             sorted((k, v) for k, v in prepared._kw.items() if k not in ("ALIGNED", "ARENA_ALIGNED"))
         )
-    return (id(fam), work.rule, flags, kw)
+    return kw
 
 
 def _words_rows(rule: str, works: list[GroupStep], counts: list[int]) -> bytearray:
@@ -1505,9 +1603,9 @@ _MERGED_CACHE = 8
 
 def _merged_cached(plan, kind: str, parts: tuple, build: Callable[[], Any]) -> Any:
     """``build()`` for the family ``plan``, cached on the identity of ``parts`` (objects, and
-    ints by value; the cached value holds the objects, so their ids stay theirs)."""
+    ints and tuples by value; the cached value holds the objects, so their ids stay theirs)."""
     lru: OrderedDict = plan.cache(("triton_merged", kind), OrderedDict)
-    key = tuple(p if type(p) is int else id(p) for p in parts)
+    key = tuple(p if type(p) in (int, tuple) else id(p) for p in parts)
     hit = lru.get(key)
     if hit is not None:
         lru.move_to_end(key)
@@ -1576,7 +1674,10 @@ def _merged_step(
         programs = cfg.programs or _sm_count(dev) * cfg.waves
         return PreparedStep(rule, (min(n_chunks, programs),), head, kw, [], dev, sum(counts))
 
-    return _merged_cached(fam.plan, "step", (*ready, *offsets), build)
+    # keyed on what the merged launch is built from (a capturable step prepares new
+    # PreparedStep objects every step, over the same cached tables)
+    parts = (*(p._head[2] for p in ready), *offsets, ready[0]._grid, _variant(ready[0]))
+    return _merged_cached(fam.plan, "step", parts, build)
 
 
 def _merged_launch(
@@ -1641,12 +1742,33 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
     device-words kernel, then the rule kernel reading one row per tensor. No host
     synchronisation and, once the group's tables are cached (after one eager step with the same
     tensors), no host-to-device copy: the launches can be captured in a CUDA graph."""
+    prepared = _prepare_device_step(work, config)
+    if prepared is not None:
+        _device_launch(work, prepared)
+
+
+def _device_launch(work: GroupStep, prepared: PreparedStep) -> None:
+    """A capturable step of ``work`` alone: its device words into the plan's table, then its
+    launch."""
+    plan = work.plan
+    words = plan.cache(
+        ("triton_device_words", work.rule),
+        lambda: torch.zeros(
+            (len(plan.slots), len(HYPER_FIELDS[work.rule])), dtype=torch.int32, device=plan.device
+        ),
+    )[: len(work.slots)]  # row i: the step's i-th tensor
+    _device_words(work, words)
+    prepared.launch_hyper(words, **_device_flags([work]))
+
+
+def _prepare_device_step(work: GroupStep, config: KernelConfig | None) -> PreparedStep | None:
+    """The prepared launch of a capturable step, its ``device_step`` validated first (None for
+    a step over no tensor)."""
     ds = work.device_step
     plan = work.plan
     dev = plan.device
-    n = len(work.slots)
-    if n == 0:
-        return
+    if not work.slots:
+        return None
     steps = ds.steps
     if (
         not isinstance(steps, Tensor)
@@ -1666,14 +1788,18 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
         )
     _check_amp_tensor(ds.grad_scale, "grad_scale", dev)
     _check_amp_tensor(ds.found_inf, "found_inf", dev)
-    prepared = prepare_step(work, config)
+    return prepare_step(work, config)
+
+
+def _device_words(work: GroupStep, words: Tensor) -> None:
+    """Launch the device-words kernel of a capturable step: row i of ``words`` (a contiguous
+    ``[len(work.slots), width]`` int32 view) receives the words of the step's i-th tensor, from
+    its step counter, which the kernel advances."""
+    ds = work.device_step
+    plan = work.plan
+    dev = plan.device
+    n = len(work.slots)
     rule = work.rule
-    fields = HYPER_FIELDS[rule]
-    width = len(fields)
-    words = plan.cache(
-        ("triton_device_words", rule),
-        lambda: torch.zeros((len(plan.slots), width), dtype=torch.int32, device=dev),
-    )[:n]  # row i: the step's i-th tensor
     slots = plan.cache(
         ("triton_device_slots", tuple(work.slots)),
         lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32), dev),
@@ -1689,7 +1815,7 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
         _words.device_words_kernel,
         (ceil_div(n, _WORDS_BLOCK),),
         words,
-        steps,
+        ds.steps,
         slots,
         n,
         *host,
@@ -1701,15 +1827,24 @@ def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
         dummy if ds.found_inf is None else ds.found_inf,
         dummy if ds.grad_scale is None else ds.grad_scale,
         RULE=_RULE_IDS[rule],
-        W=width,
+        W=words.shape[1],
         HAS_FOUND=ds.found_inf is not None,
         HAS_SCALE=ds.grad_scale is not None,
         BLOCK=_WORDS_BLOCK,
     )
-    s = work.scalars
-    flags: dict = {"maximize": bool(s.maximize), "has_decay": s.decay != 1.0}
-    if rule in ("adam", "sgd"):
+
+
+def _device_flags(works: list[GroupStep]) -> dict:
+    """The variant flags of a launch of capturable ``works`` (one rule; one step's AMP
+    tensors): :meth:`PreparedStep.launch_hyper`'s keywords."""
+    s = works[0].scalars
+    flags: dict = {
+        "maximize": bool(s.maximize),
+        "has_decay": any(w.scalars.decay != 1.0 for w in works),
+        "unscale": works[0].device_step.grad_scale is not None,
+    }
+    if works[0].rule in ("adam", "sgd"):
         flags["has_l2"] = s.l2 != 0.0
-    if rule == "sgd":
+    if works[0].rule == "sgd":
         flags["nesterov"] = bool(s.nesterov)
-    prepared.launch_hyper(words, unscale=ds.grad_scale is not None, **flags)
+    return flags
