@@ -348,6 +348,17 @@ def test_fewer_works_than_the_minimum_launch_apart(ops, device, monkeypatch):
             _same(opts, models)
 
 
+def _capturable_twin(opt, **kw):
+    """A ``capturable=True`` triton optimizer over copies of ``opt``'s param groups (same
+    settings), and its parameters in order."""
+    groups = [
+        {**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
+        for g in opt.param_groups
+    ]
+    mine = MemOptimizer(groups, backend="triton", capturable=True, **kw)
+    return mine, [p for g in mine.param_groups for p in g["params"]]
+
+
 @pytest.mark.parametrize(("rule", "dtype", "master", "moments", "settings"), CASES)
 def test_capturable_groups_run_in_one_launch(
     ops, device, monkeypatch, rule, dtype, master, moments, settings
@@ -360,12 +371,7 @@ def test_capturable_groups_run_in_one_launch(
     monkeypatch.setattr(ops, "MERGE_MIN_WORKS", 10**6)  # host merging off: device steps merge
     monkeypatch.setattr(ops, "MERGE_DEVICE_STEPS_EAGERLY", True)  # as under a graph capture
     opts, models = _pair(device, rule, dtype, master, moments, settings)
-    mine = MemOptimizer(
-        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
-         for g in opts[0].param_groups],
-        rule=rule, master=master, moments=moments, backend="triton", capturable=True,
-    )  # fmt: skip
-    ps = [p for g in mine.param_groups for p in g["params"]]
+    mine, ps = _capturable_twin(opts[0], rule=rule, master=master, moments=moments)
     launches = _Launches(monkeypatch, ops)
     for step in range(4):
         _grads([models[1], ps], step, dtype, move=True)
@@ -387,12 +393,7 @@ def test_capturable_groups_launch_apart_outside_a_capture(ops, device, monkeypat
     opts, models = _pair(
         device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
     )
-    mine = MemOptimizer(
-        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
-         for g in opts[0].param_groups],
-        master="ecc24", moments="q8", backend="triton", capturable=True,
-    )  # fmt: skip
-    ps = [p for g in mine.param_groups for p in g["params"]]
+    mine, ps = _capturable_twin(opts[0], master="ecc24", moments="q8")
     launches = _Launches(monkeypatch, ops)
     for step in range(3):
         _grads([models[1], ps], step, torch.bfloat16, move=True)
@@ -411,12 +412,7 @@ def test_capturable_merged_groups_with_a_grad_scaler(ops, device, monkeypatch):
     opts, models = _pair(
         device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
     )
-    mine = MemOptimizer(
-        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
-         for g in opts[0].param_groups],
-        master="ecc24", moments="q8", backend="triton", capturable=True,
-    )  # fmt: skip
-    ps = [p for g in mine.param_groups for p in g["params"]]
+    mine, ps = _capturable_twin(opts[0], master="ecc24", moments="q8")
     mine.grad_scale = torch.full((1,), 8.0, device=device)
     for step in range(3):
         _grads([models[1], ps], step, torch.bfloat16, move=True)
@@ -447,12 +443,7 @@ def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
         torch.device("cuda"), "adamw", torch.bfloat16, "ecc24", "q8",
         [{"lr": 1e-3}, {"lr": 2e-3, "weight_decay": 0.0}, {"betas": (0.8, 0.99)}],
     )  # fmt: skip
-    mine = MemOptimizer(
-        [{**g, "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]]}
-         for g in opts[0].param_groups],
-        master="ecc24", moments="q8", backend="triton", capturable=True,
-    )  # fmt: skip
-    ps = [p for g in mine.param_groups for p in g["params"]]
+    mine, ps = _capturable_twin(opts[0], master="ecc24", moments="q8")
     for p in ps:
         p.grad = torch.zeros_like(p)
     launches = _Launches(monkeypatch, ops)

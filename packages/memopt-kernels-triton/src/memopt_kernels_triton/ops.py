@@ -1503,11 +1503,11 @@ def _merged_device_launch(
 
 #: Whether capturable steps also merge outside a CUDA graph capture. Captured, a merged
 #: launch is what every replay runs: the Qwen2.5-0.5B shapes in 25 param groups replayed in
-#: 4.00-4.02 ms merged against 4.38-4.39 ms as 25 launches on the H200. Eager, a capturable
-#: step's host work (about 0.3 ms per group there) comes before the one launch, where separate
-#: launches let the GPU start on the first groups: merged, the step took 12.1-12.3 ms from an
-#: idle GPU against 7.4-11.4 ms (docs/benchmarks/2026-12-02-merged-chunks.md). Tests set it
-#: to run the merged launch under the interpreter.
+#: 3.98 ms merged against 4.38 ms as 25 launches on the H200. Eager, a capturable step's host
+#: work (about 0.3 ms per group there) comes before the one launch, where separate launches
+#: let the GPU start on the first groups: merged, the step took 12.1-12.3 ms from an idle GPU
+#: against 7.0-11.6 ms (docs/benchmarks/2026-12-02-merged-chunks.md). Tests set it to run
+#: the merged launch under the interpreter.
 MERGE_DEVICE_STEPS_EAGERLY = False
 
 
@@ -1624,7 +1624,8 @@ def _merged_step(
     chunk tables, cut with the chunk size of the merged total, concatenated with each chunk's
     slot column moved past the rows of the works before it and its arena offset moved into the
     family's fields, their slot tables concatenated, the family's state pointers. Cached on the
-    prepared steps it merges (a replay hands the same ones while the gradients stay put)."""
+    slot tables it merges (cached themselves while the gradients stay put), the offsets and
+    the variant."""
     head0, dev, rule = works[0], ready[0].device, works[0].rule
     fam = head0.arena.family
     offsets = [w.arena.family_offset for w in works]
