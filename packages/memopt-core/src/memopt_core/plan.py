@@ -174,6 +174,17 @@ class GroupPlan:
         """``(device, param dtype, spec, param-group index)``: what the tensors share."""
         return (self.device, self.param_dtype, self.spec, self.group_index)
 
+    def over(self, tensors: Sequence[Tensor]) -> GroupPlan:
+        """A plan of this one's spec, param group, device and dtype over ``tensors`` (a family
+        of several plans' tensors, a bucket of views)."""
+        return GroupPlan(
+            tensors,
+            self.spec,
+            group_index=self.group_index,
+            device=self.device,
+            param_dtype=self.param_dtype,
+        )
+
     def __len__(self) -> int:
         return len(self.slots)
 
@@ -396,14 +407,7 @@ def family_arenas(
                 f"a family of arenas needs plans of one device, parameter dtype and spec; got "
                 f"{head!r} and {plan!r}"
             )
-    tensors = [t for plan in plans for t in plan.params]
-    whole = GroupPlan(
-        tensors,
-        head.spec,
-        group_index=head.group_index,
-        device=head.device,
-        param_dtype=head.param_dtype,
-    )
+    whole = head.over([t for plan in plans for t in plan.params])
     family = StateArena(whole, moments, master, zeros)
     out, slot = [], 0
     for plan in plans:

@@ -238,13 +238,7 @@ class DeviceUpdater:
         si1, _, b1 = pieces[-1]
         h0 = plan.slots[si0].offset + a0
         h1 = plan.slots[si1].offset + b1
-        bplan = GroupPlan(
-            views,
-            plan.spec,
-            group_index=plan.group_index,
-            device=plan.device,
-            param_dtype=plan.param_dtype,
-        )
+        bplan = plan.over(views)
         assert bplan.total == h1 - h0  # padding unit 1: the bucket's arena is the host range
         members = tuple(dict.fromkeys(positions))
         per = sum(t.element_size() for t in region.arena.tensors())  # per-element fields only
