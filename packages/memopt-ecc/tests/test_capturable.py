@@ -1,8 +1,9 @@
 """``capturable=True`` on the Flash* classes: step counts on the device, GradScaler's unscale and
 inf-skip inside the fused kernel, and a whole training iteration captured in a CUDA graph.
 
-The reference is the same class with ``capturable=False`` (host step counts, the ordinary
-GradScaler loop): parameters, codes, moments and step counts must match bit for bit. The
+The reference is the same class with ``capturable=False`` (host step counts), under the
+ordinary GradScaler loop where a scaler is used: parameters, codes, moments and step counts
+must match bit for bit. The
 kernel-level tests (every rule, per-tensor step counts, the bias-correction table) are in
 memopt-kernels-triton's ``test_device_step.py``.
 """
@@ -76,25 +77,39 @@ def test_capturable_long_run_equals_host_steps(cls):
     assert float(mine.state[b[1]]["step"]) == 108.0
 
 
-def _scaler_loop(model, opt, scaler, steps, bad_steps):
+def _scaler_loop(model, opt, scaler, steps, bad_steps, sync_free=False):
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).cuda()
+    inf = torch.full((), math.inf, device="cuda")
     for step in range(1, steps + 1):
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(x).float().square().mean() * (1 + step % 3)
         scaler.scale(loss).backward()
         if step in bad_steps:
-            next(model.parameters()).grad.view(-1)[step] = math.inf
+            grad = next(model.parameters()).grad.view(-1)
+            if sync_free:  # a Python float written into a CUDA tensor is a host copy
+                grad[step : step + 1].copy_(inf)
+            else:
+                grad[step] = math.inf
         scaler.step(opt)
         scaler.update()
 
 
+class _ScalerLoopAdamW(FlashAdamW):
+    """FlashAdamW as GradScaler treats an optimizer without in-kernel scaling: its ordinary loop
+    (``unscale_``, a host read of the found-inf flag, ``step()`` skipped on an inf)."""
+
+    _step_supports_amp_scaling = False
+
+
 @pytest.mark.gpu
 @_CUDA
-def test_grad_scaler_in_kernel_long_run():
+@pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])
+def test_grad_scaler_in_kernel_long_run(capturable):
     """fp16 autocast with fp32 parameters (GradScaler's use): 120 iterations with three
-    non-finite ones; the capturable optimizer (unscale and skip in the kernel, no ``.item()``)
-    equals the ordinary GradScaler loop, scale included."""
+    non-finite ones; the optimizer (unscale and skip in the kernel, with or without
+    ``capturable``) equals the ordinary GradScaler loop, scale included, and its scaled
+    iterations never synchronise with the host (CUDA's sync debug mode raises on one)."""
 
     def build():
         torch.manual_seed(0)
@@ -103,16 +118,26 @@ def test_grad_scaler_in_kernel_long_run():
         ).cuda()
 
     m_ref, m_dev = build(), build()
-    ref = FlashAdamW(m_ref.parameters(), lr=1e-3)
-    mine = FlashAdamW(m_dev.parameters(), lr=1e-3, capturable=True)
+    ref = _ScalerLoopAdamW(m_ref.parameters(), lr=1e-3)
+    mine = FlashAdamW(m_dev.parameters(), lr=1e-3, capturable=capturable)
     s_ref = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
     s_dev = torch.amp.GradScaler("cuda", init_scale=2.0**14, growth_interval=7)
     bad = {5, 6, 40}
     _scaler_loop(m_ref, ref, s_ref, 120, bad)
     _scaler_loop(m_dev, mine, s_dev, 120, bad)
     assert_same_state(ref, list(m_ref.parameters()), mine, list(m_dev.parameters()))
-    assert float(mine.state[next(m_dev.parameters())]["step"]) == 117.0
+    counts = mine.state[next(m_dev.parameters())]["step"]
+    assert float(counts) == 117.0
+    assert counts.device.type == "cuda"
     assert s_ref.get_scale() == s_dev.get_scale()
+    # three more scaled iterations, one with an inf: any synchronisation raises
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _scaler_loop(m_dev, mine, s_dev, 3, {2}, sync_free=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert float(mine.state[next(m_dev.parameters())]["step"]) == 119.0
 
 
 @pytest.mark.gpu

@@ -141,24 +141,44 @@ def _scaled_steps(params, opt, scaler, device, n, bad_step):
         scaler.update()
 
 
+class _ScalerLoop(MemOptimizer):
+    """A MemOptimizer as GradScaler treats an optimizer without in-kernel scaling: its ordinary
+    loop (``unscale_``, a host read of the found-inf flag, ``step()`` skipped on an inf)."""
+
+    _step_supports_amp_scaling = False
+
+
+@pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])
 @pytest.mark.parametrize("scale", [2.0**12, 1000.0])
 @pytest.mark.parametrize("name", ["adamw-ecc24-q8", "adam-l2-fp32", "lion-ecc24-q8"])
-def test_grad_scaler_in_kernel(device, name, scale):
-    """GradScaler with a capturable optimizer (scale and found-inf consumed on the device)
-    equals the ordinary GradScaler loop (unscale_, .item(), skip) of the host step: same
-    parameters, states, step counts (the inf step is skipped) and scale. A scale that is not a
-    power of two: unscale_ rounds bf16 gradients after the multiply, and so must the kernel
-    (it had kept the fp32 product: 1 of 40 bf16 weights differed after 3 steps)."""
+def test_grad_scaler_in_kernel(device, name, scale, capturable, monkeypatch):
+    """GradScaler with the Triton backend (scale and found-inf consumed on the device, with
+    ``capturable`` and without it) equals the ordinary GradScaler loop (unscale_, .item(),
+    skip) of the host step: same parameters, states, step counts (the inf step is skipped) and
+    scale. A scale that is not a power of two: unscale_ rounds bf16 gradients after the
+    multiply, and so must the kernel (it had kept the fp32 product: 1 of 40 bf16 weights
+    differed after 3 steps)."""
+    import memopt_core.optimizer as core_optimizer
+
     dtype = CONFIGS[name][3]
     if dtype == torch.bfloat16 and torch.device(device).type == "cuda":
         # GradScaler.step itself checks the gradients with a torch kernel that has no bf16
         # variant on CUDA (fp32 parameters under fp16 autocast are its use; ecc's tests run one)
         pytest.skip("torch's GradScaler cannot check bf16 gradients on CUDA")
+
+    def on_host(*args):
+        raise AssertionError("the scaler's flags were read on the host")
+
+    # the kernel reads them: unscaling on the host instead would give the same bits
+    monkeypatch.setattr(core_optimizer, "_unscale_on_host", on_host)
     ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
-    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
-    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    rule, master, moments, _, extra = CONFIGS[name]
+    ref = _ScalerLoop(
+        ref_p, rule=rule, master=master, moments=moments, seed=7, backend="torch",
+        **{"lr": 1e-2, **extra},
+    )  # fmt: skip
+    mine = _optimizer(name, dev_p, capturable=capturable, backend="triton")
     assert mine._step_supports_amp_scaling
-    assert not ref._step_supports_amp_scaling
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=2)
     dev_scaler = torch.amp.GradScaler(
         torch.device(device).type, init_scale=scale, growth_interval=2
@@ -167,7 +187,17 @@ def test_grad_scaler_in_kernel(device, name, scale):
     _scaled_steps(dev_p, mine, dev_scaler, device, 5, bad_step=3)
     _assert_same(ref, ref_p, mine, dev_p, f"{name} with GradScaler")
     assert float(mine.state[dev_p[1]]["step"]) == 4.0  # 5 iterations, one skipped
+    assert mine.state[dev_p[1]]["step"].device == dev_p[1].device  # counted where it ran
     assert ref_scaler.get_scale() == dev_scaler.get_scale()
+    # without the scaler the counts go back to the host and the steps stay equal
+    for step in (6, 7):
+        _grads(ref_p, step)
+        _grads(dev_p, step)
+        ref.step()
+        mine.step()
+    _assert_same(ref, ref_p, mine, dev_p, f"{name} after the GradScaler steps")
+    if not capturable:
+        assert mine.state[dev_p[1]]["step"].device.type == "cpu"
 
 
 def test_words_follow_core_scalars(device):
@@ -283,13 +313,14 @@ def test_cuda_graph_replay_equals_eager(name):
         _assert_same(ref, ref_p, graphed, graph_p, f"{name} graph step {step}")
 
 
-def test_step_parameters_found_inf_skips_on_the_device(device):
+@pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])
+def test_step_parameters_found_inf_skips_on_the_device(device, capturable):
     """``step_parameters(found_inf=...)`` (gradient release with a GradScaler): a nonzero flag
     leaves the tensor, its state and its count as they were; a zero flag steps it as the host
     step does."""
     ref_p, dev_p = _params(torch.bfloat16, "cpu"), _params(torch.bfloat16, device)
     ref = _optimizer("adamw-ecc24-q8", ref_p, capturable=False, backend="torch")
-    mine = _optimizer("adamw-ecc24-q8", dev_p, capturable=True, backend="triton")
+    mine = _optimizer("adamw-ecc24-q8", dev_p, capturable=capturable, backend="triton")
     one = torch.ones(1, device=device)
     zero = torch.zeros(1, device=device)
     for step in (1, 2):
@@ -310,7 +341,8 @@ def test_step_parameters_found_inf_skips_on_the_device(device):
     mine.step_parameters([dev_p[0], dev_p[4]], found_inf=zero)
     _assert_same(ref, ref_p, mine, dev_p, "after a skipped and a taken step_parameters")
     assert float(mine.state[dev_p[0]]["step"]) == 3.0
-    with pytest.raises(ConfigError, match="needs capturable=True"):
-        ref.step_parameters([ref_p[0]], found_inf=torch.zeros(1))
+    # the torch backend has no device steps: it reads the flag on the host
+    ref.step_parameters([ref_p[0]], found_inf=torch.ones(1))
+    _assert_same(ref, ref_p, mine, dev_p, "after a step_parameters skipped on the host")
     with pytest.raises(ConfigError, match="one-element float32 tensor"):
         mine.step_parameters([dev_p[0]], found_inf=torch.zeros(2, device=device))

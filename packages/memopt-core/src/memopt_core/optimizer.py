@@ -123,6 +123,7 @@ _BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
 _STATE_DICT_VERSION = 1
 #: the first step count a float32 counter cannot advance past (see _check_step_limit)
 _STEP_LIMIT = 2**24
+_CPU = torch.device("cpu")
 #: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
 _PARAM_SHAPE = "param_shape"
 
@@ -285,6 +286,25 @@ def _run_works(
         else:
             _run_then(lambda i=i: launch(i), lambda i=i: ran(i))
             i += 1
+
+
+def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tensor]) -> bool:
+    """A GradScaler's step where a work cannot take its flags on the device: False (nothing to
+    run) when its found-inf flag is set (read on the host: one synchronisation, as in the
+    scaler's own loop), else True after unscaling ``grads`` in place by the factor and kernel
+    ``GradScaler.unscale_`` uses (the same bits as that loop)."""
+    grad_scale, found_inf = amp
+    if found_inf is not None and found_inf.item():
+        return False
+    if grad_scale is not None:
+        inv = grad_scale.double().reciprocal().float()
+        by_place: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for g in grads:
+            by_place.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), same in by_place.items():
+            seen = torch.zeros(1, dtype=torch.float32, device=dev)  # checked by the scaler
+            torch._amp_foreach_non_finite_check_and_unscale_(same, seen, inv.to(dev))
+    return True
 
 
 def _describe_tensor(t: Tensor) -> str:
@@ -1222,13 +1242,13 @@ class MemOptimizer(Optimizer):
     ) -> list[tuple[Any, backends.GroupStep]]:
         """One update of ``only`` (None: every parameter with a gradient); returns the
         (backend, work) pairs it ran, in order (:meth:`_update_and_cache` caches them). ``amp``:
-        a GradScaler's (scale, found_inf) for a capturable step."""
+        a GradScaler's (scale, found_inf) (:attr:`_step_supports_amp_scaling`); without
+        ``capturable`` they run on the device where every work can (its counters move there),
+        else on the host (one synchronisation; nothing runs when an inf was found)."""
         self._check_before_update(only, grads)
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
-        works: list[tuple[Any, backends.GroupStep]] = []
-        counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
-        # after it ran; None for a device step, which advances its own)
+        resolved = []
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
@@ -1252,7 +1272,22 @@ class MemOptimizer(Optimizer):
             backend = backends.select_backend(
                 self._kind, spec, plan.device, plan.param_dtype, self.backend
             )
-            if self._capturable:
+            resolved.append((gi, entry, spec, backend, part))
+        on_device = self._capturable
+        if amp is not None and not on_device:
+            # a GradScaler's step without capturable: on the device where every work can run
+            # there (its counts move there), else as GradScaler's own loop does it
+            on_device = all(backends.runs_device_steps(r[3]) for r in resolved)
+            if not on_device:
+                if not _unscale_on_host(amp, [g for r in resolved for _, _, g in r[4]]):
+                    return []
+                amp = None
+        works: list[tuple[Any, backends.GroupStep]] = []
+        counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
+        # after it ran; None for a device step, which advances its own)
+        for gi, entry, spec, backend, part in resolved:
+            group = self.param_groups[gi]
+            if on_device:
                 works.append(
                     (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
                 )
@@ -1350,7 +1385,7 @@ class MemOptimizer(Optimizer):
         work = self._group_step(entry, spec, part, staging, self._scalars(group, 1))
         work.first_step = False  # a placeholder, as step: the device decides per tensor
         work.device_step = backends.DeviceStep(
-            steps=self._entry_steps(entry, work.slots),
+            steps=self._entry_steps(entry, work.slots, on_device=True),
             lr=float(group["lr"]),
             betas=betas,
             grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
@@ -1381,29 +1416,42 @@ class MemOptimizer(Optimizer):
             owners=[p for _, p, _ in items],
         )
 
-    def _entry_steps(self, entry: _Entry, slots: list[int] | None = None) -> Tensor:
+    def _entry_steps(
+        self, entry: _Entry, slots: list[int] | None = None, on_device: bool = False
+    ) -> Tensor:
         """``entry``'s step counters as one float32 tensor, indexed by plan slot: on the CPU, or
-        on the entry's device with ``capturable=True``. Each ``self.state[p]["step"]`` is a view
-        of it, so a step reads every count at once and advances them in one operation.
+        on the entry's device with ``capturable=True`` or ``on_device`` (a GradScaler's step,
+        :meth:`_update`). Each ``self.state[p]["step"]`` is a view of it, so a step reads every
+        count at once and advances them in one operation.
 
         Only the states of ``slots`` (None: all) are checked to still hold their views: a state
         replaced elsewhere (e.g. by hand) is picked up when its parameter next steps, since the
         rebuild (eager: it copies) reads every state's current count. A step over one tensor
-        (gradient release) thus costs O(1) here."""
+        (gradient release) thus costs O(1) here. Counters held on the other device move in one
+        copy (one synchronisation from a GPU), once per change of place."""
+        dev = entry.plan.device if self._capturable or on_device else _CPU
         views = entry.step_views
         if views is not None:
             state = self.state
             owners = entry.owners
-            if slots is None:
-                ok = all(state[p]["step"] is v for p, v in zip(owners, views, strict=True))
-            else:
-                ok = all(state[owners[si]]["step"] is views[si] for si in slots)
-            if ok:
-                return entry.steps
-        dev = entry.plan.device if self._capturable else torch.device("cpu")
-        steps = torch.stack(
-            [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]
+            if entry.steps.device == dev:
+                if slots is None:
+                    ok = all(state[p]["step"] is v for p, v in zip(owners, views, strict=True))
+                else:
+                    ok = all(state[owners[si]]["step"] is views[si] for si in slots)
+                if ok:
+                    return entry.steps
+            elif all(state[p]["step"] is v for p, v in zip(owners, views, strict=True)):
+                return self._hold_steps(entry, entry.steps.to(dev))
+        return self._hold_steps(
+            entry,
+            torch.stack(
+                [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]
+            ),
         )
+
+    def _hold_steps(self, entry: _Entry, steps: Tensor) -> Tensor:
+        """Make ``steps`` ``entry``'s counters: each state's ``step`` becomes a view of it."""
         entry.steps = steps
         entry.step_views = [steps[i] for i in range(len(entry.owners))]
         for p, v, held in zip(entry.owners, entry.step_views, entry.held, strict=True):
@@ -1571,8 +1619,13 @@ class MemOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            if self._capturable:  # GradScaler.step sets these (see _step_supports_amp_scaling)
-                amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            # GradScaler.step sets these (see _step_supports_amp_scaling)
+            amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            if self._capturable:
+                self._update(None, amp=amp)
+            elif amp[0] is not None or amp[1] is not None:
+                # the step counts move to the device: a cached step would read them there
+                self._drop_cached_steps()
                 self._update(None, amp=amp)
             elif not self._replay(None):
                 self._update_and_cache(None)
@@ -1730,9 +1783,11 @@ class MemOptimizer(Optimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # torch.amp.GradScaler.step asks this: when True it does not unscale or check for infs
-        # itself, but sets self.grad_scale / self.found_inf (device tensors) for step() to use.
-        return self._capturable
+        # torch.amp.GradScaler.step asks this: when True it does not unscale or skip the step
+        # itself (so it does not synchronise), but sets self.grad_scale / self.found_inf
+        # (device tensors) for step() to use, as for torch's fused AdamW. Not with
+        # check_numerics, which would refuse the infinite gradients of a step the scaler skips.
+        return self._capturable or not self.check_numerics
 
     @run_eagerly
     def step_parameters(
@@ -1752,10 +1807,11 @@ class MemOptimizer(Optimizer):
         bfloat16 tensor of the parameter's size and device that receives the updated weights
         rounded to nearest-even bf16 (fused into the update by the cpu backend; a copy after the
         update elsewhere). memopt-offload uses it for the copy it sends back to the GPU.
-        ``found_inf`` (``capturable=True`` only): a one-element float32 tensor; nonzero skips the
-        update on the device (parameters, state and step counts unchanged) without a host
-        synchronisation, as a GradScaler's flag skips :meth:`step` (gradient release with a
-        GradScaler uses it)."""
+        ``found_inf``: a one-element float32 tensor; nonzero skips the update (parameters,
+        state and step counts unchanged), as a GradScaler's flag skips :meth:`step` (gradient
+        release with a GradScaler uses it). Read on the device, without a host
+        synchronisation, where every parameter's backend runs device steps (Triton: CUDA
+        tensors; their step counts then live on the device); else read on the host."""
         self._refuse_inference_mode("step_parameters")
         if isinstance(params, Tensor):
             params = [params]
@@ -1766,23 +1822,17 @@ class MemOptimizer(Optimizer):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
             )
-        if found_inf is not None:
-            if not self._capturable:
-                raise ConfigError(
-                    "step_parameters(found_inf=...) skips on the device, which needs "
-                    "capturable=True; without it read the flag and skip the call instead"
-                )
-            if (
-                not isinstance(found_inf, Tensor)
-                or found_inf.numel() != 1
-                or found_inf.dtype != torch.float32
-            ):
-                got = (
-                    f"{found_inf.dtype}{tuple(found_inf.shape)}"
-                    if isinstance(found_inf, Tensor)
-                    else type(found_inf).__name__
-                )
-                raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
+        if found_inf is not None and (
+            not isinstance(found_inf, Tensor)
+            or found_inf.numel() != 1
+            or found_inf.dtype != torch.float32
+        ):
+            got = (
+                f"{found_inf.dtype}{tuple(found_inf.shape)}"
+                if isinstance(found_inf, Tensor)
+                else type(found_inf).__name__
+            )
+            raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
         amp = None if found_inf is None else (None, found_inf)
         self._drop_cached_steps()  # some counters advance: the cached step counts would differ
         with torch.no_grad():

@@ -38,10 +38,10 @@ where ``unscale_`` puts it, so the usual ``scaler.update()`` after ``backward`` 
 when any gradient of the iteration was non-finite and grows it after ``growth_interval`` clean
 iterations. Per iteration: call ``scaler.scale(loss).backward()`` then ``scaler.update()``; do not
 call ``scaler.unscale_`` (the buckets were) — ``scaler.step(optimizer)`` is harmless but only calls
-the no-op ``step()``. Cost: one host-device synchronisation per bucket to read its flag, except
-with a ``capturable=True`` optimizer, whose kernel reads the flag on the device
-(``step_parameters(found_inf=...)``); the handle's ``skipped`` count then synchronises only when
-read.
+the no-op ``step()``. The update kernel reads each bucket's flag on the device
+(``step_parameters(found_inf=...)``; Triton, CUDA tensors), so no bucket synchronises; the handle's
+``skipped`` count synchronises only when read. Where a backend has no device steps (the torch
+backend forced on CUDA tensors), the flag is read on the host: one synchronisation per bucket.
 """
 
 from __future__ import annotations
@@ -208,26 +208,23 @@ class GradientReleaseHandle:
         self._release = release
         self._active = True
         self.grad_scaler = scaler
-        self._skipped = 0
-        # a capturable optimizer skips on the device: its flags are summed here, read on demand
-        self._skipped_on_device: Tensor | None = None
+        # the buckets' found-inf flags, summed where they live and read on demand
+        self._skipped: Tensor | None = None
         # the hooks go when the release does: at remove(), or once nothing holds it
         self._finalizer = weakref.finalize(release, remove_hooks, release.hooks)
 
     @property
     def skipped(self) -> int:
         """Parameters whose update was skipped for a non-finite gradient (GradScaler only; every
-        parameter of a skipped bucket counts), over the handle's life. With a capturable
-        optimizer the flags stay on the device until this is read (one synchronisation per
-        read)."""
-        on_device = self._skipped_on_device
-        return self._skipped + (0 if on_device is None else int(on_device.item()))
+        parameter of a skipped bucket counts), over the handle's life. The flags stay on the
+        device until this is read (one synchronisation per read)."""
+        return 0 if self._skipped is None else int(self._skipped.item())
 
-    def _count_on_device(self, skipped: Tensor) -> None:
-        if self._skipped_on_device is None:
-            self._skipped_on_device = skipped.detach().clone().reshape(())
+    def _count_skipped(self, skipped: Tensor) -> None:
+        if self._skipped is None:
+            self._skipped = skipped.detach().clone().reshape(())
         else:
-            self._skipped_on_device += skipped.reshape(())
+            self._skipped += skipped.reshape(())
 
     @property
     def active(self) -> bool:
@@ -400,7 +397,6 @@ def enable_gradient_release(
     frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
     release = _Release(groups, frozen, int(bucket_mb * 2**20))
     handle = GradientReleaseHandle(optimizer, release, grad_scaler)
-    on_device = bool(optimizer._step_supports_amp_scaling)  # capturable: skips on the device
     # the hooks reach all of these weakly (_Release says why)
     opt_ref = weakref.ref(optimizer)
     handle_ref = weakref.ref(handle)
@@ -423,16 +419,11 @@ def enable_gradient_release(
             found = torch.zeros((), dtype=torch.float32, device=device)
             _unscale_(grads, inv, found)
             _scaler_record(scaler, opt, found)
+        # the kernel reads the flag where it runs on the device: no synchronisation
+        opt.step_parameters(params, grads=held, found_inf=found.reshape(1))
         h = handle_ref()
-        if on_device:  # the kernel reads the flag: no synchronisation
-            opt.step_parameters(params, grads=held, found_inf=found.reshape(1))
-            if h is not None:
-                h._count_on_device(found * len(params))
-        elif found.item():
-            if h is not None:
-                h._skipped += len(params)
-        else:
-            opt.step_parameters(params, grads=held)
+        if h is not None:
+            h._count_skipped(found * len(params))
 
     def update_all(task: int) -> None:
         rel = release_ref()
