@@ -67,6 +67,24 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
 
 
+_ON_CPU = "capturable=True captures a CUDA graph; parameters are on CPU"
+
+
+def _strided_error(group_index: int) -> ConfigError:
+    return ConfigError(
+        "capturable=True needs contiguous parameters and gradients (the captured kernels "
+        f"address them directly); a parameter or gradient of param group {group_index} is "
+        "strided: make it contiguous before training"
+    )
+
+
+def _devices_error(devices: set[torch.device]) -> ConfigError:
+    return ConfigError(
+        "capturable=True captures one CUDA graph on one device; parameters are on "
+        f"{sorted(map(str, devices))}"
+    )
+
+
 class ApexW(MemOptimizer):
     """AdamW with bf16 or q8 moments and a cached, optionally graph-captured fused step.
 
@@ -237,6 +255,14 @@ class ApexW(MemOptimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # False: a torch.amp.GradScaler unscales and checks the gradients itself and skips
+        # step() on an inf (its ordinary loop, one synchronisation). ApexW's modes, its graph
+        # and its timed trials take host scalars; MemOptimizer's in-kernel unscale is not wired
+        # through them.
+        return False
+
+    @property
     def mode_decision(self) -> ModeDecision | None:
         """The mode in use and why (None while ``mode="auto"`` still runs its trial steps)."""
         return self._decision
@@ -294,6 +320,8 @@ class ApexW(MemOptimizer):
         if mode == "fused":
             self._graph = None
             self._require_fused()
+        if self.capturable:
+            self._refuse_uncapturable(fused=mode == "fused")
         self._update_and_cache(mode)
 
     def _backend_name(self, mode: str) -> str:
@@ -343,13 +371,35 @@ class ApexW(MemOptimizer):
                 "pure-torch step"
             )
 
+    def _refuse_uncapturable(self, fused: bool) -> None:
+        """ConfigError, before the step changes anything, where its graph could not be captured:
+        sharded parameters in any mode, strided tensors and other devices than one GPU in the
+        ``fused`` mode, whose step is captured (:meth:`_check_capturable` checks its prepared
+        launches again after the step)."""
+        devices = set()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if is_dtensor(p):
+                    # FSDP2 hands over new gradient buffers every step: no captured step exists
+                    raise ConfigError(
+                        "ApexW(capturable=True) cannot capture a step of sharded (FSDP2) "
+                        "parameters: their gradients arrive in new buffers every step; use "
+                        "capturable=False"
+                    )
+                if not fused:
+                    continue
+                if not (p.is_contiguous() and g.is_contiguous()):
+                    raise _strided_error(gi)
+                if p.device.type != "cuda":
+                    raise ConfigError(_ON_CPU)
+                devices.add(p.device)
+        if len(devices) > 1:
+            raise _devices_error(devices)
+
     def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
-        if self.capturable and any(is_dtensor(p) for _, w in works for p in w.param_owners):
-            # FSDP2 hands over new gradient buffers every step: a captured step could not exist
-            raise ConfigError(
-                "ApexW(capturable=True) cannot capture a step of sharded (FSDP2) parameters: "
-                "their gradients arrive in new buffers every step; use capturable=False"
-            )
         cached = super()._build_cached(works)
         names = {getattr(e.backend, "name", "?") for e in cached.entries} if cached else set()
         if self.capturable and names == {"triton"}:
@@ -361,19 +411,12 @@ class ApexW(MemOptimizer):
     def _check_capturable(self, cached: CachedStep) -> None:
         for e in cached.entries:
             if e.prepared is None:
-                raise ConfigError(
-                    "capturable=True needs contiguous parameters and gradients (the captured "
-                    "kernels address them directly); a parameter or gradient of param group "
-                    f"{e.group_index} is strided: make it contiguous before training"
-                )
+                raise _strided_error(e.group_index)
             if e.work.plan.device.type != "cuda":
-                raise ConfigError("capturable=True captures a CUDA graph; parameters are on CPU")
+                raise ConfigError(_ON_CPU)
         devices = {e.work.plan.device for e in cached.entries}
         if len(devices) > 1:
-            raise ConfigError(
-                f"capturable=True captures one CUDA graph on one device; parameters are on "
-                f"{sorted(map(str, devices))}"
-            )
+            raise _devices_error(devices)
 
     def _launch_cached(self, cached: CachedStep) -> None:
         if not (self.capturable and cached is self._cached_steps.get("fused") and cached.entries):
