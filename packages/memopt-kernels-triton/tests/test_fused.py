@@ -28,6 +28,10 @@ from memopt_core.torch_backend import TorchBackend
 from memopt_kernels_triton.backend import BACKEND
 
 TORCH = TorchBackend()
+#: variants of this package's matrix beyond core's :data:`VARIANTS`: SGDW without momentum
+#: (decoupled weight decay, no state)
+LOCAL_VARIANTS = {"sgdw-nomom": ("sgdw", dict(lr=0.05, weight_decay=0.1))}
+ALL_VARIANTS = {**VARIANTS, **LOCAL_VARIANTS}
 CPU_SIZES = [0, 1, 33, 65]
 GPU_SIZES = [0, 1, 31, 33, 1023, 1025, 4095, 65537, 2**20 + 1, 3 * 2**20 - 1]
 
@@ -51,7 +55,7 @@ def run_compare(
     nan_equal=False,
     grad_fn=None,
 ):
-    rule, hyper = VARIANTS[variant]
+    rule, hyper = ALL_VARIANTS[variant]
     spec = StateSpec(master=master, moments=preset, stochastic_rounding=sr)
     a = make_group(rule, spec, dtype, sizes, device, seed=2**32 - 5, **hyper)
     b = a.clone()
@@ -71,6 +75,12 @@ ALL = [
     for p in PRESETS
     for (m, d), mid in zip(MASTERS, MASTER_IDS, strict=True)
     for sr in ((False, True) if v == "adamw" else (True,))
+] + [
+    # SGDW without momentum keeps no moment, so the preset only sets the plan's block size (an
+    # unblocked and a blocked preset give every kernel variant), with every master
+    pytest.param("sgdw-nomom", p, m, d, True, id=f"sgdw-nomom-{p}-{mid}-sr")
+    for p in ("fp32", "q8")
+    for (m, d), mid in zip(MASTERS, MASTER_IDS, strict=True)
 ]
 
 
@@ -291,6 +301,18 @@ def test_strided_gradient_at_one_address(device, registered):
 def test_matrix_is_complete():
     rules = {VARIANTS[v][0] for v in VARIANTS}
     assert rules == {"adamw", "adam", "sgd", "sgdw", "lion"}
-    combos = {(VARIANTS[v][0], p, m, str(d)) for v, p, m, d, _ in (x.values for x in ALL)}
+    assert not set(LOCAL_VARIANTS) & set(VARIANTS)  # a local name would shadow core's variant
+    # SGDW without momentum (decoupled decay) over every master, blocked and unblocked plans
+    cases = [x.values for x in ALL]
+    nomom = {
+        (p, m, str(d))
+        for v, p, m, d, _ in cases
+        if ALL_VARIANTS[v][0] == "sgdw"
+        and ALL_VARIANTS[v][1].get("momentum", 0.0) == 0.0
+        and ALL_VARIANTS[v][1].get("weight_decay", 0.0) != 0.0
+    }
+    assert {(m, str(d)) for _, m, d in nomom} == {(m, str(d)) for m, d in MASTERS}
+    assert {p for p, _, _ in nomom} == {"fp32", "q8"}
+    combos = {(ALL_VARIANTS[v][0], p, m, str(d)) for v, p, m, d, _ in (x.values for x in ALL)}
     assert len({c[1:] for c in combos}) == len(PRESETS) * len(MASTERS)
     assert len(list(itertools.product(PRESETS, MASTERS))) == 20

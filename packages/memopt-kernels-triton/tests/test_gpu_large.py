@@ -1,7 +1,11 @@
-"""GPU-only checks: a tensor past 2**31 elements (32-bit index overflow), CUDA-graph capture of a
-fused step, and index bases (``GroupStep.index_bases``) over the whole rule x format matrix."""
+"""GPU-only checks: a tensor past 2**31 elements (32-bit index overflow; Adam, SGD with momentum
+and Lion), CUDA-graph capture of a fused step, and index bases (``GroupStep.index_bases``) over
+the whole rule x format matrix."""
 
 from __future__ import annotations
+
+import gc
+import traceback
 
 import pytest
 import torch
@@ -108,6 +112,116 @@ def test_tensor_past_2_pow_31_elements():
 
     do_step(1)
     do_step(2)
+
+
+def _rule_window_reference(kind, spec, arena, p, g, code, s, seed, tid, step, lo, hi):
+    """Core's codecs and SGD (``kind`` "sgd", momentum) or Lion rule applied to elements
+    [lo, hi) of one tensor (block aligned): the new parameter, master code and state fields."""
+    master = spec.master_for(p.dtype)
+    x = master.decode(p[lo:hi], code[lo:hi]).float()
+    name = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    codec = arena.codecs[name]
+    fields = {
+        k: (t[lo:hi] if k == "" else t[lo // 32 : hi // 32]) for k, t in arena.fields[name].items()
+    }
+    gw = g[lo:hi].float()
+    if kind == "sgd":  # the first step starts the buffer from the gradient, as core's backend
+        buf = None if step == 1 else codec.decode(fields)
+        x, new = reference.sgd(x, gw, buf, s, first_step=step == 1)
+    else:
+        x, new = reference.lion(x, gw, codec.decode(fields), s)
+    w = rng.stream_words(seed, tid, torch.arange(lo, hi, device=p.device), step)
+    pn, cn = master.encode(x, rand=w[0])
+    return pn, cn, codec.encode(new, rand=w[1])
+
+
+@pytest.fixture
+def _free_gpu_memory():
+    """Give the caching allocator's blocks back after a large test (passed or failed), so the
+    next large case starts from an empty GPU."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _large_rule_case(kind):
+    """Two steps (SGD's first step and a later one) of one SGD-with-momentum or Lion group of a
+    33-element tensor and one of 2**31 + 96 elements: windows at the start, around 2**31 and
+    at the end of the large tensor give core's bits. About 13 GiB of GPU memory (bf16
+    parameters and gradients, ECC-24 codes, one q8 state)."""
+    n = 2**31 + 96
+    dev = torch.device("cuda")
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    p = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    g = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for i in range(0, n, 2**28):
+        j = min(n, i + 2**28)
+        p[i:j] = torch.randn(j - i, device=dev, generator=gen).to(torch.bfloat16)
+        g[i:j] = (torch.randn(j - i, device=dev, generator=gen) * 1e-2).to(torch.bfloat16)
+    small = torch.randn(33, device=dev).to(torch.bfloat16)
+    plan = GroupPlan([small, p], spec)
+    name = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    arena = StateArena(plan, {name: spec.first}, spec.master_for(torch.bfloat16))
+    assert plan.slots[1].offset + n > 2**31  # arena indices past 2**31 too
+    seed, tids = 12345, [3, 2**32 + 9]
+    off = plan.slots[1].offset
+    code = arena.master_code[off : off + n]
+    sub = _SubArena(arena, off, n)
+    windows = [(0, 4096), (2**31 - 4096, 2**31 + 96)]  # the second one ends the tensor
+    for step in (1, 2):
+        if kind == "sgd":
+            s = reference.sgd_scalars(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-2)
+        else:
+            s = reference.lion_scalars(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        want = [
+            _rule_window_reference(kind, spec, sub, p, g, code, s, seed, tids[1], step, lo, hi)
+            for lo, hi in windows
+        ]
+        before = [(p[lo:hi].clone(), code[lo:hi].clone()) for lo, hi in windows]
+        work = GroupStep(
+            kind,
+            spec,
+            plan,
+            [0, 1],
+            [small, p],
+            [torch.zeros_like(small), g],
+            arena,
+            s,
+            step,
+            seed,
+            tids,
+            step == 1,
+        )
+        BACKEND.step(work)
+        torch.cuda.synchronize()
+        for (lo, hi), (pn, cn, fields), (p0, c0) in zip(windows, want, before, strict=True):
+            where = (kind, step, lo, hi)
+            # the reference moved the weights: a step that wrote nothing would fail below
+            assert not (torch.equal(pn, p0) and torch.equal(cn, c0)), where
+            assert torch.equal(p[lo:hi].view(torch.int16), pn.view(torch.int16)), where
+            assert torch.equal(code[lo:hi], cn), where
+            for k, t in fields.items():
+                stored = sub.fields[name][k]
+                got = stored[lo:hi] if k == "" else stored[lo // 32 : hi // 32]
+                assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), (*where, k)
+
+
+@pytest.mark.usefixtures("_free_gpu_memory")
+@pytest.mark.parametrize("kind", ["sgd", "lion"])
+def test_sgd_and_lion_past_2_pow_31_elements(kind):
+    """SGD with momentum and Lion (ECC-24 master, q8 state) on a tensor past 2**31 elements:
+    32-bit index overflow in the parameter, gradient, code and state addressing."""
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs about 15 GiB of GPU memory")
+    failure = None
+    try:
+        _large_rule_case(kind)
+    except Exception:
+        # reported as text: a kept traceback would hold the case's 13 GiB of tensors alive
+        failure = traceback.format_exc()
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
 
 
 class _SubArena:
