@@ -1,7 +1,8 @@
 """The worker process of test_ddp_gloo.py (importable by name, so multiprocessing's spawn finds it).
 
 Each rank trains the same bf16 model under DistributedDataParallel over gloo on its own half of
-every batch and saves its final weights; the test compares them with a one-process reference.
+every batch and saves its final weights and optimizer state; the test compares them with a
+one-process reference.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from memopt_core.testing import init_rank, leave_group
 
 OPTIMIZERS = {
     "FlashAdamW": dict(lr=1e-2, weight_decay=0.01),
+    "FlashAdam": dict(lr=1e-2, weight_decay=0.01),
     "FlashLion": dict(lr=1e-3, weight_decay=0.01),
     "FlashSGDW": dict(lr=1e-2, momentum=0.9, weight_decay=0.01),
+    "FlashSGD": dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
 }
 
 
@@ -41,21 +44,42 @@ def loss_of(model, x) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
 
+def saved(model, opt) -> dict:
+    """What a rank saves: the model's weights and the optimizer's state dict's ``state`` (master
+    codes, moment codes and scales, steps), on the CPU."""
+    state = {
+        i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for i, entry in opt.state_dict()["state"].items()
+    }
+    return {"model": {k: v.cpu() for k, v in model.state_dict().items()}, "state": state}
+
+
 def train(
-    rank: int, world: int, init_file: str, name: str, steps: int, out: str, device: str = "cpu"
+    rank: int,
+    world: int,
+    init_file: str,
+    names: list[str],
+    steps: int,
+    out: str,
+    device: str = "cpu",
 ) -> None:
-    """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``)."""
+    """One rank: gloo on the CPU, or NCCL with GPU ``rank`` (``device="cuda"``). Trains a model
+    with each optimizer of ``names`` in turn (one process group: the ranks start once) and saves
+    :func:`saved` to ``{out}/{name}-rank{rank}.pt``."""
     cuda = device == "cuda"
     init_rank(rank, world, init_file, device)
     try:
-        model = make_model().to(device)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
-        opt = make_optimizer(name, ddp.parameters())
-        for t in range(steps):
-            loss_of(ddp, shard(t, rank).to(device)).backward()
-            opt.step()
-            opt.zero_grad()
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, f"{out}/rank{rank}.pt")
+        for name in names:
+            model = make_model().to(device)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[rank] if cuda else None
+            )
+            opt = make_optimizer(name, ddp.parameters())
+            for t in range(steps):
+                loss_of(ddp, shard(t, rank).to(device)).backward()
+                opt.step()
+                opt.zero_grad()
+            torch.save(saved(model, opt), f"{out}/{name}-rank{rank}.pt")
     except BaseException:
         dist.destroy_process_group()  # no barrier: the other rank may never reach it
         raise

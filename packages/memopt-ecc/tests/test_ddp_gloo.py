@@ -3,8 +3,8 @@ NCCL on 2 GPUs where the host has them.
 
 DDP divides each gradient by the world size and sums it across ranks (both exact or rounded the
 same way in a one-process replay: halving is exact, and the sum of two bf16 values rounds once),
-so every rank's weights must equal, bit for bit, a single process that steps on
-``g_rank0 / 2 + g_rank1 / 2``.
+so every rank's weights and optimizer state (master codes, moment codes and scales) must equal,
+bit for bit, a single process that steps on ``g_rank0 / 2 + g_rank1 / 2``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, shard, train
+from ddp_worker import OPTIMIZERS, loss_of, make_model, make_optimizer, saved, shard, train
+from ecc_testutil import same_bits
 
 from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.testing import set_mean_gradients, spawn_ranks
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.skipif(
 STEPS = 6
 
 
-def reference(name: str, device: str) -> dict[str, torch.Tensor]:
+def reference(name: str, device: str) -> dict:
+    """:func:`ddp_worker.saved` of one process stepping on the averaged gradients."""
     model = make_model().to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
@@ -32,27 +34,47 @@ def reference(name: str, device: str) -> dict[str, torch.Tensor]:
         )
         opt.step()
         opt.zero_grad()
-    return {k: v.cpu() for k, v in model.state_dict().items()}
+    return saved(model, opt)
 
 
-@pytest.mark.parametrize("device", DIST_DEVICES)
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_ddp_two_ranks_equal_one_process(name, device, tmp_path):
+@pytest.fixture(scope="module", params=DIST_DEVICES)
+def trained(request, tmp_path_factory):
+    """Every optimizer of OPTIMIZERS trained by 2 ranks in one spawn: gloo on the CPU, or NCCL
+    on 2 GPUs."""
+    device = request.param
+    out = tmp_path_factory.mktemp(f"ddp-{device}")
+    names = list(OPTIMIZERS)
     spawn_ranks(
         train,
-        (2, str(tmp_path / "init"), name, STEPS, str(tmp_path), device),
+        (2, str(out / "init"), names, STEPS, str(out), device),
         2,
-        [tmp_path / f"rank{r}.pt" for r in (0, 1)],
+        [out / f"{name}-rank{r}.pt" for name in names for r in (0, 1)],
     )
+    return device, out
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_ddp_two_ranks_equal_one_process(name, trained):
+    """Each rank's weights and every tensor of its optimizer's state dict (compressed: the master
+    codes and the moments' codes and scales) equal one process's bit for bit."""
+    device, out = trained
     want = reference(name, device)
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for k, v in want.items():
-            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
+        got = torch.load(out / f"{name}-rank{rank}.pt", weights_only=True)
+        for k, v in want["model"].items():
+            assert torch.equal(got["model"][k].view(torch.int16), v.view(torch.int16)), (rank, k)
+        assert sorted(got["state"]) == sorted(want["state"]), rank
+        for i, entry in want["state"].items():
+            assert sorted(got["state"][i]) == sorted(entry), (rank, i)
+            for k, v in entry.items():
+                assert same_bits(got["state"][i][k], v), (rank, i, k)
     assert not all(  # the steps moved the weights
         torch.equal(v, w)
-        for v, w in zip(want.values(), make_model().state_dict().values(), strict=True)
+        for v, w in zip(want["model"].values(), make_model().state_dict().values(), strict=True)
     )
+    for entry in want["state"].values():  # the dicts hold the codes and the moments compared
+        assert "master_code" in entry
+        assert any(k.startswith(("exp_avg", "momentum_buffer")) for k in entry), sorted(entry)
 
 
 def test_release_refuses_unsharded_parameters_of_several_processes(tmp_path):

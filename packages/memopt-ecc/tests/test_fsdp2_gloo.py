@@ -1,8 +1,9 @@
 """The Flash* family under FSDP2 (``fully_shard``): 2 ranks (gloo on the CPU; NCCL on 2 GPUs in
 ``nox -s gpu_tests`` where the host has them) end with the
-weights one process gets from the averaged gradients, bit for bit, with and without resharding
-after forward and with gradient release (FSDP2 runs the post-accumulate-grad hooks on the
-sharded parameters after its reduce-scatter); and the fp32 state dict of a sharded model.
+weights and optimizer state (each rank's shard of it) one process gets from the averaged
+gradients, bit for bit, with and without resharding after forward and with gradient release
+(FSDP2 runs the post-accumulate-grad hooks on the sharded parameters after its reduce-scatter);
+and the fp32 state dict of a sharded model.
 
 The model's shards start on q8 block boundaries (see memopt_core.sharding for what happens to a
 block cut by a shard), and each rank draws the stochastic-rounding words of its elements'
@@ -17,12 +18,13 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp2_ecc import OPTIMIZERS, loss_of, make_model, make_optimizer, release
+from ecc_testutil import bits
+from fsdp2_ecc import OPTIMIZERS, loss_of, make_model, make_optimizer, prepare, state_of, worker
 
 import memopt_ecc
 from memopt_core.device_fixture import DIST_DEVICES
 from memopt_core.errors import StateDictError
-from memopt_core.testing import Fsdp2Job, fsdp2_worker, set_mean_gradients, spawn_ranks
+from memopt_core.testing import Fsdp2Job, set_mean_gradients, spawn_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -50,36 +52,57 @@ def results(request, tmp_path_factory):
             loss_of,
             STEPS,
             reshard,
-            release if released else None,
+            functools.partial(prepare, job, released),
             released,
         )
         for job, (name, reshard, released) in JOBS.items()
     ]
     args = (2, str(out / "init"), str(out), jobs, device)
-    spawn_ranks(fsdp2_worker, args, 2, [out / f"{j.name}-rank{r}.pt" for j in jobs for r in (0, 1)])
+    outs = [
+        out / f"{j.name}-{what}rank{r}.pt" for j in jobs for what in ("", "state-") for r in (0, 1)
+    ]
+    spawn_ranks(worker, args, 2, outs)
     return device, out
 
 
-def _reference(name: str, device: str) -> dict[str, torch.Tensor]:
+def _reference(name: str, device: str):
+    """One process's weights (by name) and its optimizer's :func:`fsdp2_ecc.state_of`."""
     model = make_model().to(device)
     opt = make_optimizer(name, model.parameters())
     for t in range(STEPS):
         set_mean_gradients(model, [functools.partial(loss_of, model, t, r) for r in (0, 1)])
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}, state_of(opt)
 
 
 @pytest.mark.parametrize("job", list(JOBS))
 def test_fsdp2_two_ranks_equal_one_process(job, results):
+    """The ranks' weights equal one process's bit for bit, and so do their optimizer states: every
+    shard starts on a q8 block and holds half of each tensor, so rank 0's state tensors (master
+    codes, moment codes, block scales) followed by rank 1's are one process's, flattened."""
     device, out = results
-    want = _reference(JOBS[job][0], device)
+    want, want_state = _reference(JOBS[job][0], device)
     initial = dict(make_model().named_parameters())
     assert not any(torch.equal(v, initial[k]) for k, v in want.items())  # the steps moved them
     for rank in (0, 1):
         got = torch.load(out / f"{job}-rank{rank}.pt", weights_only=True)
         for k, v in want.items():
             assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (rank, k)
+    shards = [torch.load(out / f"{job}-state-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == len(want_state)
+    for i, entry in enumerate(want_state):
+        assert "master_code" in entry  # the codes and the moments are compared
+        assert any(k.startswith(("exp_avg", "momentum_buffer")) for k in entry), sorted(entry)
+        for rank in (0, 1):
+            assert sorted(shards[rank][i]) == sorted(entry), (rank, i)
+        for k, v in entry.items():
+            if k == "step":  # a count, the same on every rank
+                assert all(torch.equal(s[i][k], v) for s in shards), (i, k)
+                continue
+            halves = [bits(s[i][k]).reshape(-1) for s in shards]
+            assert halves[0].numel() == halves[1].numel(), (i, k)
+            assert torch.equal(torch.cat(halves), bits(v).reshape(-1)), (i, k)
 
 
 @contextlib.contextmanager
