@@ -381,10 +381,13 @@ class MemOptimizer(Optimizer):
             tensors, as torch's ``capturable=True``) and compute the step-dependent scalars
             there, so :meth:`step` never synchronises with the host and can be captured in a
             CUDA graph (after one eager step with the same tensors, which builds the tables).
-            It also takes a ``torch.amp.GradScaler``'s scale and found-inf flag on the device:
-            ``scaler.step(opt)`` then unscales inside the update kernel and skips the step on
-            the device when an inf/NaN was found (no ``.item()``). Needs a backend with device
-            steps (Triton: CUDA tensors). Not with ``check_numerics`` (which reads the device).
+            Needs a backend with device steps (Triton: CUDA tensors). Not with
+            ``check_numerics`` (which reads the device). With or without it, a
+            ``torch.amp.GradScaler`` hands the optimizer its scale and found-inf flag
+            (``_step_supports_amp_scaling``, unless ``check_numerics``): the Triton kernel
+            unscales and skips on the device (no ``.item()``; without ``capturable`` the step
+            counts move to the device for such a step), other backends do what the scaler's
+            own loop does.
         backend: force a backend by name (``"torch"``, ``"cpu"``, ``"triton"``); None defers to
             ``MEMOPT_BACKEND`` and then to the automatic choice.
 
