@@ -52,20 +52,36 @@ def _window_reference(spec, arena, p, g, code, s, seed, tid, step, lo, hi):
     return pn, cn, m_codec.encode(m, rand=w[1]), v_codec.encode(v, rand=w[2])
 
 
-def test_tensor_past_2_pow_31_elements():
-    n = 2**31 + 96
-    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
-        pytest.skip("needs about 25 GiB of GPU memory")
+def _large_tensors(n, seed):
+    """A seeded bf16 parameter and gradient of ``n`` elements on the GPU (filled a slice at a
+    time: one randn of 2**31 floats would need 8 GiB more), and a 33-element parameter."""
     dev = torch.device("cuda")
-    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
     p = torch.empty(n, dtype=torch.bfloat16, device=dev)
     g = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     for i in range(0, n, 2**28):
         j = min(n, i + 2**28)
         p[i:j] = torch.randn(j - i, device=dev, generator=gen).to(torch.bfloat16)
         g[i:j] = (torch.randn(j - i, device=dev, generator=gen) * 1e-2).to(torch.bfloat16)
-    small = torch.randn(33, device=dev).to(torch.bfloat16)
+    return p, g, torch.randn(33, device=dev).to(torch.bfloat16)
+
+
+def _pair_step(kind, spec, plan, params, g, arena, s, step, seed, tids):
+    """The work of one step of ``params`` (the small tensor, with a zero gradient, and the
+    large one with ``g``)."""
+    small, p = params
+    return GroupStep(
+        kind, spec, plan, [0, 1], [small, p], [torch.zeros_like(small), g], arena, s, step,
+        seed, tids, step == 1,
+    )  # fmt: skip
+
+
+def test_tensor_past_2_pow_31_elements():
+    n = 2**31 + 96
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs about 25 GiB of GPU memory")
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    p, g, small = _large_tensors(n, seed=0)
     plan = GroupPlan([small, p], spec)
     arena = StateArena(
         plan, {"exp_avg": spec.first, "exp_avg_sq": spec.second}, spec.master_for(torch.bfloat16)
@@ -85,20 +101,7 @@ def test_tensor_past_2_pow_31_elements():
             _window_reference(spec, sub, p, g, code, s, seed, tids[1], step, lo, hi)
             for lo, hi in windows
         ]
-        work = GroupStep(
-            "adam",
-            spec,
-            plan,
-            [0, 1],
-            [small, p],
-            [torch.zeros_like(small), g],
-            arena,
-            s,
-            step,
-            seed,
-            tids,
-            step == 1,
-        )
+        work = _pair_step("adam", spec, plan, (small, p), g, arena, s, step, seed, tids)
         BACKEND.step(work)
         torch.cuda.synchronize()
         for (lo, hi), (pn, cn, fm, fv) in zip(windows, want, strict=True):
@@ -150,16 +153,8 @@ def _large_rule_case(kind):
     at the end of the large tensor give core's bits. About 13 GiB of GPU memory (bf16
     parameters and gradients, ECC-24 codes, one q8 state)."""
     n = 2**31 + 96
-    dev = torch.device("cuda")
     spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
-    p = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    g = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    for i in range(0, n, 2**28):
-        j = min(n, i + 2**28)
-        p[i:j] = torch.randn(j - i, device=dev, generator=gen).to(torch.bfloat16)
-        g[i:j] = (torch.randn(j - i, device=dev, generator=gen) * 1e-2).to(torch.bfloat16)
-    small = torch.randn(33, device=dev).to(torch.bfloat16)
+    p, g, small = _large_tensors(n, seed=1)
     plan = GroupPlan([small, p], spec)
     name = "momentum_buffer" if kind == "sgd" else "exp_avg"
     arena = StateArena(plan, {name: spec.first}, spec.master_for(torch.bfloat16))
@@ -179,20 +174,7 @@ def _large_rule_case(kind):
             for lo, hi in windows
         ]
         before = [(p[lo:hi].clone(), code[lo:hi].clone()) for lo, hi in windows]
-        work = GroupStep(
-            kind,
-            spec,
-            plan,
-            [0, 1],
-            [small, p],
-            [torch.zeros_like(small), g],
-            arena,
-            s,
-            step,
-            seed,
-            tids,
-            step == 1,
-        )
+        work = _pair_step(kind, spec, plan, (small, p), g, arena, s, step, seed, tids)
         BACKEND.step(work)
         torch.cuda.synchronize()
         for (lo, hi), (pn, cn, fields), (p0, c0) in zip(windows, want, before, strict=True):
