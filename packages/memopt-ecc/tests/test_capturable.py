@@ -260,18 +260,46 @@ def test_first_step_in_a_capture_is_refused_before_any_change(cls):
 
 @pytest.mark.gpu
 @_CUDA
-def test_a_cuda_tensor_lr_in_a_capture_is_refused():
-    """A captured step read a CUDA tensor lr with .item(): the capture failed with
-    cudaErrorStreamCaptureInvalidated. Refused, naming lr; eager steps with it work."""
-    params = _params(torch.bfloat16)
-    opt = FlashAdamW(params, lr=torch.tensor(1e-3, device="cuda"), capturable=True)
-    for p in params:
-        p.grad = torch.full_like(p, 0.25)
-    opt.step()
-    before = [p.detach().clone() for p in params]
-    _refused_capture(opt, r"param group 0: lr is a tensor on cuda:0")
-    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
-    assert float(opt.state[params[0]]["step"]) == 1.0
+@pytest.mark.parametrize("decouple_lr", [False, True], ids=["lr", "decouple_lr"])
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_a_cuda_tensor_lr_is_read_at_every_replay(cls, decouple_lr):
+    """``opt.step()`` captured once with a CUDA tensor lr, replayed while a scheduler sets the
+    tensor in place (``fill_``, as torch's schedulers do with a tensor lr): every replay uses
+    the current value (the step size, the decoupled decay with ``decouple_lr``), the same bits
+    as host steps given each value as a float. Before, such an lr was read with ``.item()``
+    and refused under a capture."""
+    hyper = dict(CASES[cls])
+    lr0 = hyper.pop("lr")
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    lr = torch.tensor(lr0, device="cuda")  # float32, as a scheduler's tensor lr often is
+    ref = cls(a, lr=float(lr), decouple_lr=decouple_lr, **hyper)
+    mine = cls(b, lr=lr, decouple_lr=decouple_lr, capturable=True, **hyper)
+
+    def grads(step):
+        gen = torch.Generator().manual_seed(step)
+        for p, q in zip(a, b, strict=True):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype).cuda()
+            p.grad = g
+            if q.grad is None:
+                q.grad = g.clone()
+            else:
+                q.grad.copy_(g)  # the graph reads these buffers
+
+    grads(1)
+    ref.step()
+    mine.step()  # eager: builds the tables a capture needs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mine.step()
+    for step, factor in enumerate([0.5, 2.0, 0.1, 1.0 / 3.0, 1.0], start=2):
+        lr.fill_(lr0 * factor)
+        ref.param_groups[0]["lr"] = float(lr)  # the float32 value the tensor holds
+        grads(step)
+        ref.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_same_state(ref, a, mine, b)
+    assert float(mine.state[b[0]]["step"]) == 6.0
 
 
 @pytest.mark.gpu

@@ -346,3 +346,56 @@ def test_step_parameters_found_inf_skips_on_the_device(device, capturable):
     _assert_same(ref, ref_p, mine, dev_p, "after a step_parameters skipped on the host")
     with pytest.raises(ConfigError, match="one-element float32 tensor"):
         mine.step_parameters([dev_p[0]], found_inf=torch.zeros(2, device=device))
+
+
+@pytest.mark.parametrize("decouple_lr", [False, True], ids=["lr", "decouple_lr"])
+@pytest.mark.parametrize(
+    "name", ["adamw-ecc24-q8", "lion-ecc24-q8", "sgdw-momentum-ecc24-bf16", "adam-l2-fp32"]
+)
+def test_tensor_lr_on_the_device_is_read_at_every_step(device, name, decouple_lr):
+    """A one-element tensor lr on the group's device, changed in place between steps (as
+    torch's LR schedulers ``fill_`` a tensor lr), is read by the words kernel at each step:
+    Adam's step size, Lion's and SGD's lr word and the decoupled decay factor (with
+    ``decouple_lr``, against the initial lr recorded when the group was added) equal the host
+    step's with the same float lr, bit for bit."""
+    dtype = CONFIGS[name][3]
+    rule, master, moments, _, extra = CONFIGS[name]
+    kw = {**extra, "decouple_lr": decouple_lr}
+    kw.pop("lr", None)
+    lr0 = 1e-3 if rule != "lion" else 1e-4
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+    ref = MemOptimizer(
+        ref_p, rule=rule, master=master, moments=moments, seed=7, backend="torch", lr=lr0, **kw
+    )
+    lr = torch.tensor(lr0, dtype=torch.float64, device=device)
+    mine = MemOptimizer(
+        dev_p, rule=rule, master=master, moments=moments, seed=7, capturable=True,
+        backend="triton", lr=lr, **kw,
+    )  # fmt: skip
+    # an lr that moves every step, and the float32 value a float32 tensor would hold
+    for step, factor in enumerate([1.0, 0.5, 3.0, 0.1 / 3], start=1):
+        value = lr0 * factor
+        lr.fill_(value)
+        ref.param_groups[0]["lr"] = value
+        _grads(ref_p, step)
+        _grads(dev_p, step)
+        ref.step()
+        mine.step()
+        _assert_same(ref, ref_p, mine, dev_p, f"{name} step {step} (lr {value})")
+    assert mine.param_groups[0]["lr"] is lr  # read in place, never replaced
+
+
+def test_a_tensor_lr_on_another_device_is_read_as_a_float(device):
+    """The words kernel reads a tensor lr only on the group's device; elsewhere (a CPU tensor
+    for a GPU group) the host reads it, as a float; one of several elements is refused."""
+    from memopt_kernels_triton import ops
+
+    assert ops._device_scalar(None, "lr", torch.device(device)) is None
+    assert ops._device_scalar(1e-3, "lr", torch.device(device)) is None
+    t = ops._device_scalar(torch.tensor(0.5, dtype=torch.float32), "lr", torch.device("cpu"))
+    assert t.dtype == torch.float64
+    assert float(t) == 0.5
+    with pytest.raises(ConfigError, match="one-element floating-point tensor"):
+        ops._device_scalar(torch.ones(2), "device_step.lr", torch.device(device))
+    with pytest.raises(ConfigError, match="one-element floating-point tensor"):
+        ops._device_scalar(torch.tensor(1), "device_step.lr", torch.device(device))

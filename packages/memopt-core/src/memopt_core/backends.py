@@ -107,7 +107,12 @@ class DeviceStep:
     corrections through :func:`memopt_core.reference.adam_bias_table`, the stochastic-rounding
     counter, SGD's first step) and advances the participating slots, so the host never reads a
     step count. ``lr`` and ``betas`` are the group's (the host scalars of
-    :attr:`GroupStep.scalars` then only give the step-independent words).
+    :attr:`GroupStep.scalars` then only give the step-independent words). ``lr`` may be a
+    one-element tensor on the group's device: the backend reads it there at every launch (a
+    captured graph uses its value at each replay), and computes from it the words that depend on
+    it, the decoupled decay factor among them (``decoupled``: the rule decays as AdamW, SGDW or
+    Lion do, by ``1 - lr * weight_decay``, or ``1 - (lr / initial_lr) * weight_decay`` with
+    ``initial_lr``, a float or a tensor on the device, for ``decouple_lr``).
 
     AMP (a ``torch.amp.GradScaler``, see ``MemOptimizer``): ``grad_scale`` (None, or the scaler's
     scale: the gradients are multiplied by ``float32(1 / float64(scale))`` as
@@ -117,10 +122,13 @@ class DeviceStep:
     """
 
     steps: Tensor
-    lr: float
+    lr: float | Tensor
     betas: tuple[float, float]
     grad_scale: Tensor | None = None
     found_inf: Tensor | None = None
+    weight_decay: float = 0.0
+    decoupled: bool = False
+    initial_lr: float | Tensor | None = None
 
 
 @dataclass

@@ -189,6 +189,11 @@ def _initial_lr(lr: Any) -> Any:
     return lr.detach().clone() if isinstance(lr, Tensor) else lr
 
 
+def _on_a_gpu(value: Any) -> bool:
+    """Whether ``value`` is a tensor outside host memory (reading it synchronises)."""
+    return isinstance(value, Tensor) and value.device.type != "cpu"
+
+
 def _as_float(value: Any, what: str, where: str) -> float:
     """``value`` as a finite float: a real number (numpy's included, as torch's optimizers take
     them; not a bool) or a one-element real tensor; ConfigError otherwise."""
@@ -548,6 +553,18 @@ class MemOptimizer(Optimizer):
                 f"betas {where} is None: give the pair of floats (the default is "
                 f"{self._default_betas()})"
             )
+        if self._capturable and (_on_a_gpu(g["lr"]) or _on_a_gpu(g.get("initial_lr"))):
+            # read on the device by the step (DeviceStep.lr): reading it here would synchronise
+            # (and fail under a CUDA graph capture). Its shape and dtype are checked; its value
+            # is the caller's, as for torch's capturable optimizers
+            for key in ("lr", "initial_lr"):
+                v = g.get(key)
+                if _on_a_gpu(v) and (v.numel() != 1 or not v.is_floating_point()):
+                    raise ConfigError(
+                        f"{key} {where} must be a float or a one-element floating-point "
+                        f"tensor, got {v.dtype}{tuple(v.shape)}"
+                    )
+            g = {k: (1.0 if _on_a_gpu(v) else v) for k, v in g.items()}
         b = adam_hyperparameters(g, self._group_betas(g), where)["betas"]
         # torch.optim's keys that change the rule: in a group (a torch-style config, a hand
         # edit) they would be ignored silently
@@ -1099,13 +1116,16 @@ class MemOptimizer(Optimizer):
             self._ensure_plans()
 
     # ------------------------------------------------------------------------------- stepping
-    def _scalars(self, group: Mapping[str, Any], step: int):
+    def _scalars(self, group: Mapping[str, Any], step: int, device_lr: bool = False):
+        """The host scalars of ``group`` at ``step``. ``device_lr``: the step reads lr on the
+        device (:meth:`_device_work`), so neither lr nor initial_lr is read here (1.0 stands for
+        both): only the words that do not depend on them count."""
         kind, decoupled = RULES[self.rule]
-        lr = float(group["lr"])
+        lr = 1.0 if device_lr else float(group["lr"])
         betas = tuple(float(b) for b in self._group_betas(group))
         wd = float(group["weight_decay"])
         initial_lr = None
-        if group["decouple_lr"] and decoupled:
+        if group["decouple_lr"] and decoupled and not device_lr:
             if "initial_lr" not in group:  # decouple_lr switched on in the group by hand
                 if lr <= 0:
                     raise ConfigError(
@@ -1384,15 +1404,28 @@ class MemOptimizer(Optimizer):
                 raise ConfigError(f"param group {gi}: {e}") from None
         grad_scale, found_inf = amp if amp is not None else (None, None)
         dev = plan.device
+        lr = group["lr"]
+        # a tensor lr on the group's device is read there at every launch (and, in a CUDA
+        # graph, at every replay); one elsewhere is read now, as a float
+        device_lr = isinstance(lr, Tensor) and lr.device == dev
+        decoupled = RULES[self.rule][1]
+        initial_lr = group.get("initial_lr") if group["decouple_lr"] and decoupled else None
+        if isinstance(initial_lr, Tensor) and not (device_lr and initial_lr.device == dev):
+            initial_lr = float(initial_lr)
         # the host scalars give the step-independent words; the device computes the rest
-        work = self._group_step(entry, spec, part, staging, self._scalars(group, 1))
+        work = self._group_step(
+            entry, spec, part, staging, self._scalars(group, 1, device_lr=device_lr)
+        )
         work.first_step = False  # a placeholder, as step: the device decides per tensor
         work.device_step = backends.DeviceStep(
             steps=self._entry_steps(entry, work.slots, on_device=True),
-            lr=float(group["lr"]),
+            lr=lr if device_lr else float(lr),
             betas=betas,
             grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
             found_inf=None if found_inf is None else found_inf.to(dev).reshape(1),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=decoupled,
+            initial_lr=initial_lr,
         )
         return work
 
@@ -1638,17 +1671,22 @@ class MemOptimizer(Optimizer):
         """ConfigError, before any change, for a captured step that would have to read a device
         value on the host or copy from the host: a parameter's first step allocates its state
         and uploads its tables (torch refused the pageable copy with a RuntimeError that did
-        not say why), and a CUDA tensor lr is read with a synchronising ``.item()`` (the capture
-        failed with ``cudaErrorStreamCaptureInvalidated``)."""
+        not say why), and a GPU tensor lr (or initial_lr) on another device than its group's
+        parameters is read with a synchronising ``.item()`` (the capture failed with
+        ``cudaErrorStreamCaptureInvalidated``). One on their device is read by the kernel."""
         for gi, group in enumerate(self.param_groups):
-            lr = group["lr"]
-            if isinstance(lr, Tensor) and lr.device.type != "cpu":
-                raise ConfigError(
-                    f"param group {gi}: lr is a tensor on {lr.device}, which a captured step "
-                    "would read on the host (a synchronisation a CUDA graph capture cannot "
-                    "hold); give lr as a float or a CPU tensor (its value at capture is the "
-                    "one the graph replays)"
-                )
+            devices = {p.device for p in group["params"]}
+            for key in ("lr", "initial_lr"):
+                v = group.get(key)
+                if _on_a_gpu(v) and devices - {v.device}:
+                    raise ConfigError(
+                        f"param group {gi}: {key} is a tensor on {v.device} and parameters are "
+                        f"on {sorted(map(str, devices - {v.device}))}: a captured step would "
+                        "read it on the host (a synchronisation a CUDA graph capture cannot "
+                        "hold); keep it on the parameters' device (the kernel reads it there "
+                        "at every replay), or give a float or a CPU tensor (its value at "
+                        "capture is the one the graph replays)"
+                    )
             for p in group["params"]:
                 if p.grad is not None and p not in self.state:
                     raise ConfigError(

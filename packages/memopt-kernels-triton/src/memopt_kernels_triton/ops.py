@@ -1806,7 +1806,15 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32), dev),
     )
     host = hyper_words(rule, work.scalars, work.seed, 1)[:9]
-    lr_bits = struct.unpack("<q", struct.pack("<d", float(ds.lr)))[0]
+    lr_t = _device_scalar(ds.lr, "device_step.lr", dev)
+    # a decoupled decay factor follows a device lr; with a float lr the host word holds it
+    decay = lr_t is not None and ds.decoupled and ds.weight_decay != 0.0
+    ilr = ds.initial_lr if decay else None
+    ilr_t = _device_scalar(ilr, "device_step.initial_lr", dev)
+    lr_bits = _double_bits(0.0 if lr_t is not None else ds.lr)
+    wd_bits = _double_bits(ds.weight_decay)
+    ilr_bits = _double_bits(0.0 if ilr is None or ilr_t is not None else ilr)
+    dummy64 = _dummy(dev, torch.float64)
     if rule == "adam":
         bc1, bc2, last = _bias_tables(dev, ds.betas)
     else:
@@ -1827,12 +1835,47 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         last,
         dummy if ds.found_inf is None else ds.found_inf,
         dummy if ds.grad_scale is None else ds.grad_scale,
+        dummy64 if lr_t is None else lr_t,
+        _i32(wd_bits),
+        _i32(wd_bits >> 32),
+        dummy64 if ilr_t is None else ilr_t,
+        _i32(ilr_bits),
+        _i32(ilr_bits >> 32),
         RULE=_RULE_IDS[rule],
         W=words.shape[1],
         HAS_FOUND=ds.found_inf is not None,
         HAS_SCALE=ds.grad_scale is not None,
+        LR_PTR=lr_t is not None,
+        DECAY=decay,
+        ILR=ilr is not None,
+        ILR_PTR=ilr_t is not None,
         BLOCK=_WORDS_BLOCK,
     )
+
+
+def _double_bits(value: float) -> int:
+    """The 64 bits of ``value`` as a double (the words kernel takes them as two int32 halves)."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _device_scalar(value: float | Tensor | None, what: str, device: torch.device) -> Tensor | None:
+    """A tensor ``value`` as the one-element float64 tensor the words kernel reads (its own
+    memory where it is one already: a captured graph then reads the current value at each
+    replay; else a cast, which a capture records), None for a float, None or a CPU tensor of a
+    GPU group (read on the host, as a float). ConfigError for a tensor of more than one element,
+    not floating point, or on another GPU."""
+    if not isinstance(value, Tensor):
+        return None
+    if value.device.type == "cpu" and device.type != "cpu":
+        return None
+    if value.numel() != 1 or not value.is_floating_point():
+        raise ConfigError(
+            f"{what} must be a float or a one-element floating-point tensor, got "
+            f"{value.dtype}{tuple(value.shape)}"
+        )
+    if value.device != device:
+        raise ConfigError(f"{what} is a tensor on {value.device}; the group is on {device}")
+    return value.detach().reshape(1).to(torch.float64)
 
 
 def _device_flags(works: list[GroupStep]) -> dict:

@@ -15,8 +15,13 @@ kernel runs before the rule kernel and, for the step's ``i``-th tensor (plan slo
   (``GradScaler.unscale_``'s factor), else 1.0, and ``skip = found_inf != 0``;
 - advances ``steps[s]`` to ``k`` unless the step is skipped.
 
-``lr`` arrives as the two int32 halves of its double's bits: Triton types a Python float argument
-as fp32. Launched with ``enable_fp_fusion=False`` like the rule kernels.
+``lr`` arrives as the two int32 halves of its double's bits (Triton types a Python float argument
+as fp32), or with ``LR_PTR`` as a one-element float64 tensor read here, so that a captured graph
+uses its value at each replay. Then the other words that depend on it are computed here too, in
+double as ``memopt_core.reference`` does: Lion's and SGD's ``lr`` word and, with ``DECAY``, the
+decoupled decay factor ``1 - lr * wd`` (or ``1 - (lr / initial_lr) * wd`` with ``ILR``; the
+initial lr as bits, or from a float64 tensor with ``ILR_PTR``). Launched with
+``enable_fp_fusion=False`` like the rule kernels, so no product and sum fuse.
 """
 
 from __future__ import annotations
@@ -34,6 +39,13 @@ def _put(row, k: tl.constexpr, value, mask):
     tl.store(row + k, value, mask=mask)
 
 
+@triton.jit
+def _double(lo, hi):
+    """The double whose bits are the int32 halves ``lo``, ``hi``."""
+    bits = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    return bits.to(tl.float64, bitcast=True)
+
+
 @triton.jit(
     do_not_specialize=[
         "n",
@@ -49,6 +61,10 @@ def _put(row, k: tl.constexpr, value, mask):
         "lr_lo",
         "lr_hi",
         "last",
+        "wd_lo",
+        "wd_hi",
+        "ilr_lo",
+        "ilr_hi",
     ]
 )
 def device_words_kernel(
@@ -72,10 +88,20 @@ def device_words_kernel(
     last,
     found_ptr,
     scale_ptr,
+    lr_ptr,
+    wd_lo,
+    wd_hi,
+    ilr_ptr,
+    ilr_lo,
+    ilr_hi,
     RULE: tl.constexpr,
     W: tl.constexpr,
     HAS_FOUND: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    LR_PTR: tl.constexpr,
+    DECAY: tl.constexpr,
+    ILR: tl.constexpr,
+    ILR_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -95,12 +121,25 @@ def device_words_kernel(
     else:
         inv_bits = zero + 0x3F800000  # 1.0
     row = out_ptr + i.to(tl.int64) * W
+    if LR_PTR:  # noqa: SIM108 (constexpr branch)
+        lr = tl.load(lr_ptr)
+    else:
+        lr = _double(lr_lo, lr_hi)
+    lr_word = lr.to(tl.float32).to(tl.int32, bitcast=True) + zero
+    if DECAY:
+        if ILR:
+            if ILR_PTR:  # noqa: SIM108 (constexpr branch)
+                ilr = tl.load(ilr_ptr)
+            else:
+                ilr = _double(ilr_lo, ilr_hi)
+            decay = 1.0 - (lr / ilr) * _double(wd_lo, wd_hi)
+        else:
+            decay = 1.0 - lr * _double(wd_lo, wd_hi)
+        decay_word = decay.to(tl.float32).to(tl.int32, bitcast=True) + zero
     if RULE == RULE_ADAM:
         # one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bc2_sqrt, decay, l2, seed,
         # step, inv_scale, skip
         j = tl.minimum(k, last)
-        bits = (lr_hi.to(tl.int64) << 32) | (lr_lo.to(tl.int64) & 0xFFFFFFFF)
-        lr = bits.to(tl.float64, bitcast=True)
         bc1 = tl.load(bc1_ptr + j, mask=mask, other=1.0)
         step_size = (lr / bc1).to(tl.float32).to(tl.int32, bitcast=True)
         bc2 = tl.load(bc2_ptr + j, mask=mask, other=0)
@@ -110,7 +149,10 @@ def device_words_kernel(
         _put(row, 3, zero + w3, mask)
         _put(row, 4, step_size, mask)
         _put(row, 5, bc2, mask)
-        _put(row, 6, zero + w6, mask)
+        if DECAY:
+            _put(row, 6, decay_word, mask)
+        else:
+            _put(row, 6, zero + w6, mask)
         _put(row, 7, zero + w7, mask)
         _put(row, 8, zero + w8, mask)
         _put(row, 9, k, mask)
@@ -118,12 +160,18 @@ def device_words_kernel(
         _put(row, 11, skip, mask)
     elif RULE == RULE_LION:
         # lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay, seed, step, inv_scale, skip
-        _put(row, 0, zero + w0, mask)
+        if LR_PTR:
+            _put(row, 0, lr_word, mask)
+        else:
+            _put(row, 0, zero + w0, mask)
         _put(row, 1, zero + w1, mask)
         _put(row, 2, zero + w2, mask)
         _put(row, 3, zero + w3, mask)
         _put(row, 4, zero + w4, mask)
-        _put(row, 5, zero + w5, mask)
+        if DECAY:
+            _put(row, 5, decay_word, mask)
+        else:
+            _put(row, 5, zero + w5, mask)
         _put(row, 6, zero + w6, mask)
         _put(row, 7, k, mask)
         _put(row, 8, inv_bits, mask)
@@ -131,10 +179,16 @@ def device_words_kernel(
     else:
         # RULE_SGD: lr, momentum, one_minus_dampening, decay, l2, seed, step, first_step,
         # inv_scale, skip
-        _put(row, 0, zero + w0, mask)
+        if LR_PTR:
+            _put(row, 0, lr_word, mask)
+        else:
+            _put(row, 0, zero + w0, mask)
         _put(row, 1, zero + w1, mask)
         _put(row, 2, zero + w2, mask)
-        _put(row, 3, zero + w3, mask)
+        if DECAY:
+            _put(row, 3, decay_word, mask)
+        else:
+            _put(row, 3, zero + w3, mask)
         _put(row, 4, zero + w4, mask)
         _put(row, 5, zero + w5, mask)
         _put(row, 6, k, mask)
