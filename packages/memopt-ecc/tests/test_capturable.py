@@ -304,6 +304,23 @@ def test_a_cuda_tensor_lr_is_read_at_every_replay(cls, decouple_lr):
 
 @pytest.mark.gpu
 @_CUDA
+def test_a_cuda_initial_lr_beside_a_float_lr_in_a_capture_is_refused():
+    """With decouple_lr, a CUDA tensor initial_lr beside a float lr would be read on the host
+    under the capture: refused, naming it, before any change; eager steps with it work."""
+    params = _params(torch.bfloat16)
+    opt = FlashAdamW(params, lr=1e-3, decouple_lr=True, weight_decay=0.1, capturable=True)
+    opt.param_groups[0]["initial_lr"] = torch.tensor(1e-3, device="cuda")
+    for p in params:
+        p.grad = torch.full_like(p, 0.25)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    _refused_capture(opt, r"param group 0: initial_lr is a tensor on cuda:0 but lr is not")
+    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
+    assert float(opt.state[params[0]]["step"]) == 1.0
+
+
+@pytest.mark.gpu
+@_CUDA
 def test_a_capture_needing_a_new_table_is_refused():
     """Gradients at new addresses need a new slot table, copied from the host: captured, the
     copy would read a freed pinned buffer at every replay. Refused before the launch."""

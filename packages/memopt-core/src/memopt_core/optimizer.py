@@ -1676,6 +1676,14 @@ class MemOptimizer(Optimizer):
         ``cudaErrorStreamCaptureInvalidated``). One on their device is read by the kernel."""
         for gi, group in enumerate(self.param_groups):
             devices = {p.device for p in group["params"]}
+            lr, initial = group["lr"], group.get("initial_lr")
+            if _on_a_gpu(initial) and group["decouple_lr"] and not _on_a_gpu(lr):
+                raise ConfigError(
+                    f"param group {gi}: initial_lr is a tensor on {initial.device} but lr is "
+                    "not: the kernel reads initial_lr on the device only beside a tensor lr "
+                    "there, and a captured step cannot read it on the host; give both as "
+                    "tensors on the parameters' device, or initial_lr as a float"
+                )
             for key in ("lr", "initial_lr"):
                 v = group.get(key)
                 if _on_a_gpu(v) and devices - {v.device}:
