@@ -350,8 +350,15 @@ def test_step_parameters_found_inf_skips_on_the_device(device, capturable):
 
 @pytest.mark.parametrize("decouple_lr", [False, True], ids=["lr", "decouple_lr"])
 @pytest.mark.parametrize(
-    "name", ["adamw-ecc24-q8", "lion-ecc24-q8", "sgdw-momentum-ecc24-bf16", "adam-l2-fp32"]
-)  # SGD reads its tensor lr on the host (MemOptimizer._reads_lr_on_device): the same bits
+    "name",
+    [
+        "adamw-ecc24-q8",
+        "lion-ecc24-q8",
+        "sgdw-momentum-ecc24-bf16",
+        "sgd-nesterov-fp32",
+        "adam-l2-fp32",
+    ],
+)
 def test_tensor_lr_on_the_device_is_read_at_every_step(device, name, decouple_lr):
     """A one-element tensor lr on the group's device, changed in place between steps (as
     torch's LR schedulers ``fill_`` a tensor lr), is read by the words kernel at each step:

@@ -553,7 +553,7 @@ class MemOptimizer(Optimizer):
                 f"betas {where} is None: give the pair of floats (the default is "
                 f"{self._default_betas()})"
             )
-        if self._reads_lr_on_device and (_on_a_gpu(g["lr"]) or _on_a_gpu(g.get("initial_lr"))):
+        if self._capturable and (_on_a_gpu(g["lr"]) or _on_a_gpu(g.get("initial_lr"))):
             # read on the device by the step (DeviceStep.lr): reading it here would synchronise
             # (and fail under a CUDA graph capture). Its shape and dtype are checked; its value
             # is the caller's, as for torch's capturable optimizers
@@ -1406,8 +1406,8 @@ class MemOptimizer(Optimizer):
         dev = plan.device
         lr = group["lr"]
         # a tensor lr on the group's device is read there at every launch (and, in a CUDA
-        # graph, at every replay); one elsewhere, and SGD's (_reads_lr_on_device), is read now
-        device_lr = self._kind != "sgd" and isinstance(lr, Tensor) and lr.device == dev
+        # graph, at every replay); one elsewhere is read now
+        device_lr = isinstance(lr, Tensor) and lr.device == dev
         decoupled = RULES[self.rule][1]
         initial_lr = group.get("initial_lr") if group["decouple_lr"] and decoupled else None
         if isinstance(initial_lr, Tensor) and not (device_lr and initial_lr.device == dev):
@@ -1667,13 +1667,6 @@ class MemOptimizer(Optimizer):
                 self._update_and_cache(None)
         return loss
 
-    @property
-    def _reads_lr_on_device(self) -> bool:
-        """Whether a GPU tensor lr is read by the kernel, never on the host: capturable Adam
-        and Lion steps. SGD's device lr failed its GPU test under a captured graph (not yet
-        diagnosed), so SGD reads lr on the host and refuses a GPU tensor lr under a capture."""
-        return self._capturable and self._kind != "sgd"
-
     def _refuse_unready_capture(self) -> None:
         """ConfigError, before any change, for a captured step that would have to read a device
         value on the host or copy from the host: a parameter's first step allocates its state
@@ -1685,15 +1678,6 @@ class MemOptimizer(Optimizer):
             devices = {p.device for p in group["params"]}
             lr, initial = group["lr"], group.get("initial_lr")
             read = (("lr", lr), ("initial_lr", initial if group["decouple_lr"] else None))
-            on_gpu = [k for k, v in read if _on_a_gpu(v)]
-            if self._kind == "sgd" and on_gpu:
-                raise ConfigError(
-                    f"param group {gi}: {on_gpu[0]} is a tensor on a GPU, which a captured SGD "
-                    "step would read on the host (a synchronisation a CUDA graph capture "
-                    "cannot hold; the device lr of Adam and Lion is not offered for SGD yet); "
-                    f"give {on_gpu[0]} as a float or a CPU tensor (its value at capture is the "
-                    "one the graph replays)"
-                )
             if _on_a_gpu(initial) and group["decouple_lr"] and not _on_a_gpu(lr):
                 raise ConfigError(
                     f"param group {gi}: initial_lr is a tensor on {initial.device} but lr is "
