@@ -15,6 +15,8 @@ Rows (``--rows``):
   before (``unscale_``: a pass that reads and writes every gradient, then a host read of the
   flag, a synchronisation, then ``step()``).
 - ``flash-adamw-capturable``: ``capturable=True`` (step counts on the device from the start).
+- ``apexw``, ``apexw-scaler-loop``: memopt_apexw.ApexW (``mode="fused"``, bf16 moments) given
+  the flags (since 2026-12-03), and under the scaler's own loop (what it got before).
 
 Timed (CUDA events): the median of ``--iters`` iterations each started on an idle GPU, and
 ``--pipelined`` iterations back to back (as a training loop runs them). Writes
@@ -53,6 +55,11 @@ def _build(row: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if row == "flash-adamw-scaler-loop":
         cls = type("FlashAdamWScalerLoop", (_ScalerLoop, FlashAdamW), {})
         return cls(params, lr=1e-3, weight_decay=0.01)
+    if row in ("apexw", "apexw-scaler-loop"):
+        from memopt_apexw import ApexW
+
+        cls = ApexW if row == "apexw" else type("ApexWScalerLoop", (_ScalerLoop, ApexW), {})
+        return cls(params, lr=1e-3, weight_decay=0.01, mode="fused")
     raise SystemExit(f"unknown row {row!r}")
 
 

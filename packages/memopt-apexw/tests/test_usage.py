@@ -15,6 +15,7 @@ from apexw_testutil import (
     reference_for,
     set_cpu_backend,
     set_grads,
+    triton_interpreter_ready,
     twin,
 )
 
@@ -206,6 +207,60 @@ def test_zero_grad_default_depends_on_capturable():
     set_grads(a, 1)
     opt.zero_grad()
     assert all(p.grad is None for p in a)
+
+
+@pytest.mark.parametrize("mode", ["fused", "torch"])
+def test_grad_scaler_runs_in_the_kernel_without_capturable(device, mode, monkeypatch):
+    """Without capturable, GradScaler hands ApexW its scale and found-inf flag: the Triton
+    kernel unscales and skips on the device (the flag is never read on the host), the torch
+    mode reads the flag once and unscales as the scaler's loop does. Both equal the reference
+    stepping the clean steps on unscaled gradients, an inf step changes nothing, and steps
+    without the scaler afterwards stay equal (the counts come back from the device)."""
+    import memopt_core.optimizer as core_optimizer
+
+    kernel = mode == "fused" and (device.type == "cuda" or triton_interpreter_ready())
+    if mode == "fused" and not kernel:
+        pytest.skip("no Triton backend here")
+    host_reads = []
+    real = core_optimizer._unscale_on_host
+
+    def on_host(amp, grads):
+        host_reads.append(len(grads))
+        return real(amp, grads)
+
+    monkeypatch.setattr(core_optimizer, "_unscale_on_host", on_host)
+    a = make_params(device)
+    b = twin(a)
+    backend = "triton" if kernel else None
+    opt = ApexW(a, mode=mode, backend=backend, lr=2e-3)
+    ref = reference_for(b, lr=2e-3)
+    assert opt._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**14)
+    for step in range(1, 7):
+        scaler.scale(torch.ones((), device=device))  # what scaler.scale(loss) starts with
+        set_grads(a, step, scale=scaler.get_scale())  # a power of two: unscaling is exact
+        set_grads(b, step)
+        if step == 3:
+            a[4].grad.view(-1)[5] = float("inf")
+            before = [p.detach().clone() for p in a]
+        scaler.step(opt)
+        scaler.update()
+        if step != 3:
+            ref.step()
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(before, a, strict=True))
+        assert_same(a, b, opt, ref, f"{mode} step {step}")
+    assert scaler.get_scale() == 2.0**13  # the inf step halved it
+    assert int(opt.state[a[1]]["step"]) == 5
+    assert (host_reads == []) == kernel, host_reads
+    for step in (7, 8):  # no scaler: host steps again
+        set_grads(a, step)
+        set_grads(b, step)
+        opt.step()
+        ref.step()
+    assert_same(a, b, opt, ref, f"{mode} after the scaler")
+    if device.type == "cuda":  # its own graph takes host scalars: the scaler's loop
+        assert not ApexW(make_params(device), capturable=True)._step_supports_amp_scaling
 
 
 @pytest.mark.slow

@@ -256,11 +256,12 @@ class ApexW(MemOptimizer):
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # False: a torch.amp.GradScaler unscales and checks the gradients itself and skips
-        # step() on an inf (its ordinary loop, one synchronisation). ApexW's modes, its graph
-        # and its timed trials take host scalars; MemOptimizer's in-kernel unscale is not wired
-        # through them.
-        return False
+        # Without capturable, a torch.amp.GradScaler hands step() its scale and found-inf flag
+        # (core's _update: the Triton kernel unscales and skips on the device, with no
+        # synchronisation; the torch and CPU backends read the flag and unscale on the host).
+        # ApexW's own graph (capturable=True) takes host scalars: the scaler's ordinary loop
+        # unscales the captured gradient buffers and skips step() on an inf.
+        return not self.capturable and super()._step_supports_amp_scaling
 
     @property
     def mode_decision(self) -> ModeDecision | None:
@@ -286,23 +287,33 @@ class ApexW(MemOptimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
+            # GradScaler.step sets these (see _step_supports_amp_scaling)
+            amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
             mode, timed = self._next_mode()
             if timed:
                 with auto_mode.timed(self._devices()) as t:
-                    self._step_in(mode)
+                    self._step_in(mode, amp)
                 # recorded only when the step ran: one that raised (a NumericsError the caller
                 # catches) has no time, and the trial goes on
                 assert self._trial is not None
                 self._trial.record(mode, t.ms)
             else:
-                self._step_in(mode)
+                self._step_in(mode, amp)
         return loss
 
     def _devices(self) -> set[torch.device]:
         return {p.device for g in self.param_groups for p in g["params"]}
 
-    def _step_in(self, mode: str) -> None:
+    def _step_in(self, mode: str, amp: tuple[Tensor | None, Tensor | None]) -> None:
         self.backend = self._backend_name(mode)  # part of what a cached step was resolved for
+        if amp[0] is not None or amp[1] is not None:  # a GradScaler's step, never capturable
+            if mode == "fused":
+                self._require_fused()
+            # as MemOptimizer.step: the step counts move to the device, where a cached step
+            # would read them
+            self._drop_cached_steps()
+            self._update(None, amp=amp)
+            return
         had = mode in self._cached_steps
         if self._replay(mode):
             return
