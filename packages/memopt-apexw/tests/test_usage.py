@@ -263,6 +263,48 @@ def test_grad_scaler_runs_in_the_kernel_without_capturable(device, mode, monkeyp
         assert not ApexW(make_params(device), capturable=True)._step_supports_amp_scaling
 
 
+def test_grad_scaler_through_auto_mode_trials_and_a_state_dict_round_trip(device):
+    """mode="auto"'s trial steps alternate the fused and the torch mode under a GradScaler:
+    on CUDA the fused steps count on the device and the torch steps on the host, so each
+    switch moves the counts. Every step equals the reference, and a state_dict saved after
+    scaled steps loads into a new ApexW that continues with the same bits."""
+    if fused_backend_for(device) is None:
+        pytest.skip("no fused backend here: auto mode has one candidate")
+    a = make_params(device)
+    b = twin(a)
+    opt = ApexW(a, lr=2e-3, mode_cache=None)
+    ref = reference_for(b, lr=2e-3)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
+
+    def scaled_step(opt, params, step, bad=False):
+        scaler.scale(torch.ones((), device=device))
+        set_grads(params, step, scale=scaler.get_scale())
+        if bad:
+            params[3].grad.view(-1)[0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+
+    for step in range(1, 13):
+        scaled_step(opt, a, step, bad=step == 4)
+        if step != 4:
+            set_grads(b, step)
+            ref.step()
+        assert_same(a, b, opt, ref, f"step {step}")
+    assert opt.mode_decision is not None  # the trial ended
+    saved = opt.state_dict()
+    c = twin(a)
+    again = ApexW(c, lr=2e-3, mode=opt.mode_decision.mode, mode_cache=None)
+    again.load_state_dict(saved)
+    for step in (13, 14):
+        for o, params in ((opt, a), (again, c)):
+            set_grads(params, step)
+            o.step()
+        set_grads(b, step)
+        ref.step()
+    assert_same(a, b, opt, ref, "after the round trip")
+    assert_same(c, b, again, ref, "the loaded copy")
+
+
 @pytest.mark.slow
 def test_bf16_second_moment_keeps_decaying_over_3000_steps():
     # a gradient that shrinks 1000x: a round-to-nearest bf16 v with beta2=0.999 would stall near
