@@ -102,4 +102,6 @@ def assert_same(a_params, b_params, a_opt, b_opt, where: str = "") -> None:
             va, vb = sa[k], sb[k]
             if va.dtype.is_floating_point and va.dtype.itemsize == 1:
                 va, vb = va.view(torch.uint8), vb.view(torch.uint8)
+            if va.device != vb.device:  # a step count kept on the device (a GradScaler's steps)
+                va, vb = va.cpu(), vb.cpu()
             assert torch.equal(va, vb), f"{where} param {i}: state {k!r} differs"
