@@ -209,13 +209,17 @@ def test_zero_grad_default_depends_on_capturable():
     assert all(p.grad is None for p in a)
 
 
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["", "unscale_first"])
 @pytest.mark.parametrize("mode", ["fused", "torch"])
-def test_grad_scaler_runs_in_the_kernel_without_capturable(device, mode, monkeypatch):
+def test_grad_scaler_runs_in_the_kernel_without_capturable(
+    device, mode, unscale_first, monkeypatch
+):
     """Without capturable, GradScaler hands ApexW its scale and found-inf flag: the Triton
     kernel unscales and skips on the device (the flag is never read on the host), the torch
     mode reads the flag once and unscales as the scaler's loop does. Both equal the reference
     stepping the clean steps on unscaled gradients, an inf step changes nothing, and steps
-    without the scaler afterwards stay equal (the counts come back from the device)."""
+    without the scaler afterwards stay equal (the counts come back from the device). With
+    ``scaler.unscale_(opt)`` first (to clip), only the flag is handed over: no second unscale."""
     import memopt_core.optimizer as core_optimizer
 
     kernel = mode == "fused" and (device.type == "cuda" or triton_interpreter_ready())
@@ -243,6 +247,8 @@ def test_grad_scaler_runs_in_the_kernel_without_capturable(device, mode, monkeyp
         if step == 3:
             a[4].grad.view(-1)[5] = float("inf")
             before = [p.detach().clone() for p in a]
+        if unscale_first:
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
         if step != 3:
