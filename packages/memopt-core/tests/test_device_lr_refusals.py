@@ -25,11 +25,12 @@ def _off_host(value=1e-3):
     return torch.tensor(value, device="meta")
 
 
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
 @pytest.mark.parametrize("rule", RULES)
-def test_an_lr_on_another_device_than_the_parameters_is_refused(rule):
+def test_an_lr_on_another_device_than_the_parameters_is_refused(rule, key):
     opt = _opt(rule)
-    opt.param_groups[0]["lr"] = _off_host()
-    with pytest.raises(ConfigError, match=r"param group 0: lr is a tensor on meta and param"):
+    opt.param_groups[0][key] = _off_host()
+    with pytest.raises(ConfigError, match=rf"param group 0: {key} is a tensor on meta and param"):
         opt._refuse_unready_capture()
 
 
@@ -50,4 +51,10 @@ def test_an_lr_on_the_parameters_device_is_accepted(rule):
     opt = _opt(rule, device="meta", weight_decay=0.1, decouple_lr=rule in ("sgdw", "adamw"))
     opt.param_groups[0]["lr"] = _off_host()
     opt.param_groups[0]["initial_lr"] = _off_host()
+    opt.param_groups[0]["weight_decay"] = _off_host(0.1)
     opt._refuse_unready_capture()
+    # their values are never read on the host (a meta tensor has none); shapes are checked
+    opt._check_group(opt.param_groups[0], "(param group 0)")
+    opt.param_groups[0]["weight_decay"] = torch.zeros(2, device="meta")
+    with pytest.raises(ConfigError, match=r"weight_decay \(param group 0\) must be a float or"):
+        opt._check_group(opt.param_groups[0], "(param group 0)")

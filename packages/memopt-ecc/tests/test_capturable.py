@@ -321,6 +321,50 @@ def test_a_cuda_tensor_lr_is_read_at_every_replay(cls, decouple_lr):
 
 @pytest.mark.gpu
 @_CUDA
+@pytest.mark.parametrize(
+    "cls", [FlashAdamW, FlashLion, FlashSGD, FlashSGDW], ids=lambda c: c.__name__
+)
+def test_a_cuda_tensor_weight_decay_is_read_at_every_replay(cls):
+    """A weight decay given as a CUDA tensor and changed in place between replays of one
+    captured step (0 among the values): every replay decays (AdamW, Lion, SGDW) or adds the L2
+    term (SGD) with the current value, the same bits as host steps given each value as a
+    float. A float weight decay is fixed when the graph is captured."""
+    hyper = dict(CASES.get(cls, _SGDW))
+    hyper["weight_decay"] = wd0 = 0.1
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    wd = torch.tensor(wd0, device="cuda")
+    ref = cls(a, **hyper)
+    mine = cls(b, **{**hyper, "weight_decay": wd}, capturable=True)
+
+    def grads(step):
+        gen = torch.Generator().manual_seed(step)
+        for p, q in zip(a, b, strict=True):
+            g = torch.randn(p.shape, generator=gen).to(p.dtype).cuda()
+            p.grad = g
+            if q.grad is None:
+                q.grad = g.clone()
+            else:
+                q.grad.copy_(g)
+
+    grads(1)
+    ref.step()
+    mine.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mine.step()
+    for step, value in enumerate([0.0, 0.5, wd0 / 3, 0.0, wd0], start=2):
+        wd.fill_(value)
+        ref.param_groups[0]["weight_decay"] = float(wd)  # the float32 value the tensor holds
+        grads(step)
+        ref.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_same_state(ref, a, mine, b)
+    assert float(mine.state[b[0]]["step"]) == 6.0
+
+
+@pytest.mark.gpu
+@_CUDA
 def test_a_cuda_initial_lr_beside_a_float_lr_in_a_capture_is_refused():
     """With decouple_lr, a CUDA tensor initial_lr beside a float lr would be read on the host
     under the capture: refused, naming it, before any change; eager steps with it work."""

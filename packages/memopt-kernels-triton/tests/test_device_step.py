@@ -392,6 +392,60 @@ def test_tensor_lr_on_the_device_is_read_at_every_step(device, name, decouple_lr
     assert mine.param_groups[0]["lr"] is lr  # read in place, never replaced
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (a -0 differs from +0 here, unlike ``torch.equal``)."""
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "adamw-ecc24-q8",
+        "adam-l2-fp32",
+        "lion-ecc24-q8",
+        "sgd-nesterov-fp32",
+        "sgdw-momentum-ecc24-bf16",
+    ],
+)
+def test_tensor_weight_decay_on_the_device_is_read_at_every_step(device, name):
+    """A one-element weight decay tensor on the group's device, changed in place between steps,
+    is read by the words kernel at each step: the decoupled decay factor (AdamW, Lion, SGDW) or
+    the L2 coefficient (Adam, SGD) equal the host step's with the same float, bit for bit. At
+    a weight decay of 0 the L2 term is left out as the host step leaves it out: gradients of
+    -0 stay -0 (``g + 0 * p`` would make them +0 where ``p > 0``, and a moment's zero would
+    change sign)."""
+    rule, master, moments, dtype, extra = CONFIGS[name]
+    wd0 = extra["weight_decay"]
+    kw = {"lr": extra.get("lr", 1e-2), **{k: v for k, v in extra.items() if k != "lr"}}
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+    ref = MemOptimizer(
+        ref_p, rule=rule, master=master, moments=moments, seed=7, backend="torch", **kw
+    )
+    wd = torch.tensor(wd0, dtype=torch.float64, device=device)
+    mine = MemOptimizer(
+        dev_p, rule=rule, master=master, moments=moments, seed=7, capturable=True,
+        backend="triton", **{**kw, "weight_decay": wd},
+    )  # fmt: skip
+    # 0 first: a zero moment (or momentum buffer) keeps the sign of a -0 gradient
+    for step, value in enumerate([0.0, wd0, 3 * wd0, 0.0, wd0 / 7], start=1):
+        wd.fill_(value)
+        ref.param_groups[0]["weight_decay"] = value
+        for params in (ref_p, dev_p):
+            _grads(params, step)
+            for p in params:
+                p.grad.view(-1)[::3] = -0.0
+        ref.step()
+        mine.step()
+        what = f"{name} step {step} (weight decay {value})"
+        for k, (a, b) in enumerate(zip(ref_p, dev_p, strict=True)):
+            assert torch.equal(_bits(a), _bits(b)), f"{what}: parameter {k}"
+            for key, x in ref.state[a].items():
+                if key != "step":
+                    assert torch.equal(_bits(x), _bits(mine.state[b][key])), f"{what}: {key} {k}"
+    assert mine.param_groups[0]["weight_decay"] is wd  # read in place, never replaced
+
+
 def test_a_tensor_lr_on_another_device_is_read_as_a_float(device):
     """The words kernel reads a tensor lr only on the group's device; elsewhere (a CPU tensor
     for a GPU group) the host reads it, as a float; one of several elements is refused."""

@@ -112,7 +112,10 @@ class DeviceStep:
     captured graph uses its value at each replay), and computes from it the words that depend on
     it, the decoupled decay factor among them (``decoupled``: the rule decays as AdamW, SGDW or
     Lion do, by ``1 - lr * weight_decay``, or ``1 - (lr / initial_lr) * weight_decay`` with
-    ``initial_lr``, a float or a tensor on the device, for ``decouple_lr``).
+    ``initial_lr``, a float or a tensor on the device, for ``decouple_lr``). ``weight_decay``
+    may likewise be a one-element tensor on the group's device: the decay factor (decoupled) or
+    the L2 coefficient (not) is then computed or read there, and an L2 term whose coefficient is
+    0 leaves the gradient as the host step does (no ``0 * p`` is added).
 
     AMP (a ``torch.amp.GradScaler``, see ``MemOptimizer``): ``grad_scale`` (None, or the scaler's
     scale: the gradients are multiplied by ``float32(1 / float64(scale))`` as
@@ -126,7 +129,7 @@ class DeviceStep:
     betas: tuple[float, float]
     grad_scale: Tensor | None = None
     found_inf: Tensor | None = None
-    weight_decay: float = 0.0
+    weight_decay: float | Tensor = 0.0
     decoupled: bool = False
     initial_lr: float | Tensor | None = None
 

@@ -189,6 +189,10 @@ def _initial_lr(lr: Any) -> Any:
     return lr.detach().clone() if isinstance(lr, Tensor) else lr
 
 
+#: The group values a capturable step reads on the device when they are tensors there
+_DEVICE_KEYS = ("lr", "initial_lr", "weight_decay")
+
+
 def _on_a_gpu(value: Any) -> bool:
     """Whether ``value`` is a tensor outside host memory (reading it synchronises)."""
     return isinstance(value, Tensor) and value.device.type != "cpu"
@@ -553,11 +557,11 @@ class MemOptimizer(Optimizer):
                 f"betas {where} is None: give the pair of floats (the default is "
                 f"{self._default_betas()})"
             )
-        if self._capturable and (_on_a_gpu(g["lr"]) or _on_a_gpu(g.get("initial_lr"))):
-            # read on the device by the step (DeviceStep.lr): reading it here would synchronise
-            # (and fail under a CUDA graph capture). Its shape and dtype are checked; its value
-            # is the caller's, as for torch's capturable optimizers
-            for key in ("lr", "initial_lr"):
+        if self._capturable and any(map(_on_a_gpu, map(g.get, _DEVICE_KEYS))):
+            # read on the device by the step (DeviceStep.lr, weight_decay): reading it here
+            # would synchronise (and fail under a CUDA graph capture). Its shape and dtype are
+            # checked; its value is the caller's, as for torch's capturable optimizers
+            for key in _DEVICE_KEYS:
                 v = g.get(key)
                 if _on_a_gpu(v) and (v.numel() != 1 or not v.is_floating_point()):
                     raise ConfigError(
@@ -1116,14 +1120,17 @@ class MemOptimizer(Optimizer):
             self._ensure_plans()
 
     # ------------------------------------------------------------------------------- stepping
-    def _scalars(self, group: Mapping[str, Any], step: int, device_lr: bool = False):
+    def _scalars(
+        self, group: Mapping[str, Any], step: int, device_lr: bool = False, device_wd: bool = False
+    ):
         """The host scalars of ``group`` at ``step``. ``device_lr``: the step reads lr on the
         device (:meth:`_device_work`), so neither lr nor initial_lr is read here (1.0 stands for
-        both): only the words that do not depend on them count."""
+        both); ``device_wd``: likewise weight_decay (1.0 stands for it, so the decay and L2
+        terms stay in the launch). Only the words that do not depend on them count."""
         kind, decoupled = RULES[self.rule]
         lr = 1.0 if device_lr else float(group["lr"])
         betas = tuple(float(b) for b in self._group_betas(group))
-        wd = float(group["weight_decay"])
+        wd = 1.0 if device_wd else float(group["weight_decay"])
         initial_lr = None
         if group["decouple_lr"] and decoupled and not device_lr:
             if "initial_lr" not in group:  # decouple_lr switched on in the group by hand
@@ -1405,16 +1412,18 @@ class MemOptimizer(Optimizer):
         grad_scale, found_inf = amp if amp is not None else (None, None)
         dev = plan.device
         lr = group["lr"]
-        # a tensor lr on the group's device is read there at every launch (and, in a CUDA
-        # graph, at every replay); one elsewhere is read now
+        # a tensor lr or weight decay on the group's device is read there at every launch (and,
+        # in a CUDA graph, at every replay); one elsewhere is read now
         device_lr = isinstance(lr, Tensor) and lr.device == dev
+        wd = group["weight_decay"]
+        device_wd = isinstance(wd, Tensor) and wd.device == dev
         decoupled = RULES[self.rule][1]
         initial_lr = group.get("initial_lr") if group["decouple_lr"] and decoupled else None
         if isinstance(initial_lr, Tensor) and not (device_lr and initial_lr.device == dev):
             initial_lr = float(initial_lr)
         # the host scalars give the step-independent words; the device computes the rest
         work = self._group_step(
-            entry, spec, part, staging, self._scalars(group, 1, device_lr=device_lr)
+            entry, spec, part, staging, self._scalars(group, 1, device_lr, device_wd)
         )
         work.first_step = False  # a placeholder, as step: the device decides per tensor
         work.device_step = backends.DeviceStep(
@@ -1423,7 +1432,7 @@ class MemOptimizer(Optimizer):
             betas=betas,
             grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
             found_inf=None if found_inf is None else found_inf.to(dev).reshape(1),
-            weight_decay=float(group["weight_decay"]),
+            weight_decay=wd if device_wd else float(wd),
             decoupled=decoupled,
             initial_lr=initial_lr,
         )
@@ -1671,13 +1680,17 @@ class MemOptimizer(Optimizer):
         """ConfigError, before any change, for a captured step that would have to read a device
         value on the host or copy from the host: a parameter's first step allocates its state
         and uploads its tables (torch refused the pageable copy with a RuntimeError that did
-        not say why), and a GPU tensor lr (or initial_lr) on another device than its group's
-        parameters is read with a synchronising ``.item()`` (the capture failed with
+        not say why), and a GPU tensor lr (or initial_lr, or weight_decay) on another device than
+        its group's parameters is read with a synchronising ``.item()`` (the capture failed with
         ``cudaErrorStreamCaptureInvalidated``). One on their device is read by the kernel."""
         for gi, group in enumerate(self.param_groups):
             devices = {p.device for p in group["params"]}
             lr, initial = group["lr"], group.get("initial_lr")
-            read = (("lr", lr), ("initial_lr", initial if group["decouple_lr"] else None))
+            read = (
+                ("lr", lr),
+                ("initial_lr", initial if group["decouple_lr"] else None),
+                ("weight_decay", group["weight_decay"]),
+            )
             if _on_a_gpu(initial) and group["decouple_lr"] and not _on_a_gpu(lr):
                 raise ConfigError(
                     f"param group {gi}: initial_lr is a tensor on {initial.device} but lr is "

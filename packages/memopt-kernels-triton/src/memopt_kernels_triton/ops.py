@@ -1138,7 +1138,8 @@ class PreparedStep:
 
         The flags choose the compiled variant. Every rule takes ``maximize`` and ``has_decay``
         (True whenever the decay factor may differ from 1: a factor of exactly 1 is harmless in
-        it); Adam and SGD also need ``has_l2`` (likewise for the L2 coefficient), SGD needs
+        it); Adam and SGD also need ``has_l2`` (True whenever the L2 coefficient may differ from
+        0: a row whose coefficient is 0 leaves the gradient as it is), SGD needs
         ``nesterov`` (a no-op without a momentum buffer, as in :meth:`launch`). A flag a rule has
         no term for must be left out or False. Whether SGD keeps a momentum buffer was fixed by
         :func:`prepare_step` (momentum != 0); the momentum value itself is a device word.
@@ -1170,11 +1171,14 @@ class PreparedStep:
             return
         kw = dict(self._kw)
         kw.update(MAXIMIZE=maximize, HAS_DECAY=has_decay, HYPER=True, UNSCALE=bool(unscale))
+        # an L2 coefficient read from the device may be 0 (a weight decay tensor): the kernel
+        # then adds the term only where it is not, as the host step decides it (HAS_L2 == 2)
+        l2_mode = 2 if l2 else False
         if rule == "adam":
-            kw["HAS_L2"] = l2
+            kw["HAS_L2"] = l2_mode
         elif rule == "sgd":
             has_momentum = kw.pop("_HAS_MOMENTUM")
-            kw.update(HAS_L2=l2, NESTEROV=nest and has_momentum, FIRST=False)
+            kw.update(HAS_L2=l2_mode, NESTEROV=nest and has_momentum, FIRST=False)
         n_scalars = fields.index("seed")
         _launch(
             _KERNELS[rule],
@@ -1807,12 +1811,15 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
     )
     host = hyper_words(rule, work.scalars, work.seed, 1)[:9]
     lr_t = _device_scalar(ds.lr, "device_step.lr", dev)
-    # a decoupled decay factor follows a device lr; with a float lr the host word holds it
-    decay = lr_t is not None and ds.decoupled and ds.weight_decay != 0.0
+    wd_t = _device_scalar(ds.weight_decay, "device_step.weight_decay", dev)
+    # a decoupled decay factor follows a device lr or weight decay; with floats the host word
+    # holds it. A coupled (L2) coefficient on the device is written as it is
+    decay = ds.decoupled and (wd_t is not None or (lr_t is not None and ds.weight_decay != 0.0))
+    l2 = wd_t is not None and not ds.decoupled
     ilr = ds.initial_lr if decay else None
     ilr_t = _device_scalar(ilr, "device_step.initial_lr", dev)
     lr_bits = _double_bits(0.0 if lr_t is not None else ds.lr)
-    wd_bits = _double_bits(ds.weight_decay)
+    wd_bits = _double_bits(0.0 if wd_t is not None else ds.weight_decay)
     ilr_bits = _double_bits(0.0 if ilr is None or ilr_t is not None else ilr)
     dummy64 = _dummy(dev, torch.float64)
     if rule == "adam":
@@ -1836,6 +1843,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         dummy if ds.found_inf is None else ds.found_inf,
         dummy if ds.grad_scale is None else ds.grad_scale,
         dummy64 if lr_t is None else lr_t,
+        dummy64 if wd_t is None else wd_t,
         _i32(wd_bits),
         _i32(wd_bits >> 32),
         dummy64 if ilr_t is None else ilr_t,
@@ -1847,6 +1855,8 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         HAS_SCALE=ds.grad_scale is not None,
         LR_PTR=lr_t is not None,
         DECAY=decay,
+        WD_PTR=wd_t is not None,
+        L2=l2,
         ILR=ilr is not None,
         ILR_PTR=ilr_t is not None,
         BLOCK=_WORDS_BLOCK,

@@ -4,7 +4,7 @@ Per element, in core's order with every operation individually rounded (launched
 ``enable_fp_fusion=False``: no FMA contraction)::
 
     g = -g                              if MAXIMIZE
-    g = g + l2 * p                      if HAS_L2
+    g = g + l2 * p                      if HAS_L2 (2: only where l2 != 0)
     p = p * decay                       if HAS_DECAY
     m = m + one_minus_beta1 * (g - m)
     v = beta2 * v + one_minus_beta2 * (g * g)

@@ -20,7 +20,9 @@ as fp32), or with ``LR_PTR`` as a one-element float64 tensor read here, so that 
 uses its value at each replay. Then the other words that depend on it are computed here too, in
 double as ``memopt_core.reference`` does: Lion's and SGD's ``lr`` word and, with ``DECAY``, the
 decoupled decay factor ``1 - lr * wd`` (or ``1 - (lr / initial_lr) * wd`` with ``ILR``; the
-initial lr as bits, or from a float64 tensor with ``ILR_PTR``). Launched with
+initial lr as bits, or from a float64 tensor with ``ILR_PTR``). The weight decay arrives as
+bits, or with ``WD_PTR`` from a one-element float64 tensor; with ``L2`` (a coupled rule, Adam's
+or SGD's L2 term) the kernel writes it as the ``l2`` word. Launched with
 ``enable_fp_fusion=False`` like the rule kernels, so no product and sum fuse.
 """
 
@@ -89,6 +91,7 @@ def device_words_kernel(
     found_ptr,
     scale_ptr,
     lr_ptr,
+    wd_ptr,
     wd_lo,
     wd_hi,
     ilr_ptr,
@@ -100,6 +103,8 @@ def device_words_kernel(
     HAS_SCALE: tl.constexpr,
     LR_PTR: tl.constexpr,
     DECAY: tl.constexpr,
+    WD_PTR: tl.constexpr,
+    L2: tl.constexpr,
     ILR: tl.constexpr,
     ILR_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -126,16 +131,22 @@ def device_words_kernel(
     else:
         lr = _double(lr_lo, lr_hi)
     lr_word = lr.to(tl.float32).to(tl.int32, bitcast=True) + zero
+    if WD_PTR:  # noqa: SIM108 (constexpr branch)
+        wd = tl.load(wd_ptr)
+    else:
+        wd = _double(wd_lo, wd_hi)
     if DECAY:
         if ILR:
             if ILR_PTR:  # noqa: SIM108 (constexpr branch)
                 ilr = tl.load(ilr_ptr)
             else:
                 ilr = _double(ilr_lo, ilr_hi)
-            decay = 1.0 - (lr / ilr) * _double(wd_lo, wd_hi)
+            decay = 1.0 - (lr / ilr) * wd
         else:
-            decay = 1.0 - lr * _double(wd_lo, wd_hi)
+            decay = 1.0 - lr * wd
         decay_word = decay.to(tl.float32).to(tl.int32, bitcast=True) + zero
+    if L2:
+        l2_word = wd.to(tl.float32).to(tl.int32, bitcast=True) + zero
     if RULE == RULE_ADAM:
         # one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bc2_sqrt, decay, l2, seed,
         # step, inv_scale, skip
@@ -153,7 +164,10 @@ def device_words_kernel(
             _put(row, 6, decay_word, mask)
         else:
             _put(row, 6, zero + w6, mask)
-        _put(row, 7, zero + w7, mask)
+        if L2:
+            _put(row, 7, l2_word, mask)
+        else:
+            _put(row, 7, zero + w7, mask)
         _put(row, 8, zero + w8, mask)
         _put(row, 9, k, mask)
         _put(row, 10, inv_bits, mask)
@@ -189,7 +203,10 @@ def device_words_kernel(
             _put(row, 3, decay_word, mask)
         else:
             _put(row, 3, zero + w3, mask)
-        _put(row, 4, zero + w4, mask)
+        if L2:
+            _put(row, 4, l2_word, mask)
+        else:
+            _put(row, 4, zero + w4, mask)
         _put(row, 5, zero + w5, mask)
         _put(row, 6, k, mask)
         _put(row, 7, (k == 1).to(tl.int32), mask)

@@ -2,7 +2,7 @@
 ``reference.sgd``, bit for bit; no FMA contraction)::
 
     g = -g                              if MAXIMIZE
-    g = g + l2 * p                      if HAS_L2
+    g = g + l2 * p                      if HAS_L2 (2: only where l2 != 0)
     p = p * decay                       if HAS_DECAY
     buf = g                             on the first step (FIRST), with momentum
     buf = momentum * buf + one_minus_dampening * g        afterwards

@@ -138,7 +138,9 @@ def gradient_and_decay(
     MAXIMIZE: tl.constexpr, HAS_L2: tl.constexpr, HAS_DECAY: tl.constexpr,
 ):  # fmt: skip
     """``(g, x)`` after the steps every rule starts with, in core's order: unscale (a
-    GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``), decay ``x``. A 16-bit
+    GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``; with ``HAS_L2 == 2``
+    only where ``l2 != 0``, as core's rule tests it: a device word may be 0, and ``g + 0 * x``
+    would turn a ``-0`` gradient into ``+0``), decay ``x``. A 16-bit
     gradient (``gkind`` 0 beside a 16-bit master) is unscaled as ``GradScaler.unscale_`` does
     it: the fp32 product rounded to nearest even in the gradient's dtype."""
     if UNSCALE:
@@ -151,7 +153,9 @@ def gradient_and_decay(
                     g = C.bf16_widen(C.bf16_round(C.f32_bits(g), 0, False))
     if MAXIMIZE:
         g = C.neg(g)
-    if HAS_L2:
+    if HAS_L2 == 2:
+        g = tl.where(l2 != 0.0, g + l2 * x, g)
+    elif HAS_L2:
         g = g + l2 * x
     if HAS_DECAY:
         x = x * decay
