@@ -390,7 +390,10 @@ class MemOptimizer(Optimizer):
             tensors, as torch's ``capturable=True``) and compute the step-dependent scalars
             there, so :meth:`step` never synchronises with the host and can be captured in a
             CUDA graph (after one eager step with the same tensors, which builds the tables).
-            Needs a backend with device steps (Triton: CUDA tensors). Not with
+            Needs a backend with device steps (Triton: CUDA tensors). ``lr`` (with
+            ``initial_lr``) and ``weight_decay`` may be one-element tensors on the parameters'
+            device: the kernel reads them at every launch (a graph at every replay), so a
+            scheduler that sets them in place works with a captured step. Not with
             ``check_numerics`` (which reads the device). With or without it, a
             ``torch.amp.GradScaler`` hands the optimizer its scale and found-inf flag
             (``_step_supports_amp_scaling``, unless ``check_numerics``): the Triton kernel
@@ -428,7 +431,7 @@ class MemOptimizer(Optimizer):
         lr: float | Tensor = 1e-3,
         betas: tuple[float, float] | None = None,
         eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        weight_decay: float | Tensor = 0.0,
         momentum: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
