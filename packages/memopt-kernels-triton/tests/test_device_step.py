@@ -148,6 +148,60 @@ class _ScalerLoop(MemOptimizer):
     _step_supports_amp_scaling = False
 
 
+def test_scaled_steps_replay_a_cached_device_step(device, monkeypatch):
+    """GradScaler steps without ``capturable`` cache their device works and replay them (no new
+    prepared launch while the tensors stay): the same bits as the scaler's own loop over the
+    host step, with two param groups, through an lr change, gradients in new buffers, a host
+    step in between (the counts go back to the host, the cached device step is dropped) and
+    an inf step."""
+    from memopt_kernels_triton import ops
+
+    prepared = []
+    real = ops.prepare_step
+    monkeypatch.setattr(ops, "prepare_step", lambda *a, **k: prepared.append(1) or real(*a, **k))
+    rule, master, moments, dtype, extra = CONFIGS["adam-l2-fp32"]
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+
+    def build(cls, params, backend):
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}]
+        return cls(
+            groups, rule=rule, master=master, moments=moments, seed=7, backend=backend,
+            **{"lr": 1e-2, **extra},
+        )  # fmt: skip
+
+    ref, mine = build(_ScalerLoop, ref_p, "torch"), build(MemOptimizer, dev_p, "triton")
+    scalers = [
+        torch.amp.GradScaler(kind, init_scale=2.0**10, growth_interval=3)
+        for kind in ("cpu", torch.device(device).type)
+    ]
+    for it in range(1, 13):
+        if it == 5:
+            for opt in (ref, mine):
+                opt.param_groups[1]["lr"] = 1e-3
+        before = len(prepared)
+        for params, opt, scaler, dev in zip(
+            (ref_p, dev_p), (ref, mine), scalers, ("cpu", device), strict=True
+        ):
+            opt.zero_grad(set_to_none=it in (6, 7))  # new gradient buffers at 6 and 7
+            gen = torch.Generator().manual_seed(it)
+            targets = [torch.randn(p.shape, generator=gen).to(dev) for p in params]
+            loss = sum(((p - t) ** 2).sum() for p, t in zip(params, targets, strict=True))
+            if it == 9:  # a step without the scaler: the counts go back to the host
+                loss.backward()
+                opt.step()
+                continue
+            scaler.scale(loss).backward()
+            if it == 11:
+                params[4].grad.view(-1)[0] = math.inf
+            scaler.step(opt)
+            scaler.update()
+        _assert_same(ref, ref_p, mine, dev_p, f"iteration {it}")
+        if it in (3, 4, 12):  # replays over the buffers the cached step was prepared for
+            assert len(prepared) == before, f"iteration {it} prepared its launches again"
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert float(mine.state[dev_p[4]]["step"]) == 11.0  # 12 iterations, one skipped
+
+
 @pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])
 @pytest.mark.parametrize("scale", [2.0**12, 1000.0])
 @pytest.mark.parametrize("name", ["adamw-ecc24-q8", "adam-l2-fp32", "lion-ecc24-q8"])

@@ -309,10 +309,7 @@ class ApexW(MemOptimizer):
         if amp[0] is not None or amp[1] is not None:  # a GradScaler's step, never capturable
             if mode == "fused":
                 self._require_fused()
-            # as MemOptimizer.step: the step counts move to the device, where a cached step
-            # would read them
-            self._drop_cached_steps()
-            self._update(None, amp=amp)
+            self._scaled_step(amp)  # as MemOptimizer.step
             return
         had = mode in self._cached_steps
         if self._replay(mode):

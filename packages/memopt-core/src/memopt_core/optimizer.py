@@ -189,6 +189,8 @@ def _initial_lr(lr: Any) -> Any:
     return lr.detach().clone() if isinstance(lr, Tensor) else lr
 
 
+#: The key of a GradScaler's cached device step in ``_cached_steps`` (:meth:`_scaled_step`)
+_SCALED_KEY = ("scaled",)
 #: The group values a capturable step reads on the device when they are tensors there
 _DEVICE_KEYS = ("lr", "initial_lr", "weight_decay")
 
@@ -1398,7 +1400,6 @@ class MemOptimizer(Optimizer):
     def _device_work(self, gi, entry, spec, backend, part, staging, amp) -> backends.GroupStep:
         """The capturable step of ``part`` (one entry's participating parameters) in param
         group ``gi``."""
-        group = self.param_groups[gi]
         plan = entry.plan
         if not backends.runs_device_steps(backend):
             raise ConfigError(
@@ -1406,6 +1407,18 @@ class MemOptimizer(Optimizer):
                 f"triton backend, for CUDA tensors); the {plan.param_dtype} parameters on "
                 f"{plan.device} run on the {backend.name!r} backend"
             )
+        scalars, device_step = self._device_step(gi, entry, [si for si, _, _ in part], amp)
+        # the host scalars give the step-independent words; the device computes the rest
+        work = self._group_step(entry, spec, part, staging, scalars)
+        work.first_step = False  # a placeholder, as step: the device decides per tensor
+        work.device_step = device_step
+        return work
+
+    def _device_step(self, gi, entry, slots, amp) -> tuple[Any, backends.DeviceStep]:
+        """The host scalars and the :class:`~memopt_core.backends.DeviceStep` of a device step
+        of ``entry``'s ``slots`` in param group ``gi`` (its counters moved to the device).
+        ``slots`` None: the entry's counters are on the device and held (a cached step's)."""
+        group = self.param_groups[gi]
         betas = tuple(float(b) for b in self._group_betas(group))
         if self._kind == "adam":
             try:  # before any group steps: the table is cached, this costs once per betas
@@ -1413,7 +1426,7 @@ class MemOptimizer(Optimizer):
             except ValueError as e:
                 raise ConfigError(f"param group {gi}: {e}") from None
         grad_scale, found_inf = amp if amp is not None else (None, None)
-        dev = plan.device
+        dev = entry.plan.device
         lr = group["lr"]
         # a tensor lr or weight decay on the group's device is read there at every launch (and,
         # in a CUDA graph, at every replay); one elsewhere is read now
@@ -1424,13 +1437,10 @@ class MemOptimizer(Optimizer):
         initial_lr = group.get("initial_lr") if group["decouple_lr"] and decoupled else None
         if isinstance(initial_lr, Tensor) and not (device_lr and initial_lr.device == dev):
             initial_lr = float(initial_lr)
-        # the host scalars give the step-independent words; the device computes the rest
-        work = self._group_step(
-            entry, spec, part, staging, self._scalars(group, 1, device_lr, device_wd)
-        )
-        work.first_step = False  # a placeholder, as step: the device decides per tensor
-        work.device_step = backends.DeviceStep(
-            steps=self._entry_steps(entry, work.slots, on_device=True),
+        scalars = self._scalars(group, 1, device_lr, device_wd)
+        steps = entry.steps if slots is None else self._entry_steps(entry, slots, on_device=True)
+        return scalars, backends.DeviceStep(
+            steps=steps,
             lr=lr if device_lr else float(lr),
             betas=betas,
             grad_scale=None if grad_scale is None else grad_scale.to(dev).reshape(1),
@@ -1439,7 +1449,6 @@ class MemOptimizer(Optimizer):
             decoupled=decoupled,
             initial_lr=initial_lr,
         )
-        return work
 
     def _group_step(self, entry, spec, items, staging, scalars) -> backends.GroupStep:
         """The backend's work for ``items`` (``(slot, parameter, gradient)`` of one entry, by
@@ -1672,9 +1681,7 @@ class MemOptimizer(Optimizer):
             if self._capturable:
                 self._update(None, amp=amp)
             elif amp[0] is not None or amp[1] is not None:
-                # the step counts move to the device: a cached step would read them there
-                self._drop_cached_steps()
-                self._update(None, amp=amp)
+                self._scaled_step(amp)
             elif not self._replay(None):
                 self._update_and_cache(None)
         return loss
@@ -1779,6 +1786,82 @@ class MemOptimizer(Optimizer):
                 positions = tuple(where[id(p)] for p in owners)
             entries.append(CachedEntry(gi, backend, work, entry, positions))
         return CachedStep(entries, self.param_groups, self._resolution_keys())
+
+    def _scaled_step(self, amp: tuple[Tensor | None, Tensor | None]) -> None:
+        """A GradScaler's step without ``capturable`` (:meth:`_update`): where every work ran on
+        the device, its works are cached and replayed at the next such step while the tensors
+        and the counters (on the device) stay where they are, as :meth:`_replay` does for host
+        steps. The other backends read the flag on the host, uncached."""
+        if self._replay_device(amp):
+            return
+        # the step counts move to the device: a cached host step would read them there
+        self._drop_cached_steps()
+        works = self._update(None, amp=amp)
+        if not works or any(w.device_step is None for _, w in works):
+            return  # unscaled on the host, or skipped there
+        cached = self._build_cached(works)
+        if cached is not None:
+            cached.drop_grads()
+            self._cached_steps[_SCALED_KEY] = cached
+
+    def _replay_device(self, amp: tuple[Tensor | None, Tensor | None]) -> bool:
+        """Replay the cached device step of :meth:`_scaled_step` with ``amp`` if it is still
+        valid (True): the same checks as :meth:`_replay`, plus counters still on the device
+        (a host step in between moves them back). Its lr, weight decay and betas are the
+        groups' current ones, and its DeviceSteps are built again (they count on the device);
+        each work keeps its prepared launch (``launch_device``), as a host step's replay does."""
+        cached = self._cached_steps.get(_SCALED_KEY)
+        if cached is None:
+            return False
+        if self._state_written():
+            return False
+        if any(e.counters.steps is not e.work.device_step.steps for e in cached.entries):
+            del self._cached_steps[_SCALED_KEY]
+            return False
+        grads = cached.current_grads(self.param_groups, self._resolution_keys())
+        if grads is None:
+            del self._cached_steps[_SCALED_KEY]
+            return False
+        cached.replays += 1
+        self._check_before_update(None)
+        cached.hand_grads(grads)
+        try:
+            checked: set[int] = set()
+            works = []
+            for e in cached.entries:
+                gi = e.group_index
+                if gi not in checked:
+                    self._check_group(self.param_groups[gi], f"(param group {gi})")
+                    checked.add(gi)
+                work = e.work
+                # counters unchanged (checked above, and no state written): no view check
+                work.scalars, work.device_step = self._device_step(gi, e.counters, None, amp)
+                work.seed = self.seed
+                works.append((e.backend, work))
+            if not cached.prepared:
+                cached.prepare()
+            else:
+                cached.follow_grads()
+            entries = cached.entries
+            backends.check_works([(e.backend, e.work) for e in entries[1:] if e.prepared is None])
+
+            def launch(i: int) -> None:
+                e = entries[i]
+                go = getattr(e.prepared, "launch_device", None)
+                if go is not None:
+                    go(e.work)
+                else:
+                    e.backend.step(e.work)
+
+            _run_works(
+                works,
+                [e.prepared for e in entries],
+                launch,
+                lambda i: backends.mark_written(works[i][1].param_owners),
+            )
+        finally:
+            cached.drop_grads()
+        return True
 
     def _replay(self, key: Any) -> bool:
         """Replay the step cached under ``key`` if it is still valid (True); else drop it."""

@@ -1118,6 +1118,12 @@ class PreparedStep:
         )
         self._finish()
 
+    def launch_device(self, work: GroupStep) -> None:
+        """:func:`device_step` of ``work`` (a capturable step, ``work.device_step`` set) through
+        this prepared launch, which must have been prepared for ``work``'s current gradients
+        (core's cached step keeps one per work)."""
+        device_step(work, prepared=self)
+
     def launch_hyper(
         self,
         hyper: Tensor,
@@ -1387,8 +1393,8 @@ def fused_steps(
     one table, which the merged launch reads, so the merge costs no host-to-device copy and
     the graph holds it (after one eager step has cached its tables).
 
-    ``prepared`` (host steps only): None, or aligned with ``works``: each work's
-    :class:`PreparedStep` (for its current gradients) or None (prepared here). Every work is
+    ``prepared``: None, or aligned with ``works``: each work's :class:`PreparedStep` (for its
+    current gradients) or None (prepared here). Every work is
     prepared, and so validated, before the first launch. ``done(i)`` is called once work
     ``i``'s launch is issued (also when a KeyboardInterrupt comes out of it: the launch ran)."""
     n = len(works)
@@ -1399,13 +1405,12 @@ def fused_steps(
     if any(w.staging is not None for w in works):
         raise ConfigError("fused_steps runs steps without staging; those go through fused_step")
     on_device = sum(w.device_step is not None for w in works)
-    if on_device and (on_device < n or any(p is not None for p in prepared)):
+    if on_device and on_device < n:
         raise ConfigError(
-            "fused_steps runs host steps (with or without prepared launches) or capturable "
-            "steps (device_step, prepared here), not both in one call"
+            "fused_steps runs host steps or capturable steps (device_step), not both in one call"
         )
     if on_device:
-        launches = _device_launches(works, config)
+        launches = _device_launches(works, config, prepared)
     else:
         launches = _host_launches(works, prepared, config)
     for run, launch in launches:
@@ -1451,10 +1456,15 @@ def _host_launches(
     return launches
 
 
-def _device_launches(works: Sequence[GroupStep], config: KernelConfig | None) -> _Launches:
+def _device_launches(
+    works: Sequence[GroupStep],
+    config: KernelConfig | None,
+    prepared: Sequence[PreparedStep | None],
+) -> _Launches:
     """:func:`fused_steps`' launches of capturable steps: each run of works that merge writes
     its device words into one table (a slice per work) and launches once."""
-    ready = [_prepare_device_step(w, config) for w in works]  # validates them all first
+    # validates them all first
+    ready = [_prepare_device_step(w, config, p) for w, p in zip(works, prepared, strict=True)]
     runs: dict[tuple, list[int]] = {}
     for i, (w, p) in enumerate(zip(works, ready, strict=True)):
         if p is None:  # no tensor: nothing to launch
@@ -1742,12 +1752,16 @@ def _check_amp_tensor(t: Tensor | None, what: str, device: torch.device) -> None
         raise ConfigError(f"{what} is on {t.device}; the group is on {device}")
 
 
-def device_step(work: GroupStep, config: KernelConfig | None = None) -> None:
+def device_step(
+    work: GroupStep, config: KernelConfig | None = None, prepared: PreparedStep | None = None
+) -> None:
     """A capturable step of ``work`` (``work.device_step``, core's ``DeviceStep``): the
     device-words kernel, then the rule kernel reading one row per tensor. No host
     synchronisation and, once the group's tables are cached (after one eager step with the same
-    tensors), no host-to-device copy: the launches can be captured in a CUDA graph."""
-    prepared = _prepare_device_step(work, config)
+    tensors), no host-to-device copy: the launches can be captured in a CUDA graph.
+    ``prepared``: the work's :class:`PreparedStep` for its current gradients (a cached step's),
+    else prepared here."""
+    prepared = _prepare_device_step(work, config, prepared)
     if prepared is not None:
         _device_launch(work, prepared)
 
@@ -1766,9 +1780,11 @@ def _device_launch(work: GroupStep, prepared: PreparedStep) -> None:
     prepared.launch_hyper(words, **_device_flags([work]))
 
 
-def _prepare_device_step(work: GroupStep, config: KernelConfig | None) -> PreparedStep | None:
-    """The prepared launch of a capturable step, its ``device_step`` validated first (None for
-    a step over no tensor)."""
+def _prepare_device_step(
+    work: GroupStep, config: KernelConfig | None, prepared: PreparedStep | None = None
+) -> PreparedStep | None:
+    """The prepared launch of a capturable step (``prepared`` where given), its
+    ``device_step`` validated first (None for a step over no tensor)."""
     ds = work.device_step
     plan = work.plan
     dev = plan.device
@@ -1793,7 +1809,7 @@ def _prepare_device_step(work: GroupStep, config: KernelConfig | None) -> Prepar
         )
     _check_amp_tensor(ds.grad_scale, "grad_scale", dev)
     _check_amp_tensor(ds.found_inf, "found_inf", dev)
-    return prepare_step(work, config)
+    return prepared if prepared is not None else prepare_step(work, config)
 
 
 def _device_words(work: GroupStep, words: Tensor) -> None:
