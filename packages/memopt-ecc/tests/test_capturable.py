@@ -291,6 +291,13 @@ def test_a_cuda_tensor_lr_is_read_at_every_replay(cls, decouple_lr):
     lr = torch.tensor(lr0, device="cuda")  # float32, as a scheduler's tensor lr often is
     ref = cls(a, lr=float(lr), **hyper)
     mine = cls(b, lr=lr, capturable=True, **hyper)
+    _replays_follow(ref, a, mine, b, "lr", lr, [lr0 * f for f in (0.5, 2.0, 0.1, 1.0 / 3.0, 1.0)])
+
+
+def _replays_follow(ref, a, mine, b, key, tensor, values):
+    """Capture ``mine.step()`` once (after an eager step, which builds the tables a capture
+    needs) and replay it while ``tensor`` (its group's ``key``) takes ``values`` in place;
+    ``ref`` steps with each value as a float. Both end with the same bits."""
 
     def grads(step):
         gen = torch.Generator().manual_seed(step)
@@ -304,19 +311,19 @@ def test_a_cuda_tensor_lr_is_read_at_every_replay(cls, decouple_lr):
 
     grads(1)
     ref.step()
-    mine.step()  # eager: builds the tables a capture needs
+    mine.step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mine.step()
-    for step, factor in enumerate([0.5, 2.0, 0.1, 1.0 / 3.0, 1.0], start=2):
-        lr.fill_(lr0 * factor)
-        ref.param_groups[0]["lr"] = float(lr)  # the float32 value the tensor holds
+    for step, value in enumerate(values, start=2):
+        tensor.fill_(value)
+        ref.param_groups[0][key] = float(tensor)  # the float32 value the tensor holds
         grads(step)
         ref.step()
         graph.replay()
     torch.cuda.synchronize()
     assert_same_state(ref, a, mine, b)
-    assert float(mine.state[b[0]]["step"]) == 6.0
+    assert float(mine.state[b[0]]["step"]) == 1.0 + len(values)
 
 
 @pytest.mark.gpu
@@ -335,32 +342,7 @@ def test_a_cuda_tensor_weight_decay_is_read_at_every_replay(cls):
     wd = torch.tensor(wd0, device="cuda")
     ref = cls(a, **hyper)
     mine = cls(b, **{**hyper, "weight_decay": wd}, capturable=True)
-
-    def grads(step):
-        gen = torch.Generator().manual_seed(step)
-        for p, q in zip(a, b, strict=True):
-            g = torch.randn(p.shape, generator=gen).to(p.dtype).cuda()
-            p.grad = g
-            if q.grad is None:
-                q.grad = g.clone()
-            else:
-                q.grad.copy_(g)
-
-    grads(1)
-    ref.step()
-    mine.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mine.step()
-    for step, value in enumerate([0.0, 0.5, wd0 / 3, 0.0, wd0], start=2):
-        wd.fill_(value)
-        ref.param_groups[0]["weight_decay"] = float(wd)  # the float32 value the tensor holds
-        grads(step)
-        ref.step()
-        graph.replay()
-    torch.cuda.synchronize()
-    assert_same_state(ref, a, mine, b)
-    assert float(mine.state[b[0]]["step"]) == 6.0
+    _replays_follow(ref, a, mine, b, "weight_decay", wd, [0.0, 0.5, wd0 / 3, 0.0, wd0])
 
 
 @pytest.mark.gpu
