@@ -1792,7 +1792,7 @@ class MemOptimizer(Optimizer):
         the device, its works are cached and replayed at the next such step while the tensors
         and the counters (on the device) stay where they are, as :meth:`_replay` does for host
         steps. The other backends read the flag on the host, uncached."""
-        if self._replay_device(amp):
+        if self._replay(_SCALED_KEY, amp):
             return
         # the step counts move to the device: a cached host step would read them there
         self._drop_cached_steps()
@@ -1804,81 +1804,32 @@ class MemOptimizer(Optimizer):
             cached.drop_grads()
             self._cached_steps[_SCALED_KEY] = cached
 
-    def _replay_device(self, amp: tuple[Tensor | None, Tensor | None]) -> bool:
-        """Replay the cached device step of :meth:`_scaled_step` with ``amp`` if it is still
-        valid (True): the same checks as :meth:`_replay`, plus counters still on the device
-        (a host step in between moves them back). Its lr, weight decay and betas are the
-        groups' current ones, and its DeviceSteps are built again (they count on the device);
-        each work keeps its prepared launch (``launch_device``), as a host step's replay does."""
-        cached = self._cached_steps.get(_SCALED_KEY)
-        if cached is None:
-            return False
-        if self._state_written():
-            return False
-        if any(e.counters.steps is not e.work.device_step.steps for e in cached.entries):
-            del self._cached_steps[_SCALED_KEY]
-            return False
-        grads = cached.current_grads(self.param_groups, self._resolution_keys())
-        if grads is None:
-            del self._cached_steps[_SCALED_KEY]
-            return False
-        cached.replays += 1
-        self._check_before_update(None)
-        cached.hand_grads(grads)
-        try:
-            checked: set[int] = set()
-            works = []
-            for e in cached.entries:
-                gi = e.group_index
-                if gi not in checked:
-                    self._check_group(self.param_groups[gi], f"(param group {gi})")
-                    checked.add(gi)
-                work = e.work
-                # counters unchanged (checked above, and no state written): no view check
-                work.scalars, work.device_step = self._device_step(gi, e.counters, None, amp)
-                work.seed = self.seed
-                works.append((e.backend, work))
-            if not cached.prepared:
-                cached.prepare()
-            else:
-                cached.follow_grads()
-            entries = cached.entries
-            backends.check_works([(e.backend, e.work) for e in entries[1:] if e.prepared is None])
-
-            def launch(i: int) -> None:
-                e = entries[i]
-                go = getattr(e.prepared, "launch_device", None)
-                if go is not None:
-                    go(e.work)
-                else:
-                    e.backend.step(e.work)
-
-            _run_works(
-                works,
-                [e.prepared for e in entries],
-                launch,
-                lambda i: backends.mark_written(works[i][1].param_owners),
-            )
-        finally:
-            cached.drop_grads()
-        return True
-
-    def _replay(self, key: Any) -> bool:
-        """Replay the step cached under ``key`` if it is still valid (True); else drop it."""
+    def _replay(self, key: Any, amp: tuple[Tensor | None, Tensor | None] | None = None) -> bool:
+        """Replay the step cached under ``key`` if it is still valid (True); else drop it.
+        ``amp``: a GradScaler's (scale, found_inf) for the device step :meth:`_scaled_step`
+        cached, valid while its counters are still on the device (a host step in between moves
+        them back); its DeviceSteps are built again from the groups' current lr, weight decay
+        and betas, and each work keeps its prepared launch."""
         cached = self._cached_steps.get(key)
         if cached is None:
             return False
         if self._state_written():  # the ordinary step adopts what was written (and drops these)
             return False
+        if amp is not None and any(
+            e.counters.steps is not e.work.device_step.steps for e in cached.entries
+        ):
+            del self._cached_steps[key]
+            return False
         grads = cached.current_grads(self.param_groups, self._resolution_keys())
         if grads is None:
             del self._cached_steps[key]
-            if cached.replays == 0:  # back off exponentially, up to 31 steps
+            if cached.replays == 0 and amp is None:  # back off exponentially, up to 31 steps
                 self._cache_futile = min(self._cache_futile + 1, 5)
                 self._cache_wait = 2**self._cache_futile - 1
             return False
         cached.replays += 1
-        self._cache_futile = 0
+        if amp is None:
+            self._cache_futile = 0
         self._check_before_update(None)
         cached.hand_grads(grads)
         try:
@@ -1889,9 +1840,14 @@ class MemOptimizer(Optimizer):
                     self._check_group(group, f"(param group {e.group_index})")
                     checked.add(e.group_index)
                 work = e.work
-                work.step = e.last_step + 1
-                work.first_step = work.step == 1
-                work.scalars = self._scalars(group, work.step)
+                if amp is None:
+                    work.step = e.last_step + 1
+                    work.first_step = work.step == 1
+                    work.scalars = self._scalars(group, work.step)
+                else:  # counters unchanged (checked above, no state written): no view check
+                    work.scalars, work.device_step = self._device_step(
+                        e.group_index, e.counters, None, amp
+                    )
                 work.seed = self.seed
             if self.check_numerics:
                 self._check_finite([(e.backend, e.work) for e in cached.entries])
@@ -1905,7 +1861,8 @@ class MemOptimizer(Optimizer):
         return True
 
     def _launch_cached(self, cached: CachedStep) -> None:
-        """Run every work of ``cached`` (scalars, step and gradients set) and count the step."""
+        """Run every work of ``cached`` (scalars, step and gradients set) and count the step
+        (a device step counts itself)."""
         # a prepared launch was validated when it was prepared; the others validate in step()
         backends.check_works(
             [(e.backend, e.work) for e in cached.entries[1:] if e.prepared is None]
@@ -1915,19 +1872,22 @@ class MemOptimizer(Optimizer):
         def launch(i: int) -> None:
             e = entries[i]
             work = e.work
-            if e.prepared is not None:
-                e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
-            else:
+            if e.prepared is None:
                 e.backend.step(work)
+            elif work.device_step is not None:
+                e.prepared.launch_device(work)
+            else:
+                e.prepared.launch(work.scalars, work.step, work.seed, work.first_step)
 
         def ran(i: int) -> None:
             e = entries[i]
             backends.mark_written(e.work.param_owners)
-            self._count_step(e.counters, e.work)
+            if e.work.device_step is None:
+                self._count_step(e.counters, e.work)
 
         works = [(e.backend, e.work) for e in entries]
         _run_works(works, [e.prepared for e in entries], launch, ran)
-        self._check_step_limit(e.work for e in entries)
+        self._check_step_limit(e.work for e in entries if e.work.device_step is None)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
