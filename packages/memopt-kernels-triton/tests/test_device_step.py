@@ -202,6 +202,77 @@ def test_scaled_steps_replay_a_cached_device_step(device, monkeypatch):
     assert float(mine.state[dev_p[4]]["step"]) == 11.0  # 12 iterations, one skipped
 
 
+def _grads_into(params, step, *, skip=()):
+    """:func:`_grads`' values, copied into the gradient buffers the parameters already have
+    (a CUDA graph's loop), a skipped one set to None."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        if i in skip:
+            p.grad = None
+        elif p.grad is None:
+            p.grad = g.to(p.device)
+        else:
+            p.grad.copy_(g)
+
+
+def test_capturable_steps_replay_a_cached_step(device, monkeypatch):
+    """Eager capturable steps cache their works and replay them while the tensors stay (no new
+    prepared launch): the same bits as the host step, with two param groups, through an lr
+    change, gradients in new buffers (followed by preparing again, which caches their tables:
+    an ordinary step over the same buffers, what a CUDA graph captures, then copies nothing) and
+    a step that leaves two tensors without gradients (their counts fall behind: resolved anew,
+    then replayed)."""
+    from memopt_kernels_triton import ops
+
+    prepared, copies = [], []
+    real_prepare, real_copy = ops.prepare_step, ops._to_device
+    monkeypatch.setattr(
+        ops, "prepare_step", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k)
+    )
+    monkeypatch.setattr(ops, "_to_device", lambda *a: copies.append(1) or real_copy(*a))
+    rule, master, moments, dtype, extra = CONFIGS["adamw-ecc24-q8"]
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+
+    def build(params, capturable, backend):
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}]
+        return MemOptimizer(
+            groups, rule=rule, master=master, moments=moments, seed=7, capturable=capturable,
+            backend=backend, **{"lr": 1e-2, **extra},
+        )  # fmt: skip
+
+    ref, mine = build(ref_p, False, "torch"), build(dev_p, True, "triton")
+    for it in range(1, 13):
+        if it == 5:
+            for opt in (ref, mine):
+                opt.param_groups[1]["lr"] = 1e-3
+        skip = (0, 3) if it == 8 else ()
+        before, copied = len(prepared), len(copies)
+        for params in (ref_p, dev_p):
+            if it in (6, 7):  # new gradient buffers
+                _grads(params, it, skip=skip)
+            else:
+                _grads_into(params, it, skip=skip)
+        ref.step()
+        mine.step()
+        _assert_same(ref, ref_p, mine, dev_p, f"iteration {it}")
+        if it in (3, 4, 5, 11, 12):  # replays over the buffers they were prepared for
+            assert len(prepared) == before, f"iteration {it} prepared its launches again"
+            assert len(copies) == copied, f"iteration {it} copied tables from the host"
+        if it in (6, 7):
+            assert len(prepared) > before, f"iteration {it}: moved gradients were not followed"
+    assert [float(mine.state[p]["step"]) for p in dev_p] == [11.0, 12.0, 12.0, 11.0, 12.0]
+    # the ordinary step over the buffers the replays followed finds every table cached
+    mine._drop_cached_steps()
+    copied = len(copies)
+    for params in (ref_p, dev_p):
+        _grads_into(params, 13)
+    ref.step()
+    mine.step()
+    _assert_same(ref, ref_p, mine, dev_p, "the ordinary step after the replays")
+    assert len(copies) == copied, "the ordinary step copied tables the replays did not cache"
+
+
 @pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])
 @pytest.mark.parametrize("scale", [2.0**12, 1000.0])
 @pytest.mark.parametrize("name", ["adamw-ecc24-q8", "adam-l2-fp32", "lion-ecc24-q8"])
@@ -365,6 +436,42 @@ def test_cuda_graph_replay_equals_eager(name):
         torch.cuda.synchronize()
         _assert_same(ref, ref_p, eager, eager_p, f"{name} eager step {step}")
         _assert_same(ref, ref_p, graphed, graph_p, f"{name} graph step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_captured_after_replays_over_moved_gradients():
+    """Eager capturable steps replayed over gradients in new buffers at every step (the cached
+    step follows them), then a CUDA graph captured over the last step's buffers: the capture
+    copies nothing from the host (it would raise), and its replays give the host step's bits."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("GPU tests compile kernels: unset TRITON_INTERPRET")
+    name = "adamw-ecc24-q8"
+    dtype = CONFIGS[name][3]
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, "cuda")
+    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
+    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    graph = None
+    for step in range(1, 8):
+        _grads(ref_p, step)
+        ref.step()
+        if step <= 4:  # new buffers at every step, eager
+            _grads(dev_p, step)
+            mine.step()
+        else:
+            _grads_into(dev_p, step)
+            graph.replay()
+        if step == 4:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                mine.step()
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        _assert_same(ref, ref_p, mine, dev_p, f"step {step}")
 
 
 @pytest.mark.parametrize("capturable", [True, False], ids=["capturable", "default"])

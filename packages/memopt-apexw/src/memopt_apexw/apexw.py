@@ -309,7 +309,7 @@ class ApexW(MemOptimizer):
         if amp[0] is not None or amp[1] is not None:  # a GradScaler's step, never capturable
             if mode == "fused":
                 self._require_fused()
-            self._scaled_step(amp)  # as MemOptimizer.step
+            self._device_counted_step(amp)  # as MemOptimizer.step
             return
         had = mode in self._cached_steps
         if self._replay(mode):

@@ -161,6 +161,10 @@ class CachedStep:
         self.replays = 0
         #: True: a gradient at a new address invalidates the step (a captured graph holds them)
         self.fixed_grads = False
+        #: True: gradients that moved are followed by the backend's ``prepare`` (which caches
+        #: their tables where a later ordinary step, e.g. one captured in a CUDA graph, finds
+        #: them), not by the prepared launch's ``with_grads``
+        self.follow_by_prepare = False
         self._moved: set[int] = set()  # groups whose gradients moved (new addresses: _new_gptrs)
         self._new_gptrs: tuple[int, ...] = ()
         self._groups = list(groups)
@@ -243,7 +247,7 @@ class CachedStep:
         for e in self.entries:
             if e.prepared is None or e.group_index not in self._moved:
                 continue
-            with_grads = getattr(e.prepared, "with_grads", None)
+            with_grads = None if self.follow_by_prepare else getattr(e.prepared, "with_grads", None)
             prepared = with_grads(e.work.grads) if with_grads is not None else None
             if prepared is None:  # no shortcut (or a strided gradient): resolve the work again
                 prepared = e.backend.prepare(e.work)

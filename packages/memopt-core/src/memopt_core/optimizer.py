@@ -189,8 +189,8 @@ def _initial_lr(lr: Any) -> Any:
     return lr.detach().clone() if isinstance(lr, Tensor) else lr
 
 
-#: The key of a GradScaler's cached device step in ``_cached_steps`` (:meth:`_scaled_step`)
-_SCALED_KEY = ("scaled",)
+#: The key of the cached device step in ``_cached_steps`` (:meth:`_device_counted_step`)
+_DEVICE_KEY = ("device",)
 #: The group values a capturable step reads on the device when they are tensors there
 _DEVICE_KEYS = ("lr", "initial_lr", "weight_decay")
 
@@ -1641,9 +1641,9 @@ class MemOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
-        Without ``capturable``, the works of an earlier step are replayed while every parameter
-        and gradient keeps its address (:mod:`memopt_core.cached_step`): the same bits without
-        the per-tensor host work.
+        Outside a CUDA graph capture, the works of an earlier step are replayed while every
+        parameter and gradient keeps its address (:mod:`memopt_core.cached_step`): the same bits
+        without the per-tensor host work.
 
         While gradient release is active: does nothing (the closure is not called), warns once
         per activation and returns None; torch's step hooks still run once. Inside a CUDA graph
@@ -1653,11 +1653,8 @@ class MemOptimizer(Optimizer):
         if self._release_owner is not None:
             self._warn_released("step")
             return None
-        if (
-            not self._capturable
-            and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing()
-        ):
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self._capturable:
             raise ConfigError(
                 f"{type(self).__name__}.step() is being captured in a CUDA graph, but the "
                 "optimizer has capturable=False: its step counts, bias corrections and stochastic"
@@ -1665,11 +1662,7 @@ class MemOptimizer(Optimizer):
                 "replay would repeat the captured step and no count would advance). Construct "
                 "it with capturable=True to capture its step"
             )
-        if (
-            self._capturable
-            and torch.cuda.is_available()
-            and torch.cuda.is_current_stream_capturing()
-        ):
+        if capturing:
             self._refuse_unready_capture()
         loss = None
         if closure is not None:
@@ -1678,10 +1671,10 @@ class MemOptimizer(Optimizer):
         with torch.no_grad():
             # GradScaler.step sets these (see _step_supports_amp_scaling)
             amp = (getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-            if self._capturable:
-                self._update(None, amp=amp)
-            elif amp[0] is not None or amp[1] is not None:
-                self._scaled_step(amp)
+            if capturing:  # what the graph records: the ordinary step, which copies nothing
+                self._update(None, amp=amp)  # once an eager step cached its tables
+            elif self._capturable or amp[0] is not None or amp[1] is not None:
+                self._device_counted_step(amp)
             elif not self._replay(None):
                 self._update_and_cache(None)
         return loss
@@ -1787,12 +1780,18 @@ class MemOptimizer(Optimizer):
             entries.append(CachedEntry(gi, backend, work, entry, positions))
         return CachedStep(entries, self.param_groups, self._resolution_keys())
 
-    def _scaled_step(self, amp: tuple[Tensor | None, Tensor | None]) -> None:
-        """A GradScaler's step without ``capturable`` (:meth:`_update`): where every work ran on
-        the device, its works are cached and replayed at the next such step while the tensors
-        and the counters (on the device) stay where they are, as :meth:`_replay` does for host
-        steps. The other backends read the flag on the host, uncached."""
-        if self._replay(_SCALED_KEY, amp):
+    def _device_counted_step(self, amp: tuple[Tensor | None, Tensor | None]) -> None:
+        """An eager step whose counters live on the device: ``capturable=True`` outside a CUDA
+        graph capture, or a GradScaler's step (``amp``: its scale and found-inf flag, or
+        Nones) without it. Where every work ran on the device, the works are cached and
+        replayed at the next such step while the tensors and the counters (on the device) stay
+        where they are, as :meth:`_replay` does for host steps. Without ``capturable`` the other
+        backends read the scaler's flag on the host, uncached.
+
+        A capturable cached step follows gradients that moved by preparing its launches again
+        (:attr:`CachedStep.follow_by_prepare`), which caches their tables as an ordinary step
+        does: a capture after one eager step with the graph's buffers then copies nothing."""
+        if self._replay(_DEVICE_KEY, amp):
             return
         # the step counts move to the device: a cached host step would read them there
         self._drop_cached_steps()
@@ -1801,15 +1800,17 @@ class MemOptimizer(Optimizer):
             return  # unscaled on the host, or skipped there
         cached = self._build_cached(works)
         if cached is not None:
+            cached.follow_by_prepare = self._capturable
             cached.drop_grads()
-            self._cached_steps[_SCALED_KEY] = cached
+            self._cached_steps[_DEVICE_KEY] = cached
 
     def _replay(self, key: Any, amp: tuple[Tensor | None, Tensor | None] | None = None) -> bool:
         """Replay the step cached under ``key`` if it is still valid (True); else drop it.
-        ``amp``: a GradScaler's (scale, found_inf) for the device step :meth:`_scaled_step`
-        cached, valid while its counters are still on the device (a host step in between moves
-        them back); its DeviceSteps are built again from the groups' current lr, weight decay
-        and betas, and each work keeps its prepared launch."""
+        ``amp``: for the device step :meth:`_device_counted_step` cached, a GradScaler's
+        (scale, found_inf) or Nones (a capturable step without a scaler), valid while its
+        counters are still on the device (a host step in between moves them back); its
+        DeviceSteps are built again from the groups' current lr, weight decay and betas, and
+        each work keeps its prepared launch."""
         cached = self._cached_steps.get(key)
         if cached is None:
             return False
