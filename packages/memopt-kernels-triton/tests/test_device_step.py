@@ -443,16 +443,23 @@ def test_cuda_graph_replay_equals_eager(name):
 def test_cuda_graph_captured_after_replays_over_moved_gradients():
     """Eager capturable steps replayed over gradients in new buffers at every step (the cached
     step follows them), then a CUDA graph captured over the last step's buffers: the capture
-    copies nothing from the host (it would raise), and its replays give the host step's bits."""
+    copies nothing from the host (it would raise), and its replays give the host step's bits.
+    Two param groups of one family: the capture merges them into one launch."""
     import os
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("GPU tests compile kernels: unset TRITON_INTERPRET")
-    name = "adamw-ecc24-q8"
-    dtype = CONFIGS[name][3]
+    rule, master, moments, dtype, extra = CONFIGS["adamw-ecc24-q8"]
     ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, "cuda")
-    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
-    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+
+    def build(params, capturable, backend):
+        groups = [{"params": params[:2]}, {"params": params[2:], "lr": 5e-3}]
+        return MemOptimizer(
+            groups, rule=rule, master=master, moments=moments, seed=7, capturable=capturable,
+            backend=backend, **{"lr": 1e-2, **extra},
+        )  # fmt: skip
+
+    ref, mine = build(ref_p, False, "torch"), build(dev_p, True, "triton")
     graph = None
     for step in range(1, 8):
         _grads(ref_p, step)
