@@ -31,7 +31,9 @@ default) frees them and the next backward allocates them again, often elsewhere 
 Qwen2.5-0.5B shape's 290 gradients moved at most steps, and each ordinary step then cost 3-5 ms of
 host time against about 1 ms for a replay). :meth:`CachedStep.follow_grads` points the prepared
 launches of the groups whose gradients moved at the new ones (the prepared launch's
-``with_grads``, or the backend's ``prepare`` again); works without a prepared launch read their gradients at every step
+``with_grads``, or the backend's ``prepare`` again: always the latter for a capturable step,
+``follow_by_prepare``, whose tables a CUDA graph capture of the ordinary step must then find
+cached); works without a prepared launch read their gradients at every step
 anyway. A cached step built with ``fixed_grads=True`` (ApexW's CUDA graph, which captured the
 addresses) is still dropped when a gradient moves. What the check cannot see (plans rebuilt, state
 loaded, param groups added, ``step_parameters`` advancing some counters) the optimizer handles by
