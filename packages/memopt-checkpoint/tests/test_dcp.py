@@ -306,3 +306,83 @@ def test_check_dcp_load_refuses_a_corrupt_step_count(tmp_path, bad):
     with pytest.raises(StateDictError, match=r"'step' of parameter index 1 in the checkpoint"):
         check_dcp_load(fresh, tmp_path / "ck")
     assert all(float(fresh.state[p]["step"]) == 0 for p in fresh.state)
+
+
+def _sgd(momentum, frozen_first=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    if frozen_first:
+        model[0].weight.requires_grad_(False)
+    return model, MemOptimizer(model.parameters(), rule="sgd", lr=0.1, momentum=momentum)
+
+
+def _sgd_steps(model, opt, seeds):
+    for t in seeds:
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(t))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_compares_the_state_keys_of_each_parameter(tmp_path):
+    """SGD with momentum saves momentum buffers. A target built with momentum=0 has none:
+    dcp.load dropped the saved ones silently and load_state_dict restarted the momentum from a
+    zero buffer (found by adversarial testing, 2026-12-04). The reverse made dcp.load fail with
+    torch's bare "Missing key". Both are refused before anything is read into the target."""
+    model, opt = _sgd(0.9)
+    _sgd_steps(model, opt, [0, 1])
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "momentum")
+    _, none = _sgd(0.0)
+    none.init_state()
+    with pytest.raises(
+        StateDictError,
+        match=r"holds \['momentum_buffer'\] for parameter index 0 .*lacks .*dcp.load would drop "
+        r"them silently",
+    ):
+        check_dcp_load(none, tmp_path / "momentum")
+    _, same = _sgd(0.9)
+    same.init_state()
+    check_dcp_load(same, tmp_path / "momentum")
+
+    model, opt = _sgd(0.0)
+    _sgd_steps(model, opt, [0, 1])
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "plain")
+    _, heavy = _sgd(0.9)
+    heavy.init_state()
+    with pytest.raises(
+        StateDictError,
+        match=r"holds no \['momentum_buffer'\] for parameter index 0 .*would fail on the missing",
+    ):
+        check_dcp_load(heavy, tmp_path / "plain")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
+    """Gradual unfreezing: the checkpoint has no state for a parameter that is trainable now.
+    check_dcp_load names it (dcp.load failed with a bare "Missing key"), and the way out its
+    message gives resumes as an uninterrupted run that unfreezes it at that point."""
+    model, opt = _sgd(0.9, frozen_first=True)
+    _sgd_steps(model, opt, [0, 1])
+    dcp.save(
+        {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
+    )
+    model[0].weight.requires_grad_(True)
+    _sgd_steps(model, opt, [2, 3])
+
+    twin, topt = _sgd(0.9)
+    topt.init_state()
+    with pytest.raises(
+        ConfigError,
+        match=r"holds no optimizer state for parameter index 0 .*frozen when it was saved.*"
+        r"del sd\['optim'\]\['state'\]\[0\]",
+    ):
+        check_dcp_load(topt, tmp_path / "ck")
+    sd = {"model": twin.state_dict(), "optim": topt.state_dict()}
+    del sd["optim"]["state"][0]
+    dcp.load(sd, checkpoint_id=tmp_path / "ck")
+    twin.load_state_dict(sd["model"])
+    topt.load_state_dict(sd["optim"])
+    _sgd_steps(twin, topt, [2, 3])
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)

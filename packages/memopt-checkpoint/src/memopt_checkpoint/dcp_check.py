@@ -10,8 +10,12 @@ have q8 states of the same sizes), which ``load_state_dict`` refuses by their ``
 An optimizer without state (no ``init_state()``) gives ``dcp.load`` nothing to fill: training
 goes on from fresh moments, silently. So does a parameter frozen after training: the checkpoint
 holds its state (the ECC master code too), but ``init_state()`` creates none for a frozen
-parameter, and ``dcp.load`` drops what the target lacks. :func:`check_dcp_load` finds these
-before ``dcp.load`` runs.
+parameter, and ``dcp.load`` drops what the target lacks. So are the momentum buffers of an SGD
+saved with momentum, loaded into one built without: ``load_state_dict`` then takes the saved
+momentum and restarts it from a zero buffer. The reverse (state keys, or a whole parameter's
+state, that the checkpoint lacks: a parameter frozen when it was saved and trainable now) makes
+``dcp.load`` fail with a bare "Missing key". :func:`check_dcp_load` finds these before
+``dcp.load`` runs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ from memopt_core.optimizer import MemOptimizer
 __all__ = ["check_dcp_load"]
 
 _UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
+_PARAM_SHAPE = "param_shape"
+
+
+def _flat_names(entry: Any, prefix: str = "") -> list[str]:
+    """The keys DCP flattens a state entry into (nested dicts joined with dots)."""
+    names: list[str] = []
+    for k, v in entry.items():
+        name = f"{prefix}{k}"
+        names.extend(_flat_names(v, f"{name}.") if isinstance(v, dict) else [name])
+    return names
 
 
 def check_dcp_load(
@@ -41,16 +55,19 @@ def check_dcp_load(
     optimizer state saved under ``key`` into ``optimizer`` would go wrong.
 
     ``ConfigError`` when a trainable parameter has no state yet (call
-    ``optimizer.init_state()`` first), or when the checkpoint holds state for a parameter index
-    that has none here (a parameter frozen after training: create its state first);
-    :class:`~memopt_core.errors.StateDictError` when the
+    ``optimizer.init_state()`` first), when the checkpoint holds state for a parameter index
+    that has none here (a parameter frozen after training: create its state first), or none for
+    one that has state here (frozen when saved: the message says how to start it fresh);
+    :class:`~memopt_core.errors.StateDictError` when a parameter's saved state keys differ from
+    its live ones (an SGD saved with momentum and built without, or the reverse), when the
     checkpoint holds no memopt state under ``key``, or state of another rule, number of param
     groups, ``master`` / ``moments`` format, or ``compress_state_dict``, or state saved for a
     parameter of another shape at a parameter's index (its ``param_shape``; a checkpoint of a
     memopt that did not save it is not checked, and ``dcp.load`` of the optimizer's
     ``state_dict()``, which has it, reports it missing before loading anything). Reads only
     those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
-    ``dcp.load``); changes nothing. A ``param_shape`` with another number of dimensions makes
+    ``dcp.load``) and the names of the live state (``optimizer.state_dict()``, views); changes
+    nothing. A ``param_shape`` with another number of dimensions makes
     ``dcp.load`` raise its size mismatch here, also before anything is loaded. A saved step
     count that is not a whole number >= 0 (a corrupted checkpoint) is a ``StateDictError``
     too. Other values (moments, codes, a block scale byte of 255, which no format writes) are
@@ -116,27 +133,58 @@ def check_dcp_load(
             f"optimizer's compress_state_dict = {compressed} before building the state dict "
             "for dcp.load, so it has the saved layout"
         )
-    # the parameter indices with saved state (keys "<key>.state.<index>.<state key>"): dcp.load
-    # drops those the optimizer has no state for
+    # the state keys saved per parameter index (keys "<key>.state.<index>.<state key>"):
+    # dcp.load drops saved keys the target lacks and fails on target keys the checkpoint lacks
     prefix = f"{key}.state."
-    saved_indices = {
-        k[len(prefix) :].split(".", 1)[0]
-        for k in planner.metadata.state_dict_metadata
-        if k.startswith(prefix)
-    }
+    saved_names: dict[int, set[str]] = {}
+    for k in planner.metadata.state_dict_metadata:
+        if k.startswith(prefix):
+            index, _, name = k[len(prefix) :].partition(".")
+            if index.isdigit():
+                saved_names.setdefault(int(index), set()).add(name)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    for index in sorted(int(i) for i in saved_indices if i.isdigit()):
+    live = optimizer.state_dict()["state"]
+    for index in sorted(saved_names):
         if index >= len(params):
             raise StateDictError(
                 f"the checkpoint holds optimizer state for parameter index {index}; this "
                 f"optimizer has {len(params)} parameters"
             )
-        if params[index] not in optimizer.state:
+        if index not in live:
             raise ConfigError(
                 f"the checkpoint holds optimizer state for parameter index {index} "
                 f"({optimizer._param_label(params[index])}), which has none here (frozen, so "
                 "init_state() made none?): dcp.load would drop it. Create its state first: "
                 "unfreeze it, call optimizer.init_state(), freeze it again"
+            )
+    for index, entry in live.items():
+        label = f"parameter index {index} ({optimizer._param_label(params[index])})"
+        names = set(_flat_names(entry))
+        saved = saved_names.get(index)
+        if saved is None:
+            raise ConfigError(
+                f"the checkpoint holds no optimizer state for {label} (frozen when it was "
+                "saved?): dcp.load would fail on its missing keys. To start it from fresh "
+                f"state, delete its entry from the state dict given to dcp.load (del "
+                f"sd[{key!r}]['state'][{index}]): load_state_dict then leaves it without state, "
+                "and its next step creates it"
+            )
+        dropped = sorted(saved - names)
+        if dropped:
+            raise StateDictError(
+                f"the checkpoint holds {dropped} for {label}, which this optimizer's state "
+                "lacks (built with other hyperparameters, e.g. SGD's momentum=0?): dcp.load "
+                "would drop them silently and training would go on without them. Build the "
+                "optimizer with the hyperparameters the checkpoint was saved with, then call "
+                "init_state()"
+            )
+        missing = sorted(names - saved)
+        if missing and missing != [_PARAM_SHAPE]:  # param_shape: an older memopt, see below
+            raise StateDictError(
+                f"the checkpoint holds no {missing} for {label} (saved with other "
+                "hyperparameters, e.g. SGD's momentum=0?): dcp.load would fail on the missing "
+                "keys. Build the optimizer with the hyperparameters the checkpoint was saved "
+                "with, or delete those keys from the state dict given to dcp.load"
             )
     # the saved shape and step count of each parameter index (state_dict() numbers every
     # parameter in order): a second read, so a size mismatch in it cannot hide the format checks
