@@ -161,14 +161,15 @@ def test_names_not_positions(tmp_path):
 
 def _snapshot(model, opt):
     return (
-        {k: v.clone() for k, v in model.state_dict().items()},
+        {k: copy.deepcopy(v) for k, v in model.state_dict().items()},
         {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()},
     )
 
 
 def _unchanged(model, opt, snap):
     msd, ost = snap
-    assert all(torch.equal(v, msd[k]) for k, v in model.state_dict().items())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, msd[k]) if isinstance(v, torch.Tensor) else v == msd[k], k
     assert {id(p) for p in opt.state} == set(ost)
     for p, s in opt.state.items():
         assert all(torch.equal(v, ost[id(p)][k]) for k, v in s.items())
@@ -207,6 +208,44 @@ def test_mismatches_change_nothing(tmp_path):
     with pytest.raises(CheckpointError):
         load(tmp_path / "bad.mopt", model=target, optimizer=topt)
     _unchanged(target, topt, snap)
+
+
+class Versioned(Net):
+    """A model whose set_extra_state refuses a saved version other than its own."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__()
+        self.version = version
+
+    def get_extra_state(self):
+        return {"version": self.version}
+
+    def set_extra_state(self, state):
+        if state["version"] != self.version:
+            raise ValueError(f"saved by version {state['version']}, this is {self.version}")
+
+
+def test_a_refusing_module_leaves_model_and_optimizer_as_they_were(tmp_path):
+    """The model's own load code (set_extra_state here) refuses after every check passed: the
+    optimizer was loaded and the model partly before the error (found by adversarial testing,
+    2026-12-04); now the model's tensors are put back and the optimizer is not touched."""
+    torch.manual_seed(0)
+    model = Versioned(1)
+    opt = _memopt_q8(model)
+    train(model, opt, 2)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    torch.manual_seed(5)
+    target = Versioned(2)
+    topt = _memopt_q8(target)
+    train(target, topt, 3)
+    snap = _snapshot(target, topt)
+    with pytest.raises(ValueError, match="saved by version 1, this is 2"):
+        load(tmp_path / "ck.mopt", model=target, optimizer=topt)
+    _unchanged(target, topt, snap)
+    target.version = 1
+    load(tmp_path / "ck.mopt", model=target, optimizer=topt)
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in target.state_dict().items() if "extra" not in k)
 
 
 def test_keying_must_match(tmp_path):

@@ -38,7 +38,11 @@ shape mismatch raises (:class:`~memopt_core.errors.CheckpointError`,
 :class:`~memopt_core.errors.StateDictError`) with nothing changed. The model is then loaded with
 ``model.load_state_dict`` (copying in place), so modules that build their ``state_dict()``
 entries (``_save_to_state_dict`` / ``_load_from_state_dict``, state-dict hooks, lazy modules)
-and load hooks load as they do in torch.
+and load hooks load as they do in torch, and the optimizer after it. Where a module's own load
+code (``set_extra_state``, a load hook) or the optimizer's ``load_state_dict`` still refuses,
+the model's tensors are put back from a host copy taken before (host memory for one more copy
+of the model while :func:`load` runs), and the optimizer is unchanged: the error propagates
+with nothing half loaded. A module's non-tensor extra state is not put back.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from memopt_checkpoint.container import CheckpointReader, CheckpointWriter
 from memopt_core.errors import CheckpointError, ConfigError, StateDictError
@@ -281,14 +286,35 @@ def load(
         extra = dict(meta.get("extra", {}))
         for k in meta.get("extra_tensors", []):
             extra[k] = reader.load(f"extra/{k}")
-        # every tensor read and checked: now change things
-        if optim_sd is not None:
-            optimizer.load_state_dict(optim_sd)
-        if model_sd is not None:
-            # as torch loads: copied into the live tensors in place, through the modules'
-            # _load_from_state_dict, set_extra_state and the load hooks
-            model.load_state_dict(model_sd, strict=strict)
+        # every tensor read and checked: now change things. The model first, as torch loads
+        # it: copied into the live tensors in place, through the modules' _load_from_state_dict,
+        # set_extra_state and load hooks, which may still refuse. Then the optimizer, whose
+        # load_state_dict validates everything before it changes anything. If either raises,
+        # the model's tensors are put back from a host copy, so nothing is half loaded.
+        backup = _host_copy(model) if model_sd is not None else []
+        try:
+            if model_sd is not None:
+                model.load_state_dict(model_sd, strict=strict)
+            if optim_sd is not None:
+                optimizer.load_state_dict(optim_sd)
+        except BaseException:
+            with torch.no_grad():
+                for live, saved in backup:
+                    live.copy_(saved)
+            raise
     return extra
+
+
+def _host_copy(model: torch.nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each tensor of ``model.state_dict()`` (tied ones once) with a host copy of its values;
+    a lazy module's uninitialized parameters have none (the load materializes them)."""
+    seen: set[int] = set()
+    pairs = []
+    for t in model.state_dict(keep_vars=True).values():
+        if isinstance(t, Tensor) and not is_lazy(t) and id(t) not in seen:
+            seen.add(id(t))
+            pairs.append((t, t.detach().to("cpu", copy=True)))
+    return pairs
 
 
 def _tensor_refs(v: Any) -> list[Any]:
