@@ -321,8 +321,9 @@ def enable_gradient_release(
         grad_scaler: an enabled ``torch.amp.GradScaler`` whose scale the updates undo and whose
             inf record they fill (module doc); None or a disabled scaler: no unscaling.
         pre_step: ``(param, group) -> bool`` called in the parameter's hook, with ``p.grad``
-            still set (scaled, with a GradScaler); False skips its update (the gradient is
-            freed either way).
+            still set (scaled, with a GradScaler; edits in place reach the update); False skips
+            its update (the gradient is freed either way, and ``.grad`` is None again after
+            the call, also when it raises).
         bucket_mb: MiB of gradients held before they are updated in one fused step (the rest
             at the end of backward); 0 updates each parameter in its own hook. Bigger buckets
             mean fewer launches and more gradient memory held during backward.
@@ -488,7 +489,13 @@ def enable_gradient_release(
                 "gradient release with a GradScaler: the scaler has no scale yet; call "
                 "scaler.scale(loss).backward()"
             )
-        take = True if pre_step is None else pre_step(p, rel.groups[id(p)])
+        take = True
+        if pre_step is not None:
+            p.grad = grad  # pre_step reads (and may edit in place) the gradient there
+            try:
+                take = pre_step(p, rel.groups[id(p)])
+            finally:
+                p.grad = None  # out again, also when pre_step raised
         if not isinstance(take, bool):  # a logging callback without `return True`
             raise TypeError(
                 f"gradient release: pre_step must return True (update) or False (skip), "
