@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import sys
 
 import pytest
 import torch
@@ -693,7 +694,7 @@ def test_a_container_with_a_foreign_meta_is_a_checkpoint_error(meta, match, tmp_
 def test_fp32_state_dict_of_a_wrapped_model_has_the_same_keys_for_every_optimizer(
     wrapper, tmp_path
 ):
-    """The bare model's keys (no ``module.``), as memopt_ecc.get_fp32_model_state_dict has."""
+    """The bare model's keys (no ``module.``), as memopt_core.fp32_state.get_fp32_model_state_dict has."""
     ecc = pytest.importorskip("memopt_ecc")
     dist = torch.distributed
     if wrapper == "DistributedDataParallel":
@@ -736,3 +737,25 @@ def test_fp32_state_dict_without_a_memopt_optimizer_is_fp32(optimizer):
     for k, v in floating.items():
         assert v.dtype == torch.float32, k
         assert torch.equal(v, model.state_dict()[k].float()), k
+
+
+def test_fp32_export_of_ecc_masters_needs_no_memopt_ecc(tmp_path, monkeypatch):
+    """memopt-checkpoint depends on memopt-core only; without memopt-ecc the export refused every
+    MemOptimizer (adversarial testing, 2026-12-04). The decode now lives in memopt-core."""
+    from memopt_core.fp32_state import fp32_master
+
+    monkeypatch.setitem(sys.modules, "memopt_ecc", None)  # as if not installed
+    model, opt = build("memopt-q8-fp32")
+    torch.manual_seed(1)
+    bf16 = Net().to(torch.bfloat16)
+    ecc = MemOptimizer(bf16.parameters(), rule="adamw", lr=1e-2, master="ecc24", moments="q8")
+    for m, o in ((model, opt), (bf16, ecc)):
+        train(m, o, 2)
+        export_fp32(tmp_path / "w.pt", m, o)
+        got = torch.load(tmp_path / "w.pt", weights_only=True)
+        params = dict(m.named_parameters(remove_duplicate=False))
+        for k, v in got.items():
+            assert v.dtype == torch.float32
+            if k in params:
+                assert torch.equal(v, fp32_master(o, params[k]).cpu()), k
+    assert not torch.equal(got["mid.weight"], bf16.mid.weight.float())  # the code counted

@@ -433,7 +433,9 @@ def test_pre_step_can_skip_and_plain_memoptimizer_works():
     def pre_step(p, group):
         # the gradient is in .grad, as the docs promise (it was None: adversarial testing,
         # 2026-12-04); a FlashOptim-style hook reads it there
-        assert p.grad is not None and p.grad.shape == p.shape and p.grad.abs().sum() > 0
+        assert p.grad is not None
+        assert p.grad.shape == p.shape
+        assert p.grad.abs().sum() > 0
         seen.append(group is opt.param_groups[0])
         return p is not model.mix.bias  # skip one parameter
 

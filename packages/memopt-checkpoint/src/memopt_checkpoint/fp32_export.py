@@ -3,15 +3,15 @@
 ``fp32_model_state_dict(model, optimizer)`` is ``model.state_dict()`` with every floating entry
 in fp32 and the true master weight where the optimizer keeps one beyond the parameter:
 
-- memopt optimizers with an ECC master (``MemOptimizer``, the ``memopt_ecc`` Flash* family):
-  bf16 parameter + ECC code decoded (exactly fp32 for ECC-32), through
-  :func:`memopt_ecc.get_fp32_model_state_dict` (memopt-ecc must be installed);
+- memopt optimizers (``MemOptimizer`` and its subclasses: the ``memopt_ecc`` Flash* family,
+  ApexW): an ECC master's bf16 parameter + code decoded (exactly fp32 for ECC-32), through
+  :func:`memopt_core.fp32_state.get_fp32_model_state_dict` (memopt-core only);
 - ``memopt_offload.AdamBridge``: its host fp32 masters (:meth:`AdamBridge.master_weight`);
 - anything else (or no optimizer): the parameters widened to fp32.
 
 Non-tensor entries (a module's ``get_extra_state()``) pass through as they are. A model wrapped
 in ``DistributedDataParallel`` / ``DataParallel`` is unwrapped, whatever the optimizer, as
-:func:`memopt_ecc.get_fp32_model_state_dict` does: the keys are the wrapped model's, without the
+:func:`memopt_core.fp32_state.get_fp32_model_state_dict` does: the keys are the wrapped model's, without the
 ``module.`` prefix, so the export loads into the bare model.
 
 :func:`export_fp32` writes that dict with ``torch.save`` atomically (temporary file, fsync,
@@ -29,6 +29,7 @@ import torch
 
 from memopt_core.atomic_write import atomic_file
 from memopt_core.errors import ConfigError
+from memopt_core.fp32_state import get_fp32_model_state_dict
 from memopt_core.optimizer import MemOptimizer
 
 __all__ = ["export_fp32", "fp32_model_state_dict"]
@@ -46,13 +47,6 @@ def fp32_model_state_dict(
     while isinstance(model, _WRAPPERS):  # keys without "module.", as memopt_ecc's
         model = model.module
     if isinstance(optimizer, MemOptimizer):
-        try:
-            from memopt_ecc import get_fp32_model_state_dict
-        except ImportError as e:
-            raise ConfigError(
-                "the fp32 export of a memopt optimizer's ECC masters needs memopt-ecc: "
-                "from a checkout, pip install packages/memopt-ecc"
-            ) from e
         sd = get_fp32_model_state_dict(model, optimizer)
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}
     masters: dict[int, torch.Tensor] = {}

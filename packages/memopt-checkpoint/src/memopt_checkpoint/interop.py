@@ -27,7 +27,7 @@ parameter element for Adam/AdamW, 4 for SGD with momentum); memopt keeps them in
 Master weights are not optimizer state in torch. fp32 parameters are their own master and travel
 with the model; a bf16 parameter with an ECC master (``ecc24`` / ``ecc32``) is only half of its
 weight, the other half being the code in ``optimizer.state[p]["master_code"]``: get the fp32
-weights with :func:`memopt_ecc.get_fp32_model_state_dict` (or
+weights with :func:`memopt_core.fp32_state.get_fp32_model_state_dict` (or
 :func:`memopt_checkpoint.fp32_model_state_dict`) for the torch model, and put fp32 weights back
 into a bf16 ECC model with :func:`memopt_ecc.set_fp32_model_state_dict`.
 """
@@ -128,7 +128,7 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     ``fp8``, ``q8`` to exactly the values memopt computes with (no loss beyond the format's own).
     torch's ``load_state_dict`` casts them to the parameter dtype: load into an fp32 copy of a
     bf16 model to keep them (the master weights come from
-    :func:`memopt_ecc.get_fp32_model_state_dict` for ECC models; they are not optimizer state).
+    :func:`memopt_core.fp32_state.get_fp32_model_state_dict` for ECC models; they are not optimizer state).
 
     ``param_groups``: torch's keys for the class (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``amsgrad=False``, ``maximize``, ``foreach=None``, ``capturable=False``,

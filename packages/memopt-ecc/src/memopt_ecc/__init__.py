@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 from memopt_core.errors import NumericsError
-from memopt_ecc.cast import cast_model
-from memopt_ecc.fp32_state import (
+from memopt_core.fp32_state import (
     fp32_master,
     get_fp32_model_state_dict,
     set_fp32_model_state_dict,
 )
+from memopt_ecc.cast import cast_model
 from memopt_ecc.gradient_release import GradientReleaseHandle, enable_gradient_release
 from memopt_ecc.optimizers import (
     MASTER_WEIGHT_BITS,

@@ -293,7 +293,7 @@ class FlashOptimizer(MemOptimizer):
     def _check_resolution(self, params: list[Tensor], grads: Mapping[Tensor, Tensor]) -> None:
         """Raise NumericsError when a step cannot change the largest weights of a tensor.
         ``grads`` (step_parameters' gradients) take precedence over ``p.grad``."""
-        from memopt_ecc.fp32_state import _decode
+        from memopt_core.fp32_state import _decode
 
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
         names = {}
@@ -500,7 +500,7 @@ class FlashOptimizer(MemOptimizer):
     # ------------------------------------------------------------------------ fp32 weights
     def get_fp32_model_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """FlashOptim's method form of :func:`memopt_ecc.get_fp32_model_state_dict`."""
-        from memopt_ecc.fp32_state import get_fp32_model_state_dict
+        from memopt_core.fp32_state import get_fp32_model_state_dict
 
         return get_fp32_model_state_dict(model, self)
 
@@ -508,7 +508,7 @@ class FlashOptimizer(MemOptimizer):
         self, model: torch.nn.Module, fp32_state_dict: Mapping[str, Any], strict: bool = True
     ) -> None:
         """FlashOptim's method form of :func:`memopt_ecc.set_fp32_model_state_dict`."""
-        from memopt_ecc.fp32_state import set_fp32_model_state_dict
+        from memopt_core.fp32_state import set_fp32_model_state_dict
 
         set_fp32_model_state_dict(model, self, fp32_state_dict, strict=strict)
 

@@ -10,6 +10,9 @@ Round trips: ECC-32 is exact (``get(set(sd)) == sd`` bit for bit, for every fini
 ECC-24 keeps 16 significant bits (``set`` rounds to nearest, so ``get(set(sd))`` is ``sd`` rounded
 to the 24-bit master pattern, and ``set(get())`` changes nothing); without a master (``none``) the
 weight is the bf16 parameter (``set`` rounds to nearest even); fp32 parameters are copied.
+
+It needs only memopt-core, so memopt-checkpoint's fp32 export works for any memopt optimizer
+without memopt-ecc installed; ``memopt_ecc`` re-exports these functions (FlashOptim's names).
 """
 
 from __future__ import annotations
