@@ -436,6 +436,12 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
             o.step()
     assert_same_state(opt, params, twin, twin_params)
     assert_same_state(opt, params, other, other_params)
+    # the uncompressed dict is a snapshot: the steps since changed none of its entries (its
+    # step counts and master codes were live views beside decoded copies, so a dict held
+    # across steps mixed two steps' states: adversarial testing, 2026-12-04)
+    for i, st in sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v.cpu(), loaded["state"][i][k].cpu()), (i, k)
 
 
 def test_uncompressed_moment_that_does_not_fit_is_named():

@@ -376,8 +376,10 @@ class FlashOptimizer(MemOptimizer):
 
     def _local_state_dict(self) -> dict[str, Any]:
         """Core's state dict; with ``compress_state_dict=False`` every moment is decoded to an fp32
-        tensor shaped like its parameter (master codes and steps are kept as they are; core
-        hands a sharded parameter's out as DTensors sharded like it)."""
+        tensor shaped like its parameter (master codes and steps keep their formats; core
+        hands a sharded parameter's out as DTensors sharded like it). Where moments were
+        decoded, the entry is a snapshot: its other tensors are copies too (core's entries
+        are live views, as torch's are)."""
         sd = super()._local_state_dict()
         sd["memopt"] = dict(sd["memopt"], compressed=self.compress_state_dict)
         if self.compress_state_dict:
@@ -389,6 +391,7 @@ class FlashOptimizer(MemOptimizer):
                     continue
                 spec = self._spec_of(group, p)
                 entry = dict(state[key])
+                decoded = set()
                 for name in _MOMENT_NAMES:
                     codec = spec.second if name == "exp_avg_sq" else spec.first
                     keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
@@ -399,6 +402,14 @@ class FlashOptimizer(MemOptimizer):
                     )
                     shard = local_shard(p)
                     entry[name] = own_storage(flat[: shard.numel()].reshape(shard.shape))
+                    decoded.add(name)
+                if decoded:
+                    # the decoded moments are copies: so are the step count and master code
+                    # beside them, else a dict held across steps mixes two steps' states
+                    entry = {
+                        k: v.clone() if isinstance(v, Tensor) and k not in decoded else v
+                        for k, v in entry.items()
+                    }
                 state[key] = entry
         return sd
 
