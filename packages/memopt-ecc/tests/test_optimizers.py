@@ -767,3 +767,45 @@ def test_a_saved_group_with_other_flash_settings_is_refused_at_load(key, value):
     assert all(torch.equal(a, b) for a, b in zip(before, opt.state[p].values(), strict=True))
     assert key not in opt.param_groups[0] or opt.param_groups[0][key] != value
     opt.step()  # still steps
+
+
+def test_master_weight_bits_of_float32_parameters_do_not_matter_to_load():
+    """float32 parameters keep an fp32 master under any master_weight_bits, so their states are
+    the same; a state dict saved with 24 was refused by an optimizer built with 32, naming ECC
+    states that do not exist (adversarial testing, 2026-12-04). A group holding a bf16
+    parameter still refuses another master."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(8, 5))]
+
+    def grads(ps, t):
+        g = torch.Generator().manual_seed(t)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+    opt = FlashAdamW(params, lr=1e-2, master_weight_bits=24)
+    for t in range(2):
+        grads(params, t)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for bits in (32, None):
+        twin_params = [p.detach().clone().requires_grad_() for p in params]
+        twin = FlashAdamW(twin_params, lr=1e-2, master_weight_bits=bits)
+        twin.load_state_dict(sd)
+        assert twin.param_groups[0]["master"] == ("ecc32" if bits else "none")
+        for t in range(2, 4):
+            grads(twin_params, t)
+            twin.step()
+        ref_params = [p.detach().clone().requires_grad_() for p in params]
+        ref = FlashAdamW(ref_params, lr=1e-2, master_weight_bits=24)
+        ref.load_state_dict(sd)
+        for t in range(2, 4):
+            grads(ref_params, t)
+            ref.step()
+        assert all(same_bits(p, q) for p, q in zip(ref_params, twin_params, strict=True))
+
+    mixed = [torch.nn.Parameter(torch.randn(40)), torch.nn.Parameter(torch.randn(40).bfloat16())]
+    a = FlashAdamW(mixed, lr=1e-2, master_weight_bits=24)
+    grads(mixed, 0)
+    a.step()
+    with pytest.raises(StateDictError, match="holds master='ecc24' states; this optimizer uses"):
+        FlashAdamW(mixed, lr=1e-2, master_weight_bits=32).load_state_dict(a.state_dict())

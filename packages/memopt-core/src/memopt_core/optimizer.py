@@ -2154,8 +2154,11 @@ class MemOptimizer(Optimizer):
                     "memopt optimizer (a torch optimizer's converts with "
                     "memopt_checkpoint.load_torch_state_dict)"
                 )
+            # float32 parameters keep an fp32 master whatever the group's says: a group of
+            # only those stores the same states under any master
+            master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
             for k in ("master", "moments"):
-                if saved[k] != group[k]:
+                if saved[k] != group[k] and not (k == "master" and master_unused):
                     raise StateDictError(
                         f"param group {gi} of the state dict holds {k}={saved[k]!r} states; this "
                         f"optimizer uses {k}={group[k]!r}: build the optimizer with the same format "
@@ -2163,6 +2166,7 @@ class MemOptimizer(Optimizer):
                     )
             merged = {k: v for k, v in group.items() if k != "params"}
             merged.update({k: deepcopy(v) for k, v in saved.items() if k != "params"})
+            merged["master"] = group["master"]  # the same, or unused (above)
             if isinstance(merged.get("betas"), list):
                 merged["betas"] = tuple(merged["betas"])
             try:
