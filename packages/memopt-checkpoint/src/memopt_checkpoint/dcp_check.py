@@ -27,6 +27,7 @@ import torch
 
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import MemOptimizer
+from memopt_core.sharding import local_shard
 
 __all__ = ["check_dcp_load"]
 
@@ -117,8 +118,10 @@ def check_dcp_load(
         found = f"more than {n}" if count > n else count
         raise StateDictError(f"the checkpoint has {found} param group(s), this optimizer has {n}")
     for gi, (group, g) in enumerate(zip(optimizer.param_groups, saved[:n], strict=True)):
+        # float32 parameters keep an fp32 master under any group master (as load_state_dict)
+        master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
         for k in ("master", "moments"):
-            if g[k] != group[k]:
+            if g[k] != group[k] and not (k == "master" and master_unused):
                 raise StateDictError(
                     f"param group {gi} of the checkpoint holds {k}={g[k]!r} states; this "
                     f"optimizer uses {k}={group[k]!r}: dcp.load would cast them into its live "
