@@ -71,6 +71,20 @@ def test_star_import_and_dir_without_a_component():
     assert "memopt.AdamBridge needs the memopt-offload package" in out.stdout
 
 
+def test_both_forms_of_the_checkpoint_submodule_name_the_missing_package():
+    """``from memopt.checkpoint import save`` goes around the package's __getattr__: it raised
+    a bare ModuleNotFoundError without the install hint (adversarial testing, 2026-12-04)."""
+    assert "checkpoint" in dir(memopt)  # installed here
+    out = _run(
+        "import sys\nsys.modules['memopt_checkpoint'] = None\nimport memopt\n"
+        "assert 'checkpoint' not in dir(memopt)\n"
+        "try:\n    from memopt.checkpoint import save\nexcept ImportError as e:\n    print(e)\n"
+        "try:\n    memopt.checkpoint\nexcept ImportError as e:\n    print(e)\n"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("memopt.checkpoint needs the memopt-checkpoint package") == 2
+
+
 def test_an_installed_component_that_fails_to_import_raises_its_own_error(tmp_path):
     broken = tmp_path / "memopt_offload"
     broken.mkdir()

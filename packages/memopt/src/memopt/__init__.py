@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: each name with its compone
         StateDictError,
     )
     from memopt_core.formats import StateSpec
+    from memopt_core.fp32_state import get_fp32_model_state_dict, set_fp32_model_state_dict
     from memopt_core.optimizer import MemOptimizer
     from memopt_ecc import (
         FlashAdam,
@@ -39,8 +40,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: each name with its compone
         FlashSGDW,
         cast_model,
         enable_gradient_release,
-        get_fp32_model_state_dict,
-        set_fp32_model_state_dict,
     )
     from memopt_offload import AdamBridge
 
@@ -62,8 +61,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "FlashLion": ("memopt_ecc", "memopt-ecc"),
     "cast_model": ("memopt_ecc", "memopt-ecc"),
     "enable_gradient_release": ("memopt_ecc", "memopt-ecc"),
-    "get_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
-    "set_fp32_model_state_dict": ("memopt_ecc", "memopt-ecc"),
+    "get_fp32_model_state_dict": ("memopt_core.fp32_state", "memopt-core"),
+    "set_fp32_model_state_dict": ("memopt_core.fp32_state", "memopt-core"),
     "AdamBridge": ("memopt_offload", "memopt-offload"),
     "ApexW": ("memopt_apexw", "memopt-apexw"),
     "OffloadError": ("memopt_core.errors", "memopt-core"),
@@ -129,12 +128,7 @@ def _import(module: str, what: str, dist: str) -> Any:
 
 def __getattr__(name: str) -> Any:
     if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
-        if not _installed("memopt_checkpoint"):
-            raise ImportError(
-                "memopt.checkpoint needs the memopt-checkpoint package (from a checkout: pip "
-                "install packages/memopt-checkpoint)"
-            )
-        return importlib.import_module("memopt.checkpoint")
+        return importlib.import_module("memopt.checkpoint")  # which says what is missing
     if name not in _EXPORTS:
         raise AttributeError(f"module 'memopt' has no attribute {name!r}")
     module, dist = _EXPORTS[name]
@@ -144,4 +138,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*__all__, *(["checkpoint"] if _installed("memopt_checkpoint") else [])])

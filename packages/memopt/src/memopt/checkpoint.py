@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
-from memopt_checkpoint import (
+from memopt import _import
+
+# both import forms (``memopt.checkpoint`` and ``from memopt.checkpoint import save``) come
+# here: a missing memopt-checkpoint is an ImportError saying what to install
+_import("memopt_checkpoint", "memopt.checkpoint", "memopt-checkpoint")
+
+from memopt_checkpoint import (  # noqa: E402
     CheckpointError,
     StateDictError,
     check_dcp_load,
