@@ -447,6 +447,11 @@ def _validated_entry(kind: str, key: Any, gi: int, p: Tensor, entry: Any) -> dic
         if not isinstance(value, Tensor) or not value.is_floating_point():
             got = f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
             raise StateDictError(f"state {name!r} of {label} must be a floating tensor, got {got}")
+        if value.is_meta:  # as MemOptimizer.load_state_dict says it
+            raise StateDictError(
+                f"state {name!r} of {label} is on the meta device and holds no values (a state "
+                "dict built under a meta device context?)"
+            )
         if tuple(value.shape) != tuple(p.shape):
             raise StateDictError(
                 f"state {name!r} of {label} has shape {tuple(value.shape)}; the parameter's is "
