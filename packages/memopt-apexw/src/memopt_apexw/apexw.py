@@ -212,9 +212,7 @@ class ApexW(MemOptimizer):
                 "converts saved states between formats)"
             )
         if g["moments"] not in STATES:
-            raise ConfigError(
-                f"ApexW keeps moments in {STATES}; param group {where} asks for {g['moments']!r}"
-            )
+            raise ConfigError(f"ApexW keeps moments in {STATES}; {where} asks for {g['moments']!r}")
         if g["master"] not in _MASTERS:
             raise ConfigError(
                 f"ApexW keeps bfloat16 masters as {_MASTERS}; {where} asks for {g['master']!r}"
