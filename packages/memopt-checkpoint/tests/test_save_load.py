@@ -759,3 +759,31 @@ def test_fp32_export_of_ecc_masters_needs_no_memopt_ecc(tmp_path, monkeypatch):
             if k in params:
                 assert torch.equal(v, fp32_master(o, params[k]).cpu()), k
     assert not torch.equal(got["mid.weight"], bf16.mid.weight.float())  # the code counted
+
+
+def test_state_dict_entries_save_does_not_store_are_refused(tmp_path):
+    """A state-dict post hook's top-level entry was dropped silently, and the matching load
+    hook failed later with a bare KeyError (adversarial testing, 2026-12-04)."""
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 1)
+    handle = opt.register_state_dict_post_hook(lambda o, sd: sd.update(ema_decay=0.99))
+    with pytest.raises(ConfigError, match=r"top-level entries \['ema_decay'\] .*extra="):
+        save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    assert not (tmp_path / "ck.mopt").exists()
+    handle.remove()
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt, extra={"ema_decay": 0.99})
+    assert load(tmp_path / "ck.mopt", model=model, optimizer=opt) == {"ema_decay": 0.99}
+
+
+def test_tuple_hyperparameters_load_back_as_tuples(tmp_path):
+    """JSON keeps no tuples: Rprop's etas and step_sizes came back as lists (only betas was
+    converted; adversarial testing, 2026-12-04)."""
+    model = Net()
+    opt = torch.optim.Rprop(model.parameters(), etas=(0.4, 1.3))
+    train(model, opt, 1)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    twin = torch.optim.Rprop(model.parameters())
+    load(tmp_path / "ck.mopt", model=model, optimizer=twin)
+    assert twin.param_groups[0]["etas"] == (0.4, 1.3)
+    assert twin.param_groups[0]["step_sizes"] == opt.param_groups[0]["step_sizes"]
+    assert isinstance(twin.param_groups[0]["step_sizes"], tuple)

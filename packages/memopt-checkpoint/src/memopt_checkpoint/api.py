@@ -225,6 +225,13 @@ def save(
         names = _param_names(model, optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         sd = optimizer.state_dict()
+        unknown = sorted((k for k in sd if k not in ("state", "param_groups", "memopt")), key=str)
+        if unknown:  # never dropped silently: a load hook expecting them would fail later
+            raise ConfigError(
+                f"optimizer.state_dict() has top-level entries {unknown} besides 'state' and "
+                "'param_groups' (added by a state-dict post hook?), which save does not store: "
+                "pass their values through extra= and put them back after load"
+            )
         groups = []
         for gi, g in enumerate(sd["param_groups"]):
             out = {
@@ -508,8 +515,9 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
                 f"{extra[:8]} that the optimizer's group does not"
             )
         g = {k: _restored(v, reader) for k, v in saved.items() if k != "params"}
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
+        for k, v in g.items():  # JSON has no tuples: betas, Rprop's etas, Adafactor's eps
+            if isinstance(v, list) and (k == "betas" or isinstance(group.get(k), tuple)):
+                g[k] = tuple(v)
         g["params"] = [index[n] for n in mine]  # torch maps saved ids to params by position
         groups.append(g)
     state: dict[int, dict[str, Any]] = {}
