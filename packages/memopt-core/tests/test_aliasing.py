@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt_core.aliasing import check_aliasing, check_parameters_apart
+from memopt_core.aliasing import check_aliasing, check_parameters_apart, clear_of, sorted_extents
 from memopt_core.errors import ConfigError
 from memopt_core.plan import overlaps_itself
 
@@ -75,3 +75,30 @@ def test_expanded_parameter_refused():
     p = torch.zeros(1).expand(4)
     with pytest.raises(ConfigError, match="share memory"):
         check_parameters_apart([(p, "p")], [])
+
+
+def test_clear_of_finds_every_overlap_with_sorted_extents():
+    """The cached step's check of moved gradients: against brute force over random ranges."""
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        cuts = sorted(torch.randint(0, 4096, (8,), generator=gen).tolist())
+        written = [buf[a:b] for a, b in zip(cuts[::2], cuts[1::2], strict=True)]
+        ext = sorted_extents(written[::-1])  # any order in
+        reads = []
+        for _ in range(3):
+            a, b = sorted(torch.randint(0, 4096, (2,), generator=gen).tolist())
+            reads.append(buf[a:b])
+        want = not any(
+            r.numel()
+            and w.numel()
+            and r.data_ptr() < w.data_ptr() + w.nbytes
+            and w.data_ptr() < r.data_ptr() + r.nbytes
+            for r in reads
+            for w in written
+        )
+        nbytes = torch.tensor([r.nbytes for r in reads], dtype=torch.int64)
+        assert clear_of(ext, [r.data_ptr() for r in reads], nbytes) == want
+    assert sorted_extents([buf[::2]]) is None  # strided: no exact extent
+    assert not clear_of(None, [buf.data_ptr()], torch.tensor([1]))
+    assert clear_of(sorted_extents([buf[:8]]), [], torch.tensor([], dtype=torch.int64))

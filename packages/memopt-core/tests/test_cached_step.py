@@ -394,6 +394,91 @@ def run_transposed_gradient_beside_a_strided_one(backend):
     _run_layout_change(backend, change)
 
 
+def run_step_count_edited_in_place(backend):
+    """One parameter's count restarted in place (``state[p]["step"].zero_()``, with its moments):
+    no write counter sees it, and the replay counted the whole work from its first parameter,
+    so the restarted parameter took step 4's bias corrections (adversarial testing,
+    2026-12-04). The ordinary step splits the work by count; the replay must equal it."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    for ps, o in ((a, opt), (b, ref)):
+        state = o.state[ps[3]]
+        for k in ("step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+            state[k].zero_()
+    for step in range(4, 7):
+        step_both(a, b, opt, ref, step)
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
+    assert float(opt.state[a[3]]["step"]) == 3
+    assert float(opt.state[a[0]]["step"]) == 6
+
+
+def run_parameter_replaced_over_its_memory(backend):
+    """A group's parameter replaced by a new tensor over the same memory
+    (``group["params"][i] = nn.Parameter(p.data)``): the same address, size and dtype, so the
+    replay kept updating the old tensor's state, where the ordinary step (as torch) starts the
+    new one fresh (adversarial testing, 2026-12-04)."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    for ps, o in ((a, opt), (b, ref)):
+        new = torch.nn.Parameter(ps[3].data)
+        new.grad = ps[3].grad
+        o.param_groups[0]["params"][3] = new
+        ps[3] = new
+    for step in range(4, 7):
+        step_both(a, b, opt, ref, step)
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
+    assert float(opt.state[a[3]]["step"]) == 3
+
+
+def run_gradient_cut_at_its_address(backend):
+    """``p.grad.data = p.grad.data[:n]`` (the .grad setter checks shapes, .data does not): the
+    replay read the old size from the same address (a prepared launch), or failed deep in the
+    torch backend after another work had stepped; the ordinary step refuses it, changing
+    nothing (adversarial testing, 2026-12-04)."""
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays > 0
+    set_grads(a, 4)
+    a[3].grad.data = a[3].grad.data[:10]
+    before = [bits(q).clone() for q in a]
+    with pytest.raises(ConfigError, match=r"has a gradient of shape \(10,\)"):
+        opt.step()
+    assert all(torch.equal(bits(q), x) for q, x in zip(a, before, strict=True))
+    assert float(opt.state[a[0]]["step"]) == 3
+
+
+def run_gradient_moved_onto_another_parameter(backend):
+    """A gradient that is another parameter's memory (``p4.grad = p3.detach()[:33]``) at a
+    replay whose gradients moved: the kernel would read it while writing p3. Triton followed
+    moved gradients without the aliasing check (adversarial testing, 2026-12-04); the replay
+    must do what the ordinary step does (refuse it where that does, changing nothing)."""
+    a, b, opt, ref = pair("sgd-plain", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step, in_place=False)
+    assert opt._cached_steps[None].replays > 0
+    outcomes = []
+    for ps, o in ((a, opt), (b, ref)):
+        set_grads(ps, 4, in_place=False)
+        ps[4].grad = ps[3].detach()[:33]
+        before = [bits(q).clone() for q in ps]
+        try:
+            o.step()
+            outcomes.append(None)
+        except ConfigError as e:
+            outcomes.append(str(e))
+            assert all(torch.equal(bits(q), x) for q, x in zip(ps, before, strict=True))
+    assert outcomes[0] == outcomes[1]
+    if outcomes[0] is None:
+        assert_same_optimizers(a, b, opt, ref, "step 4")
+    else:
+        assert "share memory" in outcomes[0]
+
+
 #: what a prepared launch fixed (addresses, gradient dtype, arenas, momentum buffer) changing
 ADDRESS_SCENARIOS = [
     run_new_gradient_addresses,
@@ -407,6 +492,10 @@ ADDRESS_SCENARIOS = [
     run_transposed_gradient_at_its_address,
     run_transposed_parameter_at_its_address,
     run_transposed_gradient_beside_a_strided_one,
+    run_step_count_edited_in_place,
+    run_parameter_replaced_over_its_memory,
+    run_gradient_cut_at_its_address,
+    run_gradient_moved_onto_another_parameter,
 ]
 SCENARIOS = [run_lr_schedule, run_mixed_dtypes_in_a_group, *ADDRESS_SCENARIOS]
 

@@ -23,7 +23,14 @@ from torch import Tensor
 from memopt_core.errors import ConfigError
 from memopt_core.plan import element_offsets, overlaps_itself
 
-__all__ = ["Label", "check_aliasing", "check_parameters_apart", "labelled_parameters"]
+__all__ = [
+    "Label",
+    "check_aliasing",
+    "check_parameters_apart",
+    "clear_of",
+    "labelled_parameters",
+    "sorted_extents",
+]
 
 #: An error message's name for a tensor, or a callable that makes it (only an error needs it).
 Label = str | Callable[[], str]
@@ -167,3 +174,39 @@ def check_parameters_apart(
                 "(p.data = p.data.clone())"
             )
     check_aliasing(new + [(t, what) for t, what in held if _addressable(t)], [])
+
+
+def sorted_extents(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor] | None:
+    """The byte ranges of ``tensors`` (which :func:`check_aliasing` found apart) as int64 starts
+    and ends sorted by start, for :func:`clear_of`; empty tensors left out. None when one is
+    strided (its range is no exact extent)."""
+    if not all(map(Tensor.is_contiguous, tensors)):
+        return None
+    tensors = [t for t in tensors if t.numel()]
+    starts = torch.tensor(list(map(Tensor.data_ptr, tensors)), dtype=torch.int64)
+    ends = starts + torch.tensor(list(map(_NBYTES, tensors)), dtype=torch.int64)
+    order = torch.argsort(starts)
+    return starts[order], ends[order]
+
+
+def clear_of(
+    extents: tuple[Tensor, Tensor] | None, addresses: Sequence[int], nbytes: Tensor
+) -> bool:
+    """Whether the byte ranges ``[addresses[i], addresses[i] + nbytes[i])`` (of contiguous
+    tensors) miss every range of :func:`sorted_extents` (False when ``extents`` is None: the
+    caller checks with :func:`check_aliasing` then). A cached step's check of gradients that
+    moved against what its launch writes: a few vectorized operations, no per-tensor Python
+    call and no sort of the gradients.
+
+    The ranges do not overlap one another, so sorted by start their ends are sorted too, and
+    the only one that can overlap ``[a, b)`` among those starting before ``b`` is the last."""
+    if extents is None:
+        return False
+    starts, ends = extents
+    if not len(starts) or not addresses:
+        return True
+    a = torch.tensor(addresses, dtype=torch.int64)
+    b = a + nbytes
+    before = torch.searchsorted(starts, b)  # how many ranges start before each b
+    last_end = ends[(before - 1).clamp(min=0)]
+    return not bool(((before > 0) & (last_end > a) & (b > a)).any())

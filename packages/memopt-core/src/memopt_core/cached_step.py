@@ -13,18 +13,30 @@ costs no preparation). ``MemOptimizer._replay`` then recomputes only the scalars
 edited hyperparameters take effect), launches and advances the counters.
 
 :meth:`CachedStep.current_grads` is the check before every replay: the same param group objects
-and lengths, the same resolution keys (backend choice, formats, kernel variants: what
+and lengths, the same parameter objects in them (``group["params"][i] = nn.Parameter(p.data)``
+keeps the address, and the new tensor starts from fresh state), the same resolution keys
+(backend choice, formats, kernel variants: what
 ``MemOptimizer._resolution_keys`` returns), every parameter at its address, of its number of
 elements (``p.data = p.data[:n]`` keeps the address; a prepared launch would write the old
 size) and of its dtype (a new tensor of another dtype can land where the allocator freed the
 old one: the kernels would write the old dtype's bytes into it), every gradient of
-its dtype (or still None): the ECC family takes float32 gradients of bfloat16 parameters, and a
-launch prepared for one gradient dtype must not read the other; and every parameter and
+its dtype (or still None) and number of elements (``p.grad.data = p.grad.data[:n]``: the
+``.grad`` setter checks shapes, ``.data`` does not): the ECC family takes float32 gradients of
+bfloat16 parameters, and a launch prepared for one gradient dtype must not read the other; and
+every parameter and
 gradient that was contiguous still contiguous (``p.grad = p.grad.t()`` or ``p.data =
 p.data.t()`` on a square parameter keeps the address, dtype and size, and a prepared launch would
 read or write the memory in the old order).
 Addresses, not tensors, are kept: holding gradients between steps would keep a whole model's
-freed gradients alive.
+freed gradients alive. Then :meth:`CachedStep.counts_even`: each work's parameters still at
+one step count (host counters; an in-place ``state[p]["step"].zero_()`` is seen by no write
+counter, and the replay counts a work from its first parameter), one vectorized comparison
+per work.
+
+Gradients that moved are checked against the memory the launch writes before a prepared
+launch follows them (:meth:`CachedEntry.grads_apart`: ``p1.grad = p0.detach()`` would have the
+kernel read a gradient another program writes); where they may share memory the backend's
+``prepare`` checks exactly, and refuses, as the ordinary step does.
 
 Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
 default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
@@ -50,14 +62,16 @@ ordinary steps), so a loop whose gradients move every step pays little for the a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, is_, itemgetter
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from memopt_core import backends
+from memopt_core.aliasing import clear_of, sorted_extents
 
 __all__ = [
     "CachedEntry",
@@ -65,6 +79,7 @@ __all__ = [
     "contiguous_positions",
     "grad_addresses",
     "grad_dtypes",
+    "grad_sizes",
     "param_addresses",
     "param_dtypes",
     "param_sizes",
@@ -76,6 +91,7 @@ _PARAMS = itemgetter("params")
 _DTYPE = attrgetter("dtype")
 _DATA_PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
+_NBYTES = attrgetter("nbytes")
 _CONTIGUOUS = Tensor.is_contiguous
 
 
@@ -125,6 +141,14 @@ def param_dtypes(params: Sequence[Tensor]) -> tuple[Any, ...]:
     return tuple(map(_DTYPE, params))
 
 
+def grad_sizes(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
+    """Numbers of elements of ``grads`` (-1 for None)."""
+    try:
+        return tuple(map(_NUMEL, grads))  # a C-level loop: the common case
+    except TypeError:  # some gradient is None
+        return tuple(-1 if g is None else g.numel() for g in grads)
+
+
 def grad_dtypes(grads: Sequence[Tensor | None]) -> tuple[Any, ...]:
     """Dtypes of ``grads`` (None for None)."""
     try:
@@ -143,6 +167,45 @@ class CachedEntry:
     counters: Any  # the optimizer's plan entry: its ``steps`` hold the work's step counters
     positions: tuple[int, ...] | None  # where work.params sit in their group (None: all, in order)
     prepared: Any = None  # the backend's prepared launch, or None (then backend.step(work))
+
+    #: the byte ranges the work's launch writes (parameters, state) and its gradients' sizes
+    #: in bytes (fixed: the cached step checks them), for :meth:`grads_apart`
+    _written: tuple[tuple[Tensor, Tensor] | None, Tensor] | None = field(
+        default=None, init=False, repr=False
+    )
+    #: (counters tensor, two views of it offset by one) for :meth:`counts_even`
+    _shifted: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False)
+
+    def grads_apart(self) -> bool:
+        """Whether the work's gradients (moved since the launch was prepared) share no memory
+        with what it writes: ``p1.grad = p0.detach()`` would have the kernel read a gradient
+        that another program is writing. False also when unsure (the backend's ``prepare``
+        then checks exactly, as the ordinary step does, and refuses a race). The written
+        ranges are fixed while the cached step lives (its check holds the parameters at their
+        addresses; the state arenas do not move)."""
+        grads = self.work.grads
+        if self._written is None:
+            self._written = (
+                sorted_extents([*self.work.params, *self.work.arena.tensors()]),
+                torch.tensor(list(map(_NBYTES, grads)), dtype=torch.int64),
+            )
+        # a strided gradient is refused by with_grads itself (prepared again)
+        return clear_of(self._written[0], tuple(map(_DATA_PTR, grads)), self._written[1])
+
+    def counts_even(self) -> bool:
+        """Whether the work's parameters still hold one step count (host counters). No write
+        counter sees an in-place edit of one ``state[p]["step"]`` (``zero_()`` to restart a
+        parameter), and a replay counts the work as one from its first parameter's count."""
+        slots = self.work.slots
+        if len(slots) < 2:
+            return True
+        steps = self.counters.steps
+        if not self.work.full:  # a subset: gathered (rare: parameters without gradients)
+            picked = steps[torch.tensor(slots)]
+            return torch.equal(picked[1:], picked[:-1])
+        if self._shifted is None or self._shifted[0] is not steps:
+            self._shifted = (steps, steps[1:], steps[:-1])  # views: they see later edits
+        return torch.equal(self._shifted[1], self._shifted[2])
 
     @property
     def last_step(self) -> int:
@@ -178,16 +241,23 @@ class CachedStep:
             (sum(self._counts[:gi]), sum(self._counts[: gi + 1])) for gi in range(len(groups))
         ]
         params = _all_params(groups)
+        self._params = params  # the optimizer holds them anyway
         self._pptrs = param_addresses(params)
         self._psizes = param_sizes(params)
         self._pdtypes = param_dtypes(params)
         self._pcontig = contiguous_positions(params)
         grads = list(map(_GRAD, params))
         self._gptrs = grad_addresses(grads)
+        self._gsizes = grad_sizes(grads)
         self._dtypes = grad_dtypes(grads)
         self._gcontig = contiguous_positions(grads)
         #: the parameters the works update: a replay advances all of their step counters
         self.participants = frozenset(id(p) for e in entries for p in e.work.param_owners)
+
+    def counts_even(self) -> bool:
+        """Whether every work's parameters still hold one step count
+        (:meth:`CachedEntry.counts_even`), as the ordinary step that built it grouped them."""
+        return all(e.counts_even() for e in self.entries)
 
     def splits(self, ids: frozenset[int] | set[int]) -> bool:
         """Whether advancing the step counters of the parameters ``ids`` (and no others) would
@@ -213,6 +283,9 @@ class CachedStep:
         if list(map(len, map(_PARAMS, groups))) != self._counts:
             return None
         params = _all_params(groups)
+        if not all(map(is_, params, self._params)):
+            return None  # another tensor in a group's list, possibly over the same memory
+            # (``group["params"][i] = nn.Parameter(p.data)``): it starts from fresh state
         try:
             if param_addresses(params) != self._pptrs:
                 return None
@@ -228,6 +301,9 @@ class CachedStep:
             grads = list(map(_GRAD, params))
             if grad_dtypes(grads) != self._dtypes:  # None where None, as before
                 return None
+            if grad_sizes(grads) != self._gsizes:
+                return None  # ``p.grad.data = smaller`` (the .grad setter checks shapes, .data
+                # does not): a prepared launch would read the old size
             if not still_contiguous(grads, self._gcontig):
                 return None  # likewise ``p.grad = p.grad.t()``, read in the old order
             gptrs = grad_addresses(grads)
@@ -250,6 +326,8 @@ class CachedStep:
             if e.prepared is None or e.group_index not in self._moved:
                 continue
             with_grads = None if self.follow_by_prepare else getattr(e.prepared, "with_grads", None)
+            if with_grads is not None and not e.grads_apart():
+                with_grads = None  # prepared again: its validation refuses shared memory
             prepared = with_grads(e.work.grads) if with_grads is not None else None
             if prepared is None:  # no shortcut (or a strided gradient): resolve the work again
                 prepared = e.backend.prepare(e.work)

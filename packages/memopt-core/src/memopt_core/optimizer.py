@@ -1822,6 +1822,8 @@ class MemOptimizer(Optimizer):
             del self._cached_steps[key]
             return False
         grads = cached.current_grads(self.param_groups, self._resolution_keys())
+        if grads is not None and amp is None and not cached.counts_even():
+            grads = None  # a count edited in place: the ordinary step splits the works by count
         if grads is None:
             del self._cached_steps[key]
             if cached.replays == 0 and amp is None:  # back off exponentially, up to 31 steps
