@@ -13,7 +13,9 @@ validation (the uncached path), not at every replay.
 from __future__ import annotations
 
 import operator
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -176,37 +178,34 @@ def check_parameters_apart(
     check_aliasing(new + [(t, what) for t, what in held if _addressable(t)], [])
 
 
-def sorted_extents(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor] | None:
-    """The byte ranges of ``tensors`` (which :func:`check_aliasing` found apart) as int64 starts
-    and ends sorted by start, for :func:`clear_of`; empty tensors left out. None when one is
-    strided (its range is no exact extent)."""
+def sorted_extents(tensors: Sequence[Tensor]) -> tuple[list[int], list[int]] | None:
+    """The byte ranges of ``tensors`` (which :func:`check_aliasing` found apart) as starts and
+    ends sorted by start, after a sentinel range below every address, for :func:`clear_of`;
+    empty tensors left out. None when one is strided (its range is no exact extent)."""
     if not all(map(Tensor.is_contiguous, tensors)):
         return None
     tensors = [t for t in tensors if t.numel()]
-    starts = torch.tensor(list(map(Tensor.data_ptr, tensors)), dtype=torch.int64)
-    ends = starts + torch.tensor(list(map(_NBYTES, tensors)), dtype=torch.int64)
-    order = torch.argsort(starts)
-    return starts[order], ends[order]
+    starts = list(map(Tensor.data_ptr, tensors))
+    ranges = sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
+    # ends one place further than their starts: ends[bisect_left(starts, b)] is the end of the
+    # last range starting before b, without a subtraction pass
+    return [-1, *(a for a, _ in ranges)], [-1, -1, *(b for _, b in ranges)]
 
 
 def clear_of(
-    extents: tuple[Tensor, Tensor] | None, addresses: Sequence[int], nbytes: Tensor
+    extents: tuple[list[int], list[int]] | None, addresses: Sequence[int], nbytes: Sequence[int]
 ) -> bool:
     """Whether the byte ranges ``[addresses[i], addresses[i] + nbytes[i])`` (of contiguous
     tensors) miss every range of :func:`sorted_extents` (False when ``extents`` is None: the
-    caller checks with :func:`check_aliasing` then). A cached step's check of gradients that
-    moved against what its launch writes: a few vectorized operations, no per-tensor Python
-    call and no sort of the gradients.
+    caller checks with :func:`check_aliasing` then; an empty range inside one counts as a
+    hit). A cached step's check of gradients that moved against what its launch writes: C-level
+    passes (a binary search each), no per-tensor Python call and no sort of the gradients.
 
     The ranges do not overlap one another, so sorted by start their ends are sorted too, and
-    the only one that can overlap ``[a, b)`` among those starting before ``b`` is the last."""
+    the only one that can overlap ``[a, b)`` among those starting before ``b`` is the last (the
+    sentinel when none does)."""
     if extents is None:
         return False
     starts, ends = extents
-    if not len(starts) or not addresses:
-        return True
-    a = torch.tensor(addresses, dtype=torch.int64)
-    b = a + nbytes
-    before = torch.searchsorted(starts, b)  # how many ranges start before each b
-    last_end = ends[(before - 1).clamp(min=0)]
-    return not bool(((before > 0) & (last_end > a) & (b > a)).any())
+    before = map(bisect_left, repeat(starts), map(operator.add, addresses, nbytes))
+    return not any(map(operator.gt, map(operator.getitem, repeat(ends), before), addresses))

@@ -170,13 +170,13 @@ class CachedEntry:
 
     #: the byte ranges the work's launch writes (parameters, state) and its gradients' sizes
     #: in bytes (fixed: the cached step checks them), for :meth:`grads_apart`
-    _written: tuple[tuple[Tensor, Tensor] | None, Tensor] | None = field(
+    _written: tuple[tuple[list[int], list[int]] | None, tuple[int, ...]] | None = field(
         default=None, init=False, repr=False
     )
     #: (counters tensor, two views of it offset by one) for :meth:`counts_even`
     _shifted: tuple[Tensor, Tensor, Tensor] | None = field(default=None, init=False, repr=False)
 
-    def grads_apart(self) -> bool:
+    def grads_apart(self, addresses: Sequence[int] | None = None) -> bool:
         """Whether the work's gradients (moved since the launch was prepared) share no memory
         with what it writes: ``p1.grad = p0.detach()`` would have the kernel read a gradient
         that another program is writing. False also when unsure (the backend's ``prepare``
@@ -187,10 +187,12 @@ class CachedEntry:
         if self._written is None:
             self._written = (
                 sorted_extents([*self.work.params, *self.work.arena.tensors()]),
-                torch.tensor(list(map(_NBYTES, grads)), dtype=torch.int64),
+                tuple(map(_NBYTES, grads)),
             )
         # a strided gradient is refused by with_grads itself (prepared again)
-        return clear_of(self._written[0], tuple(map(_DATA_PTR, grads)), self._written[1])
+        if addresses is None:
+            addresses = tuple(map(_DATA_PTR, grads))
+        return clear_of(self._written[0], addresses, self._written[1])
 
     def counts_even(self) -> bool:
         """Whether the work's parameters still hold one step count (host counters). No write
@@ -326,13 +328,21 @@ class CachedStep:
             if e.prepared is None or e.group_index not in self._moved:
                 continue
             with_grads = None if self.follow_by_prepare else getattr(e.prepared, "with_grads", None)
-            if with_grads is not None and not e.grads_apart():
+            if with_grads is not None and not e.grads_apart(self._work_addresses(e)):
                 with_grads = None  # prepared again: its validation refuses shared memory
             prepared = with_grads(e.work.grads) if with_grads is not None else None
             if prepared is None:  # no shortcut (or a strided gradient): resolve the work again
                 prepared = e.backend.prepare(e.work)
             e.prepared = prepared if prepared is not None and prepared.reusable else None
         self._settle_moved()
+
+    def _work_addresses(self, e: CachedEntry) -> tuple[int, ...] | None:
+        """The addresses of ``e``'s gradients where the last check read them (a work over its
+        whole group, in order), else None."""
+        if e.positions is not None:
+            return None
+        a, b = self._spans[e.group_index]
+        return self._new_gptrs[a:b]
 
     def _settle_moved(self) -> None:
         """The prepared launches read the moved gradients: compare with those from now on."""
