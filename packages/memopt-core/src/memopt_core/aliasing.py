@@ -80,13 +80,21 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
 _NBYTES = attrgetter("nbytes")
 
 
+def _sorted_ranges(tensors: Sequence[Tensor]) -> list[tuple[int, int]] | None:
+    """The byte ranges ``(start, stop)`` of contiguous ``tensors``, sorted by start, in
+    C-level passes; None when one is strided (its range is no exact extent)."""
+    if not all(map(Tensor.is_contiguous, tensors)):
+        return None
+    starts = list(map(Tensor.data_ptr, tensors))
+    return sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
+
+
 def _any_extents_overlap(tensors: list[Tensor]) -> bool:
     """Whether any two of ``tensors``' byte ranges overlap (a strided tensor counts as
     overlapping: the exact check decides). A sort and one scan, no per-tensor Python call."""
-    if not all(map(Tensor.is_contiguous, tensors)):
+    ranges = _sorted_ranges(tensors)
+    if ranges is None:
         return True
-    starts = list(map(Tensor.data_ptr, tensors))
-    ranges = sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
     end = 0
     for start, stop in ranges:
         if start < end and start < stop:  # an empty tensor shares nothing
@@ -182,11 +190,9 @@ def sorted_extents(tensors: Sequence[Tensor]) -> tuple[list[int], list[int]] | N
     """The byte ranges of ``tensors`` (which :func:`check_aliasing` found apart) as starts and
     ends sorted by start, after a sentinel range below every address, for :func:`clear_of`;
     empty tensors left out. None when one is strided (its range is no exact extent)."""
-    if not all(map(Tensor.is_contiguous, tensors)):
+    ranges = _sorted_ranges([t for t in tensors if t.numel()])
+    if ranges is None:
         return None
-    tensors = [t for t in tensors if t.numel()]
-    starts = list(map(Tensor.data_ptr, tensors))
-    ranges = sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
     # ends one place further than their starts: ends[bisect_left(starts, b)] is the end of the
     # last range starting before b, without a subtraction pass
     return [-1, *(a for a, _ in ranges)], [-1, -1, *(b for _, b in ranges)]
