@@ -1,7 +1,8 @@
 """AdamBridge in the cases an audit found wrong: a step retried after an error, reads between
 backward and step_sync, resume with overlapping clipping, frozen parameters at attach time,
 double backward, a backward that raised, MultiheadAttention under overlap_forward, gradients
-after the hook took one, and unsupported group flags. Each test fails on the code before."""
+after the hook took one, unsupported group flags, weights written by the caller after the
+optimizer was built, hooks registered after AdamBridge's. Each test fails on the code before."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import time
 
 import pytest
 import torch
-from offload_testutil import assert_same_params
+from offload_testutil import (
+    Reference,
+    assert_same_params,
+    batch,
+    both_updates,
+    loss_of,
+    make_model,
+)
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_offload import AdamBridge
@@ -190,6 +198,92 @@ def test_a_gradient_after_the_hook_took_one_is_an_error():
         second.backward()
     with pytest.raises(OffloadError, match="arrived twice"):
         opt.step_sync()
+
+
+@both_updates()
+def test_a_gradient_after_the_hook_took_one_is_an_error_for_both_updates(device, precision, update):
+    """update="device" read the gradient when its bucket ran, on another thread: a backward
+    inside no_update() after the step's last one was added into the update, or left in p.grad
+    for the next step, depending on the race (never refused)."""
+    model = torch.nn.Linear(4, 4, bias=False).to(device, torch.bfloat16)
+    opt = AdamBridge(model.parameters(), lr=0.1, precision=precision, update=update)
+    opt.attach_hooks(model)
+    x = torch.ones(2, 4, device=device, dtype=torch.bfloat16)
+    first, second = model(x).sum(), (-3 * model(x)).sum()
+    first.backward()
+    assert model.weight.grad is None  # taken by the hook at once
+    with opt.no_update():
+        second.backward()
+    with pytest.raises(OffloadError, match="arrived twice"):
+        opt.step_sync()
+
+
+@both_updates()
+def test_a_hook_registered_after_attach_hooks_sees_no_gradient(device, precision, update):
+    """AdamBridge's hook takes the gradient at once: a hook registered after it sees None, and
+    the bucket size changes nothing (update="host" freed gradients when their bucket left, so
+    with large buckets such a hook's in-place change was applied and with small ones not)."""
+    results = []
+    for bucket_mb in (1e-6, 64.0):
+        model = make_model(device)
+        opt = AdamBridge(
+            model.parameters(), lr=1e-2, precision=precision, update=update, bucket_mb=bucket_mb
+        )
+        opt.attach_hooks(model)
+        seen = []
+
+        def later(p, seen=seen):
+            seen.append(p.grad is not None)
+            if p.grad is not None:
+                p.grad.mul_(0.0)
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(later)
+        for t in range(2):
+            loss_of(model, batch(t, device)).backward()
+            opt.step_sync()
+        assert not any(seen), f"bucket_mb={bucket_mb}: a later hook saw a gradient"
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@both_updates()
+def test_weights_written_after_the_optimizer_was_built_are_trained(device, precision, update):
+    """update="host" copied each weight into its host master once, when the group was added: a
+    model.load_state_dict() after building the optimizer (the usual way to load pretrained
+    weights), an nn.init call or ``p.data = t`` were overwritten by the next upload. Each write
+    now reaches the master (an ECC-24 master keeps its code, as memopt-ecc's weights written in
+    place do): the same bits as the reference given the same writes."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    model.load_state_dict(make_model(device, seed=7).state_dict())
+    ref_model = copy.deepcopy(model)
+    ref = Reference(ref_model, precision, lr=1e-2)
+    new = torch.Generator().manual_seed(3)
+
+    def write(how):
+        p, q = model[0].weight, ref_model[0].weight
+        value = torch.randn(p.shape, generator=new).to(device, p.dtype)
+        with torch.no_grad():
+            if how == "copy_":
+                p.copy_(value)
+            else:
+                p.data = value.clone()
+            q.copy_(value)
+            ref.masters[id(q)].copy_(value)
+
+    opt.attach_hooks(model)
+    for t in range(6):
+        if t == 2:
+            write("copy_")
+        if t == 4:
+            write("data")
+        loss_of(model, batch(t, device)).backward()
+        loss_of(ref_model, batch(t, device)).backward()
+        opt.step_sync()
+        ref.step()
+        ref_model.zero_grad()
+        assert_same_params(model, ref_model, f"step {t}")
 
 
 @pytest.mark.parametrize("flag", ["maximize", "amsgrad"])

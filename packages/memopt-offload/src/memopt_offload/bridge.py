@@ -48,6 +48,15 @@ weight in backward after the weight's gradient is final (rare) should use :meth:
 hooks; the in-place upload bumps the weight's version counter, so autograd reports such a read
 instead of using a changed value where it can.
 
+Weights written by the caller (``model.load_state_dict`` after the optimizer was built, an
+``nn.init`` call, ``p.copy_`` under ``no_grad``, ``p.data = t``) are what the next update
+starts from, as with a torch optimizer: ``update="host"`` compares each parameter's version
+counter and address with those of its last upload when its gradient arrives, and reads a
+changed weight into its master first (an ECC-24 master keeps its code, as a weight written in
+place under memopt-ecc does). Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version
+counter, so they are not seen: write the parameter itself under ``torch.no_grad()``.
+``update="device"`` updates the device weight itself, so it sees every write.
+
 Overlapping the next forward (``attach_hooks(model, overlap_forward=True)``): the host is
 usually behind when backward ends (the tied embedding of a language model, final only then, and
 whatever the host has not caught up with), and the next forward needs only one module's weights
@@ -155,6 +164,12 @@ _CLIP_MODES = ("wait", "overlap")
 _STATE_DICT_VERSION = 1
 
 
+def _written(p: Tensor) -> tuple[int, int]:
+    """What tells that ``p`` was written: its version counter (in-place writes) and address
+    (``p.data = t``)."""
+    return p._version, p.data_ptr()
+
+
 def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Zeroed host tensor whose pages the CPU kernels' threads touch first (NUMA locality)."""
     t = torch.empty(n, dtype=dtype, device=device)
@@ -230,6 +245,9 @@ class _Slot:
     label: str
     index: int  # position among all parameters of the optimizer (orders the norm's sum)
     pos: int = -1  # update="device": the parameter's position in the DeviceUpdater
+    # update="host": the parameter's (version counter, address) when its master last matched
+    # it (built from it, or uploaded to it); another value means the weight was written since
+    seen: tuple[int, int] = (-1, -1)
 
 
 class _Dispatcher:
@@ -444,16 +462,12 @@ class _Bucket:
     slots: list[_Slot] = field(default_factory=list)
     nbytes: int = 0
     event: Any = None  # torch.cuda.Event after the bucket's device-to-host copies
-    # until the bucket closes: the gradients to copy, and whether to free each after its copy
+    # until the bucket closes: the gradients to copy (taken off their parameters by the hooks)
     grads: list[Tensor] = field(default_factory=list)
-    free: list[bool] = field(default_factory=list)
     uploaded: Any = None  # torch.cuda.Event after the bucket's host-to-device copies
     hyper: dict[int, dict[str, Any]] = field(default_factory=dict)  # group -> lr, betas, ...
     done: bool = False  # set by the dispatcher once the update ran (or was skipped)
-    copied: bool = False  # the gradients are on their way to the host buffers (and freed)
-    # every gradient the bucket took, weakly (a freed one must not be kept alive): step() tells
-    # a gradient taken and left in place from one that came later
-    taken: list[weakref.ref] = field(default_factory=list)
+    copied: bool = False  # the gradients are on their way to the host buffers
 
     def ready(self) -> bool:
         """Whether the gradients are in host memory (the device-to-host copies finished)."""
@@ -763,6 +777,7 @@ class AdamBridge(Optimizer):
                     staging=None if s is None else pslab.view(s),
                     label=label,
                     index=index,
+                    seen=_written(p),
                 )
                 slots.append(slot)
                 masters.append(mt)
@@ -1040,6 +1055,9 @@ class AdamBridge(Optimizer):
     def _reset_pipeline(self) -> None:
         # parameter id -> its bucket: gradients taken but the step not closed yet
         self._pending: dict[int, _Bucket | None] = {}
+        # parameter id -> the gradient taken this step, weakly (a freed one must not be kept
+        # alive): step() tells a gradient taken and left in place from one that came later
+        self._taken: dict[int, weakref.ref[Tensor]] = {}
         # parameter id -> its bucket: updates of a closed step that no forward waited for yet
         # (overlap_forward)
         self._inflight: dict[int, _Bucket] = {}
@@ -1058,6 +1076,10 @@ class AdamBridge(Optimizer):
         weakref.finalize(self, remove_hooks, self._hooks)
         self._streams: tuple[Any, Any] | None = None
         self._prev_coef: float | None = None
+
+    def _clear_pending(self) -> None:
+        self._pending.clear()
+        self._taken.clear()
 
     def _norm_stream(self) -> contextlib.AbstractContextManager:
         """Where the step's total norm is read: on CUDA the copy stream, after the current one.
@@ -1103,24 +1125,38 @@ class AdamBridge(Optimizer):
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
             ]
+        self._taken[id(p)] = weakref.ref(g)
+        if free:
+            # taken now, not when the bucket leaves: a later backward (or a hook registered
+            # after AdamBridge's) sees no gradient, whatever the bucket size or update
+            p.grad = None
         if self._dev is not None:
             self._pending[id(p)] = None
             if self.max_grad_norm is not None:
                 self._norms[slot.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
-            for done in self._dev.arrived(slot.pos, free):
+            for done in self._dev.arrived(slot.pos, g):
                 self._dispatch(done)
             return
+        if _written(p) != slot.seen:
+            self._reread_master(slot)
         if self._bucket.copied:  # an interrupted close left it copied but not handed on
             self._close_bucket()
         bucket = self._bucket
         self._pending[id(p)] = bucket
         bucket.slots.append(slot)
         bucket.grads.append(g)
-        bucket.taken.append(weakref.ref(g))
-        bucket.free.append(free)
         bucket.nbytes += g.numel() * g.element_size()
         if bucket.nbytes >= self.bucket_bytes:
             self._close_bucket()
+
+    @staticmethod
+    def _reread_master(slot: _Slot) -> None:
+        """Start the update of a weight written since its last upload from the written value
+        (update="host"; see the module doc)."""
+        p = slot.param
+        with torch.no_grad():
+            slot.master.copy_(p.detach())  # an ECC-24 master: its bf16 half; the code stays
+        slot.seen = _written(p)
 
     @staticmethod
     def _check_grad(slot: _Slot, g: Tensor) -> None:
@@ -1129,6 +1165,12 @@ class AdamBridge(Optimizer):
             raise OffloadError(
                 f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
                 f"AdamBridge takes dense gradients of the parameter's dtype and shape"
+            )
+        if slot.grad is not None and p.shape != slot.grad.shape:  # p.data = t of a new shape
+            raise OffloadError(
+                f"{slot.label} has shape {tuple(p.shape)}, but its host state was built for "
+                f"{tuple(slot.grad.shape)}: reshaped after the optimizer was built. Build a "
+                "new optimizer (or add the parameter in a new param group) after reshaping"
             )
 
     def _copy_out(self, bucket: _Bucket) -> None:
@@ -1158,9 +1200,6 @@ class AdamBridge(Optimizer):
                 for s, g in zip(bucket.slots, grads, strict=True):
                     self._norms[s.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
             torch._foreach_copy_(hosts, grads)
-        for s, free in zip(bucket.slots, bucket.free, strict=True):
-            if free:
-                s.param.grad = None
         bucket.copied = True
         bucket.grads = []
 
@@ -1223,13 +1262,15 @@ class AdamBridge(Optimizer):
                 bucket.uploaded.record(h2d)
             else:
                 torch._foreach_copy_(weights, uploads)
+            for s in bucket.slots:  # the copies bumped the version counters
+                s.seen = _written(s.param)
 
     def _wait_all(self) -> None:
         err = self._dispatcher.wait()
         if err is not None:
             if self._dev is not None:
                 self._dev.abandon()
-            self._pending.clear()
+            self._clear_pending()
             self._inflight.clear()
             self._held.clear()
             raise OffloadError(
@@ -1269,7 +1310,7 @@ class AdamBridge(Optimizer):
             self._dev.finish()
         if self._cuda and self._streams is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._streams[1])
-        self._pending.clear()
+        self._clear_pending()
         self._inflight.clear()
 
     def synchronize(self) -> None:
@@ -1313,8 +1354,7 @@ class AdamBridge(Optimizer):
             if g is None:
                 continue
             if id(slot.param) in self._pending:
-                bucket = self._pending[id(slot.param)]
-                if bucket is not None and not any(r() is g for r in bucket.taken):
+                if self._taken[id(slot.param)]() is not g:
                     # the hook took one gradient and freed it; this one came later (a backward
                     # inside no_update()), and would be added to the next step's
                     raise OffloadError(
@@ -1331,7 +1371,7 @@ class AdamBridge(Optimizer):
         if self._overlap:
             self._close_step()
             self._inflight.update(self._pending)
-            self._pending.clear()
+            self._clear_pending()
         else:
             self._finish()
         return loss
@@ -1508,6 +1548,7 @@ class AdamBridge(Optimizer):
                 if slot.staging is not None:
                     slot.staging.copy_(slot.master)
                 slot.param.copy_(slot.upload)
+                slot.seen = _written(slot.param)
         self._load_clipping(meta)
 
     def _load_clipping(self, meta: Mapping[str, Any]) -> None:

@@ -98,7 +98,8 @@ class _Bucket:
 
 @dataclass
 class _StepState:
-    arrived: dict[int, bool] = field(default_factory=dict)  # position -> free its gradient
+    # position -> its final gradient, until its last piece ran (then None)
+    arrived: dict[int, Tensor | None] = field(default_factory=dict)
     ran: list[_Bucket] = field(default_factory=list)  # in the order they ran
     open: bool = False
     prefetch_at: int = 0  # next index into DeviceUpdater.order
@@ -286,11 +287,11 @@ class DeviceUpdater:
                 b.ready_event = ready
         return buckets
 
-    def arrived(self, pos: int, free: bool) -> list[_Bucket]:
-        """Parameter ``pos``'s gradient is final (``free``: drop it once used); returns the
-        buckets it completes."""
+    def arrived(self, pos: int, grad: Tensor) -> list[_Bucket]:
+        """Parameter ``pos``'s gradient ``grad`` is final (held until its update ran; the
+        caller takes it off the parameter); returns the buckets it completes."""
         self._open()
-        self._step.arrived[pos] = free
+        self._step.arrived[pos] = grad
         done = []
         for b in self.of_param[pos]:
             b.waiting -= 1
@@ -361,8 +362,8 @@ class DeviceUpdater:
         self._step.ran.append(b)
         grads: dict[int, Tensor] = {}
         for pos in b.members:
-            if pos in arrived:
-                g = self.params[pos].grad
+            g = arrived.get(pos)
+            if g is not None:
                 grads[pos] = g if g.is_contiguous() else g.contiguous()
         # each piece's range of its gradient; one work per step count (a parameter that missed
         # a step is one update behind)
@@ -407,8 +408,7 @@ class DeviceUpdater:
         for pos in grads:
             if all(x.ran for x in self.of_param[pos]):  # its last piece: the update is done
                 self.steps[pos] += 1
-                if arrived[pos]:
-                    self.params[pos].grad = None
+                arrived[pos] = None  # the gradient's memory goes now, not at the step's end
         self._prefetch()
 
     def _launch(self, b, staged, slots, pieces, group, step) -> None:
@@ -454,12 +454,8 @@ class DeviceUpdater:
         self._step = _StepState()
 
     def abandon(self) -> None:
-        """After a failed update: drop the step (its gradients too, so that the next backward
-        does not add to them) and the state staged for it; the step counts of the buckets
-        that did run stay advanced."""
-        for pos, free in self._step.arrived.items():
-            if free:
-                self.params[pos].grad = None
+        """After a failed update: drop the step (its gradients with it) and the state staged
+        for it; the step counts of the buckets that did run stay advanced."""
         for b in list(self._in_flight):
             if self._in_flight[b] is None:  # staged, never written back
                 b.staged = None
