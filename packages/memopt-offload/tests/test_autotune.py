@@ -237,6 +237,8 @@ def _with_config(**kw) -> dict:
         json.dumps(_with_config(host_gbs="fast")).encode(),
         json.dumps({**_good_file(), "config": None}).encode(),
         json.dumps(_with_config(num_threads=5000)).encode(),
+        # json reads it as an int too large for a float: a raw OverflowError
+        json.dumps(_with_config(host_gbs=10**400)).encode(),
     ],
     ids=[
         "binary",
@@ -248,6 +250,7 @@ def _with_config(**kw) -> dict:
         "bad-field",
         "null-config",
         "too-many-threads",
+        "huge-int",
     ],
 )
 def test_bad_cache_file_is_measured_again(tmp_path, monkeypatch, fake, content):
@@ -365,6 +368,7 @@ def test_dict_round_trip():
         ({"host_gbs": None}, "host_gbs"),
         ({"d2h_gbs": -1.0}, "d2h_gbs"),
         ({"duplex_gbs": float("inf")}, "duplex_gbs"),
+        ({"duplex_gbs": 10**400}, "duplex_gbs"),
         ({"machine": ""}, "machine"),
         ({"extra": 1}, "extra"),
     ],

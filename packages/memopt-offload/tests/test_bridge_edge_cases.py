@@ -7,6 +7,7 @@ optimizer was built, hooks registered after AdamBridge's. Each test fails on the
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import pytest
@@ -323,13 +324,40 @@ def test_a_bad_clipping_state_is_refused():
     p = torch.nn.Parameter(torch.zeros(2))
     opt = AdamBridge([p], lr=0.1, precision="fp32", max_grad_norm=1.0, clip_mode="overlap")
     sd = opt.state_dict()
-    for bad in ("half", -1.0, 0.0, 1.5):  # a coefficient is in (0, 1]: -1 reversed the updates
+    for bad in ("half", -1.0, 1.5, math.nan):  # a coefficient is in [0, 1]: -1 reversed updates
         sd["memopt"] = {**sd["memopt"], "clip_coef": bad}
         with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be None or a number"):
             opt.load_state_dict(sd)
-    sd["memopt"] = {**sd["memopt"], "clip_coef": 0.5, "last_grad_norm": -2.0}
-    with pytest.raises(StateDictError, match=r"memopt\['last_grad_norm'\] must be None or"):
-        opt.load_state_dict(sd)
+    for bad in (-2.0, -math.inf, "1"):
+        sd["memopt"] = {**sd["memopt"], "clip_coef": 0.5, "last_grad_norm": bad}
+        with pytest.raises(StateDictError, match=r"memopt\['last_grad_norm'\] must be None or"):
+            opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("clip_mode", ["wait", "overlap"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_state_dict_saved_after_a_non_finite_norm_loads(clip_mode, bad):
+    """One step with an inf or NaN gradient element left last_grad_norm inf or NaN (and, with
+    clip_mode="overlap", an infinite norm the coefficient 0): load_state_dict refused the
+    optimizer's own state dict until a finite step came."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    kw = dict(lr=0.1, precision="fp32", max_grad_norm=1.0, clip_mode=clip_mode)
+    opt = AdamBridge([p], **kw)
+    p.grad = torch.ones(8)
+    p.grad[3] = bad
+    opt.step()
+    sd = opt.state_dict()
+    assert math.isinf(sd["memopt"]["last_grad_norm"]) or math.isnan(sd["memopt"]["last_grad_norm"])
+    if clip_mode == "overlap":
+        assert sd["memopt"]["clip_coef"] == (0.0 if bad == math.inf else 1.0)
+    q = torch.nn.Parameter(torch.zeros(8))
+    twin = AdamBridge([q], **kw)
+    twin.load_state_dict(copy.deepcopy(sd))
+    for t in range(2):
+        for w, o in ((p, opt), (q, twin)):
+            w.grad = torch.full((8,), 0.5 * (t + 1))
+            o.step()
+    assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))  # NaN too
 
 
 def test_a_clipping_runs_coefficient_does_not_scale_a_run_that_does_not_clip():

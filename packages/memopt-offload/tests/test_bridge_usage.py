@@ -205,8 +205,21 @@ def test_bad_arguments(device):
             AdamBridge(params, max_grad_norm=bad)
     with pytest.raises(ConfigError, match="clip_mode"):
         AdamBridge(params, max_grad_norm=1.0, clip_mode="late")
-    with pytest.raises(ConfigError, match="bucket_mb"):
-        AdamBridge(params, bucket_mb=0)
+    # ints beyond float's range raised a raw OverflowError; 1e308 MB overflowed to inf bytes
+    for name, bad in [("max_grad_norm", 10**400), ("bucket_mb", 10**400), ("bucket_mb", 1e308)]:
+        with pytest.raises(ConfigError, match=name):
+            AdamBridge(params, **{name: bad})
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ConfigError, match="bucket_mb"):
+            AdamBridge(params, bucket_mb=bad)
+    for bad in (-1, 10**400, 1e308):
+        with pytest.raises(ConfigError, match="prefetch_mb"):
+            AdamBridge(params, prefetch_mb=bad)
+    for name in ("lr", "eps", "weight_decay"):
+        with pytest.raises(ConfigError, match="finite"):
+            AdamBridge(params, **{name: 10**400})
+    with pytest.raises(ConfigError, match="pin_memory must be True or False"):
+        AdamBridge(params, pin_memory="no")  # was taken as True
     from memopt_offload.autotune import AutoTuneConfig
 
     for bad in ("yes", 0, AutoTuneConfig):  # the class instead of an instance, too
@@ -417,6 +430,11 @@ def test_bad_state_dict_is_refused_before_anything_changes(device, precision, up
         (lambda sd: sd["param_groups"][0].update(params=None), "'params' of param group 0"),
         (lambda sd: sd["memopt"].update(version=99), "version 99; this AdamBridge reads version 1"),
     ]
+    for step in (float("nan"), float("inf"), torch.tensor(float("nan")), -1, 2.5, 2**200):
+        # update="device" raised a raw ValueError / OverflowError for nan and inf
+        cases.append(
+            (lambda sd, step=step: sd["state"][0].update(step=step), "'step' of parameter index 0")
+        )
     for edit, match in cases:
         bad = copy.deepcopy(saved)
         edit(bad)
@@ -606,7 +624,10 @@ def test_attach_hooks_refuses_gradients_left_by_an_ordinary_step(device, precisi
     opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
     loss_of(model, batch(0, device)).backward()
     opt.step()
-    with pytest.raises(ConfigError, match=r"still holds a gradient .* call zero_grad\(\) first"):
+    with pytest.raises(
+        ConfigError,
+        match=r"still holds a gradient .* call zero_grad\(\) \(set_to_none=True, the default\) first",
+    ):
         opt.attach_hooks(model)
     assert not opt._hooks  # nothing attached
     opt.zero_grad()

@@ -92,7 +92,8 @@ def reject_pending_gradients(model: nn.Module, held: set[int], who: str) -> None
             raise ConfigError(
                 f"{who}: parameter {name!r} (shape {tuple(p.shape)}) still holds a gradient "
                 "from an earlier backward, which the next backward would add to its own before "
-                "the hook updates it: call zero_grad() first"
+                "the hook updates it (zeros too: zero_grad(set_to_none=False) keeps the "
+                "tensor): call zero_grad() (set_to_none=True, the default) first"
             )
 
 

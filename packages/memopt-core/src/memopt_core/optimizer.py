@@ -94,6 +94,7 @@ __all__ = [
     "MemOptimizer",
     "adam_hyperparameters",
     "check_bool",
+    "real_as_float",
     "require_memopt_optimizer",
 ]
 
@@ -200,6 +201,16 @@ def _on_a_gpu(value: Any) -> bool:
     return isinstance(value, Tensor) and value.device.type != "cpu"
 
 
+def real_as_float(value: numbers.Real) -> float:
+    """``float(value)``, but +-inf for an int beyond float's range (where ``float`` and
+    ``math.isfinite`` raise ``OverflowError``), so that a range check refuses it with its own
+    message."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _as_float(value: Any, what: str, where: str) -> float:
     """``value`` as a finite float: a real number (numpy's included, as torch's optimizers take
     them; not a bool) or a one-element real tensor; ConfigError otherwise."""
@@ -209,7 +220,7 @@ def _as_float(value: Any, what: str, where: str) -> float:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{what} {where} must be a real number, got {value!r}")
-    value = float(value)
+    value = real_as_float(value)
     if not math.isfinite(value):
         raise ConfigError(f"{what} {where} must be finite, got {value}")
     return value

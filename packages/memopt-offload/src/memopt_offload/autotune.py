@@ -64,6 +64,7 @@ from memopt_core import cache_files, reference
 from memopt_core.backends import GroupStep
 from memopt_core.errors import ConfigError
 from memopt_core.formats import StateSpec
+from memopt_core.optimizer import real_as_float
 from memopt_core.plan import GroupPlan, StateArena, round_up
 from memopt_kernels_cpu import ops
 
@@ -350,7 +351,12 @@ def _release_pinned_cache() -> None:
 def _check_positive(name: str, v: object, *, optional: bool = False) -> float | None:
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(real_as_float(v))
+        or v <= 0
+    ):
         want = "a finite number > 0" + (" or None" if optional else "")
         raise ConfigError(f"AutoTuneConfig field {name!r} must be {want}, got {v!r}")
     return float(v)
@@ -517,7 +523,7 @@ def _read_cache(path: Path, key: str, quick: bool) -> AutoTuneConfig | None:
         return None
     try:
         config = AutoTuneConfig.from_dict(data["config"])
-    except (ValueError, TypeError, KeyError):  # ConfigError is a ValueError
+    except (ValueError, TypeError, KeyError, OverflowError):  # ConfigError is a ValueError
         return None
     return config if config.machine == key else None
 

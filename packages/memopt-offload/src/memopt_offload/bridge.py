@@ -94,7 +94,7 @@ computes each gradient's fp32 norm on the device when its bucket leaves (the tot
 norm of those norms stacked in parameter order, so it does not depend on backward's order),
 starts no update before backward ends, then scales the host gradients by
 ``min(1, max_grad_norm / (total_norm + 1e-6))`` (the formula of
-``torch.nn.utils.clip_grad_norm_``) and updates: exact clipping, transfers still overlap
+``torch.nn.utils.clip_grad_norm_``; a NaN total clips nothing, docs/offload.md) and updates: exact clipping, transfers still overlap
 backward, updates do not. ``clip_mode="overlap"`` updates during backward with the
 coefficient of the *previous* step's total norm (one step stale; the first step waits), so
 updates overlap backward but a gradient spike is clipped one step late. ``last_grad_norm``
@@ -130,7 +130,12 @@ from memopt_core.hook_wrappers import (
     reject_unsynchronized,
     remove_hooks,
 )
-from memopt_core.optimizer import MemOptimizer, adam_hyperparameters, check_bool
+from memopt_core.optimizer import (
+    MemOptimizer,
+    adam_hyperparameters,
+    check_bool,
+    real_as_float,
+)
 from memopt_core.plan import StateArena, own_storage
 from memopt_core.sharding import is_dtensor
 from memopt_core.state_dict_hooks import (
@@ -162,6 +167,15 @@ _DEFAULT_BUCKET_MB = {"host": 32.0, "device": 64.0}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _CLIP_MODES = ("wait", "overlap")
 _STATE_DICT_VERSION = 1
+
+
+def _megabytes(v: Any, *, zero: bool) -> bool:
+    """Whether ``v`` is a number of megabytes (> 0, or >= 0 when ``zero``) whose byte count is
+    finite."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    mb = real_as_float(v)
+    return (mb >= 0 if zero else mb > 0) and math.isfinite(mb * 2**20)
 
 
 def _written(p: Tensor) -> tuple[int, int]:
@@ -541,27 +555,20 @@ class AdamBridge(Optimizer):
                 f"update='device' keeps precision='bf16-ecc24' state (ECC-24 code and bf16 "
                 f"moments, 5 B per bf16 parameter), got precision={precision!r}"
             )
-        if (
-            isinstance(prefetch_mb, bool)
-            or not isinstance(prefetch_mb, (int, float))
-            or not (prefetch_mb >= 0 and math.isfinite(prefetch_mb))
-        ):
-            raise ConfigError(f"prefetch_mb must be a number >= 0, got {prefetch_mb!r}")
+        if not _megabytes(prefetch_mb, zero=True):
+            raise ConfigError(f"prefetch_mb must be a finite number >= 0, got {prefetch_mb!r}")
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise ConfigError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
-            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            if not (math.isfinite(real_as_float(max_grad_norm)) and max_grad_norm > 0):
                 raise ConfigError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
         if clip_mode not in _CLIP_MODES:
             raise ConfigError(f"clip_mode must be one of {_CLIP_MODES}, got {clip_mode!r}")
         if bucket_mb is None:
             bucket_mb = _DEFAULT_BUCKET_MB[update]
-        if (
-            isinstance(bucket_mb, bool)
-            or not isinstance(bucket_mb, (int, float))
-            or not (bucket_mb > 0 and math.isfinite(bucket_mb))
-        ):
+        if not _megabytes(bucket_mb, zero=False):
             raise ConfigError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
+        check_bool("pin_memory", pin_memory)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
         if autotune is True:
@@ -577,7 +584,7 @@ class AdamBridge(Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.clip_mode = clip_mode
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.pin_memory = bool(pin_memory)
+        self.pin_memory = pin_memory
         self.last_grad_norm: float | None = None
         self._device: torch.device | None = None
         self._slots: dict[int, _Slot] = {}
@@ -1109,7 +1116,9 @@ class AdamBridge(Optimizer):
             raise OffloadError(
                 f"the gradient of {slot.label} arrived twice before step_sync(): accumulate "
                 "micro-batches inside `with optimizer.no_update():`, and call step_sync() "
-                "after each optimizer step's last backward"
+                "after each optimizer step's last backward. Reentrant activation checkpointing "
+                "(checkpoint(..., use_reentrant=True)) runs a backward per segment, so a "
+                "weight two segments use gets its hook called twice: use use_reentrant=False"
             )
         if id(p) in self._inflight:
             raise OffloadError(
@@ -1294,6 +1303,9 @@ class AdamBridge(Optimizer):
                 total = torch.linalg.vector_norm(torch.stack(norms)).item()
             self._norms = {}
             self.last_grad_norm = total
+            # torch's clip_grad_norm_ formula; a NaN total (a NaN gradient element) gives 1.0
+            # here (Python's min), where clip_grad_norm_ would make every gradient NaN: only
+            # the NaN elements' weights go NaN. An infinite total gives 0.
             coef = min(1.0, self.max_grad_norm / (total + 1e-6))
             held, self._held = self._held, []
             for bucket in held:
@@ -1418,8 +1430,11 @@ class AdamBridge(Optimizer):
         """torch's layout: ``state`` by parameter index with the host optimizer's named state
         (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
         host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
-        saves them, and ``memopt`` (precision, seed, version). Tensors are live host views;
-        ``torch.save`` writes them without a trip through the device. State-dict post-hooks
+        saves them, and ``memopt`` (precision, seed, version, clipping state). The moments,
+        scales and codes (and, with ``update="host"``, the step counts) are live host views
+        that later steps change, ``master`` is a compact copy: keep ``copy.deepcopy`` of the
+        dict to hold a checkpoint in memory. ``torch.save`` writes it without a trip through
+        the device. State-dict post-hooks
         see this finished dict."""
         return finished_state_dict(self, self._full_state_dict)
 
@@ -1565,16 +1580,18 @@ class AdamBridge(Optimizer):
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise StateDictError("expected the dict AdamBridge.state_dict() returns")
         meta = state_dict.get("memopt")
-        for key, low, high in (("clip_coef", 0.0, 1.0), ("last_grad_norm", 0.0, math.inf)):
+        # what a step can leave: an infinite total norm gives the coefficient 0, a NaN one
+        # the norm NaN (and the coefficient 1, see _close_step)
+        for key, what in (("clip_coef", "in [0, 1]"), ("last_grad_norm", ">= 0, inf or NaN")):
             v = meta.get(key) if isinstance(meta, Mapping) else None
-            if v is not None and (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not math.isfinite(v)
-                or not low <= v <= high
-                or (key == "clip_coef" and v == 0)
-            ):
-                what = "in (0, 1]" if key == "clip_coef" else "finite and >= 0"
+            if v is None:
+                continue
+            number = not isinstance(v, bool) and isinstance(v, (int, float))
+            if key == "clip_coef":
+                ok = number and 0 <= v <= 1
+            else:
+                ok = number and (math.isnan(v) or v >= 0)
+            if not ok:
                 raise StateDictError(
                     f"the state dict's memopt[{key!r}] must be None or a number {what}, got {v!r}"
                 )

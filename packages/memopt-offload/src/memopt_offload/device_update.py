@@ -43,6 +43,7 @@ from memopt_core import conversions, reference
 from memopt_core.backends import GroupStep, mark_written, select_backend
 from memopt_core.errors import BackendUnavailableError, ConfigError, StateDictError
 from memopt_core.formats import StateSpec
+from memopt_core.optimizer import MemOptimizer
 from memopt_core.plan import GroupPlan, StateArena, make_plans
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
@@ -510,12 +511,8 @@ class DeviceUpdater:
                     f"{k!r} of parameter index {key!r} must be {dtype} of shape {tuple(shape)}, "
                     f"got {got}"
                 )
-        step = entry["step"]
-        value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise StateDictError(f"'step' of parameter index {key!r} must be a count >= 0")
-        if value != int(value):
-            raise StateDictError(f"'step' of parameter index {key!r} must be whole, got {value}")
+        # the host update's check, so that a state dict moves between the two updates
+        MemOptimizer._validated_step(entry["step"], f"parameter index {key!r}")
 
     def load_entry(self, pos: int, entry: Mapping[str, Any]) -> None:
         """Copy a checked entry in: host state, step count, and the device weight."""
