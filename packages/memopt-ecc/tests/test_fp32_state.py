@@ -196,6 +196,15 @@ def test_set_validates_before_changing_anything():
         "is torch.bfloat16": {**good, "lin.weight": good["lin.weight"].bfloat16()},
         "has shape": {**good, "lin.weight": torch.zeros(3, 3)},
         "tied parameter but differ": {**good, "out.weight": good["out.weight"] + 1},
+        # passed the checks and failed in the copies, after earlier entries were written
+        "on meta; values must be dense": {**good, "lin.bias": good["lin.bias"].to("meta")},
+        "sparse_coo tensor": {**good, "lin.bias": good["lin.bias"].to_sparse()},
+        # a float value for an integer buffer was truncated silently
+        "loads from torch.int64": {**good, "bn.num_batches_tracked": torch.tensor(7.9)},
+        "loads from a floating dtype": {
+            **good,
+            "bn.running_mean": torch.ones(6, dtype=torch.int64),
+        },
     }
     for match, sd in cases.items():
         with pytest.raises(StateDictError, match=match):
@@ -207,6 +216,27 @@ def test_set_validates_before_changing_anything():
     assert same_bits(model.lin.bias, snapshot[0]["lin.bias"])
     with pytest.raises(TypeError, match="memopt optimizer"):
         get_fp32_model_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="strict must be True or False"):
+        set_fp32_model_state_dict(model, opt, good, strict="no")  # was taken as True
+
+
+def test_set_of_get_keeps_integer_parameters_and_float64_tensors():
+    """An integer Parameter (an index table): get returned it as it is and set refused it
+    ("parameters load from float32 values"). A float64 buffer or frozen parameter: get
+    narrowed it to float32, so set(get()) rounded it."""
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    model.idx = nn.Parameter(torch.arange(4), requires_grad=False)
+    model.register_buffer("freq", torch.tensor([1 + 2**-40, 3.0], dtype=torch.float64))
+    model.table = nn.Parameter(torch.tensor([1 + 2**-40], dtype=torch.float64), requires_grad=False)
+    opt = FlashAdamW([model.weight, model.bias], lr=1e-2)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    before = copy.deepcopy(model.state_dict())
+    sd = get_fp32_model_state_dict(model, opt)
+    assert sd["idx"].dtype == torch.int64
+    assert sd["freq"].dtype == sd["table"].dtype == torch.float64
+    set_fp32_model_state_dict(model, opt, sd)
+    assert all(same_bits(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_fp32_master_without_state_is_the_parameter():

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from memopt_core import MemOptimizer, conversions
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
-from memopt_core.optimizer import require_memopt_optimizer
+from memopt_core.optimizer import check_bool, require_memopt_optimizer
 from memopt_core.sharding import is_dtensor, local_shard, sharded_like
 
 __all__ = ["fp32_master", "get_fp32_model_state_dict", "set_fp32_model_state_dict"]
@@ -72,12 +72,13 @@ def fp32_master(optimizer: MemOptimizer, param: Tensor) -> Tensor:
 
 
 def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict[str, Any]:
-    """``model.state_dict()`` with every floating tensor in fp32 and ECC parameters decoded.
+    """``model.state_dict()`` with its floating tensors in (at least) fp32, ECC ones decoded.
 
     Keys are those of the (unwrapped, for DDP/DataParallel) model's ``state_dict()``, tied
     parameters under each of their names; values are new tensors on the model's devices.
-    Parameters with an ECC code hold their full master weight; other floating parameters and
-    buffers are widened to fp32; integer buffers (``num_batches_tracked``) keep their dtype.
+    Parameters with an ECC code hold their full master weight; other bf16/fp16 parameters and
+    buffers are widened to fp32, float64 ones stay float64 (fp32 would round them); integer
+    tensors (``num_batches_tracked``, an index table) keep their dtype.
     """
     require_memopt_optimizer(optimizer)
     model = _unwrap(model)
@@ -89,11 +90,26 @@ def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict
                 out[key] = value
             elif isinstance(value, nn.Parameter) and id(value) in held:
                 out[key] = _decode(optimizer, value, held[id(value)])
-            elif value.is_floating_point():
-                out[key] = value.detach().float().clone()
+            elif value.is_floating_point() and value.dtype.itemsize < 4:
+                out[key] = value.detach().float()
             else:
                 out[key] = value.detach().clone()
     return out
+
+
+def _check_value_dtype(key: str, target: Tensor, value: Tensor) -> None:
+    """StateDictError unless ``value``'s dtype loads into ``target`` (see
+    :func:`set_fp32_model_state_dict`): a cast that rounds a float into an int, or an ECC
+    parameter's fp32 weight through another dtype, would change it silently."""
+    if not target.is_floating_point():
+        ok, want = value.dtype == target.dtype, f"{target.dtype}, as the model's"
+    elif isinstance(target, nn.Parameter):
+        ok = value.dtype == torch.float32 or value.dtype == target.dtype == torch.float64
+        want = "float32 (the dict get_fp32_model_state_dict returns)"
+    else:
+        ok, want = value.is_floating_point(), "a floating dtype, as the model's"
+    if not ok:
+        raise StateDictError(f"entry {key!r} is {value.dtype}; it loads from {want}")
 
 
 def _local_value(key: str, param: Tensor, value: Tensor) -> Tensor:
@@ -124,11 +140,14 @@ def set_fp32_model_state_dict(
     trainable parameters that have none yet (as the first step would create it); a frozen
     parameter without state only gets the rounded bf16 value.
 
-    ``strict`` (default): the keys must equal ``model.state_dict()``'s. Parameter values must be
-    float32 tensors of the parameter's shape; tied parameters must get equal values. Everything is
-    checked before anything changes (:class:`memopt_core.StateDictError`).
+    ``strict`` (default): the keys must equal ``model.state_dict()``'s. Values must be dense
+    tensors with data (not meta, not sparse) of the model's shapes; floating parameters load
+    from float32 values (a float64 parameter also from float64), tensors of other dtypes from
+    their own dtype, floating buffers from floating values; tied parameters must get equal
+    values. Everything is checked before anything changes (:class:`memopt_core.StateDictError`).
     """
     require_memopt_optimizer(optimizer)
+    check_bool("strict", strict)
     model = _unwrap(model)
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a state dict (a mapping), got {type(state_dict).__name__}")
@@ -154,12 +173,14 @@ def set_fp32_model_state_dict(
             raise StateDictError(
                 f"entry {key!r} has shape {tuple(value.shape)}; the model's is {tuple(target.shape)}"
             )
-        if isinstance(target, nn.Parameter):
-            if value.dtype != torch.float32:
-                raise StateDictError(
-                    f"entry {key!r} is {value.dtype}; parameters load from float32 values (the "
-                    "dict get_fp32_model_state_dict returns)"
-                )
+        if value.layout != torch.strided or value.is_meta:
+            # found only by the copies, after earlier entries were written
+            raise StateDictError(
+                f"entry {key!r} is a {value.layout} tensor on {value.device}; values must be "
+                "dense tensors that hold data"
+            )
+        _check_value_dtype(key, target, value)
+        if isinstance(target, nn.Parameter) and target.is_floating_point():
             value = _local_value(key, target, value)
             prev = chosen.get(id(target))
             if prev is not None:
@@ -178,11 +199,11 @@ def set_fp32_model_state_dict(
     with torch.no_grad():
         for _, param, value in chosen.values():
             p = local_shard(param)
+            if p.dtype.itemsize >= 4:  # float32 (its own master) or float64: copied
+                p.detach().copy_(value.detach())
+                continue
             x = value.detach().to(device=p.device, dtype=torch.float32)
             group = held.get(id(param))
-            if p.dtype == torch.float32:
-                p.detach().copy_(x)
-                continue
             if group is None:
                 p.detach().copy_(x)  # not optimized here: a plain (nearest) cast
                 continue
