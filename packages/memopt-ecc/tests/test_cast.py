@@ -275,6 +275,47 @@ def test_float64_casts_every_module():
     out.sum().backward()
 
 
+def test_a_float64_model_cast_to_bf16_keeps_float32_layers():
+    """A float64 model cast to bf16 left its full-precision layers and BatchNorm in float64,
+    whose pre-hooks widen inputs to float32 only: the forward raised."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+    cast_model(model, full_precision_layers=["2"])
+    assert model[0].weight.dtype == torch.bfloat16
+    assert model[1].running_var.dtype == model[2].weight.dtype == torch.float32
+    assert model[1].num_batches_tracked.dtype == torch.int64
+    assert model(torch.randn(3, 4, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("by", ["name", "module"])
+@pytest.mark.parametrize("mode", ["full_precision_layers", "full_precision_recast_layers"])
+def test_a_matched_container_hooks_the_modules_that_run(by, mode):
+    """A ModuleList named in full_precision_layers got the input hook itself, and a ModuleList
+    never runs: its fp32 heads took bf16 inputs and the forward raised."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Sequential(nn.Linear(4, 3))])
+            self.norms = nn.ModuleDict({"a": nn.BatchNorm1d(4)})
+
+        def forward(self, x):
+            h = self.norms["a"](self.body(x))
+            return [head(h) for head in self.heads]
+
+    model = Heads()
+    spec = "heads" if by == "name" else model.heads
+    cast_model(model, **{mode: [spec]})
+    assert model.heads[1][0].weight.dtype == torch.float32
+    outs = model(torch.randn(3, 4, dtype=torch.bfloat16))
+    want = torch.float32 if mode == "full_precision_layers" else torch.bfloat16
+    assert [o.dtype for o in outs] == [want, want]
+    assert not model.heads._forward_pre_hooks
+    assert len(model.heads[1]._forward_pre_hooks) == 1  # the Sequential, not the Linear in it
+    assert not model.heads[1][0]._forward_pre_hooks
+    assert len(model.norms["a"]._forward_hooks) == 1  # BatchNorm's own hooks, once
+
+
 def test_cast_model_pickles_and_trains_with_mixed_dtypes(device):
     torch.manual_seed(0)
     model = Net().to(device)

@@ -6,10 +6,12 @@ Semantics (FlashOptim's, made precise):
   ``nn.Parameter`` stays the same object: tied weights stay tied, and an optimizer built later
   sees the cast tensors. Integer buffers are untouched. Gradients already present are cast too.
 - ``full_precision_layers``: matching modules keep their parameters and buffers, and those of
-  every submodule, in float32 (lower-precision ones are widened); a forward pre-hook widens their
-  bf16/fp16 floating inputs (positional and keyword, inside tuples, lists and dicts) to float32;
-  the **output stays float32**. For terminal layers (``lm_head``, a classifier) whose output feeds
-  a loss.
+  every submodule, in float32 (lower-precision ones are widened, float64 ones narrowed); a
+  forward pre-hook widens their bf16/fp16 floating inputs (positional and keyword, inside
+  tuples, lists and dicts) to float32; the **output stays float32**. For terminal layers
+  (``lm_head``, a classifier) whose output feeds a loss. A matched container without a forward
+  of its own (``ModuleList``, ``ModuleDict``) gets no hook, since it never runs: the modules in it
+  that run get them.
 - ``full_precision_recast_layers``: the same, plus a forward hook that **casts the floating
   outputs back to** ``dtype``. For layers in the middle of a bf16 network.
 - ``selective=True`` (default): normalization layers with running statistics (``BatchNorm1d/2d/
@@ -33,7 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from fnmatch import fnmatchcase
 from typing import Any, TypeVar
 
@@ -264,8 +266,10 @@ def cast_model(
             t = m._parameters[tname] if kind == "param" else m._buffers[tname]
             if t is None or not t.is_floating_point():
                 continue
-            target = torch.float32 if fp32 and t.dtype.itemsize < 4 else (None if fp32 else dtype)
-            if target is None or t.dtype == target:
+            # float64 tensors of a float32 subtree are narrowed too: its pre-hook widens inputs
+            # to float32 only (a float64 BatchNorm raised on them)
+            target = torch.float32 if fp32 else dtype
+            if t.dtype == target:
                 continue
             if kind == "param":
                 t.data = t.data.to(target)
@@ -278,21 +282,38 @@ def cast_model(
 
     _remove_hooks(model)
     hooked: set[int] = set()
-    for _, m in named:
-        mode = modes.get(id(m))
-        if mode is None or id(m) in hooked:
+    for _, matched in named:
+        mode = modes.get(id(matched))
+        if mode is None:
             continue
-        hooked.add(id(m))
-        if mode == "norm":
-            handles = [
-                m.register_forward_pre_hook(_norm_pre, with_kwargs=True),
-                m.register_forward_hook(_norm_post, always_call=True),
-            ]
-        else:
-            handles = [m.register_forward_pre_hook(_upcast_inputs, with_kwargs=True)]
-            if mode == "recast":
-                handles.append(
-                    m.register_forward_hook(functools.partial(_recast_outputs, dtype=dtype))
-                )
-        m.__dict__[_HANDLES] = handles
+        for m in _called_modules(matched):
+            if id(m) in hooked or (m is not matched and id(m) in modes):
+                continue  # hooked once, under its own mode where it has one
+            hooked.add(id(m))
+            _hook(m, mode, dtype)
     return model
+
+
+def _called_modules(m: nn.Module) -> Iterator[nn.Module]:
+    """``m``, or where ``m`` is a container without a forward of its own (``ModuleList``,
+    ``ModuleDict``), the modules in it that run: their callers call them, never ``m``, so a
+    hook on ``m`` would not run."""
+    if type(m).forward is not nn.Module.forward:
+        yield m
+        return
+    for child in m.children():
+        yield from _called_modules(child)
+
+
+def _hook(m: nn.Module, mode: str, dtype: torch.dtype) -> None:
+    """Install ``mode``'s hooks on ``m`` (see the module doc)."""
+    if mode == "norm":
+        handles = [
+            m.register_forward_pre_hook(_norm_pre, with_kwargs=True),
+            m.register_forward_hook(_norm_post, always_call=True),
+        ]
+    else:
+        handles = [m.register_forward_pre_hook(_upcast_inputs, with_kwargs=True)]
+        if mode == "recast":
+            handles.append(m.register_forward_hook(functools.partial(_recast_outputs, dtype=dtype)))
+    m.__dict__[_HANDLES] = handles
