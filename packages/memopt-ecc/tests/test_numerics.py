@@ -143,6 +143,29 @@ def test_check_numerics_raises_exactly_when_updates_are_lost(config, lr, device)
         assert int(checked.state[q]["step"]) == 1
 
 
+@pytest.mark.parametrize(("lr", "lost"), [(1e-5, False), (6e-6, True)])
+def test_check_numerics_at_a_power_of_two_counts_the_grid_below_it(lr, lost, device):
+    """Weights at exactly 1.0 (norm gains at init): a step down lands on the grid below 1.0,
+    whose spacing is half the one above. ECC-24 round to nearest at lr 1e-5 moves them down
+    (1.0 -> 0.99995 in three steps), where the check raised with the spacing above 1.0."""
+    kw = dict(lr=lr, weight_decay=0.0, stochastic_rounding=False, quantize=False)
+    ones = torch.ones(64, device=device, dtype=torch.bfloat16)
+    p = ones.clone().requires_grad_()
+    plain = FlashAdamW([p], **kw)
+    for _ in range(3):
+        p.grad = torch.ones_like(p)  # a positive gradient: the step goes down
+        plain.step()
+    assert bool((fp32_master(plain, p) < 1.0).all()) != lost
+    q = ones.clone().requires_grad_()
+    checked = FlashAdamW([q], check_numerics=True, **kw)
+    q.grad = torch.ones_like(q)
+    if lost:
+        with pytest.raises(NumericsError, match="below the master format's resolution"):
+            checked.step()
+    else:
+        checked.step()
+
+
 def test_check_numerics_at_fp32_resolution(device):
     """Stochastic rounding and fp32 masters are limited by fp32's own rounding of x + u."""
     half_ulp = 2.0**-24  # at weights in [1, 2)

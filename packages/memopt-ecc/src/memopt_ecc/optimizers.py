@@ -341,7 +341,9 @@ class FlashOptimizer(MemOptimizer):
                 gmax = max(abs(glo), abs(ghi)) if kind == "sgd" else 0.0  # SGD's step: max |g|
                 master = "fp32" if p.dtype == torch.float32 else g["master"]
                 sr = bool(g["stochastic_rounding"])
-                res = master_resolution(mag, master, p.dtype, sr)
+                # at M = 2**k a step down lands on the finer grid below M and is not lost:
+                # the spacing there is the one that decides (M's predecessor is below 2**k)
+                res = master_resolution(math.nextafter(mag, 0.0), master, p.dtype, sr)
                 step = self._step_bound(g, gmax, mag)
                 if step == 0.0:
                     continue  # an all-zero gradient asks for no step (an unused parameter)
@@ -360,7 +362,8 @@ class FlashOptimizer(MemOptimizer):
                 "check_numerics: an update is below the master format's resolution for "
                 + "; ".join(bad[:8])
                 + more
-                + ". resolution(M) = 2**(floor(log2 M) - (p - 1)) with p = 24 (fp32, ECC-32 or "
+                + ". resolution(M) = 2**(floor(log2 M-) - (p - 1)) (M- just below M) with p = 24 "
+                "(fp32, ECC-32 or "
                 "stochastic rounding), 16 (ECC-24) or 8 (bf16, no master) significant bits. No "
                 "parameter or state was modified; raise the learning rate, use "
                 "master_weight_bits=32 or stochastic_rounding=True, or set check_numerics=False"
