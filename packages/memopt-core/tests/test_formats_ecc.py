@@ -90,6 +90,18 @@ def test_ecc32_specials():
     assert ECC32.decode(p, c).isnan().all()
 
 
+@pytest.mark.parametrize("codec", [ECC32, ECC24], ids=["ecc32", "ecc24"])
+def test_decode_is_shaped_like_the_parameter(codec):
+    """A (n,) code beside a (n, 1) parameter broadcast to (n, n) values; a (8, 8) code beside
+    a (64,) parameter raised torch's size mismatch. The kernels decode both by element."""
+    x = random_f32(64, seed=5)[:48]
+    p, c = codec.encode(x)
+    for shape, code_shape in (((48, 1), (48,)), ((48,), (6, 8)), ((6, 8), (48, 1))):
+        got = codec.decode(p.reshape(shape), c.reshape(code_shape))
+        assert got.shape == shape
+        assert same_bits(got.reshape(-1), codec.decode(p, c))
+
+
 @pytest.mark.parametrize(
     ("codec", "carrying"),
     [(ECC32, range(0x8000, 0x10000)), (ECC24, range(0x80, 0x100))],

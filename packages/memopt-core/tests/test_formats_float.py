@@ -128,6 +128,17 @@ def test_sr_rule_is_exact():
     assert up(t << 8) == [0x3F80, 0xBF80 - 0x10000]
 
 
+def test_words_outside_32_bits_count_modulo_2_32():
+    """A negative (int32-style) word always rounded up in the reference and a word >= 2**32
+    never did, where the kernels take the low 32 bits: three backends, three answers."""
+    x = torch.full((4,), 1.0 + 2.0**-9)  # halfway between two bf16 numbers: frac24 = 2**23
+    words = torch.tensor([-1, -(2**31), 2**32 + 5, 2**40], dtype=torch.int64)
+    got = BF16.encode(x, rand=words)[""]
+    want = BF16.encode(x, rand=words & 0xFFFFFFFF)[""]
+    assert torch.equal(got, want)
+    assert got.view(torch.int16).tolist() == [0x3F80, 0x3F80, 0x3F81, 0x3F81]
+
+
 def test_wrong_rand_rejected():
     from memopt_core.errors import FormatError
 

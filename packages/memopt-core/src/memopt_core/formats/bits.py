@@ -72,6 +72,8 @@ def sr_round_up(frac24: Tensor, rand: Tensor) -> Tensor:
 
     ``frac24 = floor((|y| - lo) / (hi - lo) * 2**24)`` and ``rand`` holds uniform 32-bit words, so
     the probability of rounding up is ``frac24 / 2**24``; ``frac24 == 0`` (exact values) never moves.
+    A word outside ``[0, 2**32)`` is taken modulo ``2**32`` (its low 32 bits), as the kernels take
+    it: a negative int32-style word otherwise always rounded up here and never there.
     """
     if rand.dtype != torch.int64 or rand.shape != frac24.shape:
         from memopt_core.errors import FormatError
@@ -80,7 +82,7 @@ def sr_round_up(frac24: Tensor, rand: Tensor) -> Tensor:
             f"rand must be an int64 tensor of the encoded tensor's shape {tuple(frac24.shape)}, got "
             f"{rand.dtype}{tuple(rand.shape)}: use memopt_core.rng.uniform_bits"
         )
-    return (rand >> 8) < frac24
+    return ((rand & 0xFFFFFFFF) >> 8) < frac24
 
 
 def round_drop_bits(mag: Tensor, drop: int, rand: Tensor | None) -> Tensor:

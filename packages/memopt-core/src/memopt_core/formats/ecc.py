@@ -111,7 +111,8 @@ class Ecc32Master(MasterCodec):
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
-        p, c = bits.int16_to_bits(param), bits.int16_to_bits(code)
+        # shaped like the parameter: a (n,) code beside a (n, 1) parameter broadcast to (n, n)
+        p, c = bits.int16_to_bits(param), bits.int16_to_bits(code.reshape(param.shape))
         c = _without_stale_carry(p, c, 0x8000)
         top = p - (c >= 0x8000).to(torch.int64)
         return bits.bits_to_f32((top << 16) | c)
@@ -147,7 +148,7 @@ class Ecc24Master(MasterCodec):
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
         p = bits.int16_to_bits(param)
-        c = _without_stale_carry(p, code.to(torch.int64), 0x80)
+        c = _without_stale_carry(p, code.reshape(param.shape).to(torch.int64), 0x80)
         top = p - (c >= 0x80).to(torch.int64)
         return bits.bits_to_f32((top << 16) | (c << 8))
 
