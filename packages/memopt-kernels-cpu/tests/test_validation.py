@@ -183,6 +183,9 @@ def test_decode_master_errors(ops):
         ops.decode_master("ecc24", p.float(), torch.zeros(6, dtype=torch.uint8))
     with pytest.raises(ConfigError, match=r"param must be a torch.Tensor, got NoneType"):
         ops.decode_master("fp32", None)
+    for fmt, dtype in (("fp32", torch.float32), ("none", torch.bfloat16)):  # was ignored
+        with pytest.raises(FormatError, match=rf"'{fmt}' has no code; got a torch.uint8 tensor"):
+            ops.decode_master(fmt, torch.zeros(6, dtype=dtype), torch.zeros(6, dtype=torch.uint8))
 
 
 # ----------------------------------------------------------------------------------- words
@@ -335,6 +338,12 @@ def test_aliasing_is_refused(ops, make_work, recorder):
     work = make_work("sgd", "fp32", "fp32", torch.float32, sizes=(40, 40), momentum=0.9)
     work.grads = [work.grads[0], work.params[0].view(-1)[:40].view(work.params[1].shape)]
     with pytest.raises(ConfigError, match=r"share memory"):  # a gradient reads another parameter
+        ops.fused_step(work)
+    # a strided view was checked through its contiguous copy, and accepted (Triton refuses it)
+    pair = torch.zeros(80)
+    work.params = [pair.view(40, 2)[:, 0], work.params[1]]  # shapes (40,) and (10, 4)
+    work.grads = [work.grads[0], pair.view(10, 4, 2)[..., 0]]  # the same elements
+    with pytest.raises(ConfigError, match=r"parameter 0 .* and the gradient of parameter 1 .* share"):
         ops.fused_step(work)
 
     buf = torch.zeros(80)

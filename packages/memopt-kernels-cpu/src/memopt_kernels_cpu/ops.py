@@ -341,6 +341,9 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
     codec = master_codec(fmt, param.dtype)
     n = param.numel()
     codes = None
+    if codec.code_dtype is None and code is not None:
+        got = f"a {code.dtype} tensor" if isinstance(code, Tensor) else type(code).__name__
+        raise FormatError(f"master format {fmt!r} has no code; got {got}")
     if codec.code_dtype is not None:
         if code is None:
             raise FormatError(
@@ -693,8 +696,11 @@ def _prepare(
             _check_slot(plan, slot, k, si, p0, g, st, tid, base)  # raises the first problem
         label = _SlotLabel(k, si, p0)
         written.append((p0, label))
-        read.append((g, label.gradient))
-        pairs.append((p0, g))
+        # the caller's gradient, not its contiguous copy: a strided view of a parameter is
+        # refused as a contiguous one is (and as the Triton backend refuses both)
+        given = work.grads[k]
+        read.append((given, label.gradient))
+        pairs.append((p0, given))
         if st is not None:
             written.append((st, label.staging))
         rows.append(
