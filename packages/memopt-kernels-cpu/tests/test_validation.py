@@ -343,7 +343,9 @@ def test_aliasing_is_refused(ops, make_work, recorder):
     pair = torch.zeros(80)
     work.params = [pair.view(40, 2)[:, 0], work.params[1]]  # shapes (40,) and (10, 4)
     work.grads = [work.grads[0], pair.view(10, 4, 2)[..., 0]]  # the same elements
-    with pytest.raises(ConfigError, match=r"parameter 0 .* and the gradient of parameter 1 .* share"):
+    with pytest.raises(
+        ConfigError, match=r"parameter 0 .* and the gradient of parameter 1 .* share"
+    ):
         ops.fused_step(work)
 
     buf = torch.zeros(80)
