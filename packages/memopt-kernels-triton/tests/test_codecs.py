@@ -313,6 +313,21 @@ def test_non_tensor_arguments(ops, device):
         ops.encode_master("fp32", x, torch.float32, rng=(1.5, 0, 1, 0))
     with pytest.raises(ConfigError, match="rng is"):
         ops.encode_master("fp32", x, torch.float32, rng=5)
+    # a tensor seed reached the kernel as its address, a bool and float indices passed
+    with pytest.raises(ConfigError, match=r"seed must be an int, got Tensor"):
+        ops.stream_words(torch.tensor(1), 2, torch.arange(4, device=device), 3)
+    with pytest.raises(ConfigError, match=r"rng's seed must be an int, got Tensor"):
+        ops.encode_moment("bf16", x, rng=(torch.tensor(1), 2, 3, 1))
+    with pytest.raises(ConfigError, match=r"seed must be an int, got bool"):
+        ops.stream_words(True, 2, torch.arange(4, device=device), 3)
+    for index in (torch.tensor([2.7], device=device), torch.tensor([True], device=device)):
+        with pytest.raises(FormatError, match=r"index must be an integer tensor"):
+            ops.stream_words(1, 2, index, 3)
+    # devices: the code and rand were never checked (a meta one failed inside torch)
+    with pytest.raises(ConfigError, match=r"code is on meta; param is on"):
+        ops.decode_master("ecc24", p, torch.empty(32, dtype=torch.uint8, device="meta"))
+    with pytest.raises(ConfigError, match=r"rand is on meta; the encoded tensor is on"):
+        ops.encode_moment("bf16", x, rand=torch.empty(32, dtype=torch.int64, device="meta"))
 
 
 def pattern_soup(n_blocks: int, device, *, seed: int = 0) -> torch.Tensor:

@@ -316,3 +316,32 @@ def test_matrix_is_complete():
     combos = {(ALL_VARIANTS[v][0], p, m, str(d)) for v, p, m, d, _ in (x.values for x in ALL)}
     assert len({c[1:] for c in combos}) == len(PRESETS) * len(MASTERS)
     assert len(list(itertools.product(PRESETS, MASTERS))) == 20
+
+
+@pytest.mark.parametrize(
+    ("rule", "kw"),
+    [
+        ("adamw", {"eps": 1e-40}),
+        ("adamw", {"eps": 1e-45}),
+        ("adamw", {"lr": 1e-45}),
+        ("lion", {"lr": 1e-45, "weight_decay": 1e-41}),
+        ("sgd", {"lr": 1e-45, "momentum": 1e-40}),
+    ],
+)
+def test_subnormal_scalars_match_the_torch_backend(device, registered, rule, kw):
+    """Scalars below 2**-126 (an fp32 subnormal eps or lr): the interpreter typed Python
+    floats there as fp64 and the kernel failed ("Expected dtype ['fp32'] but got fp64"); the
+    compiler passes every float as fp32, and so does the interpreter now."""
+    from memopt_core import MemOptimizer
+
+    torch.manual_seed(0)
+    p0 = torch.randn(40, device=device)
+    runs = {}
+    for name in ("torch", "triton"):
+        p = p0.clone().to(torch.bfloat16).requires_grad_()
+        opt = MemOptimizer([p], rule=rule, master="ecc24", moments="fp32", backend=name, **kw)
+        for step in range(2):
+            p.grad = torch.randn(40, generator=torch.Generator().manual_seed(step)).to(p)
+            opt.step()
+        runs[name] = p.detach().view(torch.int16)
+    assert torch.equal(runs["torch"], runs["triton"])

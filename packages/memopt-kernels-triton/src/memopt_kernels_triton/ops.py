@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import numbers
 import os
 import struct
 from array import array
@@ -96,26 +97,43 @@ def interpreting() -> bool:
 
 
 def _interpreter_compat() -> None:
-    """Triton < 3.7's interpreter converts scalar tensors (1-element arrays) to ints with
-    ``int(array)``, which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed by #9172): loops
-    with tensor bounds then fail. Re-set ``__index__`` the way the fix does; idempotent, and only
-    under ``TRITON_INTERPRET=1``."""
+    """Under ``TRITON_INTERPRET=1``, two ways Triton's CPU interpreter differs from its compiler,
+    evened out (idempotent; nothing is touched otherwise):
+
+    - Triton < 3.7 converts scalar tensors (1-element arrays) to ints with ``int(array)``, which
+      numpy >= 2.4 refuses (triton-lang/triton#9171, fixed by #9172): loops with tensor bounds
+      then fail. ``__index__`` is re-set the way the fix does.
+    - The compiler passes every Python float argument as fp32 (``mangle_type``); the
+      interpreter passes it on as a Python float, which its ``to_tensor`` types as fp64 below
+      2**-126, so a subnormal fp32 scalar (``eps=1e-40``) failed the kernel's fp32 arithmetic.
+      Float arguments become fp32 scalars, as ints become int32 ones."""
     if not interpreting():
         return
     try:
+        import numpy as np
+        from triton import language as tl
         from triton.runtime import interpreter as _interp
     except Exception:  # pragma: no cover - no interpreter in this triton
         return
     orig = getattr(_interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_memopt_compat", False):
-        return
+    if orig is not None and not getattr(orig, "_memopt_compat", False):
 
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._memopt_compat = True  # type: ignore[attr-defined]
-    _interp._patch_lang_tensor = patched
+        patched._memopt_compat = True  # type: ignore[attr-defined]
+        _interp._patch_lang_tensor = patched
+    cvt, handle = getattr(_interp, "_implicit_cvt", None), getattr(_interp, "TensorHandle", None)
+    if cvt is not None and handle is not None and not getattr(cvt, "_memopt_compat", False):
+
+        def fp32_floats(arg):
+            if type(arg) is float:
+                return tl.tensor(handle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+            return cvt(arg)
+
+        fp32_floats._memopt_compat = True  # type: ignore[attr-defined]
+        _interp._implicit_cvt = fp32_floats
 
 
 _interpreter_compat()
@@ -171,11 +189,13 @@ def _on_device_of(args: Sequence) -> contextlib.AbstractContextManager:
 
 def _i32(v: int, what: str = "a 32-bit word") -> int:
     """A 32-bit value as a signed int32 Python int (kernels bit-cast it back to uint32);
-    ConfigError naming ``what`` for a non-int."""
-    try:
-        v &= 0xFFFFFFFF
-    except TypeError:
-        raise ConfigError(f"{what} must be an int, got {type(v).__name__} {v!r}") from None
+    ConfigError naming ``what`` for a non-int (a bool, a float, a tensor: a tensor reached the
+    kernel as its address), as memopt-kernels-cpu's ops refuse them."""
+    if type(v) is not int:  # the common case first: this runs at every launch
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise ConfigError(f"{what} must be an int, got {type(v).__name__} {v!r}")
+        v = int(v)
+    v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= (1 << 31) else v
 
 
@@ -208,7 +228,9 @@ def _rand_arg(rand: Tensor | None, n: int, device: torch.device) -> Tensor:
             f"rand must be an int64 tensor of {n} uniform 32-bit words, got {got}: use "
             "memopt_core.rng.uniform_bits"
         )
-    r = rand.reshape(-1).to(device) & 0xFFFFFFFF
+    if rand.device != device:
+        raise ConfigError(f"rand is on {rand.device}; the encoded tensor is on {device}")
+    r = rand.reshape(-1) & 0xFFFFFFFF
     return torch.where(r >= 2**31, r - 2**32, r).to(torch.int32)
 
 
@@ -394,6 +416,8 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
     _check_device(param, "param")
     codec = master_codec(fmt, param.dtype)
     codec.check_decode(param, code)
+    if code is not None and code.device != param.device:
+        raise ConfigError(f"code is on {code.device}; param is on {param.device}")
     n = param.numel()
     out = torch.empty(n, dtype=torch.float32, device=param.device)
     if n:
@@ -441,6 +465,8 @@ def stream_words(
     moment) of elements ``index`` (int64) at optimizer ``step``: the same as
     ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar ids."""
     _check_device(index, "index")
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise FormatError(f"index must be an integer tensor, got {index.dtype}")  # 2.7 -> 2
     idx = index.resolve_neg().reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
     out = torch.empty((3, n), dtype=torch.int32, device=index.device)
