@@ -180,6 +180,77 @@ def test_a_timed_step_that_raises_leaves_the_trial_going():
     assert opt.mode_decision.source == "measured"
 
 
+def test_a_timed_step_without_a_time_is_taken_again():
+    """A trial whose timed steps all raised ended with no timing, "decided" torch (labelled
+    measured) and cached it: a timed slot that recorded nothing is handed out again."""
+    t = Trial(["fused", "torch"])
+    seen, raised = [], 0
+    while (nxt := t.next()) is not None:
+        seen.append(nxt)
+        if nxt[1]:
+            if raised < 3:  # the first three timed steps raise
+                raised += 1
+                continue
+            t.record(nxt[0], 1.0 if nxt[0] == "fused" else 2.0)
+    timed = [c for c, is_timed in seen if is_timed]
+    assert timed[:4] == ["fused", "fused", "fused", "fused"]  # taken again until it ran
+    assert t.medians() == {"fused": 1.0, "torch": 2.0}
+    assert t.decide() == "fused"
+
+
+@needs_two_candidates
+def test_a_trial_of_raising_steps_caches_a_measured_decision(tmp_path):
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=tmp_path / "modes.json", check_numerics=True)
+    p = next(p for p in a if p.numel())
+    for step in range(1, 2 * WARMUP_STEPS + 2 * TIMED_ROUNDS + 1):  # every trial step raises
+        set_grads(a, step)
+        p.grad = torch.full_like(p, float("nan"))
+        with pytest.raises(NumericsError):
+            opt.step()
+    assert opt.mode_decision is None  # no decision from no timing
+    train(opt, a, TRIAL_STEPS + 1)
+    assert set(opt.mode_decision.timings_ms) == {"fused", "torch"}
+
+
+@needs_two_candidates
+def test_a_group_added_during_the_trial_starts_it_over(tmp_path):
+    """The decision was stored under the signature of the model before the group came."""
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=tmp_path / "modes.json")
+    train(opt, a, WARMUP_STEPS + 1)
+    extra = torch.nn.Parameter(torch.randn(64))
+    opt.add_param_group({"params": [extra]})
+    for step in range(1, TRIAL_STEPS + 2):
+        set_grads(a, step)
+        extra.grad = torch.ones(64)
+        opt.step()
+    decision = opt.mode_decision
+    assert decision is not None
+    assert decision.source == "measured"
+    assert decision.signature == auto_mode.signature(opt.param_groups, False)[0]
+
+
+def test_mode_torch_ignores_memopt_backend(monkeypatch):
+    """mode="torch" runs core's torch step whatever MEMOPT_BACKEND says, as documented; a
+    name that cannot run here refused the construction."""
+    for env in ("bogus", "triton" if not torch.cuda.is_available() else "bogus"):
+        monkeypatch.setenv("MEMOPT_BACKEND", env)
+        a = make_params("cpu")
+        b = twin(a)
+        opt, ref = ApexW(a, mode="torch"), reference_for(b)
+        assert opt.mode_decision == ModeDecision("torch", "fixed")
+        for step in range(1, 3):
+            step_both(a, b, opt, ref, step)
+        assert_same(a, b, opt, ref)
+
+
+def test_a_cache_path_with_a_nul_byte_is_refused():
+    """It was accepted, and every step after the trial raised ValueError writing it."""
+    with pytest.raises(ConfigError, match="mode_cache must be"):
+        ApexW(make_params("cpu"), mode_cache="/tmp/modes\0.json")
+
+
 @needs_two_candidates
 def test_an_unpickled_optimizer_decides_again():
     """A measured decision belongs to the process that made it: pickled with it, "fused" raised

@@ -119,6 +119,19 @@ def test_a_state_format_edited_in_a_group_is_refused():
     opt.step()
 
 
+def test_a_group_giving_state_and_other_moments_is_refused():
+    """{"state": "q8", "moments": "bf16"}: one of them won silently (the edit above is refused)."""
+    p, q = make_params("cpu", shapes=[(8,), (8,)])
+    for bad in ({"state": "q8", "moments": "bf16"}, {"state": "bf16", "moments": "q8"}):
+        with pytest.raises(ConfigError, match=r"sets state=.* and moments=.*; give one"):
+            ApexW([{"params": [p], **bad}])
+    opt = ApexW([p])
+    with pytest.raises(ConfigError, match=r"sets state='q8' and moments='bf16'"):
+        opt.add_param_group({"params": [q], "state": "q8", "moments": "bf16"})
+    opt.add_param_group({"params": [q], "state": "q8", "moments": "q8"})  # agreeing: fine
+    assert opt.param_groups[1]["moments"] == "q8"
+
+
 @pytest.mark.parametrize("mode_cache", [5, "", b"modes.json", ["modes.json"]])
 def test_mode_cache_must_be_a_path(mode_cache):
     with pytest.raises(ConfigError, match="mode_cache must be None, 'default' or a non-empty path"):

@@ -151,7 +151,11 @@ class ApexW(MemOptimizer):
                 f"backend names the kernel backend of mode='fused' (e.g. 'triton', 'cpu'); got "
                 f"{backend!r} (mode='torch' selects core's torch backend)"
             )
-        forced = backends.forced_backend(backend)  # backend=, else MEMOPT_BACKEND
+        # backend=, else MEMOPT_BACKEND; mode="torch" runs core's torch step whatever the
+        # variable says (an unusable name there refused the construction)
+        forced = backends.forced_backend(backend) if mode != "torch" or backend else None
+        if mode == "torch" and backend is None:
+            backend = "torch"
         if capturable and forced == "torch":
             raise ConfigError(
                 f"capturable=True captures the fused Triton step; {backends.ENV_VAR}=torch forces "
@@ -161,6 +165,7 @@ class ApexW(MemOptimizer):
             isinstance(mode_cache, (str, os.PathLike))
             and isinstance(os.fspath(mode_cache), str)
             and os.fspath(mode_cache)
+            and "\0" not in os.fspath(mode_cache)  # no file has it: the write raised at each step
         ):
             raise ConfigError(
                 f"mode_cache must be None, {_DEFAULT_CACHE!r} or a non-empty path, got "
@@ -228,7 +233,12 @@ class ApexW(MemOptimizer):
         """torch semantics; float32 and bfloat16 parameters only (CUDA ones when capturable)."""
         if isinstance(param_group, dict) and "state" in param_group:
             param_group = dict(param_group)
-            param_group["moments"] = param_group.pop("state")
+            state = param_group.pop("state")
+            if param_group.setdefault("moments", state) != state:  # one of them won silently
+                raise ConfigError(
+                    f"a param group sets state={state!r} and moments="
+                    f"{param_group['moments']!r}; give one (state)"
+                )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for i, p in enumerate(group["params"]):
@@ -244,6 +254,10 @@ class ApexW(MemOptimizer):
                     f"parameter #{i} of param group {len(self.param_groups)} (shape "
                     f"{tuple(p.shape)}) {bad}"
                 )
+        if self._trial is not None:
+            # a trial under way timed the model before this group: it starts over on the new
+            # one (its decision was stored under the old model's signature)
+            self._trial = self._sig = None
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """torch semantics; ``set_to_none`` defaults to False with ``capturable=True`` (gradients

@@ -190,9 +190,15 @@ class Trial:
             (c, False) for c in candidates for _ in range(WARMUP_STEPS)
         ]
         self._round = 0
+        self._last: tuple[str, int] | None = None  # the last timed step: candidate, its times
 
     def next(self) -> tuple[str, bool] | None:
-        """The next (candidate, timed) step, or None when the trial is over."""
+        """The next (candidate, timed) step, or None when the trial is over. A timed step that
+        recorded no time (it raised) is taken again: a trial whose timed steps all raised
+        decided from no timing at all, and cached that."""
+        last, self._last = self._last, None
+        if last is not None and len(self.times[last[0]]) == last[1]:
+            self._queue.insert(0, (last[0], True))
         if not self._queue:
             if self._round >= TIMED_ROUNDS:
                 return None
@@ -201,7 +207,10 @@ class Trial:
                 return None
             self._round += 1
             self._queue = [(c, True) for c in alive]
-        return self._queue.pop(0)
+        candidate, is_timed = self._queue.pop(0)
+        if is_timed:
+            self._last = (candidate, len(self.times[candidate]))
+        return candidate, is_timed
 
     def _alive(self) -> list[str]:
         """The candidates still in the trial: within DROP_FACTOR of the best median. One
