@@ -263,7 +263,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("apexw-bf16-params", "ApexW bf16+ecc24+q8 fused", APEXW, BF16, _apexw("q8"), cuda_only=True, full_warmup=True),
     BenchConfig("flashoptim-peer", "FlashOptim FlashAdamW (peer)", "flashoptim", BF16, _flashoptim_adamw, cuda_only=True, full_warmup=True),
     BenchConfig("bnb-adamw8bit", "bitsandbytes AdamW8bit (peer)", "bitsandbytes", torch.float32, _bnb_adamw8bit, cuda_only=True, full_warmup=True),
-    BenchConfig("deepspeed-cpuadam", "DeepSpeed CPUAdam fp32 (peer)", "deepspeed.ops.adam", torch.float32, _deepspeed_cpu_adam, cpu_only=True),
+    BenchConfig("deepspeed-cpuadam", "DeepSpeed CPUAdam fp32 (peer)", "deepspeed.ops.adam", torch.float32, _deepspeed_cpu_adam, cpu_only=True, full_warmup=True),
     BenchConfig("torchao-adamw8bit", "torchao AdamW8bit (peer)", "torchao.optim", torch.float32, _torchao_adamw8bit, full_warmup=True),
 )  # fmt: skip
 

@@ -144,8 +144,8 @@ class FlashOptimizer(MemOptimizer):
     dtypes in one optimizer are grouped internally; non-contiguous parameters are handled.
 
     Fused (``fused=True``, the default): one kernel launch per (dtype, format) group decodes the
-    master and the moments, applies the rule (with a GradScaler's unscale and inf skip when
-    ``capturable``) and encodes them back, in one pass over memory: memopt-kernels-triton on
+    master and the moments, applies the rule (with a GradScaler's unscale and inf skip, with or
+    without ``capturable``) and encodes them back, in one pass over memory: memopt-kernels-triton on
     CUDA, memopt-kernels-cpu on the CPU. Without them, or with ``fused=False``, core's pure-torch
     backend computes the same bits.
 
