@@ -738,3 +738,39 @@ def test_reaching_the_float32_step_limit_warns_once_with_stochastic_rounding(sr)
     limit = [w for w in caught if "reached 2**24" in str(w.message)]
     assert len(limit) == (1 if sr else 0)
     assert opt.state[p]["step"].item() == 2**24
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_callers_state_entries_are_kept_as_torch_keeps_them(backend):
+    """timm's Lookahead keeps ``lookahead_slow_buff`` in ``optimizer.state[p]``. Such entries
+    vanished when memopt rebuilt a group's state (at the first step, after a state tensor was
+    written, when momentum was switched on), and the optimizer's own state dict, which held
+    them, was refused on load ("unexpected entries")."""
+    if backend == "cpu":
+        pytest.importorskip("memopt_kernels_cpu")
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(40).bfloat16()) for _ in range(2)]
+    opt = MemOptimizer(ps, rule="sgd", lr=0.1, master="ecc24", moments="q8", backend=backend)
+    opt.state[ps[0]]["slow"] = torch.ones(40)  # before the first step
+    for t in range(4):
+        if t == 2:
+            opt.param_groups[0]["momentum"] = 0.9  # a rebuild with a momentum buffer
+        for p in ps:
+            p.grad = torch.randn(40).bfloat16()
+        opt.step()
+        if t == 0:
+            opt.state[ps[1]]["counter"] = 3  # after a step
+    assert torch.equal(opt.state[ps[0]]["slow"], torch.ones(40))
+    assert opt.state[ps[1]]["counter"] == 3
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["slow"].dtype == torch.float32  # saved as it is
+    twin = MemOptimizer(
+        [torch.nn.Parameter(p.detach().clone()) for p in ps],
+        rule="sgd", lr=0.1, master="ecc24", moments="q8", backend=backend,
+    )  # fmt: skip
+    twin.load_state_dict(sd)
+    q0, q1 = twin.param_groups[0]["params"]
+    assert twin.state[q0]["slow"].dtype == torch.bfloat16  # cast like the parameter, as torch does
+    assert torch.equal(twin.state[q0]["slow"], torch.ones(40, dtype=torch.bfloat16))
+    assert twin.state[q1]["counter"] == 3
+    assert "momentum_buffer" in twin.state[q0]

@@ -62,7 +62,14 @@ from memopt_core.errors import (
     RoundToNearestWarning,
     StateDictError,
 )
-from memopt_core.formats import MASTER_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
+from memopt_core.formats import (
+    MASTER_FORMATS,
+    MOMENT_FORMATS,
+    MOMENT_PRESETS,
+    MomentCodec,
+    StateSpec,
+    moment_codec,
+)
 from memopt_core.plan import (
     GroupPlan,
     StateArena,
@@ -127,6 +134,18 @@ _STEP_LIMIT = 2**24
 _CPU = torch.device("cpu")
 #: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
 _PARAM_SHAPE = "param_shape"
+#: every per-parameter state key a memopt format or rule can store; any other key of
+#: ``state[p]`` is the caller's (timm's Lookahead keeps ``lookahead_slow_buff`` there) and is
+#: kept through rebuilds and state dicts as torch keeps it
+_MEMOPT_KEYS = frozenset(
+    {"step", "master_code", _PARAM_SHAPE}
+    | {
+        state_key(name, sfx)
+        for name in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+        for fmt in MOMENT_FORMATS
+        for sfx in moment_codec(fmt).fields
+    }
+)
 
 
 @dataclass
@@ -1068,6 +1087,8 @@ class MemOptimizer(Optimizer):
                     self._writes, {"step": _step_tensor(step if step is not None else 0)}
                 )
                 dict.update(state, views)
+                # the caller's own entries stay, as in torch (they were dropped at a rebuild)
+                dict.update(state, {k: v for k, v in prev.items() if k not in _MEMOPT_KEYS})
                 new_states[p] = state
             bases = [index_base(p) for p in owners]
             entries.append(
@@ -2300,6 +2321,8 @@ class MemOptimizer(Optimizer):
                 f"moments={spec.moments!r} of rule {self.rule!r} stores {sorted(required)})"
             )
         extra = sorted(set(entry) - required - {_PARAM_SHAPE}, key=str)
+        foreign = [k for k in extra if k not in _MEMOPT_KEYS]
+        extra = [k for k in extra if k in _MEMOPT_KEYS]
         if extra:
             raise StateDictError(
                 f"the state of {label} has unexpected entries {extra} (the format "
@@ -2307,6 +2330,11 @@ class MemOptimizer(Optimizer):
                 f"{sorted(required)})"
             )
         out: dict[str, Any] = {"step": self._validated_step(entry["step"], label)}
+        for k in foreign:  # the caller's entries, loaded as torch loads them
+            v = entry[k]
+            if isinstance(v, Tensor):
+                v = v.to(device=p.device, dtype=p.dtype if p.is_floating_point() else v.dtype)
+            out[k] = v
         for k, (shape, dtype) in expected.items():
             t = entry[k]
             if not isinstance(t, Tensor):
