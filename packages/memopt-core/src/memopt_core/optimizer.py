@@ -134,6 +134,12 @@ _STEP_LIMIT = 2**24
 _CPU = torch.device("cpu")
 #: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
 _PARAM_SHAPE = "param_shape"
+#: rule kind -> the states it may keep
+_STATE_NAMES: dict[str, tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
+    "sgd": ("momentum_buffer",),
+}
 #: every per-parameter state key a memopt format or rule can store; any other key of
 #: ``state[p]`` is the caller's (timm's Lookahead keeps ``lookahead_slow_buff`` there) and is
 #: kept through rebuilds and state dicts as torch keeps it
@@ -141,7 +147,8 @@ _MEMOPT_KEYS = frozenset(
     {"step", "master_code", _PARAM_SHAPE}
     | {
         state_key(name, sfx)
-        for name in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+        for names in _STATE_NAMES.values()
+        for name in names
         for fmt in MOMENT_FORMATS
         for sfx in moment_codec(fmt).fields
     }
@@ -661,17 +668,12 @@ class MemOptimizer(Optimizer):
         )
 
     def _needed_names(self, group: Mapping[str, Any]) -> tuple[str, ...]:
-        kind = self._kind
-        if kind == "adam":
-            return ("exp_avg", "exp_avg_sq")
-        if kind == "lion":
-            return ("exp_avg",)
-        return ("momentum_buffer",) if _as_float(group["momentum"], "momentum", "") != 0 else ()
+        if self._kind == "sgd" and _as_float(group["momentum"], "momentum", "") == 0:
+            return ()
+        return _STATE_NAMES[self._kind]
 
     def _allowed_names(self) -> tuple[str, ...]:
-        return {"adam": ("exp_avg", "exp_avg_sq"), "lion": ("exp_avg",)}.get(
-            self._kind, ("momentum_buffer",)
-        )
+        return _STATE_NAMES[self._kind]
 
     @staticmethod
     def _codec_of(name: str, spec: StateSpec) -> MomentCodec:
