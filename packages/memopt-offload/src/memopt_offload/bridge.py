@@ -95,10 +95,10 @@ norm of those norms stacked in parameter order, so it does not depend on backwar
 starts no update before backward ends, then scales the host gradients by
 ``min(1, max_grad_norm / (total_norm + 1e-6))`` (the formula of
 ``torch.nn.utils.clip_grad_norm_``; a NaN total clips nothing, docs/offload.md) and updates:
-exact clipping, transfers still overlap backward, updates do not. ``clip_mode="overlap"`` updates during backward with the
-coefficient of the *previous* step's total norm (one step stale; the first step waits), so
-updates overlap backward but a gradient spike is clipped one step late. ``last_grad_norm``
-holds the total norm of the latest step either way.
+exact clipping, transfers still overlap backward, updates do not. ``clip_mode="overlap"``
+updates during backward with the coefficient of the *previous* step's total norm (one step
+stale; the first step waits), so updates overlap backward but a gradient spike is clipped one
+step late. ``last_grad_norm`` holds the total norm of the latest step either way.
 """
 
 from __future__ import annotations
