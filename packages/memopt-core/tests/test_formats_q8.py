@@ -9,6 +9,7 @@ from memopt_core import rng
 from memopt_core.errors import FormatError
 from memopt_core.formats import StateSpec, moment_codec
 from memopt_core.reference import correctly_rounded_sqrt
+from memopt_core.testing import q8_sqrt_threshold_cases
 
 SIGNED, SQRT, E4M3 = moment_codec("q8_signed"), moment_codec("q8_sqrt"), moment_codec("fp8_e4m3")
 B = 32
@@ -176,6 +177,26 @@ def test_sr_unbiased_in_v_and_reproducible():
     assert torch.equal(
         SQRT.decode(SQRT.encode(grid, rand=torch.zeros(v.shape, dtype=torch.int64))), grid
     )
+
+
+def test_sr_rounds_up_with_the_probability_that_keeps_v_unbiased():
+    """At every code and random fractions towards the next one, SR rounds up iff ``r >> 8`` lies
+    below ``p * 2**24``, where ``p = (s*s - lo*lo) / (hi*hi - lo*lo)`` makes ``E[q*q] = s*s``:
+    words two below and one above the threshold decide as ``p`` says (integer rounding of the
+    threshold aside)."""
+    v, p, r = q8_sqrt_threshold_cases(seed=1)
+    got = SQRT.encode(v, rand=r)
+    lo = SQRT.encode(v, rand=torch.full_like(r, 2**32 - 1))  # the largest word never rounds up
+    assert (got["scale"] == 127).all()
+    up = got[""].to(torch.int64) - lo[""].to(torch.int64)
+    case = torch.arange(v.numel()) % B != 0  # each block's first element fixes its scale
+    t = p * 2**24
+    r24 = (r >> 8).double()
+    below, above = case & (r24 <= t - 1), case & (r24 >= torch.floor(t) + 1)
+    assert below.sum() > v.numel() // 4
+    assert above.sum() > v.numel() // 4
+    assert (up[below] == 1).all()
+    assert (up[above] == 0).all()
 
 
 @pytest.mark.parametrize("n", [0, B, 33 * B])

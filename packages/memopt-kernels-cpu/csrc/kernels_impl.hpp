@@ -133,9 +133,9 @@ inline uint32_t bf16_round(uint32_t u, uint32_t r) {
   return ((u >> 31) << 15) | top;
 }
 
-// Rounding modes of the minifloat encoders: nearest even, stochastic, truncation (SR with
-// r = ~0; mf8_round only).
-enum Mode { RNE = 0, STOCH = 1, TRUNC = 2 };
+// Rounding modes of the minifloat encoders: nearest even, stochastic, and (mf8_round only) none:
+// FRACTION returns t = code << 24 | frac24, the truncated code and the fraction below it.
+enum Mode { RNE = 0, STOCH = 1, FRACTION = 2 };
 
 // bits.minifloat_encode with k = 0 on fp16's grid (the 8-bit grids take mf8_round): magnitude
 // code of value(mag) for a finite mag. mag's own exponent and 24-bit significand stand in for the
@@ -150,7 +150,7 @@ inline int32_t minifloat_encode(uint32_t mag, uint32_t r) {
   const int32_t d = vmin(vmax(EMIN - ey, 0) + (23 - MAN), 48);  // dropped low bits of sig
   const int32_t kept = sig >> vmin(d, 31);
   int32_t n;
-  static_assert(MODE != TRUNC, "no caller truncates here");
+  static_assert(MODE != FRACTION, "mf8_round only");
   if constexpr (MODE == RNE) {
     const int32_t d2 = vmin(d, 25);
     n = (sig + ((1 << (d2 - 1)) - 1) + (kept & 1)) >> d2;
@@ -203,9 +203,11 @@ inline int32_t mf8_round(float y, uint32_t r) {
   const float p = y * unit;
   const uint32_t ts = static_cast<uint32_t>(static_cast<int32_t>(p < cap ? p : cap));
   uint32_t t = yb >= normal ? tn : ts;
-  if constexpr (MODE == RNE) {
+  if constexpr (MODE == FRACTION) {
+    return static_cast<int32_t>(t);
+  } else if constexpr (MODE == RNE) {
     t += 0x7FFFFFu + ((t >> 24) & 1u);
-  } else if constexpr (MODE == STOCH) {
+  } else {
     t += 0xFFFFFFu - (r >> 8);
   }
   return static_cast<int32_t>(t >> 24);
@@ -366,7 +368,9 @@ inline void block_codes(const float* __restrict x, int32_t s, const uint32_t* __
     // below
     int32_t c = mf8_round<F::MAN, F::EMIN, MODE>(u2f(mag) * inv_scale, MODE == STOCH ? r[i] : 0u);
     if constexpr (F::KEEPS_NONZERO) c |= static_cast<int32_t>((c == 0) & (mag != 0u));
-    int32_t special = F::NANC;
+    // FRACTION: the NaN code with fraction 0 (a format with an inf code has no such caller)
+    static_assert(MODE != FRACTION || F::INFC < 0, "FRACTION codes carry no inf code");
+    int32_t special = MODE == FRACTION ? static_cast<int32_t>(uint32_t{F::NANC} << 24) : F::NANC;
     if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
     c = finite ? c : special;
     if constexpr (F::SIGN != 0) c |= static_cast<int32_t>(u >> 31) * F::SIGN;
@@ -410,7 +414,7 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
                    uint8_t* __restrict codes, uint8_t* __restrict scales,
                    const uint32_t* __restrict r) {
   alignas(64) float sq[TILE];
-  alignas(64) int32_t lo[32];
+  alignas(64) int32_t c[32];
   int32_t sb[TILE_BLOCKS];
   for (int64_t b0 = 0; b0 < n / 32; b0 += TILE_BLOCKS) {
     const int64_t nb = vmin(TILE_BLOCKS, n / 32 - b0);
@@ -422,37 +426,29 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
       const int64_t e = 32 * (b0 + b);
       const float* __restrict s = rt + 32 * b;
       if constexpr (!SR) {
-        block_codes<Q8Sqrt, RNE>(s, sb[b], nullptr, lo);
-        for (int i = 0; i < 32; ++i) codes[e + i] = static_cast<uint8_t>(floor_code(lo[i], s[i]));
-        scales[b0 + b] = static_cast<uint8_t>(sb[b]);
-        continue;
+        block_codes<Q8Sqrt, RNE>(s, sb[b], nullptr, c);
+      } else {
+        // t = lo << 24 | f24: the code below s and the first 24 bits of s's fraction of the way
+        // to the next one. With L = lo / spacing (an integer: 16 + mantissa, or the mantissa of
+        // a subnormal code), E[q*q] = s*s takes P(up) = f (2L + f) / (2L + 1): round up iff
+        // r24 * (2L + 1) < 2L * f24 + (f24 * f24 >> 24) (KERNEL_API 7), exact in 32 bits (both
+        // sides below 2**30). The NaN code has f24 = 0, and so has the largest code (s is at
+        // most its value): neither rounds up.
+        block_codes<Q8Sqrt, FRACTION>(s, sb[b], nullptr, c);
+        const uint32_t* __restrict rb = r + e;
+        for (int i = 0; i < 32; ++i) {
+          const uint32_t t = static_cast<uint32_t>(c[i]);
+          const int32_t lo = static_cast<int32_t>(t >> 24);
+          const int32_t f24 = static_cast<int32_t>(t & 0xFFFFFFu);
+          const int32_t two_l = ((lo & 15) | (vmin(lo, 16) & 16)) << 1;
+          const uint64_t f28 = uint64_t{t & 0xFFFFFFu} << 4;
+          const int32_t sq24 = static_cast<int32_t>((f28 * f28) >> 32);  // f24 * f24 >> 24
+          const int32_t r24 = static_cast<int32_t>(rb[i] >> 8);
+          c[i] = lo + (r24 * (two_l + 1) < two_l * f24 + sq24 ? 1 : 0);
+        }
       }
-      block_codes<Q8Sqrt, TRUNC>(s, sb[b], nullptr, lo);
-      // 2**k, but 0 in place of 2**-127: that k only scales all-zero blocks, whose lanes have
-      // v = +-0 (num > 0 fails) or a NaN code either way
-      const float scale = u2f(static_cast<uint32_t>(sb[b]) << 23);
-      const float* __restrict vb = v + e;
-      const uint32_t* __restrict rb = r + e;
-      for (int i = 0; i < 32; ++i) {
-        // the neighbouring codes lo <= s <= hi, decoded exactly (the NaN code's value is unused)
-        const float l = mf_value<Q8Sqrt::MAN, Q8Sqrt::EMIN>(lo[i]) * scale;
-        const float h = mf_value<Q8Sqrt::MAN, Q8Sqrt::EMIN>(vmin(lo[i] + 1, Q8Sqrt::MAXC)) * scale;
-        const float lo2 = l * l, hi2 = h * h;
-        const float num = vb[i] - lo2, den = hi2 - lo2;
-        const bool use = (lo[i] <= Q8Sqrt::MAXC) & (den > 0.0f) & (num > 0.0f);
-        // floor(frac * 2**24) (the product is exact: a power of two) as a truncation: where
-        // used, frac is in [0, 1] and the reference's clamp to [0, 2**24] does nothing (s < hi,
-        // so v <= hi * hi and, rounding being monotone, num <= den). The other lanes (NaN among
-        // them) divide 0 by 1, so every lane converts an in-range value. The operands are
-        // selected with a bit mask: from a select (of the operands or of the result) GCC makes
-        // a branch around the division, which only AVX-512's masks if-convert (trapping math).
-        const uint32_t keep = 0u - static_cast<uint32_t>(use);
-        const float frac = u2f(f2u(num) & keep) / u2f((f2u(den) & keep) | (0x3F800000u & ~keep));
-        const int32_t frac24 = static_cast<int32_t>(frac * 16777216.0f);
-        const int32_t up = static_cast<int32_t>(rb[i] >> 8) < frac24 ? 1 : 0;
-        lo[i] = floor_code(lo[i] + up, s[i]);  // 32-bit lanes: a uint8 mix keeps GCC scalar
-      }
-      for (int i = 0; i < 32; ++i) codes[e + i] = static_cast<uint8_t>(lo[i]);
+      // 32-bit lanes: a uint8 mix keeps GCC scalar
+      for (int i = 0; i < 32; ++i) codes[e + i] = static_cast<uint8_t>(floor_code(c[i], s[i]));
       scales[b0 + b] = static_cast<uint8_t>(sb[b]);
     }
   }

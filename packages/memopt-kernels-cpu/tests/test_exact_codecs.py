@@ -20,6 +20,7 @@ from memopt_core.testing import (
     assert_moment_conversions_exact,
     bits,
     master_patterns,
+    q8_sqrt_threshold_cases,
     record_codec_calls,
 )
 from memopt_kernels_cpu import ops, set_chunk_size, set_isa, set_num_threads, supported_isas
@@ -61,6 +62,20 @@ def test_moment_codecs(fmt, sr, isa, n):
     for key in ref:
         assert torch.equal(bits(got[key]), bits(ref[key])), f"{fmt} field {key!r} ({isa})"
     assert torch.equal(bits(ops.decode_moment(fmt, ref)), bits(codec.decode(ref))), isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_sqrt_rounding_at_its_threshold(isa):
+    """q8_sqrt's stochastic rounding (integer arithmetic on s's fraction between its codes) at
+    every code, with words within two of the decision's threshold on both sides: an off-by-one
+    in the comparison shows here."""
+    set_isa(isa)
+    codec = moment_codec("q8_sqrt")
+    v, _, r = q8_sqrt_threshold_cases(seed=2)
+    want = codec.encode(v, rand=r)
+    got = ops.encode_moment("q8_sqrt", v, rand=r)
+    for key in want:
+        assert torch.equal(bits(got[key]), bits(want[key])), f"field {key!r} ({isa})"
 
 
 @pytest.mark.parametrize("isa", ISAS)

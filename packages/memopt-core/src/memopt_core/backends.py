@@ -84,7 +84,9 @@ __all__ = [
 #: code of its sign.
 #: 6: an ECC master's ``+-0`` parameter with a carrying code (which no encode makes: a weight
 #: zeroed in place after its code was written) decodes to that zero, not to a NaN.
-KERNEL_API = 6
+#: 7: ``q8_sqrt``'s stochastic rounding decides with integer arithmetic on ``s``'s fraction
+#: between its two codes (before: a division in ``v``), the same probability up to 2**-24.
+KERNEL_API = 7
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).

@@ -40,6 +40,7 @@ __all__ = [
     "leave_group",
     "make_grads",
     "make_group",
+    "q8_sqrt_threshold_cases",
     "record_codec_calls",
     "rule_names",
     "scalars_for",
@@ -326,6 +327,38 @@ def master_patterns(codec: Any, n: int, seed: int) -> tuple[Tensor, Tensor | Non
     pr, codes = torch.cat([pr, zeros]), torch.cat([codes, carrying])
     code = codes.to(torch.uint8) if top == 256 else codes.to(torch.int32).to(torch.int16)
     return pr.view(codec.param_dtype), code
+
+
+def q8_sqrt_threshold_cases(seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Second moments ``v`` at every ``q8_sqrt`` code ``lo`` from 1 to ``0xFD`` (subnormal and
+    normal, each binade's last) at random fractions ``f`` of the way to the next code, where
+    ``sqrt(v)`` is exact (``s = lo + f * spacing`` with a 19-bit ``f``), in blocks of 32 whose
+    first element fixes the scale at ``2**0``; with the probability ``p`` of rounding up that
+    keeps ``E[q*q] = s*s`` (``(s*s - lo*lo) / (hi*hi - lo*lo)``, fp64: every term is exact)
+    and random words ``r`` whose ``r >> 8`` lies within two of ``p * 2**24``, on both sides.
+    Returns ``(v, p, r)``; ``v`` is fp32, ``p`` fp64, ``r`` int64 32-bit words."""
+    g = torch.Generator().manual_seed(seed)
+    per_code = 31 * 4  # blocks of 32: one scale element, then 31 cases
+    lo_code = torch.arange(1, 0xFE).repeat_interleave(per_code)
+
+    def value(c: Tensor) -> Tensor:  # e4m4 code -> value, exact in fp64
+        e, m = c >> 4, (c & 15).double()
+        return torch.where(e == 0, m * 2.0**-18, (16 + m) * torch.pow(2.0, (e - 19).double()))
+
+    lo, hi = value(lo_code), value(lo_code + 1)
+    f = torch.randint(1, 2**19, lo_code.shape, generator=g).double() * 2.0**-19
+    s = lo + f * (hi - lo)
+    p = (s * s - lo * lo) / (hi * hi - lo * lo)
+    r24 = torch.floor(p * 2**24).to(torch.int64) + torch.randint(-2, 3, s.shape, generator=g)
+    r = (r24.clamp(0, 2**24 - 1) << 8) | torch.randint(0, 256, s.shape, generator=g)
+    n = s.numel() // 31
+    v = torch.full((n, 32), 1.875**2, dtype=torch.float64)  # s = 1.875: scale byte 127
+    v[:, 1:] = (s * s).view(n, 31)
+    words = torch.zeros(n, 32, dtype=torch.int64)
+    words[:, 1:] = r.view(n, 31)
+    probs = torch.zeros(n, 32, dtype=torch.float64)
+    probs[:, 1:] = p.view(n, 31)
+    return v.reshape(-1).float(), probs.reshape(-1), words.reshape(-1)
 
 
 def bits(t: Tensor) -> Tensor:

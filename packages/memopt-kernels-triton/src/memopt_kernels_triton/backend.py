@@ -35,10 +35,11 @@ class TritonBackend:
     """Fused Triton kernels: one launch per group for every rule x format."""
 
     name = "triton"
-    #: The interface level these kernels implement, a literal (not core's value): 5 is the level
+    #: The interface level these kernels implement, a literal (not core's value): 7 is the level
     #: whose bits they compute (``memopt_core.rng``'s stochastic-rounding words, the ``q8_sqrt``
-    #: and ``fp8_e5m2`` floors), so a core at another level refuses a stale package.
-    KERNEL_API = 6
+    #: and ``fp8_e5m2`` floors, the ECC zero decode, ``q8_sqrt``'s integer rounding rule), so a
+    #: core at another level refuses a stale package.
+    KERNEL_API = 7
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
     #: steps the param groups of one family arena in one launch (:meth:`step_all`)

@@ -12,8 +12,9 @@ dynamic range a block must span: a 1000x gradient outlier is 1e6x in ``v`` but o
 ``sqrt(RN(q*q)) == q`` in IEEE arithmetic, Adam's ``sqrt(v)`` recovers ``q`` exactly.
 
 Stochastic rounding picks one of the two codes around ``s`` with the probability that keeps
-``v`` unbiased (``E[q*q] = v``), not ``s``: rounding ``s`` unbiasedly would bias ``v`` upwards
-by ``Var(q)``, about +1% over a long Adam run (tests/test_long_run.py).
+``v`` unbiased (``E[q*q] = s*s``, ``v`` up to the square root's rounding), not ``s``: rounding
+``s`` unbiasedly would bias ``v`` upwards by ``Var(q)``, about +1% over a long Adam run
+(tests/test_long_run.py).
 
 A positive ``v`` is never stored as code 0 (RNE or SR): below the smallest positive code it gets
 that code (``v`` biased upwards there; the step smaller, never larger, than fp32's).
@@ -58,30 +59,31 @@ class Q8SqrtCodec(BlockMinifloatCodec):
         s = correctly_rounded_sqrt(x)
         if rand is None:
             return self._floored(self._encode_codes(s, None), s)  # nearest even on s's grid
-        # SR chooses between the neighbouring codes lo <= s <= hi with the probability that makes
-        # the decoded v unbiased: the shared rule applied to v on the grid {q*q}, with
-        # frac24 = floor(RN((v - lo*lo) / (hi*hi - lo*lo)) * 2**24). lo*lo, hi*hi, the numerator
-        # (lo*lo <= v, both multiples of ulp(v)) and the denominator (2j+1)*spacing**2 are exact;
-        # the quotient is one correctly rounded division (see docs/formats.md).
+        # SR chooses between the neighbouring codes lo <= s <= hi with the probability that keeps
+        # the decoded v unbiased, E[q*q] = s*s: with L = lo / (hi - lo) (an integer) and f24 the
+        # first 24 bits of s's fraction of the way from lo to hi, the shared rule with
+        # frac24 = ceil((2L * f24 + (f24 * f24 >> 24)) / (2L + 1)), exact integer arithmetic
+        # (KERNEL_API 7; see docs/formats.md).
         lo_fields = self._encode_codes(
             s, torch.full(s.shape, 0xFFFFFFFF, dtype=torch.int64, device=s.device)
         )
-        lo_code = lo_fields[""].to(torch.int64)
-        finite = lo_code <= self.max_code
-        hi_code = torch.where(finite, torch.clamp(lo_code + 1, max=self.max_code), lo_code)
+        lo_code = lo_fields[""].to(torch.int64).reshape(-1)
+        hi_code = torch.clamp(lo_code + 1, max=self.max_code)
         both = self._decode_codes(
             {  # lo and hi in one pass
-                "": torch.cat([lo_fields[""], hi_code.to(torch.uint8)]),
+                "": torch.cat([lo_code.to(torch.uint8), hi_code.to(torch.uint8)]),
                 "scale": lo_fields["scale"].repeat(2),
             }
-        )
+        ).double()
         lo, hi = both[: x.numel()], both[x.numel() :]
-        lo2, hi2 = lo * lo, hi * hi
-        num, den = x - lo2, hi2 - lo2
-        frac = num / torch.where(den > 0, den, torch.ones_like(den))
-        frac24 = torch.floor(frac * 2.0**24).to(torch.int64)
-        frac24 = torch.where(finite & (den > 0) & (num > 0), torch.clamp(frac24, 0, 2**24), 0)
-        code = lo_code + sr_round_up(frac24, rand).to(torch.int64)
+        # exact in fp64: s - lo and the spacing hi - lo (a power of two) of fp32 values
+        span = hi - lo
+        frac = (s.reshape(-1).double() - lo) / torch.where(span > 0, span, 1.0)
+        used = (lo_code <= self.max_code) & (span > 0)  # a NaN code or the largest never rounds up
+        f24 = torch.where(used, torch.floor(frac * 2.0**24), 0.0).to(torch.int64)
+        two_l = 2 * torch.where(lo_code >= 16, 16 + (lo_code & 15), lo_code)
+        frac24 = (two_l * f24 + ((f24 * f24) >> 24) + two_l) // (two_l + 1)  # the ceiling
+        code = lo_code.view(x.shape) + sr_round_up(frac24.view(x.shape), rand).to(torch.int64)
         return self._floored({"": code.to(torch.uint8), "scale": lo_fields["scale"]}, s)
 
     @staticmethod

@@ -4,9 +4,8 @@ Every function here mirrors one reference function of ``memopt_core.formats`` on
 patterns: magnitudes are below ``2**31`` so int32 holds them, signs are handled separately, shift
 amounts are clamped below 32 (a shift by 32 or more is undefined on the GPU and differs in numpy),
 and the only float operations are exact ones (an int below ``2**23`` read back through an exact
-``2**23 + v - 2**23`` addition, fp64 products and sums of fp32 values) or the single correctly
-rounded IEEE operations the formats define (``sqrt_rn``, one multiply; ``q8_sqrt``'s SR division
-is replaced by an exact comparison that decides the same, :func:`sqrt_sr_up`). No float ->
+``2**23 + v - 2**23`` addition, products by powers of two) or the single correctly rounded IEEE
+operations the formats define (``sqrt_rn``, one multiply). No float ->
 narrower float cast is used anywhere: the Triton interpreter truncates those while the GPU rounds
 them to nearest even.
 
@@ -129,7 +128,7 @@ def mf_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr)
 @triton.jit
 def mf8_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr):
     """:func:`mf_round` for a grid whose codes stay below ``2**8`` (``y`` at most its largest
-    value, the blocked formats), ``MODE`` 2 truncating. Works on ``t = code << 24 | frac24``
+    value, the blocked formats). Works on ``t = code << 24 | frac24``
     (uint32: the code and the 24 bits below its last place, as core's ``frac24`` truncates them).
     At or above ``2**EMIN`` the pattern minus the grid's exponent bias, shifted left by
     ``MAN + 1``, is ``t`` (the code's exponent and mantissa fields follow fp32's). Below it ``t``
@@ -138,7 +137,7 @@ def mf8_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr
     their product is capped at ``2**30`` first so that no conversion leaves int32's range: the
     GPU would saturate, numpy warns). Rounding is then one addition: ``2**24 - 1 - r24``
     carries into the code iff ``r24 < frac24``; nearest even adds ``2**23 - 1`` plus the code's
-    last bit."""
+    last bit. ``MODE`` 2 returns ``t`` itself (int32 bits), for ``q8_sqrt``'s rounding."""
     tn = (yb - ((126 + EMIN) << 23)) << (MAN + 1)
     unit = tl.full([], (151 + MAN - EMIN) << 23, tl.int32).to(tl.float32, bitcast=True)
     ts = tl.minimum(bits_f32(yb) * unit, 1073741824.0).to(tl.int32)
@@ -147,7 +146,11 @@ def mf8_round(yb, MAN: tl.constexpr, EMIN: tl.constexpr, r24, MODE: tl.constexpr
         t = t + (0x7FFFFF + ((t >> 24) & 1))
     elif MODE == 1:
         t = t + (0xFFFFFF - r24).to(tl.uint32, bitcast=True)
-    return (t >> 24).to(tl.int32, bitcast=True)
+    if MODE == 2:  # noqa: SIM108 (a constexpr branch)
+        out = t.to(tl.int32, bitcast=True)
+    else:
+        out = (t >> 24).to(tl.int32, bitcast=True)
+    return out
 
 
 @triton.jit
@@ -212,8 +215,9 @@ def block_mf_encode(
     SIGNED: tl.constexpr,
     MODE: tl.constexpr,
 ):
-    """Codes (int32 ``[R, 32]``) and scale bytes ``k + 127`` (int32 ``[R]``) of fp32 tile
-    ``x`` (core's ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply
+    """Codes (int32 ``[R, 32]``; ``MODE`` 2: ``t = code << 24 | frac24``, :func:`mf8_round`)
+    and scale bytes ``k + 127`` (int32 ``[R]``) of fp32 tile ``x`` (core's
+    ``BlockMinifloatCodec._encode_codes``). ``|x| * 2**-k`` is one exact multiply
     (or lands below ``2**-126``, which rounds to code 0 on every grid).
 
     The inputs keep ``k`` where core never clamps it at 127: e4m3 and e5m2 need at most 120 and
@@ -228,7 +232,9 @@ def block_mf_encode(
     s = block_scale(tl.max(magf, axis=1), FMAX)
     y = magf.to(tl.float32, bitcast=True) * bits_f32((254 - s[:, None]) << 23)  # 2**-k
     code = mf8_round(f32_bits(y), MAN, EMIN, r24, MODE)
-    if INFC >= 0:
+    if MODE == 2:  # t = code << 24 | frac24 (int32 bits); NaN: the NaN code, frac24 0
+        special = tl.full(mag.shape, (NANC << 24) - (1 << 32), tl.int32)
+    elif INFC >= 0:
         special = tl.where(mag == F32_INF, INFC, NANC)
     else:
         special = tl.full(mag.shape, NANC, tl.int32)
@@ -265,27 +271,6 @@ def block_mf_decode(
 #   e5m2    2, -14, 0x47600000 (57344), 0x7B, 0x7E, 0x7C, signed
 #   e4m4    4, -14, 0x3FF00000 (1.875), 0xFE, 0xFF, -1,   unsigned (q8_sqrt's sqrt(v))
 @triton.jit
-def sqrt_sr_up(num, den, r24):
-    """Whether ``q8_sqrt``'s SR rounds up: ``r24 < floor(RN(num / den) * 2**24)`` (core's rule,
-    ``frac24`` from one correctly rounded fp32 division) for fp32 ``num`` and ``den > 0``, decided
-    without the division (``div_rn`` is a reciprocal, five FMAs and a slow-path branch).
-
-    ``r24 + 1`` is an integer, so the rule is ``RN(num / den) >= t`` with ``t = (r24 + 1) *
-    2**-24``, an fp32 number in ``[2**-24, 1]``. Rounding is monotone, so that holds iff
-    ``num / den`` lies above the midpoint ``mid`` of ``t`` and its fp32 predecessor (a tie would
-    go to the even one, but none occurs: ``mid`` has an odd 25-bit significand, so
-    ``num = mid * den`` would need a 25-bit ``num``). ``mid`` is exact in fp64, and so is
-    ``mid * den`` (25 + 24 significant bits, far inside fp64's exponent range), which leaves one
-    exact fp64 comparison. ``t`` and its predecessor are taken halved: both stay normal, halving
-    is exact, and their fp64 sum is then ``mid`` itself. ``num <= 0`` and NaN ``num`` never
-    round up, an infinite ``den`` neither (``num / den`` is 0); the caller excludes ``den = 0``.
-    """
-    half = (r24 + 1).to(tl.float32) * 2.9802322387695312e-08  # (r24 + 1) * 2**-25, exact
-    mid = half.to(tl.float64) + bits_f32(f32_bits(half) - 1).to(tl.float64)
-    return num.to(tl.float64) > mid * den.to(tl.float64)
-
-
-@triton.jit
 def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
     """``(codes [R, 32], scale bytes [R])`` of tile ``x`` in blocked format ``FMT`` (RNE, or
     SR with ``r24``). For ``q8_sqrt`` ``sqrt_x`` must be ``sqrt_rn(x)`` (Adam computes it anyway);
@@ -302,20 +287,19 @@ def encode_blocked(x, r24, FMT: tl.constexpr, SR: tl.constexpr, sqrt_x):
     elif not SR:
         code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 0)
     else:
-        # v-unbiased SR between the neighbouring codes lo <= s <= hi (core's Q8SqrtCodec.encode).
-        # The scale factor 2**k drops 2**-127 for 0: that k only scales all-zero blocks, whose
-        # lanes have v = +-0 (num <= 0, and den = 0) or a NaN code either way.
-        lo_code, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 2)
-        finite = lo_code <= 0xFE
-        hi_code = tl.minimum(lo_code + 1, 0xFE)
-        sf = bits_f32(s[:, None] << 23)
-        lo = mf_value(lo_code, 4, -14) * sf
-        hi = mf_value(hi_code, 4, -14) * sf
-        lo2 = lo * lo
-        hi2 = hi * hi
-        num = x - lo2
-        den = hi2 - lo2
-        up = finite & (den > 0) & sqrt_sr_up(num, den, r24)
+        # SR keeping v unbiased (core's Q8SqrtCodec.encode): t holds the code lo below s and f24,
+        # the first 24 bits of s's fraction of the way to the next code. With L = lo / spacing
+        # (16 + mantissa, or a subnormal code's mantissa), E[q*q] = s*s takes P(up) =
+        # f (2L + f) / (2L + 1): round up iff r24 (2L + 1) < 2L f24 + (f24 * f24 >> 24), both
+        # sides below 2**30. The NaN code and the largest one (s is at most its value) have
+        # f24 = 0 and never round up.
+        t, s = block_mf_encode(sqrt_x, r24, 4, -14, 0x3FF00000, 0xFF, -1, False, 2)
+        lo_code = (t >> 24) & 0xFF
+        f24 = t & 0xFFFFFF
+        two_l = ((lo_code & 15) | (tl.minimum(lo_code, 16) & 16)) << 1
+        f28 = (f24 << 4).to(tl.uint32, bitcast=True)
+        rhs = two_l * f24 + tl.umulhi(f28, f28).to(tl.int32, bitcast=True)
+        up = r24 * two_l + r24 < rhs
         code = lo_code + up.to(tl.int32)
     if FMT == FMT_Q8SQRT:  # a positive v is never code 0 (core's Q8SqrtCodec._floored)
         code = code | ((code == 0) & (sqrt_x > 0)).to(tl.int32)
