@@ -212,6 +212,15 @@ def test_stream_words_errors_and_shape(ops):
     assert all(w.numel() == 0 for w in ops.stream_words(0, 0, torch.empty(0, dtype=torch.int64), 0))
 
 
+def test_stream_words_take_any_integral_id(ops):
+    """numpy integers are accepted as ints (as by the steps and by memopt-kernels-triton)."""
+    np = pytest.importorskip("numpy")
+    idx = torch.arange(40, dtype=torch.int64)
+    want = ops.stream_words(7, 3, idx, 2**31 + 9)
+    got = ops.stream_words(np.int64(7), np.uint32(3), idx, np.uint64(2**31 + 9))
+    assert all(torch.equal(w, v) for w, v in zip(got, want, strict=True))
+
+
 # ----------------------------------------------------------------------------------- raw _core
 def test_core_standalone_checks_its_arguments(core):
     x = torch.zeros(64)

@@ -369,16 +369,16 @@ def stream_words(
     first and second moment) of elements ``index`` (an integer tensor), computed by the fused
     step's generator: ``memopt_core.rng.stream_words(seed, tensor_id, index, step)`` for scalar
     ids."""
-    for what, v in (("seed", seed), ("tensor_id", tensor_id), ("step", step)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{what} must be an int, got {type(v).__name__}")
+    seed, tensor_id, step = (
+        _word(v, what) for what, v in (("seed", seed), ("tensor_id", tensor_id), ("step", step))
+    )
     index = _check_tensor(index, "index")
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise FormatError(f"index must be an integer tensor, got {index.dtype}")
     idx = index.reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
     out = torch.empty((3, n), dtype=torch.int32)
-    _core.stream_words(seed & _U32, tensor_id & _U32, step & _U32, _ptr(idx), n, _ptr(out))
+    _core.stream_words(seed, tensor_id, step, _ptr(idx), n, _ptr(out))
     words = out.to(torch.int64) & _U32
     return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
 
