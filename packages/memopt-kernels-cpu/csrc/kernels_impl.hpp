@@ -441,7 +441,7 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
           const int32_t lo = static_cast<int32_t>(t >> 24);
           const int32_t f24 = static_cast<int32_t>(t & 0xFFFFFFu);
           const int32_t two_l = ((lo & 15) | (vmin(lo, 16) & 16)) << 1;
-          const uint64_t f28 = uint64_t{t & 0xFFFFFFu} << 4;
+          const uint64_t f28 = static_cast<uint64_t>(f24) << 4;
           const int32_t sq24 = static_cast<int32_t>((f28 * f28) >> 32);  // f24 * f24 >> 24
           const int32_t r24 = static_cast<int32_t>(rb[i] >> 8);
           c[i] = lo + (r24 * (two_l + 1) < two_l * f24 + sq24 ? 1 : 0);

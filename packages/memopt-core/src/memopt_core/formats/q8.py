@@ -79,8 +79,8 @@ class Q8SqrtCodec(BlockMinifloatCodec):
         # exact in fp64: s - lo and the spacing hi - lo (a power of two) of fp32 values
         span = hi - lo
         frac = (s.reshape(-1).double() - lo) / torch.where(span > 0, span, 1.0)
-        used = (lo_code <= self.max_code) & (span > 0)  # a NaN code or the largest never rounds up
-        f24 = torch.where(used, torch.floor(frac * 2.0**24), 0.0).to(torch.int64)
+        # the NaN code (span NaN) and the largest (span 0) never round up
+        f24 = torch.where(span > 0, torch.floor(frac * 2.0**24), 0.0).to(torch.int64)
         two_l = 2 * torch.where(lo_code >= 16, 16 + (lo_code & 15), lo_code)
         frac24 = (two_l * f24 + ((f24 * f24) >> 24) + two_l) // (two_l + 1)  # the ceiling
         code = lo_code.view(x.shape) + sr_round_up(frac24.view(x.shape), rand).to(torch.int64)
