@@ -141,6 +141,25 @@ def test_duplicate_params():
     assert len(opt.param_groups) == 1
 
 
+def test_a_param_appended_by_hand_to_a_second_group_is_refused_without_changes():
+    """torch lets a group's params list be edited in place; a parameter another group holds
+    would be updated by both groups' launches at one step count."""
+    a, b = P(4), P(3)
+    opt = MemOptimizer([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad, b.grad = torch.ones(4), torch.ones(3)
+    opt.step()
+    opt.param_groups[1]["params"].append(a)
+    before = [a.detach().clone(), b.detach().clone()]
+    with pytest.raises(ConfigError, match=r"#0 of param group 0 and .* of param group 1 share"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0])
+    assert torch.equal(b.detach(), before[1])
+    assert opt.state[a]["step"].item() == 1
+    opt.param_groups[1]["params"].pop()
+    opt.step()  # the edit undone: the same optimizer steps again
+    assert opt.state[a]["step"].item() == 2
+
+
 @pytest.mark.parametrize(
     ("dtype", "pattern"),
     [
@@ -195,6 +214,31 @@ def test_sparse_gradients_are_refused_without_changes():
         opt.step()
     assert torch.equal(a.detach(), before)
     assert opt.state[a]["step"].item() == 0
+
+
+def test_negated_views_are_refused_without_changes():
+    """A tensor with torch's negative bit holds the opposite values in memory, which the
+    kernels would read or write (the cpu backend did, silently)."""
+    with pytest.raises(ConfigError, match=r"#0 .*is a negated view .*p.resolve_neg\(\)"):
+        MemOptimizer([torch.nn.Parameter(torch._neg_view(torch.ones(4)))])
+    a, b = P(4), P(1)
+    opt = MemOptimizer([a, b], lr=0.1)
+    a.grad = torch.ones(4)
+    b.grad = torch.tensor([1 + 3j]).conj().imag  # a contiguous negated view, through public API
+    assert b.grad.is_neg()
+    assert b.grad.is_contiguous()
+    before = a.detach().clone()
+    with pytest.raises(ConfigError, match=r"#1 .*negated view as its gradient.*g.resolve_neg"):
+        opt.step()
+    assert torch.equal(a.detach(), before)
+    b.grad = b.grad.resolve_neg()
+    opt.step()
+    assert opt.state[b]["step"].item() == 1
+    # a replay that follows moved gradients checks them too
+    b.grad = torch._neg_view(torch.ones(1))
+    with pytest.raises(ConfigError, match=r"#1 .*negated view as its gradient"):
+        opt.step()
+    assert opt.state[b]["step"].item() == 1
 
 
 def test_gradient_dtype_must_be_param_dtype_or_fp32():

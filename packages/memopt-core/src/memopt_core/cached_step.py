@@ -36,7 +36,9 @@ per work.
 Gradients that moved are checked against the memory the launch writes before a prepared
 launch follows them (:meth:`CachedEntry.grads_apart`: ``p1.grad = p0.detach()`` would have the
 kernel read a gradient another program writes); where they may share memory the backend's
-``prepare`` checks exactly, and refuses, as the ordinary step does.
+``prepare`` checks exactly, and refuses, as the ordinary step does. Gradients that moved are also checked
+for torch's negative bit (:func:`any_negated`: ``x.conj().imag`` holds the opposite values in
+memory), which the ordinary step refuses.
 
 Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
 default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
@@ -76,6 +78,7 @@ from memopt_core.aliasing import clear_of, sorted_extents
 __all__ = [
     "CachedEntry",
     "CachedStep",
+    "any_negated",
     "contiguous_positions",
     "grad_addresses",
     "grad_dtypes",
@@ -93,6 +96,7 @@ _DATA_PTR = Tensor.data_ptr
 _NUMEL = Tensor.numel
 _NBYTES = attrgetter("nbytes")
 _CONTIGUOUS = Tensor.is_contiguous
+_IS_NEG = Tensor.is_neg
 
 
 def _all_params(groups: Sequence[dict[str, Any]]) -> list[Tensor]:
@@ -134,6 +138,16 @@ def still_contiguous(tensors: Sequence[Tensor | None], positions: tuple[int, ...
         return all(map(_CONTIGUOUS, chosen))  # a C-level loop: the common case
     except TypeError:  # some gradient is None
         return all(t is None or t.is_contiguous() for t in chosen)
+
+
+def any_negated(grads: Sequence[Tensor | None]) -> bool:
+    """Whether a gradient is a negated view (torch's negative bit, ``x.conj().imag``), whose
+    memory holds the opposite values: kernels read memory. Checked for gradients that moved
+    (a flip at the same address takes torch's private ``_neg_view``)."""
+    try:
+        return any(map(_IS_NEG, grads))  # a C-level loop: the common case
+    except TypeError:  # some gradient is None
+        return any(g is not None and g.is_neg() for g in grads)
 
 
 def param_dtypes(params: Sequence[Tensor]) -> tuple[Any, ...]:
@@ -314,6 +328,8 @@ class CachedStep:
         if gptrs != self._gptrs:
             if self.fixed_grads:
                 return None
+            if any_negated(grads):
+                return None  # the ordinary step refuses it
             old = self._gptrs
             self._moved = {gi for gi, (a, b) in enumerate(self._spans) if gptrs[a:b] != old[a:b]}
             self._new_gptrs = gptrs

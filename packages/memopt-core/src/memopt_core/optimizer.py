@@ -741,6 +741,11 @@ class MemOptimizer(Optimizer):
                     f"{desc} was created under torch.inference_mode(): it cannot be updated in "
                     "place outside it (clone it outside inference mode)"
                 )
+            if p.is_neg():
+                raise ConfigError(
+                    f"{desc} is a negated view (torch's negative bit: its memory holds the "
+                    "opposite values, which the kernels would update); pass p.resolve_neg()"
+                )
             if not p.is_leaf:
                 raise ConfigError(
                     f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
@@ -971,6 +976,11 @@ class MemOptimizer(Optimizer):
                 # quadratic)
                 self._index = None
                 reindexed = True
+                if cur is not None:
+                    # add_param_group's check, for a tensor appended by hand: one already held
+                    # by another group would be updated by both groups' launches and counted
+                    # once (one step counter per parameter)
+                    check_parameters_apart(labelled_parameters(self.param_groups), [])
             builds[gi] = (gi, group, members, names, formats, signature)
         for gi in builds:
             left |= self._families_of(gi)
@@ -1238,6 +1248,7 @@ class MemOptimizer(Optimizer):
         if (
             g.layout == torch.strided
             and not g.is_complex()
+            and not g.is_neg()
             and g.shape == p.shape
             and g.device == p.device
             and _grad_dtype_ok(p.dtype, g.dtype)
@@ -1252,6 +1263,12 @@ class MemOptimizer(Optimizer):
             )
         if g.is_complex():
             raise ConfigError(f"{label} has a complex gradient ({g.dtype})")
+        if g.is_neg():
+            raise ConfigError(
+                f"{label} has a negated view as its gradient (torch's negative bit, e.g. from "
+                "x.conj().imag: its memory holds the opposite values, which the kernels would "
+                "read); pass g.resolve_neg()"
+            )
         if g.shape != p.shape or g.device != p.device:
             raise ConfigError(
                 f"{label} has a gradient of shape {tuple(g.shape)} on {g.device}; "
