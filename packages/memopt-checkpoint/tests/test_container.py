@@ -833,10 +833,23 @@ def test_permission_error_opening_the_temp_file(tmp_path, monkeypatch):
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(atomic_write, "open", guarded_open, raising=False)
-    with pytest.raises(PermissionError):
+    # the message named the hidden temporary file (``.ck.bin.tmp-...``), not the folder
+    with pytest.raises(PermissionError, match=r"cannot create a file in the folder of .*ck\.bin"):
         write_checkpoint(path, {"new": torch.ones(5)})
     monkeypatch.undo()
     assert_previous_intact(path, before)
+
+
+@pytest.mark.parametrize("name", ["c" * 250, "ü" * 127])
+def test_names_up_to_the_file_systems_limit(tmp_path, name):
+    """The temporary name was the target's plus 18 bytes, so names of 238-255 bytes, which
+    torch.save writes, failed with 'File name too long'."""
+    path = tmp_path / name
+    write_checkpoint(path, {"a": torch.ones(3)})
+    write_checkpoint(path, {"b": torch.zeros(2)})  # and replaced
+    with CheckpointReader(path) as r:
+        assert r.keys() == ["b"]
+    assert listing(tmp_path) == {name}
 
 
 def test_read_only_directory(tmp_path):

@@ -103,6 +103,35 @@ def test_dcp_resume_is_bit_identical(name, tmp_path):
 
 
 @pytest.mark.usefixtures("process_group")
+def test_torchs_state_dict_helpers_resume_and_check_dcp_load_says_what_they_drop(tmp_path):
+    """torch's get_state_dict / set_state_dict keep an optimizer's 'state' and 'param_groups'
+    only (README): the training resumes bit for bit with the same seed, and check_dcp_load,
+    which needs the dropped 'memopt' entry, says so instead of only "holds no memopt state"."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    straight, sopt = build("memopt-ecc24-q8")
+    train(straight, sopt, 7)
+    first, fopt = build("memopt-ecc24-q8")
+    train(first, fopt, 4)
+    msd, osd = get_state_dict(first, fopt)
+    assert "memopt" not in osd
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck")
+
+    resumed, ropt = build("memopt-ecc24-q8", seed=42)
+    msd, osd = get_state_dict(resumed, ropt)  # creates the state by a step at lr 0
+    with pytest.raises(StateDictError, match=r"no 'memopt' entry: .*get_state_dict keeps only"):
+        check_dcp_load(ropt, tmp_path / "ck")
+    target = {"model": msd, "optim": osd}
+    dcp.load(target, checkpoint_id=tmp_path / "ck")
+    set_state_dict(
+        resumed, ropt, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
+    train(resumed, ropt, 3, start=4)
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
+
+
+@pytest.mark.usefixtures("process_group")
 def test_check_dcp_load_refuses_other_formats_before_dcp_writes(tmp_path):
     model, opt = build("memopt-ecc24-q8")
     train(model, opt, 2)

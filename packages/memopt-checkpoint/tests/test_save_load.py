@@ -593,6 +593,17 @@ def test_load_runs_load_hooks_and_fills_lazy_modules(tmp_path):
     assert torch.equal(dst[1].bias, src[1].bias)
 
 
+def test_load_into_a_meta_model_is_refused_by_name(tmp_path):
+    """The backup of the model's values raised torch's "Cannot copy out of meta tensor"."""
+    save(tmp_path / "ck.mopt", model=torch.nn.Linear(4, 3))
+    with torch.device("meta"):
+        dst = torch.nn.Linear(4, 3)
+    with pytest.raises(ConfigError, match=r"'weight' \(2 tensor\(s\) in all\) is on the meta"):
+        load(tmp_path / "ck.mopt", model=dst)
+    dst.to_empty(device="cpu")
+    load(tmp_path / "ck.mopt", model=dst)  # materialized, it loads
+
+
 def test_load_into_a_module_with_its_own_state_dict_format_changes_nothing_on_mismatch(tmp_path):
     src = FusedQK()
     save(tmp_path / "ck.mopt", model=src)

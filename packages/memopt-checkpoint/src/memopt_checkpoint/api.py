@@ -432,6 +432,13 @@ def _plan_model(reader, meta, model, strict) -> dict[str, Any]:
     saved_values = info.get("values", {})
     stored.update({name: name for name in saved_values})
     current = model.state_dict()
+    on_meta = [k for k, t in current.items() if isinstance(t, Tensor) and t.is_meta]
+    if on_meta:  # torch's load_state_dict would skip them with a warning; the backup cannot copy
+        raise ConfigError(
+            f"the model's {on_meta[0]!r} ({len(on_meta)} tensor(s) in all) is on the meta "
+            "device, which holds no values to load into: materialize the model first "
+            "(model.to_empty(device=...)), then load"
+        )
     missing = [k for k in current if k not in stored]
     unexpected = [k for k in stored if k not in current]
     if strict and (missing or unexpected):

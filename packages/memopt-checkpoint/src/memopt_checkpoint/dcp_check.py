@@ -106,7 +106,11 @@ def check_dcp_load(
     )
     rule = probe["memopt"]["rule"]
     if rule is None:
-        raise StateDictError(f"the checkpoint holds no memopt optimizer state under {key!r}")
+        raise StateDictError(
+            f"the checkpoint holds no memopt optimizer state under {key!r} (no 'memopt' entry: "
+            "torch.distributed.checkpoint.state_dict.get_state_dict keeps only an optimizer's "
+            "'state' and 'param_groups'; save opt.state_dict() as the checkpoint README shows)"
+        )
     if rule != optimizer.rule:
         raise StateDictError(
             f"the checkpoint holds the state of a {rule!r} optimizer; this one runs "

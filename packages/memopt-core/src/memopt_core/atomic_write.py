@@ -45,8 +45,22 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+#: bytes of the target's name kept in the temporary file's: with ``.`` + ``.tmp-`` + 12 hex digits
+#: (18 bytes) it stays within the 255-byte name limit of common file systems for every target
+#: name that fits itself
+_TEMP_STEM_BYTES = 237
+
+
+def _temp_stem(name: str) -> str:
+    """``name`` cut to at most :data:`_TEMP_STEM_BYTES` bytes (whole characters)."""
+    while len(os.fsencode(name)) > _TEMP_STEM_BYTES:
+        name = name[:-1]
+    return name
+
+
 class AtomicFile:
-    """An unbuffered binary temporary file ``.<name>.tmp-<12 hex>`` in the folder of ``path``
+    """An unbuffered binary temporary file ``.<name>.tmp-<12 hex>`` (the name cut to 237 bytes)
+    in the folder of ``path``
     (of its target for a symlink) that :meth:`commit` renames over it. ``state`` is ``"open"``,
     ``"committed"`` or ``"aborted"``."""
 
@@ -66,13 +80,22 @@ class AtomicFile:
             raise OSError(errno.EEXIST, "exists and is not a regular file", str(self.path))
         if self.path.exists() and not os.access(self.path, os.W_OK):
             raise PermissionError(errno.EACCES, "the file is not writable", str(self.path))
+        stem = _temp_stem(self.path.name)
         for _ in range(100):
-            tmp = directory / f".{self.path.name}.tmp-{secrets.token_hex(6)}"
+            tmp = directory / f".{stem}.tmp-{secrets.token_hex(6)}"
             try:
                 # closed by commit() or abort(); mode 0o666 less the umask, as open() does
                 self.file: Any = open(tmp, "xb", buffering=0)  # noqa: SIM115
             except FileExistsError:
                 continue
+            except PermissionError as e:  # else the message names the hidden temporary file
+                raise PermissionError(
+                    e.errno,
+                    f"cannot create a file in the folder of {os.fspath(path)!r}: a save writes "
+                    "a temporary file there and renames it over the target, so the folder must "
+                    "be writable",
+                    str(directory),
+                ) from e
             break
         else:  # pragma: no cover - 100 collisions of 48 random bits
             raise FileExistsError(errno.EEXIST, "no free temporary file name", str(directory))
