@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import memopt_kernels_cpu
 from memopt_kernels_cpu import _core
 from memopt_kernels_cpu.backend import BACKEND
 
@@ -61,6 +62,15 @@ def test_set_isa_auto_and_spelling():
 def test_unknown_isa(name):
     with pytest.raises(ValueError, match=f"unknown instruction set '{name}'; choose one of auto"):
         _core.set_isa(name)
+
+
+@pytest.mark.parametrize("name", [None, 5, b"avx2"])
+def test_set_isa_takes_only_a_str(name):
+    """pybind11's own message ("incompatible function arguments") named no argument."""
+    before = _core.get_isa()
+    with pytest.raises(TypeError, match=r"set_isa: name must be a str, got"):
+        memopt_kernels_cpu.set_isa(name)
+    assert _core.get_isa() == before
 
 
 def test_unbuilt_isa_names_what_is_built():

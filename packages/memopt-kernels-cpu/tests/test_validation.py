@@ -524,6 +524,18 @@ def test_index_bases_errors(ops, make_work, recorder):
     assert recorder == []
 
 
+def test_numpy_integers_as_tensor_ids_and_index_bases(ops, make_work, recorder):
+    """The torch backend takes them; the cpu backend refused them ("must be an int")."""
+    np = pytest.importorskip("numpy")
+    work = make_work(sizes=(33, 64))
+    work.tensor_ids = [np.int64(2**32 + 7), np.uint32(9)]
+    work.index_bases = [np.int64(5), np.int32(64)]
+    ops.fused_step(work)
+    ((table, _),) = recorder
+    assert table[:, 3].tolist() == [7, 9]  # the low 32 bits
+    assert table[:, 8].tolist() == [5, 64]
+
+
 def test_partial_step_rows(ops, make_work, recorder):
     work = make_work(sizes=(33, 64, 1, 100), slots=[1, 3])
     work.index_bases = [11, 2**40]

@@ -87,7 +87,6 @@ __all__ = [
 # ----------------------------------------------------------------------------------- settings
 supported_isas = _core.supported_isas
 get_isa = _core.get_isa
-set_isa = _core.set_isa
 cpu_features = _core.cpu_features
 get_num_threads = _core.get_num_threads
 get_chunk_size = _core.get_chunk_size
@@ -101,6 +100,16 @@ def _c_integer(n: object, fn: str, bits: int) -> int:
     if not -(2 ** (bits - 1)) <= int(n) < 2 ** (bits - 1):
         raise ValueError(f"{fn}: n = {n} is out of range")
     return int(n)
+
+
+def set_isa(name: str) -> str:
+    """Use instruction set ``name`` (``"auto"``, ``"scalar"``, ``"avx2"``, ``"avx512"``,
+    ``"neon"``; case and surrounding blanks ignored) and return the one now in use. ValueError
+    for an unknown name, RuntimeError for a set not built or not supported by this CPU,
+    TypeError for anything but a str."""
+    if not isinstance(name, str):  # pybind11's own message names no argument
+        raise TypeError(f"set_isa: name must be a str, got {type(name).__name__} {name!r}")
+    return _core.set_isa(name)
 
 
 def set_num_threads(n: int) -> None:
@@ -546,7 +555,8 @@ def _is_cpu_dense(t: object) -> bool:
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    # numbers.Integral: numpy integers pass as torch's backend takes them (the rows hold int(v))
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _slot_ok(plan, slot, p0, g, st, tid, base) -> bool:
@@ -708,12 +718,12 @@ def _prepare(
                 p.data_ptr(),
                 g.data_ptr(),
                 GRAD_IDS[g.dtype],
-                tid & _U32,
+                int(tid) & _U32,
                 slot.numel,
                 slot.padded,
                 slot.offset,
                 _ptr(st),
-                base,
+                int(base),
             ]
         )
     check_aliasing(written, read, pairs)
