@@ -414,7 +414,8 @@ class MemOptimizer(Optimizer):
             a momentum switched on later (from 0) starts from a zero buffer, so its first buffer
             is ``(1 - dampening) * g`` where torch's is ``g`` (the same with dampening 0).
         decouple_lr: decoupled weight decay multiplies by ``lr / initial_lr * weight_decay``
-            (``initial_lr`` recorded per group when it is added, as LR schedulers do) instead of
+            (``initial_lr`` recorded per group when it is added, as LR schedulers do; they then
+            take it as their base lr, and OneCycleLR rewrites it: docs/ecc.md) instead of
             ``lr * weight_decay``.
         master: master format of bfloat16/float16 parameters: ``"none"``, ``"ecc24"``, ``"ecc32"``
             (float32 parameters are always their own master).
