@@ -241,6 +241,26 @@ def test_negated_views_are_refused_without_changes():
     assert opt.state[b]["step"].item() == 1
 
 
+def test_tensors_without_memory_are_refused_without_changes():
+    """A storage resized to 0 bytes has address 0: the Triton kernels read it (an illegal
+    access on the GPU), torch's ops raised their own error."""
+    a, b = P(4), P(5)
+    opt = MemOptimizer([a, b], lr=0.1)
+    a.grad, b.grad = torch.ones(4), torch.ones(5)
+    opt.step()  # cached: the replay's check sees the gradient's new address
+    b.grad = torch.ones(5)
+    b.grad.untyped_storage().resize_(0)
+    before = a.detach().clone()
+    with pytest.raises(ConfigError, match=r"#1 .*its gradient has no memory \(its storage"):
+        opt.step()
+    b.grad = torch.ones(5)
+    b.untyped_storage().resize_(0)
+    with pytest.raises(ConfigError, match=r"#1 .*: it has no memory"):
+        opt.step()
+    assert torch.equal(a.detach(), before)
+    assert opt.state[a]["step"].item() == 1
+
+
 def test_gradient_dtype_must_be_param_dtype_or_fp32():
     p = P(4, dtype=torch.bfloat16)
     p.grad_dtype = None

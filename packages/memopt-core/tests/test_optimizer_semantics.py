@@ -321,6 +321,35 @@ def test_add_param_group_after_steps():
     assert opt.param_groups[1]["betas"] == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_autograds_zero_gradient_steps_as_zeros(name, device):
+    """A parameter used only through torch.sgn gets autograd's zero tensor as its gradient, at
+    address 0 with no memory: the Triton kernels read address 0 (an illegal access on the
+    GPU), the cpu backend refused it. It steps as dense zeros do, across cached replays."""
+    cfg = CONFIGS[name]
+    runs = []
+    for zero_tensor in (True, False):
+        a, b = make_params(cfg["dtype"], device, seed=3, shapes=[(7, 9), (33,)])
+        opt = make_opt([a, b], cfg)
+        for t, kind in enumerate("zzdddzdz"):  # dense zeros in the middle: cached, replayed
+            a.grad = grads_for([a], t)[0]
+            b.grad = None
+            if kind == "z" and zero_tensor:
+                torch.sgn(b).sum().backward()
+                assert b.grad._is_zerotensor()
+            else:
+                b.grad = torch.zeros_like(b)
+            opt.step()
+        assert opt.state[b]["step"].item() == 8
+        runs.append((clone_all([a, b]), opt.state_dict()["state"]))
+    (got, got_state), (want, want_state) = runs
+    assert equal_all(got, want)
+    assert set(got_state) == set(want_state) == {0, 1}
+    for i in want_state:
+        for k in want_state[i]:
+            assert torch.equal(got_state[i][k], want_state[i][k]), (i, k)
+
+
 def test_params_appended_to_a_group_in_place():
     """torch.optim lets a group's params list grow in place: the new one starts at step 1."""
     a, b = make_params(seed=1)[:2]

@@ -38,7 +38,8 @@ launch follows them (:meth:`CachedEntry.grads_apart`: ``p1.grad = p0.detach()`` 
 kernel read a gradient another program writes); where they may share memory the backend's
 ``prepare`` checks exactly, and refuses, as the ordinary step does. Gradients that moved are also checked
 for torch's negative bit (:func:`any_negated`: ``x.conj().imag`` holds the opposite values in
-memory), which the ordinary step refuses.
+memory), which the ordinary step refuses, and for address 0 (autograd's zero gradient, which the
+ordinary step replaces by zeros and never caches, or a freed storage, which it refuses).
 
 Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
 default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
@@ -328,8 +329,11 @@ class CachedStep:
         if gptrs != self._gptrs:
             if self.fixed_grads:
                 return None
-            if any_negated(grads):
-                return None  # the ordinary step refuses it
+            if any_negated(grads) or any(
+                a == 0 and n > 0 for a, n in zip(gptrs, self._gsizes, strict=True)
+            ):
+                return None  # the ordinary step refuses a negated gradient, and hands the
+                # kernels zeros for autograd's zero gradient (no memory: address 0)
             old = self._gptrs
             self._moved = {gi for gi, (a, b) in enumerate(self._spans) if gptrs[a:b] != old[a:b]}
             self._new_gptrs = gptrs

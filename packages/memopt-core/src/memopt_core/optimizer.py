@@ -359,6 +359,12 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _is_zero_grad(p: Tensor) -> bool:
+    """Whether ``p.grad`` is autograd's efficient zero tensor (no memory of its own)."""
+    g = p.grad
+    return g is not None and g._is_zerotensor()
+
+
 def _fits_plan(t: Tensor, plan: GroupPlan, si: int) -> bool:
     """``t`` (a parameter, or its local shard) still has the device, dtype and shape of slot
     ``si`` of the plan built for it."""
@@ -1250,6 +1256,8 @@ class MemOptimizer(Optimizer):
             g.layout == torch.strided
             and not g.is_complex()
             and not g.is_neg()
+            and (g.data_ptr() != 0 or g.numel() == 0)
+            and (p.data_ptr() != 0 or p.numel() == 0)
             and g.shape == p.shape
             and g.device == p.device
             and _grad_dtype_ok(p.dtype, g.dtype)
@@ -1270,6 +1278,12 @@ class MemOptimizer(Optimizer):
                 "x.conj().imag: its memory holds the opposite values, which the kernels would "
                 "read); pass g.resolve_neg()"
             )
+        for t, what in ((p, "it"), (g, "its gradient")):
+            if t.data_ptr() == 0 and t.numel() > 0:
+                raise ConfigError(
+                    f"{label}: {what} has no memory (its storage was freed or resized to 0 "
+                    "bytes), so there is nothing to read or update"
+                )
         if g.shape != p.shape or g.device != p.device:
             raise ConfigError(
                 f"{label} has a gradient of shape {tuple(g.shape)} on {g.device}; "
@@ -1345,9 +1359,15 @@ class MemOptimizer(Optimizer):
                 for si, p, g in part:
                     self._check_grad(p, g, plan, si)
             else:  # the common case, without a DTensor check per tensor
-                for si, p, g in part:
+                for k, (si, p, g) in enumerate(part):
                     if is_dtensor(g):
                         self._check_grad(p, g, plan, si)  # refuses it with its message
+                    if g._is_zerotensor():
+                        # autograd's zero gradient (of a parameter used only through torch.sgn)
+                        # has no memory to read: the kernels get real zeros (no cached step
+                        # holds them: _build_cached)
+                        g = torch.zeros_like(g)
+                        part[k] = (si, p, g)
                     self._check_local_grad(None, p, g, plan, si)
                     if not p.is_contiguous() and overlaps_itself(p):
                         raise ConfigError(
@@ -1823,6 +1843,9 @@ class MemOptimizer(Optimizer):
             entry = by_plan[id(work.plan)]
             if entry.sharded:
                 return None
+            if any(_is_zero_grad(p) for p in work.param_owners):
+                return None  # the ordinary step handed zeros in its place (_update); a replay
+                # would hand the kernels the gradient itself, which has no memory
             gi = work.plan.group_index
             params, owners = self.param_groups[gi]["params"], work.param_owners
             positions = None
