@@ -1164,7 +1164,14 @@ class AdamBridge(Optimizer):
         (update="host"; see the module doc)."""
         p = slot.param
         with torch.no_grad():
-            slot.master.copy_(p.detach())  # an ECC-24 master: its bf16 half; the code stays
+            w = p.detach()
+            if slot.master.dtype == torch.float32 and w.dtype != torch.float32:
+                # an element still equal to its master rounded as the upload rounds it (RNE)
+                # was not written: keep its master bits. A weight moved with its values
+                # (model.to(memory_format=torch.channels_last), a copy) lost them all
+                w = w.to(slot.master.device)
+                w = torch.where(slot.master.to(w.dtype) == w, slot.master, w.float())
+            slot.master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
         slot.seen = _written(p)
 
     @staticmethod
