@@ -38,6 +38,34 @@ def test_parameter_smaller_than_its_slot(ops):
     assert bool((buf[30:] == 7.0).all())
 
 
+def test_tensors_without_memory_are_refused_by_name(ops, device):
+    """A storage resized to 0 bytes, a wrapper subclass (torch's TwoTensor stands for
+    torchao-style ones) and autograd's zero tensor have data pointer 0: the kernels read
+    address 0 (an illegal access on the GPU, a crash of the interpreter)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    rule, hyper = VARIANTS["adamw"]
+    group = make_group(rule, SPEC, torch.bfloat16, [40, 70], device, seed=3, **hyper)
+    grads = make_grads(group, 1)
+    before = [p.clone() for p in group.params]
+    freed = grads[1].clone()
+    freed.untyped_storage().resize_(0)
+    zero = torch.nn.Parameter(torch.zeros_like(grads[0]))
+    torch.sgn(zero).sum().backward()
+    assert zero.grad._is_zerotensor()
+    cases = [
+        ("grads", 1, freed, r"the gradient of parameter 1 \(plan slot 1\) is a Tensor without"),
+        ("grads", 0, zero.grad, r"the gradient of parameter 0 .* is a Tensor without memory"),
+        ("params", 0, TwoTensor(before[0].clone(), before[0].clone()), r"0 .* is a TwoTensor"),
+    ]
+    for field, k, t, pattern in cases:
+        work = group_step(group, grads, 1)
+        getattr(work, field)[k] = t
+        with pytest.raises(ConfigError, match=pattern):
+            ops.fused_step(work)
+    assert all(map(torch.equal, group.params, before))
+
+
 def test_cache_hit_does_not_skip_validation(ops):
     """A smaller gradient, or a parameter of another dtype, at the address of a cached step's
     tensor is refused as on a fresh plan."""

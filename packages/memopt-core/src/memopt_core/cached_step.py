@@ -329,8 +329,9 @@ class CachedStep:
         if gptrs != self._gptrs:
             if self.fixed_grads:
                 return None
-            if any_negated(grads) or any(
-                a == 0 and n > 0 for a, n in zip(gptrs, self._gsizes, strict=True)
+            if any_negated(grads) or (
+                0 in gptrs  # a C-level scan; empty tensors are at 0 too
+                and any(a == 0 and n > 0 for a, n in zip(gptrs, self._gsizes, strict=True))
             ):
                 return None  # the ordinary step refuses a negated gradient, and hands the
                 # kernels zeros for autograd's zero gradient (no memory: address 0)

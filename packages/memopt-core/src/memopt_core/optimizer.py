@@ -359,6 +359,16 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _has_memory(t: Tensor) -> bool:
+    """False for a plain tensor with elements at address 0 (its storage freed or resized to 0
+    bytes). A wrapper subclass (torchao-style, address 0 too) is left to the backend: the
+    torch backend steps it through its own ops, the kernel backends refuse it by name."""
+    return t.numel() == 0 or type(t).__torch_dispatch__ is not _PLAIN_DISPATCH or t.data_ptr() != 0
+
+
+_PLAIN_DISPATCH = Tensor.__torch_dispatch__
+
+
 def _is_zero_grad(p: Tensor) -> bool:
     """Whether ``p.grad`` is autograd's efficient zero tensor (no memory of its own)."""
     g = p.grad
@@ -1256,8 +1266,8 @@ class MemOptimizer(Optimizer):
             g.layout == torch.strided
             and not g.is_complex()
             and not g.is_neg()
-            and (g.data_ptr() != 0 or g.numel() == 0)
-            and (p.data_ptr() != 0 or p.numel() == 0)
+            and _has_memory(g)
+            and _has_memory(p)
             and g.shape == p.shape
             and g.device == p.device
             and _grad_dtype_ok(p.dtype, g.dtype)
@@ -1279,7 +1289,7 @@ class MemOptimizer(Optimizer):
                 "read); pass g.resolve_neg()"
             )
         for t, what in ((p, "it"), (g, "its gradient")):
-            if t.data_ptr() == 0 and t.numel() > 0:
+            if not _has_memory(t):
                 raise ConfigError(
                     f"{label}: {what} has no memory (its storage was freed or resized to 0 "
                     "bytes), so there is nothing to read or update"

@@ -142,14 +142,26 @@ _interpreter_compat()
 def _check_device(t: Tensor, what: str) -> None:
     if not isinstance(t, Tensor):
         raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and interpreting():
-        return
-    raise ConfigError(
-        f"the triton backend runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
-        f"{what} is on {t.device}"
-    )
+    if not (t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())):
+        raise ConfigError(
+            f"the triton backend runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
+            f"{what} is on {t.device}"
+        )
+    if not _has_memory(t):  # the kernels would read address 0: an illegal access on the GPU
+        raise ConfigError(
+            f"{what} is a {type(t).__name__} without memory of its own (a tensor subclass, or "
+            "a freed storage): the Triton kernels read and write memory directly; step it on "
+            "the torch backend (backend='torch'; the Flash optimizers: fused=False)"
+        )
+
+
+def _has_memory(t: Tensor) -> bool:
+    """Whether ``t``'s elements lie at a real address: a wrapper tensor subclass, a storage
+    resized to 0 bytes and autograd's zero tensor have data pointer 0 (empty tensors too)."""
+    try:
+        return t.data_ptr() != 0 or t.numel() == 0
+    except RuntimeError:  # subclasses that refuse data_ptr()
+        return False
 
 
 def _launch(
