@@ -36,10 +36,11 @@ per work.
 Gradients that moved are checked against the memory the launch writes before a prepared
 launch follows them (:meth:`CachedEntry.grads_apart`: ``p1.grad = p0.detach()`` would have the
 kernel read a gradient another program writes); where they may share memory the backend's
-``prepare`` checks exactly, and refuses, as the ordinary step does. Gradients that moved are also checked
-for torch's negative bit (:func:`any_negated`: ``x.conj().imag`` holds the opposite values in
-memory), which the ordinary step refuses, and for address 0 (autograd's zero gradient, which the
-ordinary step replaces by zeros and never caches, or a freed storage, which it refuses).
+``prepare`` checks exactly, and refuses, as the ordinary step does. Gradients that moved are
+also checked for torch's negative bit (:func:`any_negated`: ``x.conj().imag`` holds the
+opposite values in memory), which the ordinary step refuses, and for address 0 (autograd's
+zero gradient, which the ordinary step replaces by zeros and never caches, or a freed storage,
+which it refuses).
 
 Gradients at new addresses do not end the cached step: ``zero_grad(set_to_none=True)`` (torch's
 default) frees them and the next backward allocates them again, often elsewhere (on the H200, the
