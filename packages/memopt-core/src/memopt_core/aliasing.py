@@ -30,6 +30,7 @@ __all__ = [
     "check_aliasing",
     "check_parameters_apart",
     "clear_of",
+    "has_memory",
     "labelled_parameters",
     "sorted_extents",
 ]
@@ -154,6 +155,17 @@ def _addressable(t: Tensor) -> bool:
     try:
         return t.data_ptr() != 0
     except RuntimeError:  # a subclass that refuses data_ptr()
+        return False
+
+
+def has_memory(t: Tensor) -> bool:
+    """Whether ``t``'s elements lie at a real address, which kernels can read and write: a
+    wrapper tensor subclass, a storage resized to 0 bytes and autograd's zero tensor have data
+    pointer 0 (empty tensors too, and have no elements), and some subclasses refuse
+    ``data_ptr()``."""
+    try:
+        return t.data_ptr() != 0 or t.numel() == 0
+    except RuntimeError:
         return False
 
 

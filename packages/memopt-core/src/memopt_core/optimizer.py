@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference
-from memopt_core.aliasing import check_parameters_apart, labelled_parameters
+from memopt_core.aliasing import check_parameters_apart, has_memory, labelled_parameters
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import (
@@ -363,7 +363,7 @@ def _has_memory(t: Tensor) -> bool:
     """False for a plain tensor with elements at address 0 (its storage freed or resized to 0
     bytes). A wrapper subclass (torchao-style, address 0 too) is left to the backend: the
     torch backend steps it through its own ops, the kernel backends refuse it by name."""
-    return t.numel() == 0 or type(t).__torch_dispatch__ is not _PLAIN_DISPATCH or t.data_ptr() != 0
+    return type(t).__torch_dispatch__ is not _PLAIN_DISPATCH or has_memory(t)
 
 
 _PLAIN_DISPATCH = Tensor.__torch_dispatch__

@@ -39,7 +39,7 @@ from operator import attrgetter
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing
+from memopt_core.aliasing import Label, check_aliasing, has_memory
 from memopt_core.backends import (
     PARAM_DTYPES,
     RULES,
@@ -189,7 +189,7 @@ def _check_tensor(t: object, what: str) -> Tensor:
         )
     if t.layout != torch.strided:
         raise ConfigError(f"{what} is a {t.layout} tensor; the CPU kernels take dense tensors")
-    if not _has_memory(t):
+    if not has_memory(t):
         raise ConfigError(
             f"{what} is a {type(t).__name__} without memory of its own (a tensor subclass): "
             "the CPU kernels read and write memory directly; step it on the torch backend "
@@ -210,15 +210,6 @@ def _aligned(t: Tensor) -> bool:
     elements, and a misaligned access is undefined behaviour in C++ (a fault where the compiler
     uses aligned vector loads)."""
     return t.data_ptr() % t.element_size() == 0
-
-
-def _has_memory(t: Tensor) -> bool:
-    """Whether ``t``'s elements lie in memory the kernels can address: not a wrapper tensor
-    subclass, whose data pointer is 0 (empty tensors may have 0 too)."""
-    try:
-        return t.data_ptr() != 0 or t.numel() == 0
-    except RuntimeError:  # subclasses that refuse data_ptr()
-        return False
 
 
 def _check_float32(x: object, what: str) -> Tensor:
@@ -549,7 +540,7 @@ def _is_cpu_dense(t: object) -> bool:
         isinstance(t, Tensor)
         and t.device.type == "cpu"
         and t.layout == torch.strided
-        and _has_memory(t)
+        and has_memory(t)
         and _aligned(t)
     )
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing
+from memopt_core.aliasing import Label, check_aliasing, has_memory
 from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_moment_id
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
@@ -147,21 +147,12 @@ def _check_device(t: Tensor, what: str) -> None:
             f"the triton backend runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
             f"{what} is on {t.device}"
         )
-    if not _has_memory(t):  # the kernels would read address 0: an illegal access on the GPU
+    if not has_memory(t):  # the kernels would read address 0: an illegal access on the GPU
         raise ConfigError(
             f"{what} is a {type(t).__name__} without memory of its own (a tensor subclass, or "
             "a freed storage): the Triton kernels read and write memory directly; step it on "
             "the torch backend (backend='torch'; the Flash optimizers: fused=False)"
         )
-
-
-def _has_memory(t: Tensor) -> bool:
-    """Whether ``t``'s elements lie at a real address: a wrapper tensor subclass, a storage
-    resized to 0 bytes and autograd's zero tensor have data pointer 0 (empty tensors too)."""
-    try:
-        return t.data_ptr() != 0 or t.numel() == 0
-    except RuntimeError:  # subclasses that refuse data_ptr()
-        return False
 
 
 def _launch(
