@@ -359,7 +359,7 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
-def _has_memory(t: Tensor) -> bool:
+def _not_freed(t: Tensor) -> bool:
     """False for a plain tensor with elements at address 0 (its storage freed or resized to 0
     bytes). A wrapper subclass (torchao-style, address 0 too) is left to the backend: the
     torch backend steps it through its own ops, the kernel backends refuse it by name."""
@@ -1266,8 +1266,8 @@ class MemOptimizer(Optimizer):
             g.layout == torch.strided
             and not g.is_complex()
             and not g.is_neg()
-            and _has_memory(g)
-            and _has_memory(p)
+            and _not_freed(g)
+            and _not_freed(p)
             and g.shape == p.shape
             and g.device == p.device
             and _grad_dtype_ok(p.dtype, g.dtype)
@@ -1289,7 +1289,7 @@ class MemOptimizer(Optimizer):
                 "read); pass g.resolve_neg()"
             )
         for t, what in ((p, "it"), (g, "its gradient")):
-            if not _has_memory(t):
+            if not _not_freed(t):
                 raise ConfigError(
                     f"{label}: {what} has no memory (its storage was freed or resized to 0 "
                     "bytes), so there is nothing to read or update"
