@@ -338,13 +338,13 @@ struct Q8Sqrt {
   static constexpr bool KEEPS_NONZERO = false;  // encode_q8sqrt floors positive v itself
 };
 
-// BlockMinifloatCodec._encode_codes of a block of 32, in two halves: block_scale_of gives its
-// scale byte k + 127, block_codes its codes (before the uint8 store). |x| * 2**-k is one exact
-// multiply (or lands below 2**-126, see mf8_round). The inputs keep k where the reference never
-// clamps it at 127: e4m3 and e5m2 need at most 120 and 113 for the largest fp32, and q8_sqrt
-// encodes square roots of fp32 values (0, or in [2**-75, 2**64]: k is -127 or in [-75, 64]). So
-// 2**-k is a normal number, every scaled block maximum is at most fmax and no code passes the
-// largest finite one (the reference's saturation never acts).
+// BlockMinifloatCodec._encode_codes of blocks of 32, in two parts: block_scale_of gives a
+// block's scale byte k + 127, block_code an element's code (before the uint8 store). |x| * 2**-k
+// is one exact multiply (or lands below 2**-126, see mf8_round). The inputs keep k where the
+// reference never clamps it at 127: e4m3 and e5m2 need at most 120 and 113 for the largest fp32,
+// and q8_sqrt encodes square roots of fp32 values (0, or in [2**-75, 2**64]: k is -127 or in
+// [-75, 64]). So 2**-k is a normal number, every scaled block maximum is at most fmax and no code
+// passes the largest finite one (the reference's saturation never acts).
 template <class F>
 inline int32_t block_scale_of(const float* __restrict x) {
   int32_t mmax = 0;  // signed: GCC vectorizes signed max reductions, not unsigned ones
@@ -356,48 +356,79 @@ inline int32_t block_scale_of(const float* __restrict x) {
   return block_scale<F::FMAX>(mmax);
 }
 
+// The code of element x given its block's 2**-k (inv_scale) and rounding word r; MODE FRACTION
+// gives t = code << 24 | frac24 (mf8_round) for a finite x, the NaN code with fraction 0
+// otherwise (a format with an inf code has no such caller).
 template <class F, int MODE>
-inline void block_codes(const float* __restrict x, int32_t s, const uint32_t* __restrict r,
-                        int32_t* __restrict code) {
-  const float inv_scale = u2f(static_cast<uint32_t>(254 - s) << 23);  // 2**-k
-  for (int i = 0; i < 32; ++i) {
-    const uint32_t u = f2u(x[i]);
-    const uint32_t mag = u & F32_MAG;
-    const bool finite = mag < F32_INF;
-    // a non-finite magnitude (the reference encodes 0 in its place) gets some code, replaced
-    // below
-    int32_t c = mf8_round<F::MAN, F::EMIN, MODE>(u2f(mag) * inv_scale, MODE == STOCH ? r[i] : 0u);
-    if constexpr (F::KEEPS_NONZERO) c |= static_cast<int32_t>((c == 0) & (mag != 0u));
-    // FRACTION: the NaN code with fraction 0 (a format with an inf code has no such caller)
-    static_assert(MODE != FRACTION || F::INFC < 0, "FRACTION codes carry no inf code");
-    int32_t special = MODE == FRACTION ? static_cast<int32_t>(uint32_t{F::NANC} << 24) : F::NANC;
-    if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
-    c = finite ? c : special;
-    if constexpr (F::SIGN != 0) c |= static_cast<int32_t>(u >> 31) * F::SIGN;
-    code[i] = c;
-  }
+inline int32_t block_code(float x, float inv_scale, uint32_t r) {
+  const uint32_t u = f2u(x);
+  const uint32_t mag = u & F32_MAG;
+  const bool finite = mag < F32_INF;
+  // a non-finite magnitude (the reference encodes 0 in its place) gets some code, replaced below
+  int32_t c = mf8_round<F::MAN, F::EMIN, MODE>(u2f(mag) * inv_scale, r);
+  if constexpr (F::KEEPS_NONZERO) c |= static_cast<int32_t>((c == 0) & (mag != 0u));
+  static_assert(MODE != FRACTION || F::INFC < 0, "FRACTION codes carry no inf code");
+  int32_t special = MODE == FRACTION ? static_cast<int32_t>(uint32_t{F::NANC} << 24) : F::NANC;
+  if constexpr (F::INFC >= 0) special = mag == F32_INF ? F::INFC : F::NANC;
+  c = finite ? c : special;
+  if constexpr (F::SIGN != 0) c |= static_cast<int32_t>(u >> 31) * F::SIGN;
+  return c;
 }
 
-// The encoders take a tile's blocks (at most TILE / 32) at a time and compute their scales first,
-// in a loop of their own: a block's maximum is a reduction, a chain of dependent shuffles, which
-// its codes had to wait for; over separate blocks the reductions overlap. Measured on one thread
-// of the 2-vCPU EPYC (AVX-512): fp8-moment step 1.80 -> 1.70 ns per parameter, q8 1.98 -> 1.84.
+// The encoders take a tile's blocks (at most TILE / 32) at a time. They compute the blocks'
+// scales first, in a loop of their own: a block's maximum is a reduction, a chain of dependent
+// shuffles, which its codes had to wait for; over separate blocks the reductions overlap
+// (measured on one thread of the 2-vCPU EPYC, AVX-512: fp8-moment step 1.80 -> 1.70 ns per
+// parameter, q8 1.98 -> 1.84). The codes are then one loop over the tile, each element with its
+// block's 2**-k from a per-element array: GCC vectorized a loop over one block's 32 elements
+// with 256-bit vectors only, even for AVX-512, and the tile's loop with 512-bit ones (e4m3 and
+// e5m2 encoders 12-17% faster on one EPYC thread with AVX-512; 2026-12-04).
 constexpr int64_t TILE_BLOCKS = TILE / 32;
+
+// Scale bytes of the nb blocks at x (stored to scales) and each element's 2**-k (inv).
+template <class F>
+inline void tile_scales(const float* __restrict x, int64_t nb, uint8_t* __restrict scales,
+                        float* __restrict inv) {
+  int32_t sb[TILE_BLOCKS];
+  for (int64_t b = 0; b < nb; ++b) sb[b] = block_scale_of<F>(x + 32 * b);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float inv_scale = u2f(static_cast<uint32_t>(254 - sb[b]) << 23);  // 2**-k
+    for (int i = 0; i < 32; ++i) inv[32 * b + i] = inv_scale;
+    scales[b] = static_cast<uint8_t>(sb[b]);
+  }
+}
 
 template <class F, bool SR>
 void encode_blocked(const float* __restrict x, int64_t n, uint8_t* __restrict codes,
                     uint8_t* __restrict scales, const uint32_t* __restrict r) {
-  alignas(64) int32_t c[32];
-  int32_t sb[TILE_BLOCKS];
+  alignas(64) float inv[TILE];
   for (int64_t b0 = 0; b0 < n / 32; b0 += TILE_BLOCKS) {
-    const int64_t nb = vmin(TILE_BLOCKS, n / 32 - b0);
-    for (int64_t b = 0; b < nb; ++b) sb[b] = block_scale_of<F>(x + 32 * (b0 + b));
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t e = 32 * (b0 + b);
-      block_codes<F, SR ? STOCH : RNE>(x + e, sb[b], SR ? r + e : nullptr, c);
-      for (int i = 0; i < 32; ++i) codes[e + i] = static_cast<uint8_t>(c[i]);
-      scales[b0 + b] = static_cast<uint8_t>(sb[b]);
+    const int64_t nb = vmin(TILE_BLOCKS, n / 32 - b0), e0 = 32 * b0;
+    const float* __restrict xt = x + e0;
+    tile_scales<F>(xt, nb, scales + b0, inv);
+#if defined(__AVX512F__)
+    uint8_t* __restrict out = codes + e0;
+    if constexpr (SR) {
+      const uint32_t* __restrict rt = r + e0;
+      for (int64_t i = 0; i < 32 * nb; ++i)
+        out[i] = static_cast<uint8_t>(block_code<F, STOCH>(xt[i], inv[i], rt[i]));
+    } else {
+      for (int64_t i = 0; i < 32 * nb; ++i)
+        out[i] = static_cast<uint8_t>(block_code<F, RNE>(xt[i], inv[i], 0u));
     }
+#else
+    // per block, through 32-bit codes: with AVX2 the tile's loop made fp8-moment steps 1.5-3%
+    // slower on the EPYC (q8_sqrt's encoder below runs over the tile for every instruction set:
+    // its q8 steps were 4% faster with AVX2 too)
+    for (int64_t b = 0; b < nb; ++b) {
+      alignas(64) int32_t c[32];
+      const float* __restrict xb = xt + 32 * b;
+      const float inv_scale = inv[32 * b];
+      for (int i = 0; i < 32; ++i)
+        c[i] = block_code<F, SR ? STOCH : RNE>(xb[i], inv_scale, SR ? r[e0 + 32 * b + i] : 0u);
+      for (int i = 0; i < 32; ++i) codes[e0 + 32 * b + i] = static_cast<uint8_t>(c[i]);
+    }
+#endif
   }
 }
 
@@ -414,42 +445,39 @@ void encode_q8sqrt(const float* __restrict v, const float* __restrict root, int6
                    uint8_t* __restrict codes, uint8_t* __restrict scales,
                    const uint32_t* __restrict r) {
   alignas(64) float sq[TILE];
-  alignas(64) int32_t c[32];
-  int32_t sb[TILE_BLOCKS];
+  alignas(64) float inv[TILE];
   for (int64_t b0 = 0; b0 < n / 32; b0 += TILE_BLOCKS) {
-    const int64_t nb = vmin(TILE_BLOCKS, n / 32 - b0);
-    const float* rt = root ? root + 32 * b0 : sq;
+    const int64_t nb = vmin(TILE_BLOCKS, n / 32 - b0), e0 = 32 * b0;
     if (!root)
-      for (int64_t i = 0; i < 32 * nb; ++i) sq[i] = std::sqrt(v[32 * b0 + i]);  // correctly rounded
-    for (int64_t b = 0; b < nb; ++b) sb[b] = block_scale_of<Q8Sqrt>(rt + 32 * b);
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t e = 32 * (b0 + b);
-      const float* __restrict s = rt + 32 * b;
-      if constexpr (!SR) {
-        block_codes<Q8Sqrt, RNE>(s, sb[b], nullptr, c);
-      } else {
-        // t = lo << 24 | f24: the code below s and the first 24 bits of s's fraction of the way
-        // to the next one. With L = lo / spacing (an integer: 16 + mantissa, or the mantissa of
-        // a subnormal code), E[q*q] = s*s takes P(up) = f (2L + f) / (2L + 1): round up iff
-        // r24 * (2L + 1) < 2L * f24 + (f24 * f24 >> 24) (KERNEL_API 7), exact in 32 bits (both
-        // sides below 2**30). The NaN code has f24 = 0, and so has the largest code (s is at
-        // most its value): neither rounds up.
-        block_codes<Q8Sqrt, FRACTION>(s, sb[b], nullptr, c);
-        const uint32_t* __restrict rb = r + e;
-        for (int i = 0; i < 32; ++i) {
-          const uint32_t t = static_cast<uint32_t>(c[i]);
-          const int32_t lo = static_cast<int32_t>(t >> 24);
-          const int32_t f24 = static_cast<int32_t>(t & 0xFFFFFFu);
-          const int32_t two_l = ((lo & 15) | (vmin(lo, 16) & 16)) << 1;
-          const uint64_t f28 = static_cast<uint64_t>(f24) << 4;
-          const int32_t sq24 = static_cast<int32_t>((f28 * f28) >> 32);  // f24 * f24 >> 24
-          const int32_t r24 = static_cast<int32_t>(rb[i] >> 8);
-          c[i] = lo + (r24 * (two_l + 1) < two_l * f24 + sq24 ? 1 : 0);
-        }
+      for (int64_t i = 0; i < 32 * nb; ++i) sq[i] = std::sqrt(v[e0 + i]);  // correctly rounded
+    const float* __restrict s = root ? root + e0 : sq;
+    tile_scales<Q8Sqrt>(s, nb, scales + b0, inv);
+    uint8_t* __restrict out = codes + e0;
+    if constexpr (!SR) {
+      for (int64_t i = 0; i < 32 * nb; ++i)
+        out[i] = static_cast<uint8_t>(floor_code(block_code<Q8Sqrt, RNE>(s[i], inv[i], 0u), s[i]));
+    } else {
+      // t = lo << 24 | f24: the code below s and the first 24 bits of s's fraction of the way to
+      // the next one. With L = lo / spacing (an integer: 16 + mantissa, or the mantissa of a
+      // subnormal code), E[q*q] = s*s takes P(up) = f (2L + f) / (2L + 1): round up iff
+      // r24 * (2L + 1) < 2L * f24 + (f24 * f24 >> 24) (KERNEL_API 7), exact in 32 bits (both
+      // sides below 2**30). f24 * f24 >> 24 from f24's 12-bit halves a and b, as
+      // a * a + ((2 * a * b + (b * b >> 12)) >> 12) (each floor taken of an integer: exact), in
+      // 32-bit lanes (a 64-bit product took two 64-bit multiplies per 16 lanes and their
+      // shuffles). The NaN code has f24 = 0, and so has the largest code (s is at most its
+      // value): neither rounds up.
+      const uint32_t* __restrict rt = r + e0;
+      for (int64_t i = 0; i < 32 * nb; ++i) {
+        const int32_t t = block_code<Q8Sqrt, FRACTION>(s[i], inv[i], 0u);
+        const int32_t lo = static_cast<int32_t>(static_cast<uint32_t>(t) >> 24);
+        const int32_t f24 = t & 0xFFFFFF;
+        const int32_t two_l = ((lo & 15) | (vmin(lo, 16) & 16)) << 1;
+        const int32_t a = f24 >> 12, b = f24 & 0xFFF;
+        const int32_t sq24 = a * a + ((2 * a * b + ((b * b) >> 12)) >> 12);
+        const int32_t r24 = static_cast<int32_t>(rt[i] >> 8);
+        const int32_t c = lo + (r24 * (two_l + 1) < two_l * f24 + sq24 ? 1 : 0);
+        out[i] = static_cast<uint8_t>(floor_code(c, s[i]));
       }
-      // 32-bit lanes: a uint8 mix keeps GCC scalar
-      for (int i = 0; i < 32; ++i) codes[e + i] = static_cast<uint8_t>(floor_code(c[i], s[i]));
-      scales[b0 + b] = static_cast<uint8_t>(sb[b]);
     }
   }
 }
