@@ -4,6 +4,7 @@ state, learning-rate schedules, hyperparameters), ApexW still gives the referenc
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -152,6 +153,48 @@ def test_state_dict_resume_is_bit_identical(device, mode):
         set_grads(c, step)
         resumed.step()
     assert_same(a, c, straight, resumed)
+
+
+def test_torchs_state_dict_helpers_resume_bit_identically_into_another_seed(device, mode):
+    """torch's get/set_optimizer_state_dict keep only 'state' and 'param_groups': the memopt
+    entry (rule, seed, version) travels in every saved group (ApexW inherits it from
+    MemOptimizer). Before, the load kept the resumed optimizer's seed: bf16 moments and the
+    ECC-24 master round stochastically, so the continuation took other bits."""
+    pytest.importorskip("torch.distributed")
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def build(seed):
+        model = torch.nn.ParameterList(
+            torch.nn.Parameter(p.detach()) for p in make_params(device, torch.bfloat16)
+        )
+        ps = list(model)
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 5e-4}]
+        return model, ps, ApexW(groups, lr=1e-3, state="bf16", mode=mode, seed=seed)
+
+    _, a, straight = build(3)
+    for step in range(1, 9):
+        set_grads(a, step)
+        straight.step()
+    model, b, first = build(3)
+    for step in range(1, 5):
+        set_grads(b, step)
+        first.step()
+    osd = copy.deepcopy(get_optimizer_state_dict(model, first))
+    resumed_model, c, resumed = build(12)
+    with torch.no_grad():
+        for p, q in zip(c, b, strict=True):
+            p.copy_(q)
+    set_optimizer_state_dict(resumed_model, resumed, optim_state_dict=osd)
+    for step in range(5, 9):
+        set_grads(c, step)
+        resumed.step()
+    assert_same(a, c, straight, resumed)
+    assert resumed.seed == 3
+    assert all("memopt" not in g for g in resumed.param_groups)
+    assert [g["memopt"]["seed"] for g in osd["param_groups"]] == [3, 3]
 
 
 def test_load_state_dict_mid_run_rebuilds(device, mode):

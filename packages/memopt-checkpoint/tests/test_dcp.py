@@ -102,33 +102,193 @@ def test_dcp_resume_is_bit_identical(name, tmp_path):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
 
 
+def _seeded(seed, rule="adamw", momentum=None):
+    """A bf16 model and a MemOptimizer whose stochastic rounding (ECC-24 master, q8 moments)
+    depends on ``seed``; two param groups. The model's weights do not depend on it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 48), torch.nn.GELU(), torch.nn.Linear(48, 9)
+    ).to(torch.bfloat16)
+    ps = list(model.parameters())
+    groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 5e-3}]
+    kw = {} if momentum is None else {"momentum": momentum}
+    return model, MemOptimizer(
+        groups, rule=rule, lr=1e-2, master="ecc24", moments="q8", seed=seed, **kw
+    )
+
+
 @pytest.mark.usefixtures("process_group")
-def test_torchs_state_dict_helpers_resume_and_check_dcp_load_says_what_they_drop(tmp_path):
-    """torch's get_state_dict / set_state_dict keep an optimizer's 'state' and 'param_groups'
-    only (README): the training resumes bit for bit with the same seed, and check_dcp_load,
-    which needs the dropped 'memopt' entry, says so instead of only "holds no memopt state"."""
+def test_torchs_state_dict_helpers_resume_into_another_seed_through_dcp(tmp_path):
+    """torch's get_state_dict / set_state_dict keep only an optimizer's 'state' and
+    'param_groups' (keyed by parameter name). memopt's 'memopt' entry (rule, seed, version)
+    travels in every saved param group: check_dcp_load reads it there (before: "no 'memopt'
+    entry"), and the load takes the saved seed, so an optimizer built with another one
+    resumes bit for bit (before: it kept its own seed and rounded with other bits)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    straight, sopt = build("memopt-ecc24-q8")
+    straight, sopt = _seeded(5)
     train(straight, sopt, 7)
-    first, fopt = build("memopt-ecc24-q8")
+    first, fopt = _seeded(5)
     train(first, fopt, 4)
     msd, osd = get_state_dict(first, fopt)
-    assert "memopt" not in osd
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck")
 
-    resumed, ropt = build("memopt-ecc24-q8", seed=42)
+    resumed, ropt = _seeded(42)
     msd, osd = get_state_dict(resumed, ropt)  # creates the state by a step at lr 0
-    with pytest.raises(StateDictError, match=r"no 'memopt' entry: .*get_state_dict keeps only"):
-        check_dcp_load(ropt, tmp_path / "ck")
+    check_dcp_load(ropt, tmp_path / "ck")
     target = {"model": msd, "optim": osd}
     dcp.load(target, checkpoint_id=tmp_path / "ck")
     set_state_dict(
         resumed, ropt, model_state_dict=target["model"], optim_state_dict=target["optim"]
     )
+    assert ropt.seed == 5
+    assert all("memopt" not in g for g in ropt.param_groups)
     train(resumed, ropt, 3, start=4)
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_checks_the_entry_a_get_state_dict_checkpoint_holds(tmp_path):
+    """Another rule, a version or seed load_state_dict would refuse, param groups whose entries
+    differ, another compress_state_dict: refused before dcp.load writes anything, for
+    checkpoints saved through torch's get_state_dict as for those of opt.state_dict()."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _seeded(5)
+    train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck")
+
+    # adamw's state into adam (the same state layout: dcp.load would fill it in)
+    twin, adam = _seeded(5, rule="adam")
+    msd, osd = get_state_dict(twin, adam)
+    with pytest.raises(StateDictError, match=r"state of a 'adamw' optimizer; this one runs 'adam'"):
+        check_dcp_load(adam, tmp_path / "ck")
+    target = {"model": msd, "optim": osd}
+    dcp.load(target, checkpoint_id=tmp_path / "ck")  # what check_dcp_load stands before
+    with pytest.raises(StateDictError, match=r"saved by a 'adamw' optimizer; this one runs 'adam'"):
+        set_state_dict(
+            twin, adam, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+    assert all("memopt" not in g for g in adam.param_groups)
+
+    def saved_with(edit, name):
+        _, osd = get_state_dict(model, opt)
+        osd = {
+            **osd,
+            "param_groups": [dict(g, memopt=dict(g["memopt"])) for g in osd["param_groups"]],
+        }
+        edit(osd["param_groups"])
+        dcp.save({"optim": osd}, checkpoint_id=tmp_path / name)
+        return tmp_path / name
+
+    _, fresh = _seeded(8)
+    fresh.init_state()
+    cases = [
+        (
+            lambda gs: gs[1]["memopt"].update(seed=6),
+            r"param groups 0 and 1 of the checkpoint hold different 'memopt' entries",
+        ),
+        (
+            lambda gs: gs[1].pop("memopt"),
+            r"param group\(s\) \[0\] of the checkpoint hold a 'memopt' entry .* group\(s\) \[1\]",
+        ),
+        (
+            lambda gs: [g["memopt"].update(version=99) for g in gs],
+            r"the checkpoint has version 99; this memopt reads versions 1 to 1",
+        ),
+        (
+            lambda gs: [g["memopt"].update(seed=2**64) for g in gs],
+            r"the checkpoint's seed must be an int in \[0, 2\*\*64\)",
+        ),
+    ]
+    for i, (edit, match) in enumerate(cases):
+        with pytest.raises(StateDictError, match=match):
+            check_dcp_load(fresh, saved_with(edit, f"bad{i}"))
+    check_dcp_load(fresh, saved_with(lambda gs: None, "good"))
+    # the top level of opt.state_dict() is checked the same way (its version was not)
+    sd = opt.state_dict()
+    sd["memopt"] = dict(sd["memopt"], version=99)
+    dcp.save({"optim": sd}, checkpoint_id=tmp_path / "v99")
+    with pytest.raises(StateDictError, match=r"the checkpoint has version 99"):
+        check_dcp_load(fresh, tmp_path / "v99")
+
+    # FlashOptimizer's compress_state_dict, saved in the groups too
+    ecc = pytest.importorskip("memopt_ecc")
+    flash_model, flash = build("flash-lion")
+    flash.compress_state_dict = False
+    train(flash_model, flash, 1)
+    _, osd = get_state_dict(flash_model, flash)
+    dcp.save({"optim": osd}, checkpoint_id=tmp_path / "flash")
+    compressed = ecc.FlashLion(flash_model.parameters(), lr=1e-3)
+    compressed.init_state()
+    with pytest.raises(StateDictError, match=r"saved with compress_state_dict=False"):
+        check_dcp_load(compressed, tmp_path / "flash")
+    compressed.compress_state_dict = False
+    check_dcp_load(compressed, tmp_path / "flash")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_reads_a_get_state_dict_checkpoints_state_by_name(tmp_path):
+    """torch's get_state_dict keys the state by parameter name ("0.weight": dots inside), in
+    the optimizer's order: check_dcp_load compares each parameter's saved state keys by it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _sgd(0.9)
+    _sgd_steps(model, opt, [0, 1])
+    _, osd = get_state_dict(model, opt)
+    dcp.save({"optim": osd}, checkpoint_id=tmp_path / "momentum")
+    _, same = _sgd(0.9)
+    same.init_state()
+    check_dcp_load(same, tmp_path / "momentum")
+    _, none = _sgd(0.0)
+    none.init_state()
+    with pytest.raises(
+        StateDictError,
+        match=r"holds \['momentum_buffer'\] for parameter index 0 .*saved as '0.weight'.*lacks",
+    ):
+        check_dcp_load(none, tmp_path / "momentum")
+    _, frozen = _sgd(0.9, frozen_first=True)
+    frozen.init_state()
+    with pytest.raises(ConfigError, match=r"parameter index 0 .*saved as '0.weight'.*none here"):
+        check_dcp_load(frozen, tmp_path / "momentum")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_dcp_checkpoint_without_group_entries(tmp_path):
+    """opt.state_dict() saved by a memopt that kept its 'memopt' entry at the top level only:
+    check_dcp_load reads it there, dcp.load of the new state_dict() (entries in every group)
+    reports the group entries missing before loading anything, and a target without them
+    loads, with the saved seed."""
+    model, opt = _seeded(5)
+    train(model, opt, 3)
+    old = opt.state_dict()
+    for g in old["param_groups"]:
+        del g["memopt"]
+    dcp.save({"model": model.state_dict(), "optim": old}, checkpoint_id=tmp_path / "old")
+    train(model, opt, 2, start=3)
+
+    twin, topt = _seeded(42)
+    topt.init_state()
+    check_dcp_load(topt, tmp_path / "old")
+    target = {"model": twin.state_dict(), "optim": topt.state_dict()}
+    live = {id(p): s["exp_avg"].clone() for p, s in topt.state.items()}
+    with pytest.raises(
+        dcp.api.CheckpointException,
+        match=r"Missing key in checkpoint state_dict: optim\.param_groups\.0\.memopt\.",
+    ):
+        dcp.load(target, checkpoint_id=tmp_path / "old")
+    assert all(torch.equal(s["exp_avg"], live[id(p)]) for p, s in topt.state.items())
+    for g in target["optim"]["param_groups"]:
+        del g["memopt"]
+    dcp.load(target, checkpoint_id=tmp_path / "old")
+    twin.load_state_dict(target["model"])
+    topt.load_state_dict(target["optim"])
+    assert topt.seed == 5
+    train(twin, topt, 2, start=3)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
 
 
 @pytest.mark.usefixtures("process_group")

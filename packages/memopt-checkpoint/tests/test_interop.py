@@ -254,6 +254,33 @@ def test_memopt_fp32_state_loads_into_torch_bit_identical(rule, cls):
     assert_close_to_torch(mine, ref, path)
 
 
+def test_torch_groups_never_take_the_memopt_entry():
+    """state_dict() puts memopt's 'memopt' entry in every param group, and torch's
+    load_state_dict copies a saved group's keys into its live groups: the export leaves it out,
+    so a torch AdamW holds none, and the way back leaves the memopt groups without it too."""
+    torch.manual_seed(4)
+    mine = Net()
+    my_opt = MemOptimizer(mine.parameters(), rule="adamw", moments="q8", seed=6, **ADAM_KW)
+    train(mine, my_opt, 3)
+    assert all("memopt" in g for g in my_opt.state_dict()["param_groups"])
+    sd = to_torch_state_dict(my_opt)
+    assert "memopt" not in sd
+    assert all("memopt" not in g for g in sd["param_groups"])
+    ref = copy.deepcopy(mine)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False)
+    ref_opt.load_state_dict(sd)
+    assert all("memopt" not in g for g in ref_opt.param_groups)
+    train(ref, ref_opt, 1, start=3)
+    back = MemOptimizer(copy.deepcopy(ref).parameters(), rule="adamw", moments="q8", seed=9)
+    load_torch_state_dict(back, ref_opt.state_dict())
+    assert back.seed == 9  # torch's dict has none: the optimizer's own
+    assert all("memopt" not in g for g in back.param_groups)
+    assert all(
+        g["memopt"] == {"rule": "adamw", "seed": 9, "version": 1}
+        for g in back.state_dict()["param_groups"]
+    )
+
+
 @pytest.mark.parametrize("moments", ["bf16", "fp8", "q8"])
 def test_memopt_quantized_state_exports_its_decoded_values(moments):
     torch.manual_seed(3)
@@ -577,6 +604,11 @@ BAD = {
         "'exp_avg_sq' of parameter index 0 .*on the meta device",
     ),
     "memopt dict": (lambda sd: sd.update(memopt={"rule": "adamw"}), "optimizer.load_state_dict"),
+    # a memopt state dict through torch's get_state_dict: the entry in the groups only
+    "memopt groups": (
+        lambda sd: sd["param_groups"][0].update(memopt={"rule": "adamw", "seed": 0, "version": 1}),
+        "optimizer.load_state_dict",
+    ),
     "sgd dict": (
         lambda sd: sd.update(_sgd_dict()),
         "not a torch.optim.AdamW state dict",

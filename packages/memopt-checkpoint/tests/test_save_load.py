@@ -135,6 +135,38 @@ def test_tied_weights_are_stored_once(tmp_path):
         assert r.meta["model"]["aliases"] == {"head.weight": "emb.weight"}
 
 
+def test_the_memopt_entry_is_stored_once(tmp_path):
+    """state_dict() repeats its 'memopt' entry in every param group (for torch's
+    get_state_dict): the file keeps the top-level one only, as before. A state dict whose top
+    level lacks it (a state-dict post hook took it out) keeps the groups' copies, and load
+    reads them."""
+    from memopt_checkpoint.container import CheckpointReader
+
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 2)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    with CheckpointReader(tmp_path / "ck.mopt") as r:
+        info = r.meta["optimizer"]
+        assert info["memopt"] == {"rule": "adamw", "seed": 3, "version": 1}
+        assert all("memopt" not in g for g in info["param_groups"])
+
+    def drop_top_level(optimizer, sd):
+        del sd["memopt"]
+
+    handle = opt.register_state_dict_post_hook(drop_top_level)
+    save(tmp_path / "groups.mopt", model=model, optimizer=opt)
+    handle.remove()
+    with CheckpointReader(tmp_path / "groups.mopt") as r:
+        info = r.meta["optimizer"]
+        assert info["memopt"] is None
+        assert all(g["memopt"]["seed"] == 3 for g in info["param_groups"])
+    twin = copy.deepcopy(model)
+    other = MemOptimizer(twin.parameters(), rule="adamw", lr=1e-2, moments="q8", seed=8)
+    load(tmp_path / "groups.mopt", model=twin, optimizer=other)
+    assert other.seed == 3
+    assert all("memopt" not in g for g in other.param_groups)
+
+
 def test_names_not_positions(tmp_path):
     model, opt = build("memopt-q8-fp32")
     train(model, opt, 2)

@@ -444,6 +444,51 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
             assert torch.equal(v.cpu(), loaded["state"][i][k].cpu()), (i, k)
 
 
+def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
+    """torch's get_optimizer_state_dict / set_optimizer_state_dict keep only 'state' and
+    'param_groups': the memopt entry (rule, seed, version, compressed) travels in every saved
+    group, so an uncompressed dict resumes bit for bit into an optimizer built with another
+    seed (before: the load kept that seed, and the stochastic rounding took other bits)."""
+    pytest.importorskip("torch.distributed")
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def build(seed, init=0):
+        torch.manual_seed(init)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Linear(24, 5))
+        model = model.to(device=device, dtype=torch.bfloat16)
+        hyper = dict(HYPER[FlashAdamW], compress_state_dict=False, seed=seed)
+        return model, FlashAdamW(model.parameters(), **hyper)
+
+    def train(model, opt, steps, start=0):
+        for t in range(start, start + steps):
+            gen = torch.Generator().manual_seed(t)
+            x = torch.randn(4, 12, generator=gen).to(device=device, dtype=torch.bfloat16)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight, sopt = build(3)
+    train(straight, sopt, 6)
+    first, fopt = build(3)
+    train(first, fopt, 3)
+    osd = copy.deepcopy(get_optimizer_state_dict(first, fopt))
+    resumed, ropt = build(11, init=1)
+    resumed.load_state_dict(first.state_dict())
+    set_optimizer_state_dict(resumed, ropt, optim_state_dict=osd)
+    train(resumed, ropt, 3, start=3)
+    for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert same_bits(p, q)
+    assert ropt.seed == 3
+    assert all("memopt" not in g for g in ropt.param_groups)
+    assert "memopt" not in osd
+    meta = {"rule": "adamw", "seed": 3, "version": 1, "compressed": False}
+    assert [g["memopt"] for g in osd["param_groups"]] == [meta]
+    assert osd["state"]["0.weight"]["exp_avg"].dtype == torch.float32  # decoded
+
+
 def test_uncompressed_moment_that_does_not_fit_is_named():
     p = torch.randn(8, 40).bfloat16().requires_grad_()
     opt = FlashAdamW([p], compress_state_dict=False)

@@ -347,6 +347,60 @@ def test_state_dict_resume_is_bit_identical(device, tmp_path):
     assert_same_params(straight, resumed, "resumed")
 
 
+def test_torchs_state_dict_helpers_resume_bit_identically_into_another_seed(device):
+    """torch's get_state_dict / set_state_dict keep only an optimizer's 'state' and
+    'param_groups': the memopt entry (precision, seed, version, clipping state) travels in
+    every saved group. Before, AdamBridge refused such a dict ("not saved by AdamBridge").
+    They also take an optimizer whose ``optimizer.state`` is false for one never stepped and,
+    with no gradient present, step it once with zero gradients at lr 0: AdamBridge's state is
+    true (it exists from construction), so neither the run saved from nor the one loaded into
+    takes that step (it advanced the step counts and decayed the moments)."""
+    pytest.importorskip("torch.distributed")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build(seed, init=0):
+        model = make_model(device, seed=init)
+        ps = list(model.parameters())
+        groups = [{"params": ps[:2]}, {"params": ps[2:], "lr": 1e-3}]
+        opt = AdamBridge(
+            groups,
+            lr=2e-3,
+            precision="compact",  # ECC-24 masters and q8 moments: stochastic rounding
+            seed=seed,
+            max_grad_norm=0.5,
+            clip_mode="overlap",  # the next step clips with the saved coefficient
+        )
+        return model, opt
+
+    def train(model, opt, steps, start=0):
+        for t in range(start, start + steps):
+            loss_of(model, batch(t, device)).backward()
+            opt.step_sync()
+            opt.zero_grad()
+
+    straight, sopt = build(7)
+    train(straight, sopt, 8)
+    first, fopt = build(7)
+    train(first, fopt, 5)
+    assert all(p.grad is None for p in first.parameters())  # as a checkpoint is usually taken
+    msd, osd = copy.deepcopy(get_state_dict(first, fopt))
+    resumed, ropt = build(99, init=1)
+    set_state_dict(resumed, ropt, model_state_dict=msd, optim_state_dict=osd)
+    # the load keeps the empty state that reads as true
+    assert bool(ropt.state)
+    assert len(ropt.state) == 0
+    train(resumed, ropt, 3, start=5)
+    assert_same_params(straight, resumed, "resumed through torch's helpers")
+    train(first, fopt, 3, start=5)  # the run get_state_dict read continues undisturbed
+    assert_same_params(straight, first, "continued after get_state_dict")
+    assert all("memopt" not in g for g in ropt.param_groups)
+    assert "memopt" not in osd
+    metas = [g["memopt"] for g in osd["param_groups"]]
+    assert metas[0] == metas[1]
+    assert metas[0]["seed"] == 7
+    assert metas[0]["clip_coef"] is not None
+
+
 @pytest.mark.parametrize("hooks", [True, False], ids=["hooks", "step"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_odd_sizes(device, precision, hooks):

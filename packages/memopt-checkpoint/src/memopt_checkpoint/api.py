@@ -233,12 +233,17 @@ def save(
                 "pass their values through extra= and put them back after load"
             )
         groups = []
+        # memopt's state dicts repeat their 'memopt' entry in every param group (for torch's
+        # get_state_dict, which keeps only the groups): the file keeps the top-level one
+        skipped = ("params", "param_names")
+        if sd.get("memopt") is not None:
+            skipped += ("memopt",)
         for gi, g in enumerate(sd["param_groups"]):
             out = {
                 # a tensor hyperparameter (a capturable lr, tensor betas) stays a tensor
                 k: _stored(v, f"optim_groups/{gi}/{k}", tensors, f"param group {gi}'s {k!r}")
                 for k, v in g.items()
-                if k not in ("params", "param_names")
+                if k not in skipped
             }
             out["params"] = [names[i] for i in g["params"]]
             groups.append(out)

@@ -28,11 +28,30 @@ import torch
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import MemOptimizer
 from memopt_core.sharding import local_shard
+from memopt_core.state_dict_meta import META_KEY, saved_meta
 
 __all__ = ["check_dcp_load"]
 
 _UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
 _PARAM_SHAPE = "param_shape"
+#: the fields of the 'memopt' entry read from the checkpoint (None: not in it)
+_META_FIELDS = ("rule", "seed", "version", "compressed")
+
+
+def _read_meta(probe: dict[str, Any]) -> dict[str, Any] | None:
+    """A probe's ``memopt`` fields (top level or groups, as ``load_state_dict`` reads them),
+    without those the checkpoint lacks; None when it has none."""
+
+    def found(entry: dict[str, Any]) -> dict[str, Any] | None:
+        kept = {k: v for k, v in entry.items() if v is not None}
+        return kept or None
+
+    groups = [
+        {"params": []} | ({META_KEY: m} if (m := found(g[META_KEY])) is not None else {})
+        for g in probe["param_groups"]
+        if g["master"] is not None  # a group the checkpoint holds
+    ]
+    return saved_meta({META_KEY: found(probe[META_KEY]), "param_groups": groups}, "the checkpoint")
 
 
 def _flat_names(entry: Any, prefix: str = "") -> list[str]:
@@ -42,6 +61,25 @@ def _flat_names(entry: Any, prefix: str = "") -> list[str]:
         name = f"{prefix}{k}"
         names.extend(_flat_names(v, f"{name}.") if isinstance(v, dict) else [name])
     return names
+
+
+def _saved_param_names(optimizer: MemOptimizer, saved: list[dict[str, Any]]) -> list[str]:
+    """The parameter names the saved param groups list in order (torch's ``get_state_dict``
+    keys the state by name, in the optimizer's order), checked against the optimizer's groups;
+    ``[]`` for a dict keyed by parameter index (``opt.state_dict()``) or groups saved without
+    their lists."""
+    lists = [g["params"] for g in saved]
+    if not any(lists) or not all(
+        isinstance(ps, list) and all(isinstance(k, str) for k in ps) for ps in lists
+    ):
+        return []
+    for gi, (group, ps) in enumerate(zip(optimizer.param_groups, lists, strict=True)):
+        if len(ps) != len(group["params"]):
+            raise StateDictError(
+                f"param group {gi} of the checkpoint lists {len(ps)} parameter(s), this "
+                f"optimizer's has {len(group['params'])}"
+            )
+    return [k for ps in lists for k in ps]
 
 
 def check_dcp_load(
@@ -61,11 +99,19 @@ def check_dcp_load(
     one that has state here (frozen when saved: the message says how to start it fresh);
     :class:`~memopt_core.errors.StateDictError` when a parameter's saved state keys differ from
     its live ones (an SGD saved with momentum and built without, or the reverse), when the
-    checkpoint holds no memopt state under ``key``, or state of another rule, number of param
-    groups, ``master`` / ``moments`` format, or ``compress_state_dict``, or state saved for a
+    checkpoint holds no memopt state under ``key``, or state of another rule, state-dict
+    version, number of param groups, ``master`` / ``moments`` format, or
+    ``compress_state_dict``, a seed ``load_state_dict`` would refuse, or state saved for a
     parameter of another shape at a parameter's index (its ``param_shape``; a checkpoint of a
     memopt that did not save it is not checked, and ``dcp.load`` of the optimizer's
-    ``state_dict()``, which has it, reports it missing before loading anything). Reads only
+    ``state_dict()``, which has it, reports it missing before loading anything).
+
+    Rule, version, seed and ``compress_state_dict`` come from the saved dict's ``memopt``
+    entry: its top-level one (``opt.state_dict()``), else the one in its param groups (torch's
+    ``get_state_dict`` keeps only ``state`` and ``param_groups``, and memopt saves the entry in
+    every group too; they must agree). A ``get_state_dict`` checkpoint keys the state by
+    parameter name: the names are matched to this optimizer's parameters by their position in
+    the saved param groups (``get_state_dict`` lists them in the optimizer's order). Reads only
     those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
     ``dcp.load``) and the names of the live state (``optimizer.state_dict()``, views); changes
     nothing. A ``param_shape`` with another number of dimensions makes
@@ -93,8 +139,11 @@ def check_dcp_load(
     n = len(optimizer.param_groups)
     # one group more than this optimizer has: a partial load leaves missing values None
     probe = {
-        "memopt": {"rule": None, "compressed": None},
-        "param_groups": [{"master": None, "moments": None} for _ in range(n + 1)],
+        META_KEY: dict.fromkeys(_META_FIELDS),
+        "param_groups": [
+            {"master": None, "moments": None, "params": None, META_KEY: dict.fromkeys(_META_FIELDS)}
+            for _ in range(n + 1)
+        ],
     }
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     dcp.load(
@@ -104,18 +153,22 @@ def check_dcp_load(
         planner=planner,
         process_group=process_group,
     )
-    rule = probe["memopt"]["rule"]
+    meta = _read_meta(probe)
+    rule = meta.get("rule") if meta is not None else None
     if rule is None:
         raise StateDictError(
-            f"the checkpoint holds no memopt optimizer state under {key!r} (no 'memopt' entry: "
-            "torch.distributed.checkpoint.state_dict.get_state_dict keeps only an optimizer's "
-            "'state' and 'param_groups'; save opt.state_dict() as the checkpoint README shows)"
+            f"the checkpoint holds no memopt optimizer state under {key!r} (no 'memopt' entry, "
+            "at the top level or in the param groups: not saved by a memopt optimizer, or saved "
+            "through torch's get_state_dict by a memopt that kept the entry at the top level "
+            "only, where get_state_dict drops it)"
         )
     if rule != optimizer.rule:
         raise StateDictError(
             f"the checkpoint holds the state of a {rule!r} optimizer; this one runs "
             f"{optimizer.rule!r}"
         )
+    # the version and seed load_state_dict checks, after dcp.load has written the states
+    optimizer._checked_meta(meta, "the checkpoint")
     saved = probe["param_groups"]
     count = sum(g["master"] is not None for g in saved)
     if count != n:
@@ -133,23 +186,38 @@ def check_dcp_load(
                     "format the checkpoint was saved with"
                 )
     # core's state dicts are compressed; FlashOptimizer(compress_state_dict=False) decodes
-    compressed = probe["memopt"]["compressed"] is not False
+    compressed = meta.get("compressed") is not False
     if compressed != getattr(optimizer, "compress_state_dict", True):
         raise StateDictError(
             f"the checkpoint was saved with compress_state_dict={compressed}; set the "
             f"optimizer's compress_state_dict = {compressed} before building the state dict "
             "for dcp.load, so it has the saved layout"
         )
-    # the state keys saved per parameter index (keys "<key>.state.<index>.<state key>"):
-    # dcp.load drops saved keys the target lacks and fails on target keys the checkpoint lacks
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # the saved state's key of each parameter index: the index (opt.state_dict()), or the
+    # parameter's name (torch's get_state_dict), matched by position in the saved groups
+    by_name = _saved_param_names(optimizer, saved[:n])
+    saved_key: dict[int, Any] = dict(enumerate(by_name))
+    # the state keys saved per parameter index (keys "<key>.state.<index or name>.<state
+    # key>"): dcp.load drops saved keys the target lacks and fails on target keys the
+    # checkpoint lacks
     prefix = f"{key}.state."
+    position = {name: i for i, name in enumerate(by_name)}
     saved_names: dict[int, set[str]] = {}
     for k in planner.metadata.state_dict_metadata:
-        if k.startswith(prefix):
-            index, _, name = k[len(prefix) :].partition(".")
-            if index.isdigit():
-                saved_names.setdefault(int(index), set()).add(name)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not k.startswith(prefix):
+            continue
+        rest = k[len(prefix) :]
+        if by_name:
+            # a name holds dots too: the first prefix before a dot that names a parameter
+            cuts = (i for i, c in enumerate(rest) if c == ".")
+            name = next((rest[:i] for i in cuts if rest[:i] in position), None)
+            if name is not None:
+                saved_names.setdefault(position[name], set()).add(rest[len(name) + 1 :])
+            continue
+        index, _, state_name = rest.partition(".")
+        if index.isdigit():
+            saved_names.setdefault(int(index), set()).add(state_name)
     live = optimizer.state_dict()["state"]
     for index in sorted(saved_names):
         if index >= len(params):
@@ -158,14 +226,17 @@ def check_dcp_load(
                 f"optimizer has {len(params)} parameters"
             )
         if index not in live:
+            as_name = f", saved as {saved_key[index]!r}" if index in saved_key else ""
             raise ConfigError(
                 f"the checkpoint holds optimizer state for parameter index {index} "
-                f"({optimizer._param_label(params[index])}), which has none here (frozen, so "
+                f"({optimizer._param_label(params[index])}{as_name}), which has none here (frozen, so "
                 "init_state() made none?): dcp.load would drop it. Create its state first: "
                 "unfreeze it, call optimizer.init_state(), freeze it again"
             )
     for index, entry in live.items():
         label = f"parameter index {index} ({optimizer._param_label(params[index])})"
+        if index in saved_key:
+            label = f"{label}, saved as {saved_key[index]!r}"
         names = set(_flat_names(entry))
         saved = saved_names.get(index)
         if saved is None:
@@ -173,8 +244,8 @@ def check_dcp_load(
                 f"the checkpoint holds no optimizer state for {label} (frozen when it was "
                 "saved?): dcp.load would fail on its missing keys. To start it from fresh "
                 f"state, delete its entry from the state dict given to dcp.load (del "
-                f"sd[{key!r}]['state'][{index}]): load_state_dict then leaves it without state, "
-                "and its next step creates it"
+                f"sd[{key!r}]['state'][{saved_key.get(index, index)!r}]): load_state_dict then "
+                "leaves it without state, and its next step creates it"
             )
         dropped = sorted(saved - names)
         if dropped:
@@ -194,7 +265,7 @@ def check_dcp_load(
                 "with, or delete those keys from the state dict given to dcp.load"
             )
     # the saved shape and step count of each parameter index (state_dict() numbers every
-    # parameter in order): a second read, so a size mismatch in it cannot hide the format checks
+    # parameter in order; get_state_dict names them): a second read, so a size mismatch in it cannot hide the format checks
     # above. dcp.load writes the counts into the live ones too, before load_state_dict refuses a
     # negative or fractional one
     shapes: dict[int, tuple[int, ...]] = {}
@@ -202,7 +273,7 @@ def check_dcp_load(
         if p in optimizer.state:
             shapes[index] = tuple(p.shape)
     state = {
-        i: {
+        saved_key.get(i, i): {
             "param_shape": torch.full((len(s),), -1, dtype=torch.int64),
             "step": torch.full((), _UNREAD, dtype=torch.float32),
         }
@@ -216,9 +287,10 @@ def check_dcp_load(
         process_group=process_group,
     )
     for i, shape in shapes.items():
-        if state[i]["step"].item() != _UNREAD:
-            optimizer._validated_step(state[i]["step"], f"parameter index {i} in the checkpoint")
-        saved = tuple(state[i]["param_shape"].tolist())
+        entry = state[saved_key.get(i, i)]
+        if entry["step"].item() != _UNREAD:
+            optimizer._validated_step(entry["step"], f"parameter index {i} in the checkpoint")
+        saved = tuple(entry["param_shape"].tolist())
         if saved == (-1,) * len(shape):
             continue  # saved without param_shape (an older memopt)
         if saved != shape:

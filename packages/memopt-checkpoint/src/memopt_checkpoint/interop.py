@@ -135,7 +135,9 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     ``differentiable=False``, ``fused=None``, and ``decoupled_weight_decay`` where torch has it;
     SGD: ``lr``, ``momentum``, ``dampening``, ``weight_decay``, ``nesterov``, ``maximize``, ...)
     plus ``initial_lr`` and ``param_names`` where the group has them. memopt's format keys
-    (``master``, ``moments``, ``stochastic_rounding``) are left out. ``decouple_lr=True`` decays by
+    (``master``, ``moments``, ``stochastic_rounding``) and its ``memopt`` entry (which
+    ``state_dict()`` puts at the top level and in every group, and torch's ``load_state_dict``
+    would copy into the torch optimizer's live groups) are left out. ``decouple_lr=True`` decays by
     ``lr / initial_lr * weight_decay``; torch decays by ``lr * weight_decay``, so the exported
     ``weight_decay`` is ``weight_decay / initial_lr`` (the same factor up to one rounding).
     """
@@ -273,7 +275,9 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
     parameters per group; every state tensor a real floating tensor of its parameter's shape.
     Rule ``sgdw`` takes only ``weight_decay == 0`` (torch's SGD decay is L2), Lion nothing
     (:class:`ConfigError`: torch has no Lion). Hyperparameter values are then checked as
-    ``optimizer.load_state_dict`` checks them.
+    ``optimizer.load_state_dict`` checks them. A memopt optimizer's own state dict (a ``memopt``
+    entry at the top level or in a param group) is refused: it loads with
+    ``optimizer.load_state_dict()``.
 
     Precision: each moment is converted to fp32 (exact from fp32, bf16 and fp16; float64 rounds to
     nearest) and encoded into the optimizer's moment format with round to nearest even (never
@@ -301,7 +305,13 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
     kind = "adam" if cls is not torch.optim.SGD else "sgd"
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a state dict (a mapping), got {type(state_dict).__name__}")
-    if "memopt" in state_dict:
+    groups = state_dict.get("param_groups")
+    # memopt's state dicts hold their 'memopt' entry at the top level and in every param group
+    # (where torch's get_state_dict keeps it)
+    if "memopt" in state_dict or (
+        isinstance(groups, (list, tuple))
+        and any(isinstance(g, Mapping) and "memopt" in g for g in groups)
+    ):
         raise StateDictError(
             "this is a memopt optimizer's state dict (it has a 'memopt' entry), not a torch "
             "one: load it with optimizer.load_state_dict()"

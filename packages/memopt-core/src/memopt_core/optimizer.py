@@ -94,6 +94,7 @@ from memopt_core.state_dict_hooks import (
     run_load_post_hooks,
     run_load_pre_hooks,
 )
+from memopt_core.state_dict_meta import META_KEY, add_group_meta, saved_meta, without_meta
 from memopt_core.tracked_state import ParamState, TrackedState, WriteCounter
 
 __all__ = [
@@ -2075,7 +2076,10 @@ class MemOptimizer(Optimizer):
     # ---------------------------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:
         """torch's format (``state`` by parameter index, ``param_groups``) with memopt's named
-        state keys, plus ``memopt``: rule, seed, version. State tensors are views of the arenas
+        state keys, plus ``memopt``: rule, seed, version, at the top level and a copy of it in
+        every saved param group (torch's ``get_state_dict`` / ``set_state_dict`` keep only
+        ``state`` and ``param_groups``; :mod:`memopt_core.state_dict_meta`; the live
+        ``param_groups`` do not hold it). State tensors are views of the arenas
         (live references, as in torch; ``torch.save`` stores each arena once; take a
         ``copy.deepcopy`` for a snapshot in memory).
 
@@ -2101,13 +2105,13 @@ class MemOptimizer(Optimizer):
                     # a new entry: torch's state_dict() hands out the live self.state[p] dicts
                     shape = torch.tensor(tuple(p.shape), dtype=torch.int64)
                     state[key] = {**state[key], _PARAM_SHAPE: shape}
-        return sd
+        return add_group_meta(sd)  # last: with what subclasses add (memopt-ecc's compressed)
 
     def _local_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` with every state in the arena's local layout and no
         ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
         sd = super().state_dict()
-        sd["memopt"] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
+        sd[META_KEY] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
         return sd
 
     def _blocked_keys(self, group: Mapping[str, Any], p: Tensor) -> dict[str, tuple]:
@@ -2174,6 +2178,12 @@ class MemOptimizer(Optimizer):
         parameter index and both shapes: the state belongs to another parameter (parameters
         reordered, a model changed). Entries without it (state dicts of older versions) load
         as before, unchecked. The key is not kept in the optimizer's state.
+
+        The ``memopt`` entry (rule, seed, version) is read from the top level, else from the
+        param groups (where torch's ``set_state_dict`` hands it over; every group must hold the
+        same one), and never enters the live ``param_groups``. A dict with neither (one of an
+        older memopt through torch's helpers) loads with this optimizer's seed, its rule
+        unchecked.
         """
         if not isinstance(state_dict, Mapping):
             raise StateDictError(
@@ -2188,32 +2198,7 @@ class MemOptimizer(Optimizer):
                 raise StateDictError(
                     f"the state dict lacks {key!r}; pass the dict MemOptimizer.state_dict() returns"
                 )
-        meta = state_dict.get("memopt")
-        if meta is not None:
-            if not isinstance(meta, Mapping):
-                raise StateDictError("the state dict's 'memopt' entry must be a dict")
-            version = meta.get("version", _STATE_DICT_VERSION)
-            if (
-                isinstance(version, bool)
-                or not isinstance(version, int)
-                or not 1 <= version <= _STATE_DICT_VERSION
-            ):
-                raise StateDictError(
-                    f"the state dict has version {version!r}; this memopt reads versions 1 to "
-                    f"{_STATE_DICT_VERSION} (a newer memopt wrote it?)"
-                )
-            if meta.get("rule", self.rule) != self.rule:
-                raise StateDictError(
-                    f"the state dict was saved by a {meta['rule']!r} optimizer; this one runs "
-                    f"{self.rule!r}"
-                )
-            seed = meta.get("seed", self.seed)
-            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-                raise StateDictError(
-                    f"the state dict's seed must be an int in [0, 2**64), got {seed!r}"
-                )
-        else:
-            seed = self.seed
+        seed = self._checked_meta(saved_meta(state_dict))
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, (list, tuple)):
             raise StateDictError("the state dict's 'param_groups' must be a list")
@@ -2251,8 +2236,9 @@ class MemOptimizer(Optimizer):
                         f"optimizer uses {k}={group[k]!r}: build the optimizer with the same format "
                         "(or convert the checkpoint with memopt_checkpoint)"
                     )
-            merged = {k: v for k, v in group.items() if k != "params"}
-            merged.update({k: deepcopy(v) for k, v in saved.items() if k != "params"})
+            # the memopt entry describes the dict, not the group: never a live group's key
+            merged = without_meta({k: v for k, v in group.items() if k != "params"})
+            merged.update({k: deepcopy(v) for k, v in without_meta(saved).items() if k != "params"})
             merged["master"] = group["master"]  # the same, or unused (above)
             if isinstance(merged.get("betas"), list):
                 merged["betas"] = tuple(merged["betas"])
@@ -2290,6 +2276,34 @@ class MemOptimizer(Optimizer):
         if new_state:
             self._ensure_plans()
         run_load_post_hooks(self)
+
+    def _checked_meta(self, meta: Any, what: str = "the state dict") -> int:
+        """The seed to run with after loading a dict whose ``memopt`` entry is ``meta`` (None:
+        none, this optimizer's seed), once its version, rule and seed are checked
+        (:class:`StateDictError`; ``what`` names the dict in the messages). Keys it lacks are
+        not checked."""
+        if meta is None:
+            return self.seed
+        if not isinstance(meta, Mapping):
+            raise StateDictError(f"{what}'s 'memopt' entry must be a dict")
+        version = meta.get("version", _STATE_DICT_VERSION)
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or not 1 <= version <= _STATE_DICT_VERSION
+        ):
+            raise StateDictError(
+                f"{what} has version {version!r}; this memopt reads versions 1 to "
+                f"{_STATE_DICT_VERSION} (a newer memopt wrote it?)"
+            )
+        if meta.get("rule", self.rule) != self.rule:
+            raise StateDictError(
+                f"{what} was saved by a {meta['rule']!r} optimizer; this one runs {self.rule!r}"
+            )
+        seed = meta.get("seed", self.seed)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise StateDictError(f"{what}'s seed must be an int in [0, 2**64), got {seed!r}")
+        return seed
 
     def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
         """Check every entry's ``param_shape`` against its parameter before anything converts

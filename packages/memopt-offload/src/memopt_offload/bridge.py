@@ -109,6 +109,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -144,6 +145,7 @@ from memopt_core.state_dict_hooks import (
     run_load_post_hooks,
     run_load_pre_hooks,
 )
+from memopt_core.state_dict_meta import META_KEY, add_group_meta, saved_meta, without_meta
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.autotune import AutoTuneConfig
 from memopt_offload.device_update import DeviceUpdater
@@ -488,6 +490,18 @@ class _Bucket:
         return self.event is None or self.event.query()
 
 
+class _HostHeldState(defaultdict):
+    """AdamBridge's ``optimizer.state``: empty, since the state lives in pinned host memory
+    (:meth:`AdamBridge.state_dict` hands it out), but true, since that state exists from
+    construction. torch's ``get_state_dict`` / ``set_state_dict`` take an optimizer whose
+    ``state`` is false for one never stepped and, when no parameter holds a gradient, step it
+    once with zero gradients at lr 0 to create its state: that advanced every step count and
+    decayed the moments of the training run itself."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class AdamBridge(Optimizer):
     """AdamW whose fp32 master weights and moments live in host RAM (see the module doc).
 
@@ -616,6 +630,7 @@ class AdamBridge(Optimizer):
         self._initial_ids: set[int] | None = set()
         self._initial_host_groups: list[dict[str, Any]] | None = []
         super().__init__(params, defaults)
+        self.state = _HostHeldState(dict)
         host_groups, self._initial_host_groups, self._initial_ids = (
             self._initial_host_groups,
             None,
@@ -1437,7 +1452,9 @@ class AdamBridge(Optimizer):
         """torch's layout: ``state`` by parameter index with the host optimizer's named state
         (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
         host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
-        saves them, and ``memopt`` (precision, seed, version, clipping state). The moments,
+        saves them, and ``memopt`` (precision, seed, version, clipping state), at the top level
+        and a copy in every saved param group (torch's ``get_state_dict`` keeps only ``state``
+        and ``param_groups``; the live groups do not hold it). The moments,
         scales and codes (and, with ``update="host"``, the step counts) are live host views
         that later steps change, ``master`` is a compact copy: keep ``copy.deepcopy`` of the
         dict to hold a checkpoint in memory. ``torch.save`` writes it without a trip through
@@ -1458,8 +1475,8 @@ class AdamBridge(Optimizer):
             sd["state"] = {
                 index[id(s.param)]: self._dev.state_entry(s.pos) for s in self._slots.values()
             }
-            sd["memopt"] = self._state_dict_meta(self._dev.seed)
-            return sd
+            sd[META_KEY] = self._state_dict_meta(self._dev.seed)
+            return add_group_meta(sd)
         host_sd = self._host.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         host_index = {
@@ -1476,8 +1493,8 @@ class AdamBridge(Optimizer):
             entry["master"] = own_storage(slot.master.detach())
             state[index[id(slot.param)]] = entry
         sd["state"] = state
-        sd["memopt"] = self._state_dict_meta(self._host.seed)
-        return sd
+        sd[META_KEY] = self._state_dict_meta(self._host.seed)
+        return add_group_meta(sd)
 
     def _state_dict_meta(self, seed: int) -> dict[str, Any]:
         """The ``memopt`` entry of :meth:`state_dict` (the same for either update)."""
@@ -1496,18 +1513,26 @@ class AdamBridge(Optimizer):
         masters, moments and step counts are restored and the device weights rewritten from
         the masters, so training continues bit-identically. Load pre-hooks see (and may
         replace) the caller's dict before anything is checked or changed; post-hooks run once
-        everything, the device weights included, is loaded."""
+        everything, the device weights included, is loaded. The ``memopt`` entry is read from
+        the top level, else from the param groups (torch's ``set_state_dict`` hands it over
+        there; all must hold the same one); it never enters the live ``param_groups``."""
         state_dict = run_load_pre_hooks(self, state_dict)
-        saved_groups = self._saved_groups(state_dict)
-        meta = state_dict["memopt"]
+        meta, saved_groups = self._saved_groups(state_dict)
         if self._pending or self._inflight:
             self._finish()
         params = [p for g in self.param_groups for p in g["params"]]
         if self._dev is not None:
-            self._load_device_state(state_dict, params, saved_groups)
+            self._load_device_state(state_dict, params, saved_groups, meta)
         else:
             self._load_host_state(state_dict, params, saved_groups, meta)
         run_load_post_hooks(self)
+
+    def _load_groups(self, saved_groups: list[Mapping[str, Any]]) -> None:
+        """torch's ``load_state_dict`` of the (checked) saved groups' hyperparameters, which
+        also replaces ``self.state``: set back to the :class:`_HostHeldState`."""
+        with load_hooks_suspended(self):  # load_state_dict runs them around the whole load
+            super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        self.state = _HostHeldState(dict)
 
     def _load_host_state(
         self,
@@ -1562,8 +1587,7 @@ class AdamBridge(Optimizer):
                 "memopt": {"rule": "adamw", "seed": meta.get("seed", self._host.seed)},
             }
         )
-        with load_hooks_suspended(self):  # load_state_dict runs them around the whole load
-            super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        self._load_groups(saved_groups)
         with torch.no_grad():
             for slot, m in masters:
                 slot.master.copy_(m)
@@ -1580,13 +1604,14 @@ class AdamBridge(Optimizer):
         self._prev_coef = meta.get("clip_coef") if self.max_grad_norm is not None else None
         self.last_grad_norm = meta.get("last_grad_norm")
 
-    def _saved_groups(self, state_dict: Any) -> list[Mapping[str, Any]]:
-        """The param groups of ``state_dict`` once its containers, family, version and
-        precision, and each group's size and hyperparameters, are checked against this
-        optimizer (:class:`~memopt_core.errors.StateDictError` otherwise)."""
+    def _saved_groups(self, state_dict: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]]:
+        """The ``memopt`` entry of ``state_dict`` (top level, else its param groups') and its
+        param groups without that entry, once its containers, family, version and precision,
+        and each group's size and hyperparameters, are checked against this optimizer
+        (:class:`~memopt_core.errors.StateDictError` otherwise)."""
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise StateDictError("expected the dict AdamBridge.state_dict() returns")
-        meta = state_dict.get("memopt")
+        meta = saved_meta(state_dict)
         # what a step can leave: an infinite total norm gives the coefficient 0, a NaN one
         # the norm NaN (and the coefficient 1, see _close_step)
         for key, what in (("clip_coef", "in [0, 1]"), ("last_grad_norm", ">= 0, inf or NaN")):
@@ -1625,6 +1650,8 @@ class AdamBridge(Optimizer):
             isinstance(g, Mapping) for g in saved_groups
         ):
             raise StateDictError("the state dict's 'param_groups' must be a list of dicts")
+        # torch's Optimizer.load_state_dict copies a saved group's keys into the live group
+        saved_groups = [without_meta(g) for g in saved_groups]
         if len(saved_groups) != len(self.param_groups):
             raise StateDictError(
                 f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
@@ -1647,15 +1674,19 @@ class AdamBridge(Optimizer):
                 _check_hyper(saved, f"({where})")
             except ConfigError as e:
                 raise StateDictError(str(e)) from None
-        return saved_groups
+        return meta, saved_groups
 
     def _load_device_state(
-        self, state_dict: Mapping[str, Any], params: list[Tensor], saved_groups: list[Any]
+        self,
+        state_dict: Mapping[str, Any],
+        params: list[Tensor],
+        saved_groups: list[Any],
+        meta: Mapping[str, Any],
     ) -> None:
         """load_state_dict of ``update="device"``: every entry checked before any is copied."""
         dev = self._dev
         assert dev is not None
-        seed = state_dict["memopt"].get("seed", dev.seed)
+        seed = meta.get("seed", dev.seed)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise StateDictError(
                 f"the state dict's seed must be an int in [0, 2**64), got {seed!r}"
@@ -1677,8 +1708,7 @@ class AdamBridge(Optimizer):
                 raise StateDictError(f"the state of parameter index {key!r} is not a dict")
             dev.check_entry(slot.pos, entry, key)
             loads.append((slot.pos, entry))
-        with load_hooks_suspended(self):  # load_state_dict runs them around the whole load
-            super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        self._load_groups(saved_groups)
         dev.synchronize_host()
         loaded = {p for p, _ in loads}
         with torch.no_grad():
@@ -1686,7 +1716,7 @@ class AdamBridge(Optimizer):
                 dev.load_entry(p, entry)
             dev.reset_steps([s.pos for s in self._slots.values() if s.pos not in loaded])
         dev.seed = seed
-        self._load_clipping(state_dict["memopt"])
+        self._load_clipping(meta)
 
     # ------------------------------------------------------------------------ lifetime
     def __getstate__(self) -> dict[str, Any]:
