@@ -198,3 +198,44 @@ def test_dicts_without_group_entries_load_as_before():
     fresh.load_state_dict(old)
     assert fresh.seed == 8
     assert no_live_meta(fresh)
+
+
+# torch.distributed.optim uses torch.jit at import
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch.jit.interface` is deprecated:DeprecationWarning")
+def test_zero_redundancy_optimizer_resumes_bit_identically_with_the_saved_seed(tmp_path):
+    """torch's ZeroRedundancyOptimizer builds its state dict from its own param groups and the
+    per-parameter states, and loads the states by writing ``optimizer.state`` directly: the
+    memopt entry does not travel through it (documented in memopt-checkpoint's README). Built
+    with the saved seed, a resume continues bit for bit; with another, it keeps its own."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build_zero(seed, init=0):
+        torch.manual_seed(init)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(20, 48), torch.nn.GELU(), torch.nn.Linear(48, 9)
+        ).to(torch.bfloat16)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=MemOptimizer, seed=seed, backend="torch", **CONFIG
+        )
+        return model, opt
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        straight, sopt = build_zero(5)
+        train(straight, sopt, 6)
+        first, fopt = build_zero(5)
+        train(first, fopt, 3)
+        fopt.consolidate_state_dict(to=0)
+        osd = copy.deepcopy(fopt.state_dict())
+        assert "memopt" not in osd
+        assert all("memopt" not in g for g in osd["param_groups"])
+        for seed, same in ((5, True), (42, False)):
+            resumed, ropt = build_zero(seed, init=1)
+            resumed.load_state_dict(first.state_dict())
+            ropt.load_state_dict(copy.deepcopy(osd))
+            train(resumed, ropt, 3, start=3)
+            assert ropt.optim.seed == seed
+            assert same_params(straight, resumed) is same
+    finally:
+        dist.destroy_process_group()
