@@ -13,6 +13,7 @@ positions in the whole tensor, so the ranks reproduce one process exactly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import pytest
@@ -179,3 +180,36 @@ def test_check_numerics_on_a_sharded_model(tmp_path):
             next(iter(m.parameters())).grad.view(-1)[0] = float("nan")
             with pytest.raises(NumericsError, match="non-finite gradient"):
                 o.step()
+
+
+def test_uncompressed_state_dict_of_a_sharded_model_loads_back(tmp_path):
+    """compress_state_dict=False on FSDP2 parameters (a one-rank mesh): the decoded moments are
+    DTensors without a scale field, which core's sharded load refused ("some of its fields as
+    DTensors and some not") even for the optimizer's own state_dict(). Now a fresh optimizer
+    loads it and continues with the bits of the run it was saved from."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        model = make_model()
+        fully_shard(model)
+        return model, memopt_ecc.FlashAdamW(model.parameters(), lr=1e-2, compress_state_dict=False)
+
+    def train(model, opt, steps):
+        for t in steps:
+            loss_of(model, t, 0).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with _one_rank(tmp_path):
+        straight, sopt = build()
+        train(straight, sopt, range(5))
+        first, fopt = build()
+        train(first, fopt, range(3))
+        sd = copy.deepcopy(fopt.state_dict())
+        assert "exp_avg_scale" not in next(iter(sd["state"].values()))  # decoded moments
+        resumed, ropt = build()
+        resumed.load_state_dict(first.state_dict())
+        ropt.load_state_dict(sd)
+        train(resumed, ropt, range(3, 5))
+        for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
+            assert torch.equal(bits(p.full_tensor()), bits(q.full_tensor()))

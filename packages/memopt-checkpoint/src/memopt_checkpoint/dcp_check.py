@@ -158,9 +158,10 @@ def check_dcp_load(
     if rule is None:
         raise StateDictError(
             f"the checkpoint holds no memopt optimizer state under {key!r} (no 'memopt' entry, "
-            "at the top level or in the param groups: not saved by a memopt optimizer, or saved "
+            "at the top level or in the param groups: not saved by a memopt optimizer, saved "
             "through torch's get_state_dict by a memopt that kept the entry at the top level "
-            "only, where get_state_dict drops it)"
+            "only, where get_state_dict drops it, or saved with "
+            "StateDictOptions(flatten_optimizer_state_dict=True), which this check does not read)"
         )
     if rule != optimizer.rule:
         raise StateDictError(

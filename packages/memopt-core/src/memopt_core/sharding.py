@@ -220,6 +220,10 @@ def local_state(
         keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
         if not any(isinstance(entry.get(k), DTensor) for k in keys.values()):
             continue
+        scale_key = next(k for s, k in keys.items() if codec.fields[s].per_block)
+        if scale_key not in entry:
+            continue  # a decoded moment (memopt-ecc's compress_state_dict=False): one
+            # per-element tensor, made local above, which the subclass's load encodes
         if not all(isinstance(entry.get(k), DTensor) for k in keys.values()):
             raise StateDictError(
                 f"state {name!r} of {label} has some of its fields {sorted(keys.values())} as "

@@ -64,9 +64,9 @@ def saved_meta(state_dict: Mapping[str, Any], what: str = "the state dict") -> A
     if top is not None:
         return top
     groups = state_dict.get("param_groups")
-    if not isinstance(groups, (list, tuple)):
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
         return None  # the caller explains what is wrong
-    held = [gi for gi, g in enumerate(groups) if isinstance(g, Mapping) and META_KEY in g]
+    held = [gi for gi, g in enumerate(groups) if META_KEY in g]
     if not held:
         return None
     if len(held) != len(groups):
@@ -74,7 +74,8 @@ def saved_meta(state_dict: Mapping[str, Any], what: str = "the state dict") -> A
         raise StateDictError(
             f"param group(s) {held} of {what} hold a {META_KEY!r} entry (rule, seed, version), "
             f"group(s) {lacking} none: a memopt optimizer saves it in every group. Were param "
-            "groups of different state dicts mixed?"
+            "groups of different state dicts mixed? (torch's set_state_dict hands a param group "
+            "without parameters, other than the last, another group's saved entries)"
         )
     first = groups[held[0]][META_KEY]
     for gi in held[1:]:
@@ -83,6 +84,8 @@ def saved_meta(state_dict: Mapping[str, Any], what: str = "the state dict") -> A
             raise StateDictError(
                 f"param groups {held[0]} and {gi} of {what} hold different {META_KEY!r} entries "
                 f"({first!r} and {other!r}); one optimizer saves the same one in every group. "
-                "Were param groups of different optimizers' state dicts mixed?"
+                "Were param groups of different optimizers' state dicts mixed? (torch's "
+                "get_state_dict of several optimizers at once saves all their groups in one "
+                "list: load it with set_state_dict, which splits them again)"
             )
     return first

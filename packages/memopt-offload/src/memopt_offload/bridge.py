@@ -1629,7 +1629,10 @@ class AdamBridge(Optimizer):
                 )
         if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
             raise StateDictError(
-                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint)"
+                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint), "
+                "or it lost AdamBridge's 'memopt' entry on the way (torch's "
+                "get_optimizer_state_dict with flatten_optimizer_state_dict=True does not hand it "
+                "back: use the default options)"
             )
         if meta.get("version") != _STATE_DICT_VERSION:
             raise StateDictError(
