@@ -220,8 +220,9 @@ def local_state(
         keys = {sfx: state_key(name, sfx) for sfx in codec.fields}
         if not any(isinstance(entry.get(k), DTensor) for k in keys.values()):
             continue
-        scale_key = next(k for s, k in keys.items() if codec.fields[s].per_block)
-        if scale_key not in entry:
+        scale_sfx = next(s for s, f in codec.fields.items() if f.per_block)
+        elem_sfx = next(s for s, f in codec.fields.items() if not f.per_block)
+        if keys[scale_sfx] not in entry:
             continue  # a decoded moment (memopt-ecc's compress_state_dict=False): one
             # per-element tensor, made local above, which the subclass's load encodes
         if not all(isinstance(entry.get(k), DTensor) for k in keys.values()):
@@ -236,8 +237,6 @@ def local_state(
             for sfx, k in keys.items():
                 out[k] = fields[sfx]
             continue
-        scale_sfx = next(s for s, f in codec.fields.items() if f.per_block)
-        elem_sfx = next(s for s, f in codec.fields.items() if not f.per_block)
         if any(f.numel() != n for f in fields.values()):
             raise StateDictError(
                 f"state {name!r} of {label} holds {[f.numel() for f in fields.values()]} "
