@@ -575,3 +575,152 @@ def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
     _sgd_steps(twin, topt, [2, 3])
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def _grouped(order, seed=5, moments=("q8", "bf16")):
+    """Weights (decayed) and biases (not) of an MLP whose up (64, 16) and down (16, 64) weights
+    have q8 states of the same sizes, in two groups with ``moments`` (the formats differ, so
+    each group must be compared with its own saved one). ``order`` "reversed"
+    lists the groups, and the parameters in each, the other way round; "mixed" puts each
+    layer's weight and bias in one group."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    up, down = model[0], model[2]
+    if order == "mixed":
+        pairs = [[up.weight, up.bias], [down.weight, down.bias]]
+    else:
+        pairs = [[up.weight, down.weight], [up.bias, down.bias]]
+    groups = [
+        {"params": pairs[0], "weight_decay": 0.1, "lr": 1e-2, "moments": moments[0]},
+        {"params": pairs[1], "weight_decay": 0.0, "lr": 3e-3, "moments": moments[1]},
+    ]
+    if order == "reversed":
+        groups = [dict(g, params=g["params"][::-1]) for g in groups[::-1]]
+    return model, MemOptimizer(groups, rule="adamw", seed=seed)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_with_the_model_maps_a_get_state_dict_checkpoint_by_name(tmp_path):
+    """Given the model, check_dcp_load reads the live parameters' names as torch's helpers
+    write them: an optimizer whose groups and parameters are listed in another order than
+    when saved passes (set_state_dict maps by name, and the states land on their own
+    parameters), where the check by position refuses it; groups that hold other parameters
+    and a model that is not the optimizer's are refused by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _grouped("saved")
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck")
+    names = dict(model.named_parameters())
+
+    twin, topt = _grouped("reversed", seed=9)
+    topt.init_state()
+    # by position the first live group (the biases, bf16) is compared with the saved weights'
+    with pytest.raises(StateDictError, match=r"group 0 of the checkpoint holds moments='q8'"):
+        check_dcp_load(topt, tmp_path / "ck")
+    check_dcp_load(topt, tmp_path / "ck", model=twin)
+    msd, osd = get_state_dict(twin, topt)
+    target = {"model": msd, "optim": osd}
+    dcp.load(target, checkpoint_id=tmp_path / "ck")
+    set_state_dict(twin, topt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    assert topt.seed == 5
+    for name, q in twin.named_parameters():
+        p = names[name]
+        assert torch.equal(p, q), name
+        assert topt.state[q].keys() == opt.state[p].keys(), name
+        for k, v in opt.state[p].items():
+            assert torch.equal(topt.state[q][k], v), (name, k)
+    assert [(g["lr"], g["weight_decay"]) for g in topt.param_groups] == [(3e-3, 0.0), (1e-2, 0.1)]
+
+    # the groups hold other parameters than when saved: no saved group has their names
+    mixed_model, mixed = _grouped("mixed")
+    mixed.init_state()
+    with pytest.raises(
+        StateDictError,
+        match=r"param group 0 of this optimizer \(2 parameter\(s\): '0.weight', '0.bias'\) "
+        r"matches no param group of the checkpoint",
+    ):
+        check_dcp_load(mixed, tmp_path / "ck", model=mixed_model)
+    # a model the optimizer's parameters are not in
+    with pytest.raises(ConfigError, match=r"is not a parameter of the model given"):
+        check_dcp_load(topt, tmp_path / "ck", model=model)
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got dict"):
+        check_dcp_load(topt, tmp_path / "ck", model={})
+    # a format that differs is named by the saved group and the live one it maps to
+    fp8_model, fp8 = _grouped("reversed", moments=("q8", "fp8"))  # the biases' differs
+    fp8.init_state()
+    with pytest.raises(
+        StateDictError,
+        match=r"param group 1 of the checkpoint \(this optimizer's group 0\) holds moments='bf16'",
+    ):
+        check_dcp_load(fp8, tmp_path / "ck", model=fp8_model)
+    # a checkpoint keyed by index (opt.state_dict()) has no names: the model changes nothing
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "by_index")
+    same_model, same = _grouped("saved")
+    same.init_state()
+    check_dcp_load(same, tmp_path / "by_index", model=same_model)
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_check_dcp_load_names_parameters_as_torchs_helpers_do(tmp_path):
+    """The names come from torch's get_optimizer_state_dict, not named_parameters(): through
+    torch.compile's wrapper ('_orig_mod.' in named_parameters, not in the checkpoint) and on
+    FSDP2-sharded parameters (one rank) a reordered optimizer passes, and set_state_dict then
+    puts each saved state on its own parameter."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _grouped("saved")
+    opt.init_state()
+    dcp.save({"optim": get_state_dict(model, opt)[1]}, checkpoint_id=tmp_path / "plain")
+    twin, topt = _grouped("reversed")
+    topt.init_state()
+    compiled = torch.compile(twin)  # a wrapper only: nothing runs, so nothing compiles
+    assert next(iter(dict(compiled.named_parameters()))).startswith("_orig_mod.")
+    check_dcp_load(topt, tmp_path / "plain", model=compiled)
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+    def sharded(order, seed):
+        model, _ = _grouped("saved")
+        for m in (model[0], model[2], model):
+            fsdp.fully_shard(m)
+        up, down = model[0], model[2]
+        groups = [
+            {"params": [up.weight, down.weight], "moments": "q8"},
+            {"params": [up.bias, down.bias], "moments": "bf16", "lr": 3e-3},
+        ]
+        if order == "reversed":
+            groups = [dict(g, params=g["params"][::-1]) for g in groups[::-1]]
+        return model, MemOptimizer(groups, rule="adamw", lr=1e-2, seed=seed)
+
+    model, opt = sharded("saved", 5)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "fsdp")
+    twin, topt = sharded("reversed", 9)
+    topt.init_state()
+    with pytest.raises(StateDictError, match=r"group 0 of the checkpoint holds moments='q8'"):
+        check_dcp_load(topt, tmp_path / "fsdp")
+    check_dcp_load(topt, tmp_path / "fsdp", model=twin)
+    msd, osd = get_state_dict(twin, topt)
+    target = {"model": msd, "optim": osd}
+    dcp.load(target, checkpoint_id=tmp_path / "fsdp")
+    set_state_dict(twin, topt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+
+    def whole(t):  # the step count is a plain tensor
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    names = dict(model.named_parameters())
+    for name, q in twin.named_parameters():
+        for k, v in opt.state[names[name]].items():
+            assert torch.equal(whole(topt.state[q][k]), whole(v)), (name, k)

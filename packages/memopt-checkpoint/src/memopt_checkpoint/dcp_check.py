@@ -63,23 +63,72 @@ def _flat_names(entry: Any, prefix: str = "") -> list[str]:
     return names
 
 
-def _saved_param_names(optimizer: MemOptimizer, saved: list[dict[str, Any]]) -> list[str]:
-    """The parameter names the saved param groups list in order (torch's ``get_state_dict``
-    keys the state by name, in the optimizer's order), checked against the optimizer's groups;
-    ``[]`` for a dict keyed by parameter index (``opt.state_dict()``) or groups saved without
-    their lists."""
+def _saved_group_names(saved: list[dict[str, Any]]) -> list[list[str]] | None:
+    """The parameter names each saved param group lists (torch's ``get_state_dict`` keys the
+    state by name), or None for a dict keyed by parameter index (``opt.state_dict()``) or groups
+    saved without their lists."""
     lists = [g["params"] for g in saved]
     if not any(lists) or not all(
         isinstance(ps, list) and all(isinstance(k, str) for k in ps) for ps in lists
     ):
-        return []
-    for gi, (group, ps) in enumerate(zip(optimizer.param_groups, lists, strict=True)):
+        return None
+    return lists
+
+
+def _names_by_position(optimizer: MemOptimizer, saved: list[list[str]]) -> list[str]:
+    """The saved names taken in order for this optimizer's parameters (``get_state_dict``
+    lists them in the optimizer's order): the check without a model."""
+    for gi, (group, ps) in enumerate(zip(optimizer.param_groups, saved, strict=True)):
         if len(ps) != len(group["params"]):
             raise StateDictError(
                 f"param group {gi} of the checkpoint lists {len(ps)} parameter(s), this "
                 f"optimizer's has {len(group['params'])}"
             )
-    return [k for ps in lists for k in ps]
+    return [k for ps in saved for k in ps]
+
+
+def _live_named_state(
+    model: torch.nn.Module, optimizer: MemOptimizer
+) -> tuple[list[list[str]], dict[str, Any]]:
+    """Each live param group's parameter names and the live state keyed by them, as torch's
+    ``get_optimizer_state_dict`` names them (the names a ``get_state_dict`` checkpoint of this
+    model holds: wrappers' prefixes removed, as its loader maps them)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    in_model = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in in_model:
+                raise ConfigError(
+                    f"{optimizer._param_label(p)} of the optimizer is not a parameter of the "
+                    "model given to check_dcp_load: pass the model the optimizer's state dict "
+                    "is built from (get_state_dict(model, optimizer))"
+                )
+    osd = get_optimizer_state_dict(model, optimizer)
+    return [list(g["params"]) for g in osd["param_groups"]], osd["state"]
+
+
+def _matched_groups(live: list[list[str]], saved: list[list[str]]) -> list[int]:
+    """For each live param group, the saved group that lists the same parameter names
+    (``set_state_dict`` takes a live group's hyperparameters from the saved group that holds
+    its parameters, wherever it stands)."""
+    where = {frozenset(ps): si for si, ps in enumerate(saved)}
+    matched = []
+    for gi, ps in enumerate(live):
+        si = where.get(frozenset(ps))
+        if si is None:
+            shown = ", ".join(map(repr, ps[:3])) + (", ..." if len(ps) > 3 else "")
+            raise StateDictError(
+                f"param group {gi} of this optimizer ({len(ps)} parameter(s): {shown}) matches "
+                "no param group of the checkpoint by its parameter names: its parameters were "
+                "grouped otherwise when it was saved (or renamed), and set_state_dict would "
+                "give them another group's hyperparameters or none: build the groups as they "
+                "were saved"
+            )
+        matched.append(si)
+    return matched
 
 
 def check_dcp_load(
@@ -87,6 +136,7 @@ def check_dcp_load(
     checkpoint_id: str | os.PathLike | None = None,
     *,
     key: str = "optim",
+    model: torch.nn.Module | None = None,
     storage_reader: Any = None,
     process_group: Any = None,
 ) -> None:
@@ -110,10 +160,20 @@ def check_dcp_load(
     entry: its top-level one (``opt.state_dict()``), else the one in its param groups (torch's
     ``get_state_dict`` keeps only ``state`` and ``param_groups``, and memopt saves the entry in
     every group too; they must agree). A ``get_state_dict`` checkpoint keys the state by
-    parameter name: the names are matched to this optimizer's parameters by their position in
-    the saved param groups (``get_state_dict`` lists them in the optimizer's order). Reads only
+    parameter name. Given ``model`` (the module given to ``get_state_dict``), the live
+    parameters are named as torch's helpers name them and each live param group is matched
+    to the saved group that lists the same names (``set_state_dict`` maps both by name, so an
+    optimizer whose groups or parameters are listed in another order than when saved loads;
+    its stochastic rounding then continues with other bits, as they are keyed by position).
+    Without it the saved names are taken in order (``get_state_dict`` lists them in the
+    optimizer's order), and such an optimizer is refused. A dict keyed by parameter index
+    (``opt.state_dict()``) is matched by index, with or without ``model``. ``ConfigError``
+    when an optimizer's parameter is not in ``model``;
+    :class:`~memopt_core.errors.StateDictError` when a live group matches no saved one (the
+    parameters were grouped otherwise). Reads only
     those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
-    ``dcp.load``) and the names of the live state (``optimizer.state_dict()``, views); changes
+    ``dcp.load``) and the names of the live state (``optimizer.state_dict()``, views;
+    ``get_optimizer_state_dict(model, optimizer)`` with ``model``); changes
     nothing. A ``param_shape`` with another number of dimensions makes
     ``dcp.load`` raise its size mismatch here, also before anything is loaded. A saved step
     count that is not a whole number >= 0 (a corrupted checkpoint) is a ``StateDictError``
@@ -175,14 +235,31 @@ def check_dcp_load(
     if count != n:
         found = f"more than {n}" if count > n else count
         raise StateDictError(f"the checkpoint has {found} param group(s), this optimizer has {n}")
-    for gi, (group, g) in enumerate(zip(optimizer.param_groups, saved[:n], strict=True)):
+    saved = saved[:n]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # the saved state's key of each parameter index: the index (opt.state_dict()), or the
+    # parameter's name (torch's get_state_dict): read from the model when given (its groups
+    # then matched by their names too), else taken by position in the saved groups
+    saved_lists = _saved_group_names(saved)
+    live_by_name: dict[str, Any] | None = None
+    by_name: list[str] = []
+    order = list(range(n))  # the saved group of each live one
+    if saved_lists is not None and model is not None:
+        live_lists, live_by_name = _live_named_state(model, optimizer)
+        order = _matched_groups(live_lists, saved_lists)
+        by_name = [k for ps in live_lists for k in ps]
+    elif saved_lists is not None:
+        by_name = _names_by_position(optimizer, saved_lists)
+    for gi, (group, si) in enumerate(zip(optimizer.param_groups, order, strict=True)):
+        g = saved[si]
         # float32 parameters keep an fp32 master under any group master (as load_state_dict)
         master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
         for k in ("master", "moments"):
             if g[k] != group[k] and not (k == "master" and master_unused):
+                mapped = "" if si == gi else f" (this optimizer's group {gi})"
                 raise StateDictError(
-                    f"param group {gi} of the checkpoint holds {k}={g[k]!r} states; this "
-                    f"optimizer uses {k}={group[k]!r}: dcp.load would cast them into its live "
+                    f"param group {si} of the checkpoint{mapped} holds {k}={g[k]!r} states; "
+                    f"this optimizer uses {k}={group[k]!r}: dcp.load would cast them into its live "
                     "states before load_state_dict refuses them: build the optimizer with the "
                     "format the checkpoint was saved with"
                 )
@@ -194,10 +271,6 @@ def check_dcp_load(
             f"optimizer's compress_state_dict = {compressed} before building the state dict "
             "for dcp.load, so it has the saved layout"
         )
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    # the saved state's key of each parameter index: the index (opt.state_dict()), or the
-    # parameter's name (torch's get_state_dict), matched by position in the saved groups
-    by_name = _saved_param_names(optimizer, saved[:n])
     saved_key: dict[int, Any] = dict(enumerate(by_name))
     # the state keys saved per parameter index (keys "<key>.state.<index or name>.<state
     # key>"): dcp.load drops saved keys the target lacks and fails on target keys the
@@ -219,7 +292,10 @@ def check_dcp_load(
         index, _, state_name = rest.partition(".")
         if index.isdigit():
             saved_names.setdefault(int(index), set()).add(state_name)
-    live = optimizer.state_dict()["state"]
+    if live_by_name is None:
+        live = optimizer.state_dict()["state"]
+    else:
+        live = {position[k]: entry for k, entry in live_by_name.items()}
     for index in sorted(saved_names):
         if index >= len(params):
             raise StateDictError(
