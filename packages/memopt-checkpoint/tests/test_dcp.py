@@ -92,7 +92,7 @@ def test_dcp_resume_is_bit_identical(name, tmp_path):
         with pytest.raises(ConfigError, match=r"no optimizer state yet: call .*init_state\(\)"):
             check_dcp_load(ropt, tmp_path / "ck")
         ropt.init_state()  # DCP loads into existing tensors: create the state to load into
-        check_dcp_load(ropt, tmp_path / "ck")
+    check_dcp_load(ropt, tmp_path / "ck")
     target = {"model": resumed.state_dict(), "optim": ropt.state_dict()}
     dcp.load(target, checkpoint_id=tmp_path / "ck")
     resumed.load_state_dict(target["model"])
@@ -724,3 +724,63 @@ def test_check_dcp_load_names_parameters_as_torchs_helpers_do(tmp_path):
     for name, q in twin.named_parameters():
         for k, v in opt.state[names[name]].items():
             assert torch.equal(whole(topt.state[q][k]), whole(v)), (name, k)
+
+
+def _bridge_mlp(precision="bf16", frozen_bias=False, sizes=(20, 48), **kw):
+    offload = pytest.importorskip("memopt_offload")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(*sizes), torch.nn.GELU(), torch.nn.Linear(sizes[1], 9)
+    ).to(torch.bfloat16)
+    model[0].bias.requires_grad_(not frozen_bias)
+    return model, offload.AdamBridge(model.parameters(), lr=1e-2, precision=precision, **kw)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_checks_an_adam_bridge_checkpoint(tmp_path):
+    """AdamBridge (host state from its construction on, no param_shape: its master has the
+    parameter's shape): another precision (bf16 into fp32 moments: dcp.load casts them in),
+    a parameter frozen when the bridge was built (dcp.load drops its saved state, where
+    load_state_dict of the same dict refuses it), a master of another shape and another
+    optimizer's checkpoint are refused before dcp.load writes anything; the clipping state is
+    checked as load_state_dict checks it."""
+    model, opt = _bridge_mlp(max_grad_norm=1.0)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    dcp.save({"optim": saved}, checkpoint_id=tmp_path / "ck")
+    _, same = _bridge_mlp(max_grad_norm=1.0)
+    check_dcp_load(same, tmp_path / "ck")
+
+    _, fp32 = _bridge_mlp("fp32")
+    with pytest.raises(StateDictError, match=r"holds precision='bf16' state; .* precision='fp32'"):
+        check_dcp_load(fp32, tmp_path / "ck")
+    _, frozen = _bridge_mlp(frozen_bias=True)
+    with pytest.raises(StateDictError, match=r"holds state for parameter index 1, which is frozen"):
+        frozen.load_state_dict(saved)
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter index 1 \(parameter of shape \(48,\)\), which has none here \(frozen "
+        r"when the AdamBridge was built",
+    ):
+        check_dcp_load(frozen, tmp_path / "ck")
+    _, transposed = _bridge_mlp(sizes=(48, 20))
+    with pytest.raises(
+        StateDictError,
+        match=r"master weight of parameter index 0 has shape \(48, 20\); this optimizer's "
+        r"parameter 0 has shape \(20, 48\)",
+    ):
+        check_dcp_load(transposed, tmp_path / "ck")
+    _, memopt_opt = build("memopt-ecc24-q8")
+    memopt_opt.init_state()
+    with pytest.raises(StateDictError, match=r"holds AdamBridge's state; this optimizer is a Mem"):
+        check_dcp_load(memopt_opt, tmp_path / "ck")
+    dcp.save({"optim": memopt_opt.state_dict()}, checkpoint_id=tmp_path / "memopt")
+    with pytest.raises(StateDictError, match=r"the checkpoint was not saved by AdamBridge"):
+        check_dcp_load(same, tmp_path / "memopt")
+    bad = opt.state_dict()
+    bad["memopt"] = dict(bad["memopt"], clip_coef=2.0)
+    dcp.save({"optim": bad}, checkpoint_id=tmp_path / "clip")
+    with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be None or a number in"):
+        check_dcp_load(same, tmp_path / "clip")
+    with pytest.raises(TypeError, match=r"memopt optimizer or memopt_offload.AdamBridge, got SGD"):
+        check_dcp_load(torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "ck")

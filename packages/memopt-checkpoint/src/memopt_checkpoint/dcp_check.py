@@ -34,8 +34,18 @@ __all__ = ["check_dcp_load"]
 
 _UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
 _PARAM_SHAPE = "param_shape"
-#: the fields of the 'memopt' entry read from the checkpoint (None: not in it)
-_META_FIELDS = ("rule", "seed", "version", "compressed")
+#: the fields of the 'memopt' entry read from the checkpoint (None: not in it): core's, and
+#: AdamBridge's family, precision and clipping state
+_META_FIELDS = (
+    "rule",
+    "seed",
+    "version",
+    "compressed",
+    "family",
+    "precision",
+    "clip_coef",
+    "last_grad_norm",
+)
 
 
 def _read_meta(probe: dict[str, Any]) -> dict[str, Any] | None:
@@ -49,7 +59,7 @@ def _read_meta(probe: dict[str, Any]) -> dict[str, Any] | None:
     groups = [
         {"params": []} | ({META_KEY: m} if (m := found(g[META_KEY])) is not None else {})
         for g in probe["param_groups"]
-        if g["master"] is not None  # a group the checkpoint holds
+        if g["params"] is not None  # a group the checkpoint holds
     ]
     return saved_meta({META_KEY: found(probe[META_KEY]), "param_groups": groups}, "the checkpoint")
 
@@ -75,7 +85,7 @@ def _saved_group_names(saved: list[dict[str, Any]]) -> list[list[str]] | None:
     return lists
 
 
-def _names_by_position(optimizer: MemOptimizer, saved: list[list[str]]) -> list[str]:
+def _names_by_position(optimizer: Any, saved: list[list[str]]) -> list[str]:
     """The saved names taken in order for this optimizer's parameters (``get_state_dict``
     lists them in the optimizer's order): the check without a model."""
     for gi, (group, ps) in enumerate(zip(optimizer.param_groups, saved, strict=True)):
@@ -88,7 +98,7 @@ def _names_by_position(optimizer: MemOptimizer, saved: list[list[str]]) -> list[
 
 
 def _live_named_state(
-    model: torch.nn.Module, optimizer: MemOptimizer
+    model: torch.nn.Module, optimizer: Any, label_of: Any
 ) -> tuple[list[list[str]], dict[str, Any]]:
     """Each live param group's parameter names and the live state keyed by them, as torch's
     ``get_optimizer_state_dict`` names them (the names a ``get_state_dict`` checkpoint of this
@@ -102,7 +112,7 @@ def _live_named_state(
         for p in group["params"]:
             if id(p) not in in_model:
                 raise ConfigError(
-                    f"{optimizer._param_label(p)} of the optimizer is not a parameter of the "
+                    f"{label_of(p)} of the optimizer is not a parameter of the "
                     "model given to check_dcp_load: pass the model the optimizer's state dict "
                     "is built from (get_state_dict(model, optimizer))"
                 )
@@ -131,8 +141,17 @@ def _matched_groups(live: list[list[str]], saved: list[list[str]]) -> list[int]:
     return matched
 
 
+def _adam_bridge(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is memopt-offload's AdamBridge (when that package is installed)."""
+    try:
+        from memopt_offload import AdamBridge
+    except ImportError:
+        return False
+    return isinstance(optimizer, AdamBridge)
+
+
 def check_dcp_load(
-    optimizer: MemOptimizer,
+    optimizer: Any,
     checkpoint_id: str | os.PathLike | None = None,
     *,
     key: str = "optim",
@@ -179,20 +198,38 @@ def check_dcp_load(
     count that is not a whole number >= 0 (a corrupted checkpoint) is a ``StateDictError``
     too. Other values (moments, codes, a block scale byte of 255, which no format writes) are
     checked by ``load_state_dict`` only, after ``dcp.load`` wrote them into the live state.
+
+    ``optimizer`` may also be memopt-offload's ``AdamBridge``: its family, version, precision
+    and clipping state are checked as its ``load_state_dict`` checks them (another precision's
+    moments of the same shape would be cast in), its parameters have state from its
+    construction on (no ``init_state()``), a parameter frozen when it was built has none (its
+    saved state would be dropped: refused), and each saved host master is compared with its
+    parameter's shape (AdamBridge saves no ``param_shape``). ``TypeError`` for other optimizers.
     """
     import torch.distributed.checkpoint as dcp
 
-    if not isinstance(optimizer, MemOptimizer):
-        raise TypeError(f"expected a memopt optimizer, got {type(optimizer).__name__}")
+    bridge = _adam_bridge(optimizer)
+    if not bridge and not isinstance(optimizer, MemOptimizer):
+        raise TypeError(
+            f"expected a memopt optimizer or memopt_offload.AdamBridge, got "
+            f"{type(optimizer).__name__}"
+        )
+
+    def label_of(p: torch.Tensor) -> str:
+        if bridge:  # AdamBridge names its parameters in its messages by shape
+            return f"parameter of shape {tuple(p.shape)}"
+        return optimizer._param_label(p)
+
+    # AdamBridge holds host state for its trainable parameters from its construction
     stateless = [
         p
         for g in optimizer.param_groups
         for p in g["params"]
-        if p.requires_grad and p not in optimizer.state
+        if not bridge and p.requires_grad and p not in optimizer.state
     ]
     if stateless:
         raise ConfigError(
-            f"{optimizer._param_label(stateless[0])} has no optimizer state yet: call "
+            f"{label_of(stateless[0])} has no optimizer state yet: call "
             "optimizer.init_state() before building the state dict for dcp.load, which only "
             "fills tensors that exist (without them training would go on from fresh moments)"
         )
@@ -214,8 +251,15 @@ def check_dcp_load(
         process_group=process_group,
     )
     meta = _read_meta(probe)
+    if bridge:
+        optimizer._checked_meta(meta, "the checkpoint")
     rule = meta.get("rule") if meta is not None else None
-    if rule is None:
+    if rule is None and not bridge:
+        if meta is not None and meta.get("family") is not None:
+            raise StateDictError(
+                f"the checkpoint holds {meta['family']}'s state; this optimizer is a "
+                f"{type(optimizer).__name__}"
+            )
         raise StateDictError(
             f"the checkpoint holds no memopt optimizer state under {key!r} (no 'memopt' entry, "
             "at the top level or in the param groups: not saved by a memopt optimizer, saved "
@@ -223,15 +267,15 @@ def check_dcp_load(
             "only, where get_state_dict drops it, or saved with "
             "StateDictOptions(flatten_optimizer_state_dict=True), which this check does not read)"
         )
-    if rule != optimizer.rule:
+    if not bridge and rule != optimizer.rule:
         raise StateDictError(
             f"the checkpoint holds the state of a {rule!r} optimizer; this one runs "
             f"{optimizer.rule!r}"
         )
-    # the version and seed load_state_dict checks, after dcp.load has written the states
-    optimizer._checked_meta(meta, "the checkpoint")
+    if not bridge:  # the version and seed load_state_dict checks, after dcp.load wrote
+        optimizer._checked_meta(meta, "the checkpoint")
     saved = probe["param_groups"]
-    count = sum(g["master"] is not None for g in saved)
+    count = sum(g["params"] is not None for g in saved)
     if count != n:
         found = f"more than {n}" if count > n else count
         raise StateDictError(f"the checkpoint has {found} param group(s), this optimizer has {n}")
@@ -245,12 +289,14 @@ def check_dcp_load(
     by_name: list[str] = []
     order = list(range(n))  # the saved group of each live one
     if saved_lists is not None and model is not None:
-        live_lists, live_by_name = _live_named_state(model, optimizer)
+        live_lists, live_by_name = _live_named_state(model, optimizer, label_of)
         order = _matched_groups(live_lists, saved_lists)
         by_name = [k for ps in live_lists for k in ps]
     elif saved_lists is not None:
         by_name = _names_by_position(optimizer, saved_lists)
     for gi, (group, si) in enumerate(zip(optimizer.param_groups, order, strict=True)):
+        if bridge:
+            break  # one format for every group: its precision, checked above
         g = saved[si]
         # float32 parameters keep an fp32 master under any group master (as load_state_dict)
         master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
@@ -304,14 +350,19 @@ def check_dcp_load(
             )
         if index not in live:
             as_name = f", saved as {saved_key[index]!r}" if index in saved_key else ""
+            fix = (
+                "(frozen when the AdamBridge was built, so it made none): dcp.load would drop "
+                "it. Build the AdamBridge with the parameter trainable, then freeze it"
+                if bridge
+                else "(frozen, so init_state() made none?): dcp.load would drop it. Create its "
+                "state first: unfreeze it, call optimizer.init_state(), freeze it again"
+            )
             raise ConfigError(
                 f"the checkpoint holds optimizer state for parameter index {index} "
-                f"({optimizer._param_label(params[index])}{as_name}), which has none here (frozen, so "
-                "init_state() made none?): dcp.load would drop it. Create its state first: "
-                "unfreeze it, call optimizer.init_state(), freeze it again"
+                f"({label_of(params[index])}{as_name}), which has none here {fix}"
             )
     for index, entry in live.items():
-        label = f"parameter index {index} ({optimizer._param_label(params[index])})"
+        label = f"parameter index {index} ({label_of(params[index])})"
         if index in saved_key:
             label = f"{label}, saved as {saved_key[index]!r}"
         names = set(_flat_names(entry))
@@ -345,10 +396,20 @@ def check_dcp_load(
     # parameter in order; get_state_dict names them): a second read, so a size mismatch in it cannot hide the format checks
     # above. dcp.load writes the counts into the live ones too, before load_state_dict refuses a
     # negative or fractional one
-    shapes: dict[int, tuple[int, ...]] = {}
-    for index, p in enumerate(params):
-        if p in optimizer.state:
-            shapes[index] = tuple(p.shape)
+    shapes = {index: tuple(params[index].shape) for index in live}
+    if bridge:  # AdamBridge saves no param_shape: its host master has the parameter's shape
+        for i, shape in shapes.items():
+            saved_master = planner.metadata.state_dict_metadata.get(
+                f"{prefix}{saved_key.get(i, i)}.master"
+            )
+            size = getattr(saved_master, "size", None)
+            if size is not None and tuple(size) != shape:
+                raise StateDictError(
+                    f"the checkpoint's master weight of parameter index {i} has shape "
+                    f"{tuple(size)}; this optimizer's parameter {i} has shape {shape}: the "
+                    "state belongs to another parameter (were the parameters reordered, or the "
+                    "model changed, since it was saved?)"
+                )
     state = {
         saved_key.get(i, i): {
             "param_shape": torch.full((len(s),), -1, dtype=torch.int64),
@@ -366,7 +427,7 @@ def check_dcp_load(
     for i, shape in shapes.items():
         entry = state[saved_key.get(i, i)]
         if entry["step"].item() != _UNREAD:
-            optimizer._validated_step(entry["step"], f"parameter index {i} in the checkpoint")
+            MemOptimizer._validated_step(entry["step"], f"parameter index {i} in the checkpoint")
         saved = tuple(entry["param_shape"].tolist())
         if saved == (-1,) * len(shape):
             continue  # saved without param_shape (an older memopt)

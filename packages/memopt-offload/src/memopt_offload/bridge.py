@@ -1604,17 +1604,14 @@ class AdamBridge(Optimizer):
         self._prev_coef = meta.get("clip_coef") if self.max_grad_norm is not None else None
         self.last_grad_norm = meta.get("last_grad_norm")
 
-    def _saved_groups(self, state_dict: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]]:
-        """The ``memopt`` entry of ``state_dict`` (top level, else its param groups') and its
-        param groups without that entry, once its containers, family, version and precision,
-        and each group's size and hyperparameters, are checked against this optimizer
-        (:class:`~memopt_core.errors.StateDictError` otherwise)."""
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise StateDictError("expected the dict AdamBridge.state_dict() returns")
-        meta = saved_meta(state_dict)
+    def _checked_meta(self, meta: Any, what: str = "the state dict") -> None:
+        """Check a saved ``memopt`` entry (``meta``; None: none) against this optimizer: family,
+        version, precision and the clipping state (:class:`~memopt_core.errors.StateDictError`;
+        ``what`` names the dict in the messages). Also memopt-checkpoint's ``check_dcp_load``,
+        before ``dcp.load`` writes into the host state."""
         # what a step can leave: an infinite total norm gives the coefficient 0, a NaN one
         # the norm NaN (and the coefficient 1, see _close_step)
-        for key, what in (("clip_coef", "in [0, 1]"), ("last_grad_norm", ">= 0, inf or NaN")):
+        for key, allowed in (("clip_coef", "in [0, 1]"), ("last_grad_norm", ">= 0, inf or NaN")):
             v = meta.get(key) if isinstance(meta, Mapping) else None
             if v is None:
                 continue
@@ -1625,25 +1622,35 @@ class AdamBridge(Optimizer):
                 ok = number and (math.isnan(v) or v >= 0)
             if not ok:
                 raise StateDictError(
-                    f"the state dict's memopt[{key!r}] must be None or a number {what}, got {v!r}"
+                    f"{what}'s memopt[{key!r}] must be None or a number {allowed}, got {v!r}"
                 )
         if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
             raise StateDictError(
-                "this state dict was not saved by AdamBridge (convert it with memopt_checkpoint), "
+                f"{what} was not saved by AdamBridge (convert it with memopt_checkpoint), "
                 "or it lost AdamBridge's 'memopt' entry on the way (torch's "
                 "get_optimizer_state_dict with flatten_optimizer_state_dict=True does not hand it "
                 "back: use the default options)"
             )
         if meta.get("version") != _STATE_DICT_VERSION:
             raise StateDictError(
-                f"the state dict has version {meta.get('version')!r}; this AdamBridge reads "
+                f"{what} has version {meta.get('version')!r}; this AdamBridge reads "
                 f"version {_STATE_DICT_VERSION}"
             )
         if meta.get("precision") != self.precision:
             raise StateDictError(
-                f"the state dict holds precision={meta.get('precision')!r} state; this "
+                f"{what} holds precision={meta.get('precision')!r} state; this "
                 f"AdamBridge uses precision={self.precision!r}"
             )
+
+    def _saved_groups(self, state_dict: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]]:
+        """The ``memopt`` entry of ``state_dict`` (top level, else its param groups') and its
+        param groups without that entry, once its containers, family, version and precision,
+        and each group's size and hyperparameters, are checked against this optimizer
+        (:class:`~memopt_core.errors.StateDictError` otherwise)."""
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise StateDictError("expected the dict AdamBridge.state_dict() returns")
+        meta = saved_meta(state_dict)
+        self._checked_meta(meta)
         if not isinstance(state_dict["state"], Mapping):
             raise StateDictError(
                 f"the state dict's 'state' must be a dict, got {type(state_dict['state']).__name__}"
