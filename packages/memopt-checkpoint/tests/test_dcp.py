@@ -642,8 +642,8 @@ def test_check_dcp_load_with_the_model_maps_a_get_state_dict_checkpoint_by_name(
     mixed.init_state()
     with pytest.raises(
         StateDictError,
-        match=r"param group 0 of this optimizer \(2 parameter\(s\): '0.weight', '0.bias'\) "
-        r"matches no param group of the checkpoint",
+        match=r"param group 0 of this optimizer holds parameters of param groups \[0, 1\] of "
+        r"the checkpoint: its parameters were grouped otherwise",
     ):
         check_dcp_load(mixed, tmp_path / "ck", model=mixed_model)
     # a model the optimizer's parameters are not in
@@ -784,3 +784,166 @@ def test_check_dcp_load_checks_an_adam_bridge_checkpoint(tmp_path):
         check_dcp_load(same, tmp_path / "clip")
     with pytest.raises(TypeError, match=r"memopt optimizer or memopt_offload.AdamBridge, got SGD"):
         check_dcp_load(torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "ck")
+
+
+def _three_layer(params_of=None, seed=5, groups=None):
+    """An fp32 MLP with q8 moments; ``params_of(model)`` lists the optimizer's parameters,
+    ``groups(model)`` its param groups."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    if groups is not None:
+        ps = groups(model)
+    else:
+        ps = list(params_of(model) if params_of is not None else model.parameters())
+    return model, MemOptimizer(ps, rule="adamw", lr=1e-2, moments="q8", seed=seed)
+
+
+def _steps(model, opt, n):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(n))
+    for _ in range(n):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _saved_by_name(model, opt, path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load_by_name(model, opt, path, drop=(), **options):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    for name in drop:  # parameters whose state the checkpoint lacks: started fresh
+        del sd["optim"]["state"][name]
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=StateDictOptions(**options),
+    )
+
+
+def _same_states(a, aopt, b, bopt):
+    names = dict(a.named_parameters())
+    for name, q in b.named_parameters():
+        p = names[name]
+        assert (p in aopt.state) == (q in bopt.state), name
+        for k, v in aopt.state.get(p, {}).items():
+            assert torch.equal(bopt.state[q][k], v), (name, k)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_by_name_and_frozen_parameters(tmp_path):
+    """torch's set_state_dict hands no state to a frozen parameter (memopt's load then drops
+    it) and refuses a trainable one's missing state unless strict=False: check_dcp_load says
+    so for name-keyed checkpoints, and what it advises loads. Frozen parameters without state
+    listed in the optimizer at save only, or at load only, are no regrouping."""
+    model, opt = _three_layer()
+    _steps(model, opt, 2)
+    _saved_by_name(model, opt, tmp_path / "all")
+
+    # frozen now, with state: set_state_dict would drop it
+    twin, topt = _three_layer(seed=9)
+    topt.init_state()
+    twin[0].weight.requires_grad_(False)
+    with pytest.raises(
+        ConfigError,
+        match=r"saved as '0.weight' is frozen \(requires_grad=False\) but has optimizer state: "
+        r"torch's set_state_dict hands no state",
+    ):
+        check_dcp_load(topt, tmp_path / "all", model=twin)
+    twin[0].weight.requires_grad_(True)  # as advised, until set_state_dict has run
+    check_dcp_load(topt, tmp_path / "all", model=twin)
+    _load_by_name(twin, topt, tmp_path / "all")
+    _same_states(model, opt, twin, topt)
+
+    # a parameter of the checkpoint that this optimizer does not hold: its state would drop
+    _, fewer = _three_layer(lambda m: [p for n, p in m.named_parameters() if n != "2.bias"])
+    fewer.init_state()
+    with pytest.raises(ConfigError, match=r"state for '2.bias', which is not a parameter of"):
+        check_dcp_load(fewer, tmp_path / "all", model=_)
+
+    # frozen when saved (no state), trainable now: delete its entry, load with strict=False
+    frozen, fopt = _three_layer()
+    frozen[0].weight.requires_grad_(False)
+    _steps(frozen, fopt, 2)
+    _saved_by_name(frozen, fopt, tmp_path / "frozen")
+    twin, topt = _three_layer(seed=9)
+    topt.init_state()
+    with pytest.raises(
+        ConfigError,
+        match=r"del sd\['optim'\]\['state'\]\['0.weight'\]\), and "
+        r"pass options=StateDictOptions\(strict=False\)",
+    ):
+        check_dcp_load(topt, tmp_path / "frozen", model=twin)
+    _load_by_name(twin, topt, tmp_path / "frozen", drop=["0.weight"], strict=False)
+    fresh = topt.state[twin[0].weight]  # init_state's, kept: as its first step makes it
+    assert fresh["step"].item() == 0
+    assert not fresh["exp_avg"].any()
+    for name, q in twin.named_parameters():
+        if name != "0.weight":
+            p = dict(frozen.named_parameters())[name]
+            assert all(torch.equal(topt.state[q][k], v) for k, v in fopt.state[p].items())
+
+    # frozen parameters listed at save only, or at load only: no state, the same groups
+    trainable = lambda m: [p for n, p in m.named_parameters() if n != "0.weight"]  # noqa: E731
+    for i, (saved_with, loaded_with) in enumerate(((None, trainable), (trainable, None))):
+        first, fopt = _three_layer(saved_with)
+        first[0].weight.requires_grad_(False)
+        _steps(first, fopt, 2)
+        _saved_by_name(first, fopt, tmp_path / f"listed{i}")
+        twin, topt = _three_layer(loaded_with, seed=9)
+        twin[0].weight.requires_grad_(False)
+        topt.init_state()
+        check_dcp_load(topt, tmp_path / f"listed{i}", model=twin)
+        _load_by_name(twin, topt, tmp_path / f"listed{i}")
+        _same_states(first, fopt, twin, topt)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_refuses_an_empty_group_torch_maps_wrongly(tmp_path):
+    """torch's set_state_dict maps a param group without parameters to the checkpoint's last
+    group (a torch bug): a name-keyed checkpoint whose empty group is not last is refused
+    before dcp.load, and moving that group to the end, as the message says, loads it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def empty_first(m):
+        return [
+            {"params": [], "lr": 7e-3},
+            {"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},
+            {"params": [m[0].bias, m[2].bias], "lr": 3e-3},
+        ]
+
+    model, opt = _three_layer(groups=empty_first)
+    _steps(model, opt, 2)
+    _saved_by_name(model, opt, tmp_path / "ck")
+    twin, topt = _three_layer(groups=empty_first, seed=9)
+    topt.init_state()
+    with pytest.raises(
+        StateDictError, match=r"param group 0 of the checkpoint has no parameters and is not"
+    ):
+        check_dcp_load(topt, tmp_path / "ck", model=twin)
+    msd, osd = get_state_dict(twin, topt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=tmp_path / "ck")
+    groups = sd["optim"]["param_groups"]
+    groups.append(groups.pop(0))
+    set_state_dict(twin, topt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert [g["lr"] for g in topt.param_groups] == [7e-3, 1e-2, 3e-3]
+    _same_states(model, opt, twin, topt)
+    # saved with the empty group last, it loads as it is
+    model, opt = _three_layer(groups=lambda m: empty_first(m)[1:] + empty_first(m)[:1])
+    _steps(model, opt, 1)
+    _saved_by_name(model, opt, tmp_path / "last")
+    check_dcp_load(topt, tmp_path / "last", model=twin)

@@ -120,24 +120,26 @@ def _live_named_state(
     return [list(g["params"]) for g in osd["param_groups"]], osd["state"]
 
 
-def _matched_groups(live: list[list[str]], saved: list[list[str]]) -> list[int]:
-    """For each live param group, the saved group that lists the same parameter names
-    (``set_state_dict`` takes a live group's hyperparameters from the saved group that holds
-    its parameters, wherever it stands)."""
-    where = {frozenset(ps): si for si, ps in enumerate(saved)}
-    matched = []
+def _matched_groups(live: list[list[str]], saved: list[list[str]]) -> list[int | None]:
+    """For each live param group, the saved group whose parameter names it shares
+    (``set_state_dict`` takes a live group's hyperparameters from the saved group that lists
+    its parameters, wherever it stands), or None where it shares none (parameters new here,
+    or listed in no saved group: the state checks see any state they lack); for a group
+    without parameters, the saved group without parameters."""
+    saved_of = {name: si for si, ps in enumerate(saved) for name in ps}
+    matched: list[int | None] = []
     for gi, ps in enumerate(live):
-        si = where.get(frozenset(ps))
-        if si is None:
-            shown = ", ".join(map(repr, ps[:3])) + (", ..." if len(ps) > 3 else "")
+        found = sorted({saved_of[k] for k in ps if k in saved_of})
+        if len(found) > 1:
             raise StateDictError(
-                f"param group {gi} of this optimizer ({len(ps)} parameter(s): {shown}) matches "
-                "no param group of the checkpoint by its parameter names: its parameters were "
-                "grouped otherwise when it was saved (or renamed), and set_state_dict would "
-                "give them another group's hyperparameters or none: build the groups as they "
-                "were saved"
+                f"param group {gi} of this optimizer holds parameters of param groups {found} "
+                "of the checkpoint: its parameters were grouped otherwise when it was saved, "
+                "and set_state_dict would give them all the hyperparameters of one of those "
+                "groups: build the groups as they were saved"
             )
-        matched.append(si)
+        if not ps:
+            found = [si for si, s in enumerate(saved) if not s][:1]
+        matched.append(found[0] if found else None)
     return matched
 
 
@@ -187,9 +189,12 @@ def check_dcp_load(
     Without it the saved names are taken in order (``get_state_dict`` lists them in the
     optimizer's order), and such an optimizer is refused. A dict keyed by parameter index
     (``opt.state_dict()``) is matched by index, with or without ``model``. ``ConfigError``
-    when an optimizer's parameter is not in ``model``;
-    :class:`~memopt_core.errors.StateDictError` when a live group matches no saved one (the
-    parameters were grouped otherwise). Reads only
+    when an optimizer's parameter is not in ``model``, and, for a checkpoint keyed by name,
+    when a frozen parameter has state (``set_state_dict`` hands it none: the load would drop
+    it) or the checkpoint holds state for a parameter this optimizer lacks;
+    :class:`~memopt_core.errors.StateDictError` when a live group holds parameters of several
+    saved groups (grouped otherwise), or when the checkpoint's group without parameters is not
+    its last (``set_state_dict`` maps it wrongly, a torch bug). Reads only
     those few values (``checkpoint_id``, ``storage_reader`` and ``process_group`` as in
     ``dcp.load``) and the names of the live state (``optimizer.state_dict()``, views;
     ``get_optimizer_state_dict(model, optimizer)`` with ``model``); changes
@@ -287,16 +292,28 @@ def check_dcp_load(
     saved_lists = _saved_group_names(saved)
     live_by_name: dict[str, Any] | None = None
     by_name: list[str] = []
-    order = list(range(n))  # the saved group of each live one
+    order: list[int | None] = list(range(n))  # the saved group of each live one
     if saved_lists is not None and model is not None:
         live_lists, live_by_name = _live_named_state(model, optimizer, label_of)
         order = _matched_groups(live_lists, saved_lists)
         by_name = [k for ps in live_lists for k in ps]
     elif saved_lists is not None:
         by_name = _names_by_position(optimizer, saved_lists)
+    if saved_lists is not None:
+        late_empty = [si for si, ps in enumerate(saved_lists[:-1]) if not ps]
+        if late_empty and not all(group["params"] for group in optimizer.param_groups):
+            raise StateDictError(
+                f"param group {late_empty[0]} of the checkpoint has no parameters and is not "
+                "its last: torch's set_state_dict hands this optimizer's group without "
+                "parameters the last saved group's hyperparameters and 'memopt' entry instead "
+                "(a torch bug), and the load would fail. To load it, move that group to the "
+                f"end of sd[{key!r}]['param_groups'] after dcp.load, before set_state_dict"
+            )
     for gi, (group, si) in enumerate(zip(optimizer.param_groups, order, strict=True)):
         if bridge:
             break  # one format for every group: its precision, checked above
+        if si is None:
+            continue  # no saved group holds its parameters (or their state)
         g = saved[si]
         # float32 parameters keep an fp32 master under any group master (as load_state_dict)
         master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
@@ -323,6 +340,7 @@ def check_dcp_load(
     # checkpoint lacks
     prefix = f"{key}.state."
     position = {name: i for i, name in enumerate(by_name)}
+    listed = position.keys() | {k for ps in saved_lists or [] for k in ps}
     saved_names: dict[int, set[str]] = {}
     for k in planner.metadata.state_dict_metadata:
         if not k.startswith(prefix):
@@ -331,7 +349,13 @@ def check_dcp_load(
         if by_name:
             # a name holds dots too: the first prefix before a dot that names a parameter
             cuts = (i for i, c in enumerate(rest) if c == ".")
-            name = next((rest[:i] for i in cuts if rest[:i] in position), None)
+            name = next((rest[:i] for i in cuts if rest[:i] in listed), None)
+            if name is not None and name not in position:
+                raise ConfigError(
+                    f"the checkpoint holds optimizer state for {name!r}, which is not a "
+                    "parameter of this optimizer: dcp.load would drop it. Add the parameter to "
+                    "the optimizer (unfreeze it, call optimizer.init_state()) to keep its state"
+                )
             if name is not None:
                 saved_names.setdefault(position[name], set()).add(rest[len(name) + 1 :])
             continue
@@ -356,6 +380,7 @@ def check_dcp_load(
                 if bridge
                 else "(frozen, so init_state() made none?): dcp.load would drop it. Create its "
                 "state first: unfreeze it, call optimizer.init_state(), freeze it again"
+                + (" once set_state_dict has run" if by_name else "")
             )
             raise ConfigError(
                 f"the checkpoint holds optimizer state for parameter index {index} "
@@ -368,12 +393,25 @@ def check_dcp_load(
         names = set(_flat_names(entry))
         saved = saved_names.get(index)
         if saved is None:
+            strict = (
+                ", and pass options=StateDictOptions(strict=False) to set_state_dict, which "
+                "refuses a trainable parameter's missing state otherwise"
+                if by_name
+                else ""
+            )
             raise ConfigError(
                 f"the checkpoint holds no optimizer state for {label} (frozen when it was "
                 "saved?): dcp.load would fail on its missing keys. To start it from fresh "
                 f"state, delete its entry from the state dict given to dcp.load (del "
-                f"sd[{key!r}]['state'][{saved_key.get(index, index)!r}]): load_state_dict then "
-                "leaves it without state, and its next step creates it"
+                f"sd[{key!r}]['state'][{saved_key.get(index, index)!r}]){strict}: "
+                "load_state_dict then keeps the fresh state it has here"
+            )
+        if by_name and not params[index].requires_grad:
+            raise ConfigError(
+                f"{label} is frozen (requires_grad=False) but has optimizer state: torch's "
+                "set_state_dict hands no state to a parameter that does not require grad, so "
+                "the load would drop its state. Keep it trainable until set_state_dict has "
+                "run, then freeze it again"
             )
         dropped = sorted(saved - names)
         if dropped:
