@@ -577,14 +577,19 @@ def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
         assert torch.equal(p, q)
 
 
-def _grouped(order, seed=5, moments=("q8", "bf16")):
+def _grouped(order, seed=5, moments=("q8", "bf16"), shard=False):
     """Weights (decayed) and biases (not) of an MLP whose up (64, 16) and down (16, 64) weights
     have q8 states of the same sizes, in two groups with ``moments`` (the formats differ, so
     each group must be compared with its own saved one). ``order`` "reversed"
     lists the groups, and the parameters in each, the other way round; "mixed" puts each
-    layer's weight and bias in one group."""
+    layer's weight and bias in one group. ``shard``: FSDP2 (``fully_shard``) over the layers."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for m in (model[0], model[2], model):
+            fully_shard(m)
     up, down = model[0], model[2]
     if order == "mixed":
         pairs = [[up.weight, up.bias], [down.weight, down.bias]]
@@ -606,17 +611,9 @@ def test_check_dcp_load_with_the_model_maps_a_get_state_dict_checkpoint_by_name(
     when saved passes (set_state_dict maps by name, and the states land on their own
     parameters), where the check by position refuses it; groups that hold other parameters
     and a model that is not the optimizer's are refused by name."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model, opt = _grouped("saved")
-    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
-    for _ in range(3):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ck")
-    names = dict(model.named_parameters())
+    _steps(model, opt, 3)
+    _saved_by_name(model, opt, tmp_path / "ck")
 
     twin, topt = _grouped("reversed", seed=9)
     topt.init_state()
@@ -624,17 +621,9 @@ def test_check_dcp_load_with_the_model_maps_a_get_state_dict_checkpoint_by_name(
     with pytest.raises(StateDictError, match=r"group 0 of the checkpoint holds moments='q8'"):
         check_dcp_load(topt, tmp_path / "ck")
     check_dcp_load(topt, tmp_path / "ck", model=twin)
-    msd, osd = get_state_dict(twin, topt)
-    target = {"model": msd, "optim": osd}
-    dcp.load(target, checkpoint_id=tmp_path / "ck")
-    set_state_dict(twin, topt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    _load_by_name(twin, topt, tmp_path / "ck")
     assert topt.seed == 5
-    for name, q in twin.named_parameters():
-        p = names[name]
-        assert torch.equal(p, q), name
-        assert topt.state[q].keys() == opt.state[p].keys(), name
-        for k, v in opt.state[p].items():
-            assert torch.equal(topt.state[q][k], v), (name, k)
+    _same_states(model, opt, twin, topt)
     assert [(g["lr"], g["weight_decay"]) for g in topt.param_groups] == [(3e-3, 0.0), (1e-2, 0.1)]
 
     # the groups hold other parameters than when saved: no saved group has their names
@@ -673,57 +662,26 @@ def test_check_dcp_load_names_parameters_as_torchs_helpers_do(tmp_path):
     torch.compile's wrapper ('_orig_mod.' in named_parameters, not in the checkpoint) and on
     FSDP2-sharded parameters (one rank) a reordered optimizer passes, and set_state_dict then
     puts each saved state on its own parameter."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model, opt = _grouped("saved")
     opt.init_state()
-    dcp.save({"optim": get_state_dict(model, opt)[1]}, checkpoint_id=tmp_path / "plain")
+    _saved_by_name(model, opt, tmp_path / "plain")
     twin, topt = _grouped("reversed")
     topt.init_state()
     compiled = torch.compile(twin)  # a wrapper only: nothing runs, so nothing compiles
     assert next(iter(dict(compiled.named_parameters()))).startswith("_orig_mod.")
     check_dcp_load(topt, tmp_path / "plain", model=compiled)
 
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-
-    def sharded(order, seed):
-        model, _ = _grouped("saved")
-        for m in (model[0], model[2], model):
-            fsdp.fully_shard(m)
-        up, down = model[0], model[2]
-        groups = [
-            {"params": [up.weight, down.weight], "moments": "q8"},
-            {"params": [up.bias, down.bias], "moments": "bf16", "lr": 3e-3},
-        ]
-        if order == "reversed":
-            groups = [dict(g, params=g["params"][::-1]) for g in groups[::-1]]
-        return model, MemOptimizer(groups, rule="adamw", lr=1e-2, seed=seed)
-
-    model, opt = sharded("saved", 5)
-    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "fsdp")
-    twin, topt = sharded("reversed", 9)
+    pytest.importorskip("torch.distributed.fsdp")
+    model, opt = _grouped("saved", shard=True)
+    _steps(model, opt, 2)
+    _saved_by_name(model, opt, tmp_path / "fsdp")
+    twin, topt = _grouped("reversed", seed=9, shard=True)
     topt.init_state()
     with pytest.raises(StateDictError, match=r"group 0 of the checkpoint holds moments='q8'"):
         check_dcp_load(topt, tmp_path / "fsdp")
     check_dcp_load(topt, tmp_path / "fsdp", model=twin)
-    msd, osd = get_state_dict(twin, topt)
-    target = {"model": msd, "optim": osd}
-    dcp.load(target, checkpoint_id=tmp_path / "fsdp")
-    set_state_dict(twin, topt, model_state_dict=target["model"], optim_state_dict=target["optim"])
-
-    def whole(t):  # the step count is a plain tensor
-        return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-    names = dict(model.named_parameters())
-    for name, q in twin.named_parameters():
-        for k, v in opt.state[names[name]].items():
-            assert torch.equal(whole(topt.state[q][k]), whole(v)), (name, k)
+    _load_by_name(twin, topt, tmp_path / "fsdp")
+    _same_states(model, opt, twin, topt)
 
 
 def _bridge_mlp(precision="bf16", frozen_bias=False, sizes=(20, 48), **kw):
@@ -834,13 +792,20 @@ def _load_by_name(model, opt, path, drop=(), **options):
     )
 
 
+def _whole(t):
+    """A state tensor, gathered where it is a DTensor (FSDP2; step counts are plain)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _same_states(a, aopt, b, bopt):
+    """Each parameter of ``b`` has the state of ``a``'s parameter of the same name."""
     names = dict(a.named_parameters())
     for name, q in b.named_parameters():
         p = names[name]
         assert (p in aopt.state) == (q in bopt.state), name
+        assert aopt.state.get(p, {}).keys() == bopt.state.get(q, {}).keys(), name
         for k, v in aopt.state.get(p, {}).items():
-            assert torch.equal(bopt.state[q][k], v), (name, k)
+            assert torch.equal(_whole(bopt.state[q][k]), _whole(v)), (name, k)
 
 
 @pytest.mark.usefixtures("process_group")
