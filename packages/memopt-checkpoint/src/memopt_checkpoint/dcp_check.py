@@ -153,7 +153,7 @@ def _adam_bridge(optimizer: Any) -> bool:
 
 
 def check_dcp_load(
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer,
     checkpoint_id: str | os.PathLike | None = None,
     *,
     key: str = "optim",
