@@ -61,9 +61,12 @@ def build(name, seed=0):
 
 
 def train(model, opt, steps, start=0):
+    """Steps ``start`` .. ``start + steps - 1`` of a Sequential whose first layer is Linear, on
+    a batch drawn from the step's number (in the model's dtype)."""
+    first = model[0]
     for t in range(start, start + steps):
-        x = torch.randn(6, 20, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16)
-        model(x).float().pow(2).mean().backward()
+        x = torch.randn(6, first.in_features, generator=torch.Generator().manual_seed(t))
+        model(x.to(first.weight.dtype)).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -236,7 +239,7 @@ def test_check_dcp_load_reads_a_get_state_dict_checkpoints_state_by_name(tmp_pat
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt = _sgd(0.9)
-    _sgd_steps(model, opt, [0, 1])
+    train(model, opt, 2)
     _, osd = get_state_dict(model, opt)
     dcp.save({"optim": osd}, checkpoint_id=tmp_path / "momentum")
     _, same = _sgd(0.9)
@@ -353,11 +356,7 @@ def _mlp(order):
 @pytest.mark.usefixtures("process_group")
 def test_dcp_carries_param_shape_and_reordered_parameters_are_refused(tmp_path):
     model, opt = _mlp("saved")
-    train_x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
-    for _ in range(2):
-        model(train_x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, 2)
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck")
 
     # the same order: dcp.load fills param_shape in place from the checkpoint
@@ -505,14 +504,6 @@ def _sgd(momentum, frozen_first=False):
     return model, MemOptimizer(model.parameters(), rule="sgd", lr=0.1, momentum=momentum)
 
 
-def _sgd_steps(model, opt, seeds):
-    for t in seeds:
-        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(t))
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-
 @pytest.mark.usefixtures("process_group")
 def test_check_dcp_load_compares_the_state_keys_of_each_parameter(tmp_path):
     """SGD with momentum saves momentum buffers. A target built with momentum=0 has none:
@@ -520,7 +511,7 @@ def test_check_dcp_load_compares_the_state_keys_of_each_parameter(tmp_path):
     zero buffer (found by adversarial testing, 2026-12-04). The reverse made dcp.load fail with
     torch's bare "Missing key". Both are refused before anything is read into the target."""
     model, opt = _sgd(0.9)
-    _sgd_steps(model, opt, [0, 1])
+    train(model, opt, 2)
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "momentum")
     _, none = _sgd(0.0)
     none.init_state()
@@ -535,7 +526,7 @@ def test_check_dcp_load_compares_the_state_keys_of_each_parameter(tmp_path):
     check_dcp_load(same, tmp_path / "momentum")
 
     model, opt = _sgd(0.0)
-    _sgd_steps(model, opt, [0, 1])
+    train(model, opt, 2)
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "plain")
     _, heavy = _sgd(0.9)
     heavy.init_state()
@@ -552,12 +543,12 @@ def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
     check_dcp_load names it (dcp.load failed with a bare "Missing key"), and the way out its
     message gives resumes as an uninterrupted run that unfreezes it at that point."""
     model, opt = _sgd(0.9, frozen_first=True)
-    _sgd_steps(model, opt, [0, 1])
+    train(model, opt, 2)
     dcp.save(
         {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
     )
     model[0].weight.requires_grad_(True)
-    _sgd_steps(model, opt, [2, 3])
+    train(model, opt, 2, start=2)
 
     twin, topt = _sgd(0.9)
     topt.init_state()
@@ -572,7 +563,7 @@ def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
     dcp.load(sd, checkpoint_id=tmp_path / "ck")
     twin.load_state_dict(sd["model"])
     topt.load_state_dict(sd["optim"])
-    _sgd_steps(twin, topt, [2, 3])
+    train(twin, topt, 2, start=2)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -612,7 +603,7 @@ def test_check_dcp_load_with_the_model_maps_a_get_state_dict_checkpoint_by_name(
     parameters), where the check by position refuses it; groups that hold other parameters
     and a model that is not the optimizer's are refused by name."""
     model, opt = _grouped("saved")
-    _steps(model, opt, 3)
+    train(model, opt, 3)
     _saved_by_name(model, opt, tmp_path / "ck")
 
     twin, topt = _grouped("reversed", seed=9)
@@ -673,7 +664,7 @@ def test_check_dcp_load_names_parameters_as_torchs_helpers_do(tmp_path):
 
     pytest.importorskip("torch.distributed.fsdp")
     model, opt = _grouped("saved", shard=True)
-    _steps(model, opt, 2)
+    train(model, opt, 2)
     _saved_by_name(model, opt, tmp_path / "fsdp")
     twin, topt = _grouped("reversed", seed=9, shard=True)
     topt.init_state()
@@ -756,14 +747,6 @@ def _three_layer(params_of=None, seed=5, groups=None):
     return model, MemOptimizer(ps, rule="adamw", lr=1e-2, moments="q8", seed=seed)
 
 
-def _steps(model, opt, n):
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(n))
-    for _ in range(n):
-        model(x).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-
 def _saved_by_name(model, opt, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -815,7 +798,7 @@ def test_check_dcp_load_by_name_and_frozen_parameters(tmp_path):
     so for name-keyed checkpoints, and what it advises loads. Frozen parameters without state
     listed in the optimizer at save only, or at load only, are no regrouping."""
     model, opt = _three_layer()
-    _steps(model, opt, 2)
+    train(model, opt, 2)
     _saved_by_name(model, opt, tmp_path / "all")
 
     # frozen now, with state: set_state_dict would drop it
@@ -842,7 +825,7 @@ def test_check_dcp_load_by_name_and_frozen_parameters(tmp_path):
     # frozen when saved (no state), trainable now: delete its entry, load with strict=False
     frozen, fopt = _three_layer()
     frozen[0].weight.requires_grad_(False)
-    _steps(frozen, fopt, 2)
+    train(frozen, fopt, 2)
     _saved_by_name(frozen, fopt, tmp_path / "frozen")
     twin, topt = _three_layer(seed=9)
     topt.init_state()
@@ -866,7 +849,7 @@ def test_check_dcp_load_by_name_and_frozen_parameters(tmp_path):
     for i, (saved_with, loaded_with) in enumerate(((None, trainable), (trainable, None))):
         first, fopt = _three_layer(saved_with)
         first[0].weight.requires_grad_(False)
-        _steps(first, fopt, 2)
+        train(first, fopt, 2)
         _saved_by_name(first, fopt, tmp_path / f"listed{i}")
         twin, topt = _three_layer(loaded_with, seed=9)
         twin[0].weight.requires_grad_(False)
@@ -891,7 +874,7 @@ def test_check_dcp_load_refuses_an_empty_group_torch_maps_wrongly(tmp_path):
         ]
 
     model, opt = _three_layer(groups=empty_first)
-    _steps(model, opt, 2)
+    train(model, opt, 2)
     _saved_by_name(model, opt, tmp_path / "ck")
     twin, topt = _three_layer(groups=empty_first, seed=9)
     topt.init_state()
@@ -909,6 +892,6 @@ def test_check_dcp_load_refuses_an_empty_group_torch_maps_wrongly(tmp_path):
     _same_states(model, opt, twin, topt)
     # saved with the empty group last, it loads as it is
     model, opt = _three_layer(groups=lambda m: empty_first(m)[1:] + empty_first(m)[:1])
-    _steps(model, opt, 1)
+    train(model, opt, 1)
     _saved_by_name(model, opt, tmp_path / "last")
     check_dcp_load(topt, tmp_path / "last", model=twin)
