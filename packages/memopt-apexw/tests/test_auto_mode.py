@@ -252,6 +252,46 @@ def test_a_cache_path_with_a_nul_byte_is_refused():
 
 
 @needs_two_candidates
+@pytest.mark.parametrize("nothing", ["scaler-skips", "no-gradients"])
+def test_a_step_that_updates_nothing_is_not_timed(nothing):
+    """A GradScaler's skipped step (found inf) and a step without gradients update nothing in
+    either mode; timed, they made the trial pick the faster way of doing nothing and cache it
+    (the torch mode, ~50x slower at its real steps: adversarial round 4)."""
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10**6)
+    for _ in range(3 * TRIAL_STEPS):  # well past a whole trial
+        if nothing == "scaler-skips":
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(sum(p.sum() for p in a) * float("inf")).backward()
+            scaler.step(opt)  # skipped: found inf
+            scaler.update(2.0**10)  # keep the scale
+        else:
+            opt.zero_grad(set_to_none=True)
+            opt.step()
+    assert opt.mode_decision is None  # no timed slot was spent
+    assert not any(opt._trial.times.values())
+    train(opt, a, TRIAL_STEPS)
+    assert opt.mode_decision.source == "measured"
+    assert set(opt.mode_decision.timings_ms) == {"fused", "torch"}
+
+
+def test_an_only_candidate_decision_is_made_again_after_unpickling(monkeypatch):
+    """ "only candidate" holds for the process that made it (no kernel backend there): an
+    unpickled copy decides again, as docs/apexw.md says of every auto decision."""
+    with monkeypatch.context() as m:
+        m.setattr(ApexW, "_fused_names", lambda self: {"torch"})
+        a = make_params("cpu")
+        opt = ApexW(a, mode_cache=None)
+        train(opt, a, 1)
+        assert opt.mode_decision.source == "only candidate"
+        blob = pickle.dumps(opt)
+    clone = pickle.loads(blob)
+    assert clone.mode_decision is None
+    assert copy.deepcopy(opt).mode_decision is None
+
+
+@needs_two_candidates
 def test_an_unpickled_optimizer_decides_again():
     """A measured decision belongs to the process that made it: pickled with it, "fused" raised
     where the kernels could not run. The copy decides again (the same bits either way)."""
@@ -398,6 +438,26 @@ def test_signature_follows_the_kernel_thread_pool():
     finally:
         mk.set_num_threads(threads)
     assert after != before
+
+
+def test_signature_follows_the_kernels_isa_and_versions():
+    """A decision measured on one instruction set (MEMOPT_CPU_ISA) or with other kernel
+    packages is not reused: they set the fused step's speed."""
+    mk = pytest.importorskip("memopt_kernels_cpu")
+    isas = mk.supported_isas()
+    if len(isas) < 2:
+        pytest.skip("needs a host with two instruction sets")
+    groups = ApexW(make_params("cpu"), mode_cache=None).param_groups
+    isa = mk.get_isa()
+    before, about = auto_mode.signature(groups, False)
+    mk.set_isa(next(i for i in isas if i != isa))
+    try:
+        after = auto_mode.signature(groups, False)[0]
+    finally:
+        mk.set_isa(isa)
+    assert after != before
+    assert about["memopt_kernels_cpu"] == mk.__version__
+    assert about["memopt_core"] != "none"
 
 
 @needs_two_candidates

@@ -1,5 +1,5 @@
 """ApexW guards that no test pinned (audit round 6, mutation testing round 2): groups edited or
-added with round-to-nearest or another master, the graph step seeing a flipped maximize or L2,
+added with round-to-nearest, another master or their own capturable, the graph step seeing a flipped maximize or L2,
 decision-cache entries of another version or an unknown mode."""
 
 from __future__ import annotations
@@ -40,6 +40,26 @@ def test_an_added_group_with_another_master_is_refused():
     q = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ConfigError, match="master"):
         opt.add_param_group({"params": [q], "master": "none"})
+
+
+@pytest.mark.parametrize("how", ["added", "edited"])
+def test_a_group_asking_for_another_capturable_is_refused(how):
+    """ApexW's capturable is the whole optimizer's CUDA graph: a group's own key was ignored
+    silently (FlashAdamW refuses it; adversarial round 4)."""
+    p, opt = _opt()
+    q = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    refused = pytest.raises(ConfigError, match="capturable is a constructor argument of the whole")
+    if how == "added":
+        with refused:
+            opt.add_param_group({"params": [q], "capturable": True})
+    else:
+        opt.param_groups[0]["capturable"] = True
+        p.grad = torch.ones(8, dtype=torch.bfloat16)
+        with refused:
+            opt.step()
+    opt.param_groups[0]["capturable"] = False  # the value it runs with is fine
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt.step()
 
 
 def test_variant_matches_sees_maximize_flip():

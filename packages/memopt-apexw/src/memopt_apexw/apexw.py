@@ -210,6 +210,13 @@ class ApexW(MemOptimizer):
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         betas = super()._check_group(g, where)  # refuses amsgrad=True in a group too
+        if "capturable" in g and g["capturable"] != self.capturable:
+            # core ignores the key; here it would read as a CUDA graph for one group
+            raise ConfigError(
+                f"{where} sets capturable={g['capturable']!r}, but capturable is a constructor "
+                f"argument of the whole ApexW, which runs with capturable={self.capturable!r}: "
+                "build a new ApexW to change it"
+            )
         if "state" in g and g["state"] != g["moments"]:  # a key only a later edit puts there
             raise ConfigError(
                 f"{where} sets state={g['state']!r}, but its moments are {g['moments']!r}: the "
@@ -305,13 +312,23 @@ class ApexW(MemOptimizer):
             if timed:
                 with auto_mode.timed(self._devices()) as t:
                     self._step_in(mode, amp)
-                # recorded only when the step ran: one that raised (a NumericsError the caller
-                # catches) has no time, and the trial goes on
+                # recorded only when the step ran and updated: one that raised (a NumericsError
+                # the caller catches) has no time, and one that updated nothing (a GradScaler's
+                # skipped step, no gradients) would time the fast way to do nothing; the trial
+                # takes the slot again
                 assert self._trial is not None
-                self._trial.record(mode, t.ms)
+                if self._updated(amp[1]):
+                    self._trial.record(mode, t.ms)
             else:
                 self._step_in(mode, amp)
         return loss
+
+    def _updated(self, found_inf: Tensor | None) -> bool:
+        """Whether the step just taken updated parameters (read once the timer synchronized):
+        a GradScaler's found-inf flag skips it in either mode, as does a step without gradients."""
+        if found_inf is not None and bool(found_inf.item()):
+            return False
+        return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _devices(self) -> set[torch.device]:
         return {p.device for g in self.param_groups for p in g["params"]}
@@ -542,9 +559,14 @@ class ApexW(MemOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._reset_fast()
         super().__setstate__(state)
-        if self._decision is not None and self._decision.source in ("cache", "measured"):
-            # decided for the process that pickled it: its kernels may not run here (the cache
-            # key holds the usable backends, so the cache answers for this process)
+        if self._decision is not None and self._decision.source in (
+            "cache",
+            "measured",
+            "only candidate",
+        ):
+            # decided for the process that pickled it: its kernels may not run here, or run
+            # here where they did not there (the cache key holds the usable backends, so the
+            # cache answers for this process)
             self._decision = None
 
 

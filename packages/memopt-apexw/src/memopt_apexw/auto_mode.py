@@ -12,8 +12,9 @@ Trial schedule (:class:`Trial`): each candidate first runs :data:`WARMUP_STEPS` 
 so host and device work both count. The decision is the candidate with the lowest median; a
 candidate slower than :data:`DROP_FACTOR` times the best after the first round is not timed
 again. The decision, with every median, is stored under the signature (:func:`signature`:
-device name (CPU: torch's thread count and memopt_kernels_cpu's), torch / triton / memopt-apexw
-versions, the usable backends, and per group the parameter dtype, state format and every shape)
+device name (CPU: the processor, torch's thread count and memopt_kernels_cpu's with its
+instruction set), torch / triton / memopt-core / memopt-kernels-triton / memopt-kernels-cpu /
+memopt-apexw versions, the usable backends, and per group the parameter dtype, state format and every shape)
 in a JSON file (:func:`default_cache_path`); an ApexW built for the same signature reads it and
 runs no trial. A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is the only candidate: no
 trial, no cache.
@@ -22,8 +23,10 @@ trial, no cache.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -85,12 +88,12 @@ def _versions() -> dict[str, str]:
     from memopt_apexw import __version__
 
     out = {"torch": torch.__version__, "memopt_apexw": __version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except Exception:
-        out["triton"] = "none"
+    # the step's code: core's torch backend and the kernels (an upgrade may change their speed)
+    for name in ("memopt_core", "triton", "memopt_kernels_triton", "memopt_kernels_cpu"):
+        try:
+            out[name] = str(importlib.import_module(name).__version__)
+        except Exception:  # not installed, or a build that fails to import
+            out[name] = "none"
     return out
 
 
@@ -98,13 +101,27 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     # the torch step runs on torch's threads, the fused one on memopt_kernels_cpu's pool
+    # and on its instruction set (MEMOPT_CPU_ISA can force a slower one)
     try:
         import memopt_kernels_cpu
 
-        pool = str(memopt_kernels_cpu.get_num_threads())
+        pool = f"{memopt_kernels_cpu.get_num_threads()} threads on {memopt_kernels_cpu.get_isa()}"
     except Exception:
         pool = "none"
-    return f"cpu:{torch.get_num_threads()} threads, kernel pool {pool}"
+    return f"cpu:{_cpu_model()}, {torch.get_num_threads()} threads, kernel pool {pool}"
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux), else its architecture: hosts of one shared home
+    folder (a cluster's) may differ."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict[str, Any]]:
