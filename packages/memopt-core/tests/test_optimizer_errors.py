@@ -324,6 +324,27 @@ def test_cast_parameter_with_state_is_refused_without_changes():
     assert int(opt.state[p]["step"]) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_parameter_cast_before_its_first_step_is_named(dtype):
+    """``model.double()`` after the optimizer was built, before any state: the step named no
+    parameter and explained ECC's bfloat16 split for a float64 tensor (adversarial round 4);
+    it gives add_param_group's dtype rule, naming the parameter."""
+    a, b = P(4), P(8)
+    opt = MemOptimizer([{"params": [a]}, {"params": [b]}], master="ecc24")
+    before = a.detach().clone()
+    b.data = b.data.to(dtype)
+    a.grad, b.grad = torch.ones(4), torch.ones(8, dtype=dtype)
+    with pytest.raises(
+        ConfigError,
+        match=rf"parameter #0 of param group 1 \(shape \(8,\), {dtype}, on cpu\) has dtype "
+        rf"{dtype} since it was added to the optimizer .*float32, bfloat16 and float16",
+    ):
+        opt.step()
+    assert torch.equal(a.detach(), before)  # nothing was updated
+    b.data, b.grad = b.data.real.float(), torch.ones(8)
+    opt.step()  # cast back, it steps
+
+
 def test_forced_backend_that_is_missing(monkeypatch, fresh_backends):
     # no kernel package registered, whatever this environment has installed
     real = importlib.metadata.entry_points

@@ -976,6 +976,7 @@ class MemOptimizer(Optimizer):
                 cur.source = (group, group["params"], len(group["params"]))
                 current[gi] = (gi, group, members, names, formats, signature)
                 continue
+            self._check_dtypes(gi, group, members)
             if cur is not None:
                 self._check_unchanged(members)
             if cur is not None and cur.formats != formats:
@@ -1009,6 +1010,21 @@ class MemOptimizer(Optimizer):
                 kept.add(gi)
         if builds:
             self._build_groups([builds[gi] for gi in sorted(builds)], kept)
+
+    @staticmethod
+    def _check_dtypes(gi: int, group: Mapping[str, Any], members: list[Tensor]) -> None:
+        """add_param_group's dtype check at the step, for a parameter cast after it was added
+        (``model.double()`` before the first step; one with state is refused by
+        :meth:`_check_unchanged`): the format's own error would name no parameter."""
+        for p in members:
+            if p.dtype not in backends.PARAM_DTYPES:
+                i = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} ({_describe_tensor(p)}) has dtype "
+                    f"{p.dtype} since it was added to the optimizer (was the model cast?); "
+                    "memopt optimizes float32, bfloat16 and float16 parameters: cast it back, "
+                    "or build the optimizer after casting"
+                )
 
     def _families_of(self, gi: int) -> set[int]:
         """The ids of the family arenas group ``gi``'s arenas are views of (none: empty)."""
