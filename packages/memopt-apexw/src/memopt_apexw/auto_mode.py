@@ -14,10 +14,10 @@ candidate slower than :data:`DROP_FACTOR` times the best after the first round i
 again. The decision, with every median, is stored under the signature (:func:`signature`:
 device name (CPU: the processor, torch's thread count and memopt_kernels_cpu's with its
 instruction set), torch / triton / memopt-core / memopt-kernels-triton / memopt-kernels-cpu /
-memopt-apexw versions, the usable backends, and per group the parameter dtype, state format and every shape)
-in a JSON file (:func:`default_cache_path`); an ApexW built for the same signature reads it and
-runs no trial. A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is the only candidate: no
-trial, no cache.
+memopt-apexw versions, the usable backends, and per group the parameter dtype, state format
+and every shape) in a JSON file (:func:`default_cache_path`); an ApexW built for the same
+signature reads it and runs no trial. A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is
+the only candidate: no trial, no cache.
 """
 
 from __future__ import annotations
