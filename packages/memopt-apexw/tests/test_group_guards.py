@@ -1,6 +1,6 @@
 """ApexW guards that no test pinned (audit round 6, mutation testing round 2): groups edited or
-added with round-to-nearest, another master or their own capturable, the graph step seeing a flipped maximize or L2,
-decision-cache entries of another version or an unknown mode."""
+added with round-to-nearest, another master or their own capturable, the graph step seeing a
+flipped maximize or L2, decision-cache entries of another version or an unknown mode."""
 
 from __future__ import annotations
 

@@ -360,6 +360,15 @@ def _describe_tensor(t: Tensor) -> str:
     return f"shape {tuple(t.shape)}, {t.dtype}, on {t.device}"
 
 
+def _check_param_dtype(p: Tensor, desc: str, since: str, fix: str) -> None:
+    """ConfigError unless ``p`` has a dtype memopt optimizes (``desc`` names it)."""
+    if p.dtype not in backends.PARAM_DTYPES:
+        raise ConfigError(
+            f"{desc} has dtype {p.dtype}{since}; memopt optimizes float32, bfloat16 and float16 "
+            f"parameters: {fix}"
+        )
+
+
 def _not_freed(t: Tensor) -> bool:
     """False for a plain tensor with elements at address 0 (its storage freed or resized to 0
     bytes). A wrapper subclass (torchao-style, address 0 too) is left to the backend: the
@@ -771,11 +780,7 @@ class MemOptimizer(Optimizer):
                 )
             if is_dtensor(p):
                 check_sharded(p, desc)
-            if p.dtype not in backends.PARAM_DTYPES:
-                raise ConfigError(
-                    f"{desc} has dtype {p.dtype}; memopt optimizes float32, bfloat16 and "
-                    "float16 parameters: cast it (e.g. to float32) or leave it out"
-                )
+            _check_param_dtype(p, desc, "", "cast it (e.g. to float32) or leave it out")
             if id(p) in seen:
                 raise ConfigError(f"{desc} appears twice in the group; list each parameter once")
             if id(p) in existing:
@@ -1017,13 +1022,13 @@ class MemOptimizer(Optimizer):
         (``model.double()`` before the first step; one with state is refused by
         :meth:`_check_unchanged`): the format's own error would name no parameter."""
         for p in members:
-            if p.dtype not in backends.PARAM_DTYPES:
+            if p.dtype not in backends.PARAM_DTYPES:  # the label only when it is needed
                 i = next(i for i, q in enumerate(group["params"]) if q is p)
-                raise ConfigError(
-                    f"parameter #{i} of param group {gi} ({_describe_tensor(p)}) has dtype "
-                    f"{p.dtype} since it was added to the optimizer (was the model cast?); "
-                    "memopt optimizes float32, bfloat16 and float16 parameters: cast it back, "
-                    "or build the optimizer after casting"
+                _check_param_dtype(
+                    p,
+                    f"parameter #{i} of param group {gi} ({_describe_tensor(p)})",
+                    " since it was added to the optimizer (was the model cast?)",
+                    "cast it back, or build the optimizer after casting",
                 )
 
     def _families_of(self, gi: int) -> set[int]:
