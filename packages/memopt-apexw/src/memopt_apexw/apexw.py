@@ -12,8 +12,9 @@ bfloat16 (ECC-32)  6 (+2 B, an exact fp32 master) 4.0625
 
 torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half. Moments round
 stochastically (core's counter-based generator), so a bf16 second moment decays like fp32's
-instead of stalling. Semantics are core's ``reference.adamw`` bit for bit (torch's AdamW within a
-few ulps per step, DESIGN "Exactness in practice"), on every backend and mode.
+instead of stalling. Semantics are core's ``reference.adam`` (AdamW scalars) bit for bit
+(torch's AdamW within a few ulps per step, DESIGN "Exactness in practice"), on every backend and
+mode.
 
 The step: core's cached step (:mod:`memopt_core.cached_step`), one per mode: the first step (and
 any step after something changed) is an ordinary ``MemOptimizer`` step, whose per-group launches
