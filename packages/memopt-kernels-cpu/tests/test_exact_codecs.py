@@ -243,3 +243,33 @@ def test_core_conversions_run_these_codecs(monkeypatch, fmt):
     back = conversions.decode_master(master, low, code)
     assert torch.equal(bits(back), bits(master.decode(ref_low, ref_code)))
     assert calls == ["encode_moment", "decode_moment"] + ["encode_master"] * 11 + ["decode_master"]
+
+
+def test_codecs_under_a_foreign_default_device():
+    """The outputs are made on the CPU whatever ``torch.set_default_device`` says (with "cuda"
+    the C++ would otherwise write to device memory; "meta" stands in for it here)."""
+    x = sample(128, 3)
+    rand = torch.randint(0, 2**32, (128,), dtype=torch.int64)
+    expect = (
+        ops.encode_moment("q8_signed", x, rand=rand),
+        ops.encode_master("ecc24", x, torch.bfloat16, rand=rand),
+        ops.stream_words(7, 3, torch.arange(100), 5),
+    )
+    torch.set_default_device("meta")
+    try:
+        got = (
+            ops.encode_moment("q8_signed", x, rand=rand),
+            ops.encode_master("ecc24", x, torch.bfloat16, rand=rand),
+            ops.stream_words(7, 3, torch.arange(100, device="cpu"), 5),
+        )
+        decoded = (
+            ops.decode_moment("q8_signed", got[0]),
+            ops.decode_master("ecc24", *got[1]),
+        )
+    finally:
+        torch.set_default_device(None)
+    assert all(torch.equal(bits(got[0][k]), bits(expect[0][k])) for k in expect[0])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[1], expect[1], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got[2], expect[2], strict=True))
+    assert torch.equal(bits(decoded[0]), bits(ops.decode_moment("q8_signed", expect[0])))
+    assert torch.equal(bits(decoded[1]), bits(ops.decode_master("ecc24", *expect[1])))

@@ -13,12 +13,14 @@ import time
 import pytest
 import torch
 from offload_testutil import (
+    BOTH,
     Reference,
     assert_same_params,
     batch,
     both_updates,
     loss_of,
     make_model,
+    step_pair,
 )
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
@@ -551,3 +553,28 @@ def test_a_gradient_taken_by_an_earlier_hook_is_named():
     opt.attach_hooks(model)
     with pytest.raises(OffloadError, match=r"has no gradient in AdamBridge's hook"):
         model(torch.randn(2, 4)).sum().backward()
+
+
+@both_updates()
+def test_a_foreign_default_device_changes_nothing(device, precision, update):
+    """Under ``torch.set_default_device`` of another device ("meta" stands in for "cuda" in a
+    script with some parameters on the CPU), the host state is still made in host memory and
+    the steps equal the reference's."""
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    xs = [batch(t, device) for t in range(5)]
+    torch.set_default_device("meta")
+    try:
+        opt = AdamBridge(
+            model.parameters(), lr=3e-3, precision=precision, update=update, **BOTH[update]
+        )
+        ref = Reference(ref_model, precision, lr=3e-3)
+        opt.attach_hooks(model)
+        step_pair(model, ref_model, opt, ref, xs, loss=loss_of)
+        opt.detach_hooks()
+        state = opt.state_dict()["state"]
+    finally:
+        torch.set_default_device(None)
+    assert all(
+        v.device.type == "cpu" for s in state.values() for v in s.values() if torch.is_tensor(v)
+    )

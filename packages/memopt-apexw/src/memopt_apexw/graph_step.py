@@ -34,7 +34,9 @@ class GraphStep:
         words = len(ops.ADAM_HYPER_FIELDS)
         n = len(cached.entries)
         self.hyper = torch.zeros((n, words), dtype=torch.int32, device=device)
-        self._ring = [torch.zeros((n, words), dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._ring = [
+            torch.zeros((n, words), dtype=torch.int32, device="cpu").pin_memory() for _ in range(2)
+        ]
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._slot = 0
         self._flags = [self._variant(e) for e in cached.entries]
@@ -69,7 +71,7 @@ class GraphStep:
             self._ops.adam_hyper_words(s, seed, step)
             for s, step in zip(scalars_per_entry, steps, strict=True)
         ]
-        host.copy_(torch.tensor(rows, dtype=torch.int32))
+        host.copy_(torch.tensor(rows, dtype=torch.int32, device="cpu"))
         self.hyper.copy_(host, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))  # the copy's stream: the device's

@@ -121,7 +121,7 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 """The dtypes a checkpoint can hold, by the name the index records."""
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in SUPPORTED_DTYPES.items()}  # fmt: skip
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in SUPPORTED_DTYPES.items()}
 
 
 class TensorEntry(NamedTuple):
@@ -528,7 +528,7 @@ class CheckpointReader:
         if self._file is None:
             raise ConfigError(f"{self.path}: the checkpoint reader is closed")
         (dtype, shape, nbytes), offset, crc = self._lookup(key)
-        out = torch.empty(nbytes, dtype=torch.uint8)
+        out = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         if nbytes:
             view = _byte_view(out)
             self._file.seek(offset)

@@ -450,8 +450,8 @@ def check_dcp_load(
                 )
     state = {
         saved_key.get(i, i): {
-            "param_shape": torch.full((len(s),), -1, dtype=torch.int64),
-            "step": torch.full((), _UNREAD, dtype=torch.float32),
+            "param_shape": torch.full((len(s),), -1, dtype=torch.int64, device="cpu"),
+            "step": torch.full((), _UNREAD, dtype=torch.float32, device="cpu"),
         }
         for i, s in shapes.items()
     }

@@ -166,7 +166,7 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
 @functools.cache
 def _torch_defaults_cached(cls: type[torch.optim.Optimizer]) -> tuple[tuple[str, Any], ...]:
     # the keys (and defaults) of this torch version's param groups, from a throwaway instance
-    dummy = torch.zeros(1, requires_grad=True)
+    dummy = torch.zeros(1, requires_grad=True, device="cpu")
     return tuple(cls([dummy]).defaults.items())
 
 
@@ -249,7 +249,7 @@ def _export_entry(
         if buf is None or step < 1 or float(_plain(group["momentum"])) == 0.0:
             return {}  # torch has no buffer before the first momentum step
         return {"momentum_buffer": buf}
-    out: dict[str, Tensor] = {"step": torch.tensor(step, dtype=torch.float32)}
+    out: dict[str, Tensor] = {"step": torch.tensor(step, dtype=torch.float32, device="cpu")}
     for name in ("exp_avg", "exp_avg_sq"):
         x = _decode(entry, name, _codec(spec, name), p)
         if x is None:
@@ -572,7 +572,7 @@ def quantization_error_bound(fmt: str, x: Tensor) -> Tensor:
         bound = torch.maximum(a * 2.0**-8, torch.full_like(a, 2.0**-134))
     else:
         padded = round_up(max(n, 1), 32)
-        mag = torch.zeros(padded, dtype=torch.float64)
+        mag = torch.zeros(padded, dtype=torch.float64, device="cpu")
         if fmt == "q8_sqrt":
             ok = finite & ~(v < 0)
             mag[:n] = torch.where(ok, a, 0.0).sqrt()  # s = sqrt(v); -0 -> 0

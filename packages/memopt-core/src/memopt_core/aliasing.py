@@ -57,7 +57,7 @@ def _extent(t: Tensor) -> tuple[int, int] | None:
 def _byte_set(t: Tensor) -> Tensor:
     """Addresses of every byte of ``t``'s elements (int64)."""
     starts = t.data_ptr() + element_offsets(t) * t.element_size()
-    return (starts.unsqueeze(-1) + torch.arange(t.element_size())).reshape(-1)
+    return (starts.unsqueeze(-1) + torch.arange(t.element_size(), device="cpu")).reshape(-1)
 
 
 def _share_bytes(a: Tensor, b: Tensor) -> bool:

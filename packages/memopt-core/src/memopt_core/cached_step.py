@@ -219,7 +219,7 @@ class CachedEntry:
             return True
         steps = self.counters.steps
         if not self.work.full:  # a subset: gathered (rare: parameters without gradients)
-            picked = steps[torch.tensor(slots)]
+            picked = steps[torch.tensor(slots, device="cpu")]
             return torch.equal(picked[1:], picked[:-1])
         if self._shifted is None or self._shifted[0] is not steps:
             self._shifted = (steps, steps[1:], steps[:-1])  # views: they see later edits

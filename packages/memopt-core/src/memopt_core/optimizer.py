@@ -1490,7 +1490,7 @@ class MemOptimizer(Optimizer):
             for si in work.slots:
                 entry.step_views[si].add_(1)
         else:
-            entry.steps[torch.tensor(work.slots)] += 1
+            entry.steps[torch.tensor(work.slots, device="cpu")] += 1
 
     def _check_before_update(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -2124,7 +2124,7 @@ class MemOptimizer(Optimizer):
             for p, key in zip(group["params"], saved["params"], strict=True):
                 if key in state:
                     # a new entry: torch's state_dict() hands out the live self.state[p] dicts
-                    shape = torch.tensor(tuple(p.shape), dtype=torch.int64)
+                    shape = torch.tensor(tuple(p.shape), dtype=torch.int64, device="cpu")
                     state[key] = {**state[key], _PARAM_SHAPE: shape}
         return add_group_meta(sd)  # last: with what subclasses add (memopt-ecc's compressed)
 
@@ -2566,4 +2566,4 @@ def _check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
 def _step_tensor(value: Any) -> Tensor:
     if isinstance(value, Tensor):
         value = value.item()
-    return torch.tensor(float(value), dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device="cpu")

@@ -78,9 +78,11 @@ _EXACT_LAYOUT_LIMIT = (
 def element_offsets(t: Tensor) -> Tensor:
     """The storage offset, in elements from ``t``'s first, of each element of ``t`` (int64, C
     order, on the CPU): what its strides address."""
-    offsets = torch.zeros((), dtype=torch.int64)
+    offsets = torch.zeros((), dtype=torch.int64, device="cpu")
     for size, stride in zip(t.shape, t.stride(), strict=True):
-        offsets = offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+        offsets = (
+            offsets.unsqueeze(-1) + torch.arange(size, dtype=torch.int64, device="cpu") * stride
+        )
     return offsets.reshape(-1)
 
 
@@ -248,15 +250,15 @@ def clear_chunk_cache() -> None:
 def _build_chunk_table(slots: Sequence[Slot], chunk_size: int, device: torch.device) -> Tensor:
     if not slots:
         return torch.zeros((0, 4), dtype=torch.int64, device=device)
-    numel = torch.tensor([s.numel for s in slots], dtype=torch.int64)
+    numel = torch.tensor([s.numel for s in slots], dtype=torch.int64, device="cpu")
     counts = (numel + chunk_size - 1) // chunk_size
     n = int(counts.sum())
-    slot_ids = torch.repeat_interleave(torch.tensor([s.index for s in slots]), counts)
-    offsets = torch.repeat_interleave(torch.tensor([s.offset for s in slots]), counts)
+    slot_ids = torch.repeat_interleave(torch.tensor([s.index for s in slots], device="cpu"), counts)
+    offsets = torch.repeat_interleave(torch.tensor([s.offset for s in slots], device="cpu"), counts)
     sizes = torch.repeat_interleave(numel, counts)
     firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    start = (torch.arange(n, dtype=torch.int64) - firsts) * chunk_size
-    length = torch.minimum(sizes - start, torch.tensor(chunk_size))
+    start = (torch.arange(n, dtype=torch.int64, device="cpu") - firsts) * chunk_size
+    length = torch.minimum(sizes - start, torch.tensor(chunk_size, device="cpu"))
     table = torch.stack([slot_ids, start, length, offsets + start], dim=1)
     return table.to(device).contiguous()
 

@@ -165,7 +165,9 @@ def make_group(
     g = torch.Generator().manual_seed(gen_seed)
     params = []
     for i, n in enumerate(sizes):
-        v = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+        v = torch.randn(n, generator=g, device="cpu") * torch.exp(
+            torch.randn(n, generator=g, device="cpu")
+        )
         shape = (n // 4, 4) if n % 4 == 0 and n and i % 2 else (n,)
         params.append(v.to(dtype).to(device).view(shape))
     plan = GroupPlan(params, spec, device=device, param_dtype=dtype)
@@ -190,7 +192,11 @@ def make_grads(
     out = []
     for p in group.params:
         n = p.numel()
-        v = torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g)) * scale
+        v = (
+            torch.randn(n, generator=g, device="cpu")
+            * torch.exp(2 * torch.randn(n, generator=g, device="cpu"))
+            * scale
+        )
         if n > 3:
             v[::7] = 0.0
         dt = grad_dtype or p.dtype
@@ -315,15 +321,19 @@ def master_patterns(codec: Any, n: int, seed: int) -> tuple[Tensor, Tensor | Non
     (left when a weight is zeroed in place; decoded to that zero since KERNEL_API 6)."""
     g = torch.Generator().manual_seed(seed)
     if codec.param_dtype == torch.float32:
-        pr = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+        pr = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64, device="cpu").to(
+            torch.int32
+        )
         return pr.view(torch.float32), None
-    pr = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+    pr = torch.randint(-(2**15), 2**15, (n,), generator=g, dtype=torch.int32, device="cpu").to(
+        torch.int16
+    )
     if codec.code_dtype is None:
         return pr.view(codec.param_dtype), None
     top = 1 << (8 * codec.code_dtype.itemsize)  # 256 or 65536
-    codes = torch.randint(0, top, (n,), generator=g)
-    carrying = torch.arange(top // 2, top).repeat(2)
-    zeros = torch.tensor([0, -(2**15)], dtype=torch.int16).repeat_interleave(top // 2)
+    codes = torch.randint(0, top, (n,), generator=g, device="cpu")
+    carrying = torch.arange(top // 2, top, device="cpu").repeat(2)
+    zeros = torch.tensor([0, -(2**15)], dtype=torch.int16, device="cpu").repeat_interleave(top // 2)
     pr, codes = torch.cat([pr, zeros]), torch.cat([codes, carrying])
     code = codes.to(torch.uint8) if top == 256 else codes.to(torch.int32).to(torch.int16)
     return pr.view(codec.param_dtype), code
@@ -339,24 +349,28 @@ def q8_sqrt_threshold_cases(seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     Returns ``(v, p, r)``; ``v`` is fp32, ``p`` fp64, ``r`` int64 32-bit words."""
     g = torch.Generator().manual_seed(seed)
     per_code = 31 * 4  # blocks of 32: one scale element, then 31 cases
-    lo_code = torch.arange(1, 0xFE).repeat_interleave(per_code)
+    lo_code = torch.arange(1, 0xFE, device="cpu").repeat_interleave(per_code)
 
     def value(c: Tensor) -> Tensor:  # e4m4 code -> value, exact in fp64
         e, m = c >> 4, (c & 15).double()
         return torch.where(e == 0, m * 2.0**-18, (16 + m) * torch.pow(2.0, (e - 19).double()))
 
     lo, hi = value(lo_code), value(lo_code + 1)
-    f = torch.randint(1, 2**19, lo_code.shape, generator=g).double() * 2.0**-19
+    f = torch.randint(1, 2**19, lo_code.shape, generator=g, device="cpu").double() * 2.0**-19
     s = lo + f * (hi - lo)
     p = (s * s - lo * lo) / (hi * hi - lo * lo)
-    r24 = torch.floor(p * 2**24).to(torch.int64) + torch.randint(-2, 3, s.shape, generator=g)
-    r = (r24.clamp(0, 2**24 - 1) << 8) | torch.randint(0, 256, s.shape, generator=g)
+    r24 = torch.floor(p * 2**24).to(torch.int64) + torch.randint(
+        -2, 3, s.shape, generator=g, device="cpu"
+    )
+    r = (r24.clamp(0, 2**24 - 1) << 8) | torch.randint(0, 256, s.shape, generator=g, device="cpu")
     n = s.numel() // 31
-    v = torch.full((n, 32), 1.875**2, dtype=torch.float64)  # s = 1.875: scale byte 127
+    v = torch.full(
+        (n, 32), 1.875**2, dtype=torch.float64, device="cpu"
+    )  # s = 1.875: scale byte 127
     v[:, 1:] = (s * s).view(n, 31)
-    words = torch.zeros(n, 32, dtype=torch.int64)
+    words = torch.zeros(n, 32, dtype=torch.int64, device="cpu")
     words[:, 1:] = r.view(n, 31)
-    probs = torch.zeros(n, 32, dtype=torch.float64)
+    probs = torch.zeros(n, 32, dtype=torch.float64, device="cpu")
     probs[:, 1:] = p.view(n, 31)
     return v.reshape(-1).float(), probs.reshape(-1), words.reshape(-1)
 

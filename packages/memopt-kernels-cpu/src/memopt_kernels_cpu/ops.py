@@ -276,7 +276,8 @@ def encode_moment(fmt: str, x: Tensor, *, rand: Tensor | None = None) -> dict[st
 
 def _empty_fields(codec: MomentCodec, n: int) -> dict[str, Tensor]:
     return {
-        k: torch.empty(f.numel(n, codec.block_size), dtype=f.dtype) for k, f in codec.fields.items()
+        k: torch.empty(f.numel(n, codec.block_size), dtype=f.dtype, device="cpu")
+        for k, f in codec.fields.items()
     }
 
 
@@ -305,7 +306,7 @@ def decode_moment(fmt: str, fields: Mapping[str, Tensor]) -> Tensor:
         )
     codes = _flat(main)
     scales = _flat(scale) if scale is not None else None
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device="cpu")
     _core.decode_moment(moment_id(fmt), _ptr(codes), _ptr(scales), n, _ptr(out))
     return out.view(main.shape)
 
@@ -328,8 +329,12 @@ def encode_master(
     n = x.numel()
     words = _rand_words(rand, n)
     flat = _flat(x)
-    param = torch.empty(n, dtype=param_dtype)
-    code = torch.empty(n, dtype=codec.code_dtype) if codec.code_dtype is not None else None
+    param = torch.empty(n, dtype=param_dtype, device="cpu")
+    code = (
+        torch.empty(n, dtype=codec.code_dtype, device="cpu")
+        if codec.code_dtype is not None
+        else None
+    )
     _core.encode_master(mid, _ptr(flat), n, _ptr(param), _ptr(code), _ptr(words))
     return param.view(x.shape), (code.view(x.shape) if code is not None else None)
 
@@ -357,7 +362,7 @@ def decode_master(fmt: str, param: Tensor, code: Tensor | None = None) -> Tensor
             )
         codes = _flat(code)
     flat = _flat(param)
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=torch.float32, device="cpu")
     _core.decode_master(mid, _ptr(flat), _ptr(codes), n, _ptr(out))
     return out.view(param.shape)
 
@@ -377,7 +382,7 @@ def stream_words(
         raise FormatError(f"index must be an integer tensor, got {index.dtype}")
     idx = index.reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
-    out = torch.empty((3, n), dtype=torch.int32)
+    out = torch.empty((3, n), dtype=torch.int32, device="cpu")
     _core.stream_words(seed, tensor_id, step, _ptr(idx), n, _ptr(out))
     words = out.to(torch.int64) & _U32
     return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
@@ -718,7 +723,7 @@ def _prepare(
             ]
         )
     check_aliasing(written, read, pairs)
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, len(SLOT_COLUMNS))
+    table = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(SLOT_COLUMNS))
     mcodec = work.spec.master_for(plan.param_dtype)
     static = dict(
         rule=_RULE_IDS[work.rule],

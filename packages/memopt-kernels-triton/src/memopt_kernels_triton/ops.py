@@ -725,8 +725,10 @@ def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
         table = plan.chunk_table(cs, None if full else slots)
         if full or table.numel() == 0:
             return table
-        position = torch.zeros(len(plan.slots), dtype=table.dtype)
-        position[torch.tensor(slots)] = torch.arange(len(slots), dtype=table.dtype)
+        position = torch.zeros(len(plan.slots), dtype=table.dtype, device="cpu")
+        position[torch.tensor(slots, device="cpu")] = torch.arange(
+            len(slots), dtype=table.dtype, device="cpu"
+        )
         table = table.clone()
         table[:, 0] = position.to(table.device)[table[:, 0]]
         return table
@@ -749,7 +751,7 @@ def _slot_rows(pp, gp, gd, tids, bases) -> Tensor:
         [pa, ga, int(dt == torch.float32), int(tid) & 0xFFFFFFFF, base]
         for pa, ga, dt, tid, base in zip(pp, gp, gd, tids, bases, strict=True)
     ]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, len(_SLOT_COLUMNS))
+    return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(_SLOT_COLUMNS))
 
 
 def _check_bases(work: GroupStep, plan) -> list[int]:
@@ -1079,7 +1081,7 @@ class PreparedStep:
         if self._kw.get("ALIGNED") and not _aligned(addresses):
             return None
         rows = self._rows.clone()
-        rows[:, 1] = torch.tensor(addresses, dtype=torch.int64)
+        rows[:, 1] = torch.tensor(addresses, dtype=torch.int64, device="cpu")
         head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
         return PreparedStep(
             self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
@@ -1635,7 +1637,9 @@ def _upload_words(blob: bytearray, width: int, device: torch.device) -> Tensor:
             "a step over several param groups copies its scalars from the host, which a CUDA "
             "graph capture cannot hold: capture a capturable optimizer's step"
         )
-    host = torch.empty((len(blob) // (4 * width), width), dtype=torch.int32, pin_memory=True)
+    host = torch.empty(
+        (len(blob) // (4 * width), width), dtype=torch.int32, pin_memory=True, device="cpu"
+    )
     ctypes.memmove(host.data_ptr(), (ctypes.c_char * len(blob)).from_buffer(blob), len(blob))
     return host.to(device, non_blocking=True)
 
@@ -1691,9 +1695,13 @@ def _merged_step(
 
         def merge_chunks() -> Tensor:
             delta = torch.tensor(
-                [[r, 0, 0, o] for r, o in zip(firsts, offsets, strict=True)], dtype=torch.int64
+                [[r, 0, 0, o] for r, o in zip(firsts, offsets, strict=True)],
+                dtype=torch.int64,
+                device="cpu",
             )
-            rows = delta.repeat_interleave(torch.tensor([t.shape[0] for t in chunk_parts]), dim=0)
+            rows = delta.repeat_interleave(
+                torch.tensor([t.shape[0] for t in chunk_parts], device="cpu"), dim=0
+            )
             return torch.cat(chunk_parts) + _to_device(rows, dev)
 
         # the chunk tables stay when gradients move (with_grads keeps them): merged once
@@ -1765,8 +1773,10 @@ def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tens
             bc1, bc2 = adam_bias_table(float(betas[0]), float(betas[1]))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        t1 = _to_device(torch.tensor(bc1, dtype=torch.float64), device)
-        t2 = _to_device(torch.tensor([_f32_bits(v) for v in bc2], dtype=torch.int32), device)
+        t1 = _to_device(torch.tensor(bc1, dtype=torch.float64, device="cpu"), device)
+        t2 = _to_device(
+            torch.tensor([_f32_bits(v) for v in bc2], dtype=torch.int32, device="cpu"), device
+        )
         hit = _BIAS_TABLES[key] = (t1, t2, len(bc1) - 1)
     return hit
 
@@ -1852,7 +1862,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
     rule = work.rule
     slots = plan.cache(
         ("triton_device_slots", tuple(work.slots)),
-        lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32), dev),
+        lambda: _to_device(torch.tensor(work.slots, dtype=torch.int32, device="cpu"), dev),
     )
     host = hyper_words(rule, work.scalars, work.seed, 1)[:9]
     lr_t = _device_scalar(ds.lr, "device_step.lr", dev)

@@ -207,9 +207,9 @@ def _adamw_workload(
     spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
     gen = torch.Generator().manual_seed(0)
     sizes = _workload_sizes(n)
-    params = [torch.randn(s, generator=gen) for s in sizes]
-    grads = [(torch.randn(s, generator=gen) * 1e-3).to(grad_dtype) for s in sizes]
-    staging = [torch.empty(s, dtype=torch.bfloat16) for s in sizes]
+    params = [torch.randn(s, generator=gen, device="cpu") for s in sizes]
+    grads = [(torch.randn(s, generator=gen, device="cpu") * 1e-3).to(grad_dtype) for s in sizes]
+    staging = [torch.empty(s, dtype=torch.bfloat16, device="cpu") for s in sizes]
     plan = GroupPlan(params, spec, device=torch.device("cpu"), param_dtype=torch.float32)
     arena = StateArena(
         plan, {"exp_avg": spec.first, "exp_avg_sq": spec.second}, spec.master_for(torch.float32)
@@ -282,7 +282,7 @@ def _host_gbs(threads: int, quick: bool) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device="cpu")
         dst = torch.zeros_like(src)
         t = _median_s(
             lambda: dst.copy_(src), 3 if quick else 9, warmup=2, min_warmup_s=0.1 if quick else 0.3
@@ -300,8 +300,8 @@ def _link_gbs(quick: bool) -> tuple[float, float, float]:
     dev = torch.device("cuda", torch.cuda.current_device())
     d_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
     d_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    h_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    h_src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    h_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True, device="cpu")
+    h_src = torch.ones(nbytes, dtype=torch.uint8, device="cpu").pin_memory()
     s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     torch.cuda.synchronize(dev)
 

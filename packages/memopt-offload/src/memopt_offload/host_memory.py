@@ -93,7 +93,7 @@ class HostSlab:
     def __init__(self, layout: SlabLayout, *, pin: bool, what: str) -> None:
         self.layout = layout
         self.pinned = False
-        self.storage = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+        self.storage = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device="cpu")
         cpu_ops.first_touch(self.storage)
         if pin and layout.nbytes:
             _register(self.storage, what)

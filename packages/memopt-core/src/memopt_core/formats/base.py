@@ -57,8 +57,7 @@ class MomentCodec(ABC):
 
     def bytes_per_element(self) -> float:
         return sum(
-            torch.empty((), dtype=f.dtype).element_size() / (self.block_size if f.per_block else 1)
-            for f in self.fields.values()
+            f.dtype.itemsize / (self.block_size if f.per_block else 1) for f in self.fields.values()
         )
 
     def allocate(
