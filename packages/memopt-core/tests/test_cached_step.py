@@ -666,3 +666,35 @@ def test_autograd_sees_every_step_write(backend):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
         opt.zero_grad()
+
+
+def test_a_replay_that_fails_is_not_replayed_again(backend, monkeypatch):
+    """A replay whose launch, prepared again for moved gradients, fails drops the cached step:
+    the retry with the same gradients takes the ordinary step (it once replayed the failing
+    launch until the gradients moved again)."""
+    from memopt_core.cached_step import CachedStep
+
+    class FailingLaunch:
+        reusable = True
+
+        def launch(self, *args):
+            raise RuntimeError("launch failed")
+
+    def follow_grads_badly(self):
+        for e in self.entries:
+            e.prepared = FailingLaunch()
+
+    a, b, opt, ref = pair("adamw-ecc24-q8", backend)
+    for step in range(1, 4):
+        step_both(a, b, opt, ref, step)
+    assert opt._cached_steps[None].replays == 2
+    set_grads(a, 4, in_place=False)
+    with monkeypatch.context() as m:
+        m.setattr(CachedStep, "follow_grads", follow_grads_badly)
+        with pytest.raises(RuntimeError, match="launch failed"):
+            opt.step()
+    assert None not in opt._cached_steps
+    opt.step()  # the same gradients
+    set_grads(b, 4, in_place=False)
+    ref.step()
+    assert_same_optimizers(a, b, opt, ref)

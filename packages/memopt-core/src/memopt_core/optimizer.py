@@ -1961,11 +1961,17 @@ class MemOptimizer(Optimizer):
                 work.seed = self.seed
             if self.check_numerics:
                 self._check_finite([(e.backend, e.work) for e in cached.entries])
-            if not cached.prepared:
-                cached.prepare()
-            else:
-                cached.follow_grads()
-            self._launch_cached(cached)
+            try:
+                if not cached.prepared:
+                    cached.prepare()
+                else:
+                    cached.follow_grads()
+                self._launch_cached(cached)
+            except BaseException:
+                # a launch prepared again for these gradients may be what failed: replaying it
+                # would fail the same way until the gradients move, so the next step starts over
+                del self._cached_steps[key]
+                raise
         finally:
             cached.drop_grads()
         return True
