@@ -261,6 +261,14 @@ def test_tensors_without_memory_are_refused_without_changes():
     assert opt.state[a]["step"].item() == 1
 
 
+def test_meta_parameters_are_refused_as_such():
+    # a meta tensor has address 0 too, but the cause (and the fix) is not a freed storage
+    p = torch.zeros(4, device="meta", requires_grad=True)
+    p.grad = torch.ones(4, device="meta")
+    with pytest.raises(ConfigError, match=r"#0 .*: it is on the meta device.*to_empty"):
+        MemOptimizer([p], lr=0.1).step()
+
+
 def test_gradient_dtype_must_be_param_dtype_or_fp32():
     p = P(4, dtype=torch.bfloat16)
     p.grad_dtype = None

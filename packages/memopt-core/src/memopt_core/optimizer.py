@@ -397,7 +397,8 @@ def _changed_error(label: str, plan: GroupPlan, si: int) -> ConfigError:
     return ConfigError(
         f"{label} changed since its state was created (it was {plan.param_dtype} of shape "
         f"{tuple(plan.slots[si].shape)} on {plan.device}); move or cast models before their "
-        "first optimizer step (no parameter or state was modified)"
+        "first optimizer step, or before enable_gradient_release, which creates the state (no "
+        "parameter or state was modified)"
     )
 
 
@@ -1311,6 +1312,11 @@ class MemOptimizer(Optimizer):
                 "read); pass g.resolve_neg()"
             )
         for t, what in ((p, "it"), (g, "its gradient")):
+            if t.device.type == "meta":
+                raise ConfigError(
+                    f"{label}: {what} is on the meta device, which holds shapes and no values: "
+                    "materialize the model first (module.to_empty(device=...) and initialize it)"
+                )
             if not _not_freed(t):
                 raise ConfigError(
                     f"{label}: {what} has no memory (its storage was freed or resized to 0 "
