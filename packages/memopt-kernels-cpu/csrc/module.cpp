@@ -454,10 +454,12 @@ PYBIND11_MODULE(_core, mod) {
           "CPUs this process may use (sched_getaffinity): the default thread count.");
   mod.def("set_num_threads", &set_num_threads, py::arg("n"), release(),
           "Threads of the pool (>= 1); the pool restarts with n threads at the next run.");
-  mod.def("get_num_threads", &get_num_threads, release());
+  mod.def("get_num_threads", &get_num_threads, release(),
+          "Threads of the pool: set_num_threads' value, else default_num_threads().");
   mod.def("set_chunk_size", &set_chunk_size, py::arg("n"), release(),
           "Elements per chunk of a fused step: a positive multiple of 32.");
-  mod.def("get_chunk_size", &get_chunk_size, release());
+  mod.def("get_chunk_size", &get_chunk_size, release(),
+          "Elements per chunk of a fused step: set_chunk_size's value, else 65536.");
   mod.def("first_touch", &first_touch_py, py::arg("addr"), py::arg("nbytes"), release(),
           "Zero-fill nbytes at addr with the pool's static partition (NUMA first touch).");
   mod.def("_pool_probe", &pool_probe, py::arg("throw_part") = -1, release(),

@@ -204,13 +204,22 @@ class Backend(Protocol):
     name: str
     KERNEL_API: int
 
-    def available(self) -> tuple[bool, str]: ...
+    def available(self) -> tuple[bool, str]:
+        """Whether the backend can run here at all, and why (not): shown by
+        :func:`available_backends`."""
+        ...
 
     def supports(
         self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
-    ) -> bool: ...
+    ) -> bool:
+        """Whether it steps ``rule`` with the formats of ``spec`` for ``param_dtype`` parameters
+        on ``device``; the optimizer then picks it for such a group."""
+        ...
 
-    def step(self, work: GroupStep) -> None: ...
+    def step(self, work: GroupStep) -> None:
+        """Run one step of ``work`` (a state group's parameters, gradients, state arena and
+        scalars) in place, with core's reference bits."""
+        ...
 
 
 def runs_device_steps(backend: object) -> bool:

@@ -431,15 +431,27 @@ _FINITE_CAT_LIMIT = 1 << 16
 class MemOptimizer(Optimizer):
     """A memory-lean SGD/SGDW/Adam/AdamW/Lion with compact states, the base of memopt's families.
 
+    State bytes per parameter (beside the parameter itself): the master code (ECC-24 1, ECC-32
+    2, none or float32 parameters 0) plus 4 / 2 / 1.03 / 1.03 per moment for fp32 / bf16 / fp8 /
+    q8 moments (fp8 and q8 keep one scale per 32-element block); Adam keeps two moments, SGD
+    with momentum and Lion one. Parameters float32, bfloat16 or float16; on CUDA the Triton
+    backend, on the CPU the C++ one (else core's pure-torch backend, same bits): the whole
+    update (decode, step, encode of master and moments) is one fused pass, one launch per
+    (dtype, format) group.
+
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts (torch semantics).
         rule: ``"sgd"``, ``"sgdw"``, ``"adam"``, ``"adamw"`` or ``"lion"``.
         lr, betas, eps, weight_decay, momentum, dampening, nesterov, maximize: as in torch.optim
-            (``betas=None``: (0.9, 0.999), Lion (0.9, 0.99)); ``momentum``/``dampening``/
-            ``nesterov`` apply to SGD, ``betas`` to Adam and Lion, ``eps`` to Adam. SGD's
-            momentum buffer starts as the gradient at a parameter's first step, as torch's does;
-            a momentum switched on later (from 0) starts from a zero buffer, so its first buffer
-            is ``(1 - dampening) * g`` where torch's is ``g`` (the same with dampening 0).
+            (``betas=None``: (0.9, 0.999), Lion (0.9, 0.99)), except that ``weight_decay``
+            defaults to 0 for every rule (torch's AdamW: 0.01; the Flash* classes and ApexW
+            keep their own defaults) and tensor ``betas`` are read into floats when their group
+            is added (edit ``param_groups[i]["betas"]`` to change them, not the tensors);
+            ``momentum``/``dampening``/``nesterov`` apply to SGD, ``betas`` to Adam and Lion,
+            ``eps`` to Adam. SGD's momentum buffer starts as the gradient at a parameter's first
+            step, as torch's does; a momentum switched on later (from 0) starts from a zero
+            buffer, so its first buffer is ``(1 - dampening) * g`` where torch's is ``g`` (the
+            same with dampening 0).
         decouple_lr: decoupled weight decay multiplies by ``lr / initial_lr * weight_decay``
             (``initial_lr`` recorded per group when it is added, as LR schedulers do; they then
             take it as their base lr, and OneCycleLR rewrites it: docs/ecc.md) instead of

@@ -331,17 +331,20 @@ class TorchBackend:
     KERNEL_API = KERNEL_API
 
     def available(self) -> tuple[bool, str]:
+        """See :meth:`memopt_core.backends.Backend.available`."""
         return True, "pure-torch reference backend (always available)"
 
     def supports(
         self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
     ) -> bool:
+        """See :meth:`memopt_core.backends.Backend.supports`."""
         return supports_formats(rule, spec, param_dtype)
 
     def __repr__(self) -> str:
         return "TorchBackend()"
 
     def step(self, work: GroupStep) -> None:
+        """See :meth:`memopt_core.backends.Backend.step`."""
         if work.rule not in RULES:
             raise ConfigError(f"the torch backend runs rules {RULES}, got {work.rule!r}")
         # checked before the first piece: a missing state must not leave the group half updated

@@ -34,6 +34,7 @@ class CpuBackend:
     fused_staging = True
 
     def available(self) -> tuple[bool, str]:
+        """See :meth:`memopt_core.backends.Backend.available`."""
         return True, (
             f"C++ kernels, instruction set {_core.get_isa()} (supported here: "
             f"{', '.join(_core.supported_isas())}), {_core.get_num_threads()} threads, chunks "
@@ -43,11 +44,13 @@ class CpuBackend:
     def supports(
         self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
     ) -> bool:
+        """See :meth:`memopt_core.backends.Backend.supports`."""
         if torch.device(device).type != "cpu":
             return False
         return supports_formats(rule, spec, param_dtype) and spec.block_size in (1, 32)
 
     def step(self, work: GroupStep) -> None:
+        """See :meth:`memopt_core.backends.Backend.step`."""
         from memopt_kernels_cpu import ops
 
         ops.fused_step(work, staging=work.staging)

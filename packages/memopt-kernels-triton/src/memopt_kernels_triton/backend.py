@@ -46,6 +46,7 @@ class TritonBackend:
     merges_groups = True
 
     def available(self) -> tuple[bool, str]:
+        """See :meth:`memopt_core.backends.Backend.available`."""
         try:
             import triton
         except ImportError as e:
@@ -63,12 +64,14 @@ class TritonBackend:
     def supports(
         self, rule: str, spec: StateSpec, device: torch.device, param_dtype: torch.dtype
     ) -> bool:
+        """See :meth:`memopt_core.backends.Backend.supports`."""
         device = torch.device(device)
         if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
             return False
         return supports_formats(rule, spec, param_dtype) and spec.block_size in (1, 32)
 
     def step(self, work: GroupStep) -> None:
+        """See :meth:`memopt_core.backends.Backend.step`."""
         from memopt_kernels_triton import ops
 
         ops.fused_step(work)

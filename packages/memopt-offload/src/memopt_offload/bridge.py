@@ -503,7 +503,14 @@ class _HostHeldState(defaultdict):
 
 
 class AdamBridge(Optimizer):
-    """AdamW whose fp32 master weights and moments live in host RAM (see the module doc).
+    """AdamW whose master weights and moments live in host RAM (see the module doc).
+
+    Host state per trainable parameter: 12 B for ``precision="fp32"`` (fp32 master, m, v),
+    8 B ``"bf16"``, about 6.1 B ``"fp8"``, 7 B ``"bf16-ecc24"`` (bf16 weight + ECC-24 code +
+    bf16 m, v), about 5.1 B ``"compact"`` (q8 moments); the GPU keeps only the bf16 (or
+    float32) weights. ``update="host"`` steps on the CPU with the C++ kernels while backward
+    runs; ``update="device"`` (``"bf16-ecc24"`` only) copies the state in per bucket and steps
+    it with one fused Triton launch.
 
     Args:
         params: the model's parameters (bfloat16 or float32, all on one device: a GPU, or the

@@ -113,4 +113,6 @@ class StateSpec:
         return max(self.first.block_size, self.second.block_size)
 
     def master_for(self, param_dtype: torch.dtype) -> MasterCodec:
+        """The codec of this spec's master format for ``param_dtype`` parameters
+        (:func:`master_codec`: ``ConfigError`` where the format does not fit the dtype)."""
         return master_codec(self.master, param_dtype)
