@@ -615,6 +615,21 @@ def test_param_groups_take_flashoptim_keys():
         )
 
 
+def test_flashoptim_master_bytewidth_is_refused_not_ignored():
+    """FlashOptim records the master width per group as ``master_bytewidth`` (3 or 4); memopt
+    reads ``master_weight_bits`` only, so the key would change nothing: refused, when the group
+    is added or when written into it later."""
+    a = torch.randn(40).bfloat16().requires_grad_()
+    with pytest.raises(ConfigError, match=r"param group 0 sets master_bytewidth=4.*master_weight"):
+        FlashAdamW([{"params": [a], "master_bytewidth": 4}])
+    opt = FlashAdamW([a])
+    a.grad = torch.ones_like(a)
+    opt.param_groups[0]["master_bytewidth"] = 4
+    with pytest.raises(ConfigError, match="master_bytewidth"):
+        opt.step()
+    assert a not in opt.state
+
+
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
@@ -854,3 +869,21 @@ def test_master_weight_bits_of_float32_parameters_do_not_matter_to_load():
     a.step()
     with pytest.raises(StateDictError, match="holds master='ecc24' states; this optimizer uses"):
         FlashAdamW(mixed, lr=1e-2, master_weight_bits=32).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("marker", ["group", "state"])
+def test_a_flashoptim_state_dict_is_refused_with_the_way_over(marker):
+    """FlashOptim 0.1.4's layout (``error_bits`` beside each parameter's moments,
+    ``master_bytewidth`` in each group): refused with the fp32 weights route, not with advice
+    to convert it as a torch optimizer's (which refuses it too)."""
+    p = torch.randn(64).bfloat16().requires_grad_()
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": [0]}
+    entry = {"step": torch.tensor(5), "exp_avg": torch.randn(64), "exp_avg_sq": torch.rand(64)}
+    if marker == "group":
+        group["master_bytewidth"] = 3
+    else:
+        entry["error_bits"] = torch.zeros(64, dtype=torch.int8).bfloat16()
+    opt = FlashAdamW([p])
+    with pytest.raises(StateDictError, match=r"saved by FlashOptim.*set_fp32_model_state_dict"):
+        opt.load_state_dict({"state": {0: entry}, "param_groups": [group]})
+    assert p not in opt.state

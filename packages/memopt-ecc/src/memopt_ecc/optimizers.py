@@ -241,7 +241,14 @@ class FlashOptimizer(MemOptimizer):
     def _check_flash_keys(self, group: Mapping[str, Any], where: str) -> None:
         """Refuse FlashOptim keys in ``group`` that disagree with this optimizer: ``quantize`` and
         ``master_weight_bits`` are translated only when a group is added, and the others are
-        optimizer-wide, so a value written into ``param_groups`` later would be ignored."""
+        optimizer-wide, so a value written into ``param_groups`` later would be ignored.
+        ``master_bytewidth`` (FlashOptim's own record of the width) is never read: refused."""
+        if "master_bytewidth" in group:
+            raise ConfigError(
+                f"{where} sets master_bytewidth={group['master_bytewidth']!r}, FlashOptim's "
+                "internal record of the master width, which memopt does not read: set "
+                "master_weight_bits (24 or 32, or None for no correction) when adding the group"
+            )
         for key in _FIXED_KEYS:
             if key in group and group[key] != getattr(self, _FIXED_KEYS[key]):
                 raise ConfigError(
@@ -428,6 +435,13 @@ class FlashOptimizer(MemOptimizer):
     def _prepare_loaded(self, sd: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(sd.get("state"), Mapping):
             return sd  # core explains what is wrong
+        if _saved_by_flashoptim(sd):
+            raise StateDictError(
+                "this state dict was saved by FlashOptim (its groups hold master_bytewidth or "
+                "its states error_bits), whose state formats memopt does not read: carry the "
+                "weights over with FlashOptim's optimizer.get_fp32_model_state_dict(model) and "
+                "this optimizer's set_fp32_model_state_dict(model, sd) (the moments start afresh)"
+            )
         saved_groups = sd.get("param_groups")
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(
             self.param_groups
@@ -765,3 +779,14 @@ class FlashLion(FlashOptimizer):
             seed=seed,
             capturable=capturable,
         )
+
+
+def _saved_by_flashoptim(sd: Mapping[str, Any]) -> bool:
+    """Whether ``sd`` has FlashOptim's own keys (per group ``master_bytewidth``, per parameter
+    ``error_bits``), which no memopt or torch optimizer writes."""
+    groups = sd.get("param_groups")
+    if isinstance(groups, (list, tuple)) and any(
+        isinstance(g, Mapping) and "master_bytewidth" in g for g in groups
+    ):
+        return True
+    return any(isinstance(e, Mapping) and "error_bits" in e for e in sd["state"].values())
