@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import pickle
 
 import pytest
@@ -157,6 +158,18 @@ class Output(collections.OrderedDict):
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
 
+class Tagged(list):
+    """A list subclass with an attribute of its own."""
+
+    tag = "?"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    y: torch.Tensor
+    n: int
+
+
 def pack(kind, y):
     """``y`` in a container of ``kind``."""
     if kind == "max":
@@ -167,6 +180,12 @@ def pack(kind, y):
         out = Output()
         out["logits"] = y
         return out
+    if kind == "list-subclass":
+        out = Tagged([y, torch.arange(2)])
+        out.tag = "kept"
+        return out
+    if kind == "dataclass":
+        return Result(y, 3)
     return Pair(y, [y, {"z": y}])
 
 
@@ -188,7 +207,9 @@ class NormOutputs(nn.BatchNorm1d):
         return pack(self.kind, super().forward(x))
 
 
-@pytest.mark.parametrize("kind", ["max", "ordered", "model-output", "namedtuple"])
+@pytest.mark.parametrize(
+    "kind", ["max", "ordered", "model-output", "namedtuple", "list-subclass", "dataclass"]
+)
 @pytest.mark.parametrize("layer", ["recast", "norm"])
 def test_hooks_keep_output_container_types(kind, layer):
     # the recast hook and a running-stat norm's hook cast outputs back to bf16
@@ -210,6 +231,13 @@ def test_hooks_keep_output_container_types(kind, layer):
         assert type(out) is Output
         assert out.logits.dtype == torch.bfloat16
         assert out["logits"] is out.logits
+    elif kind == "list-subclass":
+        assert type(out) is Tagged
+        assert out.tag == "kept"
+        assert [t.dtype for t in out] == [torch.bfloat16, torch.int64]
+    elif kind == "dataclass":
+        assert type(out) is Result
+        assert (out.y.dtype, out.n) == (torch.bfloat16, 3)
     else:
         assert type(out) is Pair
         assert out.a.dtype == torch.bfloat16

@@ -33,6 +33,7 @@ Semantics (FlashOptim's, made precise):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import warnings
 from collections.abc import Iterable, Iterator
@@ -102,7 +103,17 @@ def _map_floats(obj: Any, fn) -> Any:
             return type(obj)(items)
         return tuple(items)
     if isinstance(obj, list):
-        return [_map_floats(o, fn) for o in obj]
+        items = [_map_floats(o, fn) for o in obj]
+        if type(obj) is list:
+            return items
+        out = copy.copy(obj)  # a subclass keeps its type and attributes
+        out[:] = items
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):  # object's setattr: a frozen one's copy is ours
+            object.__setattr__(out, f.name, _map_floats(getattr(obj, f.name), fn))
+        return out
     if type(obj) is dict:
         return {k: _map_floats(v, fn) for k, v in obj.items()}
     if isinstance(obj, dict):
