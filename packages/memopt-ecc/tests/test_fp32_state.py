@@ -262,3 +262,30 @@ def test_fp32_state_dict_is_fp32_for_buffers_and_frozen_parameters():
     assert set(floating.values()) == {torch.float32}
     assert torch.equal(sd["2.weight"], model[2].weight.float())
     assert torch.equal(sd["1.running_var"], model[1].running_var.float())
+
+
+def test_the_fp32_copy_docs_ecc_md_names_computes_as_a_fresh_fp32_model():
+    """docs/ecc.md: an fp32 copy of a cast model, made with ``cast_model(copy, float32)``, holds
+    no bf16 output casts (a ``.float()`` copy keeps the recast layers' hooks)."""
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+        )
+
+    model = cast_model(net(), full_precision_recast_layers=["1"])
+    opt = FlashAdamW(model.parameters(), master_weight_bits=32)
+    x = torch.randn(8, 16)
+    loss = model(x.bfloat16()).float().square().mean()
+    loss.backward()
+    opt.step()
+    sd = get_fp32_model_state_dict(model, opt)
+    fresh = net()
+    fresh.load_state_dict(sd)
+    copied = cast_model(copy.deepcopy(model), dtype=torch.float32)
+    copied.load_state_dict(sd)
+    assert torch.equal(copied(x), fresh(x))
+    stale = copy.deepcopy(model).float()  # what the docs warn against: it still casts to bf16
+    stale.load_state_dict(sd)
+    assert stale[1](x).dtype == torch.bfloat16

@@ -78,7 +78,9 @@ def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict
     parameters under each of their names; values are new tensors on the model's devices.
     Parameters with an ECC code hold their full master weight; other bf16/fp16 parameters and
     buffers are widened to fp32, float64 ones stay float64 (fp32 would round them); integer
-    tensors (``num_batches_tracked``, an index table) keep their dtype.
+    tensors (``num_batches_tracked``, an index table) keep their dtype. For an fp32 copy of a
+    model cast by ``memopt_ecc.cast_model`` to load it into, use ``cast_model(copy,
+    dtype=torch.float32)``: ``.float()`` keeps the cast's hooks (recast layers output bf16).
     """
     require_memopt_optimizer(optimizer)
     model = _unwrap(model)
