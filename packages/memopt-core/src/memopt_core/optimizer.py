@@ -1324,12 +1324,13 @@ class MemOptimizer(Optimizer):
                 "read); pass g.resolve_neg()"
             )
         for t, what in ((p, "it"), (g, "its gradient")):
-            if t.device.type == "meta":
-                raise ConfigError(
-                    f"{label}: {what} is on the meta device, which holds shapes and no values: "
-                    "materialize the model first (module.to_empty(device=...) and initialize it)"
-                )
             if not _not_freed(t):
+                if t.device.type == "meta":  # address 0 too; checked only here, off the hot path
+                    raise ConfigError(
+                        f"{label}: {what} is on the meta device, which holds shapes and no "
+                        "values: materialize the model first (module.to_empty(device=...) and "
+                        "initialize it)"
+                    )
                 raise ConfigError(
                     f"{label}: {what} has no memory (its storage was freed or resized to 0 "
                     "bytes), so there is nothing to read or update"
@@ -1988,7 +1989,7 @@ class MemOptimizer(Optimizer):
             except BaseException:
                 # a launch prepared again for these gradients may be what failed: replaying it
                 # would fail the same way until the gradients move, so the next step starts over
-                del self._cached_steps[key]
+                self._cached_steps.pop(key, None)  # the failed launch may have dropped it
                 raise
         finally:
             cached.drop_grads()
