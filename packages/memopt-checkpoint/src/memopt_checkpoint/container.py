@@ -252,7 +252,8 @@ class CheckpointWriter:
             return fn(*args)
         except BaseException as e:
             self.abort()
-            if isinstance(e, OSError) and e.filename is None:  # a full disk: say which file
+            # a full disk: say which file (notes exist from Python 3.11; 3.10 keeps the error)
+            if isinstance(e, OSError) and e.filename is None and hasattr(e, "add_note"):
                 e.add_note(f"while writing the checkpoint {str(self.path)!r} (not written)")
             raise
 
