@@ -69,6 +69,7 @@ def test_star_import_and_dir_without_a_component():
     )
     assert out.returncode == 0, out.stderr
     assert "memopt.AdamBridge needs the memopt-offload package" in out.stdout
+    assert "or the extra memopt[offload]" in out.stdout  # the meta-package's own extra
 
 
 def test_both_forms_of_the_checkpoint_submodule_name_the_missing_package():
@@ -97,13 +98,15 @@ def test_an_installed_component_that_fails_to_import_raises_its_own_error(tmp_pa
 
 def test_what_type_checkers_see_matches_the_exports():
     """The names imported under TYPE_CHECKING and the literal __all__ there are what mypy and
-    IDEs read (the lazy __getattr__ gave them Any): each must be an export, from its module."""
+    IDEs read: each must be an export, from its module. The lazy __getattr__ is hidden from them
+    (it would make every misspelled ``memopt.<name>`` an Any)."""
     import ast
     from pathlib import Path
 
     tree = ast.parse(Path(memopt.__file__).read_text())
     imported: dict[str, str] = {}
     literal: set[str] = set()
+    hidden: set[str] = set()
     for node in tree.body:
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
             for sub in node.body:
@@ -111,8 +114,12 @@ def test_what_type_checkers_see_matches_the_exports():
                     imported.update({a.name: sub.module for a in sub.names})
                 elif isinstance(sub, ast.Assign):
                     literal = set(ast.literal_eval(sub.value))
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "not TYPE_CHECKING":
+            hidden.update(sub.name for sub in node.body if isinstance(sub, ast.FunctionDef))
+    assert imported.pop("checkpoint") == "memopt"  # the submodule, for memopt.checkpoint.save
     assert set(imported) == set(memopt._EXPORTS)
     assert literal == {*memopt._EXPORTS, "__version__"}
+    assert hidden == {"__getattr__", "__dir__"}
     for name, module in imported.items():
         assert getattr(__import__(module, fromlist=[name]), name) is getattr(memopt, name)
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: each name with its component's types
+    from memopt import checkpoint as checkpoint  # the submodule (memopt.checkpoint.save)
     from memopt_apexw import ApexW
     from memopt_core.errors import (
         BackendUnavailableError,
@@ -111,6 +112,10 @@ else:
     ]
 
 
+#: distributions that the meta-package's own extras install (``pip install "memopt[offload]"``)
+_EXTRAS = {"memopt-offload": "offload"}
+
+
 def _import(module: str, what: str, dist: str) -> Any:
     """``module`` imported; ImportError naming ``dist`` when its package is not installed. Any
     other failure (an installed package that fails to import: a stale build) propagates as it
@@ -121,21 +126,25 @@ def _import(module: str, what: str, dist: str) -> Any:
         top = module.partition(".")[0]
         if exc.name not in (top, module):
             raise
+        extra = f", or the extra memopt[{_EXTRAS[dist]}]" if dist in _EXTRAS else ""
         raise ImportError(
-            f"{what} needs the {dist} package (from a checkout: pip install packages/{dist})"
+            f"{what} needs the {dist} package (from a checkout: pip install packages/{dist}{extra})"
         ) from exc
 
 
-def __getattr__(name: str) -> Any:
-    if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
-        return importlib.import_module("memopt.checkpoint")  # which says what is missing
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'memopt' has no attribute {name!r}")
-    module, dist = _EXPORTS[name]
-    value = getattr(_import(module, f"memopt.{name}", dist), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+# Outside type checking only: a module-level __getattr__ would make every misspelled
+# ``memopt.<name>`` an Any to a type checker, which reads the imports above instead.
+if not TYPE_CHECKING:
 
+    def __getattr__(name: str) -> Any:
+        if name == "checkpoint":  # the submodule, on first use (``memopt.checkpoint.save``)
+            return importlib.import_module("memopt.checkpoint")  # which says what is missing
+        if name not in _EXPORTS:
+            raise AttributeError(f"module 'memopt' has no attribute {name!r}")
+        module, dist = _EXPORTS[name]
+        value = getattr(_import(module, f"memopt.{name}", dist), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
 
-def __dir__() -> list[str]:
-    return sorted([*__all__, *(["checkpoint"] if _installed("memopt_checkpoint") else [])])
+    def __dir__() -> list[str]:
+        return sorted([*__all__, *(["checkpoint"] if _installed("memopt_checkpoint") else [])])
