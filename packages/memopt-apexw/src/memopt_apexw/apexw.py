@@ -2,13 +2,13 @@
 
 State bytes per parameter element (next to the parameter itself):
 
-================== ============================= ===================================
-parameters         ``state="bf16"``              ``state="q8"``
-================== ============================= ===================================
-float32            4 (bf16 m, v; SR)             2.0625 (q8 m, v with E8M0 scales)
-bfloat16 (ECC-24)  5 (+1 B master code)          3.0625
+================== ============================== ===================================
+parameters         ``state="bf16"``               ``state="q8"``
+================== ============================== ===================================
+float32            4 (bf16 m, v; SR)              2.0625 (q8 m, v with E8M0 scales)
+bfloat16 (ECC-24)  5 (+1 B master code)           3.0625
 bfloat16 (ECC-32)  6 (+2 B, an exact fp32 master) 4.0625
-================== ============================= ===================================
+================== ============================== ===================================
 
 torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half. Moments round
 stochastically (core's counter-based generator), so a bf16 second moment decays like fp32's

@@ -456,8 +456,8 @@ class MemOptimizer(Optimizer):
             (``initial_lr`` recorded per group when it is added, as LR schedulers do; they then
             take it as their base lr, and OneCycleLR rewrites it: docs/ecc.md) instead of
             ``lr * weight_decay``.
-        master: master format of bfloat16/float16 parameters: ``"none"``, ``"ecc24"``, ``"ecc32"``
-            (float32 parameters are always their own master).
+        master: master format of bfloat16 parameters: ``"none"``, ``"ecc24"``, ``"ecc32"``;
+            float16 parameters take ``"none"`` only (float32 parameters are their own master).
         moments: moment format preset: ``"fp32"``, ``"bf16"``, ``"fp8"``, ``"q8"``.
         stochastic_rounding: round master and moments stochastically (counter-based, so every
             backend gives the same bits) where the format offers it.

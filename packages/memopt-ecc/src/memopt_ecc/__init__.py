@@ -3,7 +3,8 @@
 - :class:`FlashSGD`, :class:`FlashSGDW`, :class:`FlashAdam`, :class:`FlashAdamW`,
   :class:`FlashLion`: :class:`memopt_core.MemOptimizer` subclasses with FlashOptim's constructor
   (``quantize``, ``master_weight_bits``, ``compress_state_dict``, ``check_numerics``, ``fused``,
-  ``decouple_lr``) plus ``stochastic_rounding`` (default True) and ``seed``.
+  ``decouple_lr``) plus the keyword-only ``stochastic_rounding`` (default True), ``seed`` and
+  ``capturable`` (device-resident step counts for CUDA-graph capture).
 - :func:`cast_model`: bf16 models with chosen layers (and BatchNorm statistics) kept in fp32.
 - :func:`enable_gradient_release`: update parameters during ``backward`` (GradScaler supported).
 - :func:`get_fp32_model_state_dict` / :func:`set_fp32_model_state_dict`: fp32 weights out of

@@ -4,6 +4,8 @@ Addresses are ``Tensor.data_ptr()`` values (0: absent), ids are those of
 ``include/memopt_cpu/kernel_api.hpp``. Nothing here checks tensors: use memopt_kernels_cpu.ops.
 """
 
+from collections.abc import Sequence
+
 __version__: str
 #: int64 words per slot-table row (``SlotRow``; ``ops.SLOT_COLUMNS`` names them)
 SLOT_ROW_WORDS: int
@@ -36,7 +38,7 @@ def fused_step(
     nesterov: bool,
     first_step: bool,
     has_momentum: bool,
-    scalars: list[float],
+    scalars: Sequence[float],
     seed: int,
     step: int,
     code: int,
@@ -52,4 +54,4 @@ def encode_master(master: int, x: int, n: int, param: int, code: int, rand: int)
 def decode_master(master: int, param: int, code: int, n: int, out: int) -> None: ...
 def stream_words(seed: int, tensor_id: int, step: int, index: int, n: int, out: int) -> None: ...
 def _pool_probe(throw_part: int = -1) -> list[int]: ...
-def _step_partition(padded: list[int], chunk_size: int, threads: int) -> list[int]: ...
+def _step_partition(padded: Sequence[int], chunk_size: int, threads: int) -> list[int]: ...
