@@ -578,3 +578,117 @@ def test_a_foreign_default_device_changes_nothing(device, precision, update):
     assert all(
         v.device.type == "cpu" for s in state.values() for v in s.values() if torch.is_tensor(v)
     )
+
+
+def _tied_after_construction(device):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)])
+    return model.to(device, torch.bfloat16)
+
+
+@both_updates()
+@pytest.mark.parametrize("hooks", [False, True])
+def test_a_tie_made_after_construction_is_refused_before_any_update(
+    device, precision, update, hooks
+):
+    """``head.weight.data = emb.weight.data`` after the optimizer was built: each parameter was
+    updated from its own state and the last upload overwrote the other's update (0.03 off torch's
+    AdamW after 3 steps at lr 1e-2). The step's first gradient now finds the moved address
+    shared and refuses the step before any gradient leaves."""
+    model = _tied_after_construction(device)
+    opt = AdamBridge(
+        model.parameters(), lr=1e-2, precision=precision, update=update, **BOTH[update]
+    )
+    model[1].weight.data = model[0].weight.data
+    before = model[0].weight.detach().clone()
+    if hooks:
+        opt.attach_hooks(model)
+    ids = torch.tensor([1, 2, 3], device=device)
+
+    def train_step():  # with hooks, backward raises; without, step_sync()
+        model[1](model[0](ids)).float().pow(2).sum().backward()
+        opt.step_sync()
+
+    with pytest.raises(ConfigError, match="assigning the Parameter itself"):
+        train_step()
+    assert torch.equal(model[0].weight.detach(), before)
+    # the head's gradient came first and was not taken (with hooks, the error ended backward)
+    assert model[1].weight.grad is not None
+
+
+@both_updates()
+@pytest.mark.parametrize("hooks", [False, True])
+def test_a_cast_after_construction_is_refused_before_any_update(device, precision, update, hooks):
+    """``model.float()`` after building on bf16 weights: every step rounded the gradients and the
+    uploaded weights to bf16 (update="host"), or failed with "undefined state, reload the last
+    checkpoint" (update="device"). Now refused, naming the parameter, before any update."""
+    model = make_model(device)
+    opt = AdamBridge(
+        model.parameters(), lr=1e-2, precision=precision, update=update, **BOTH[update]
+    )
+    model.float()
+    before = [p.detach().clone() for p in model.parameters()]
+    if hooks:
+        opt.attach_hooks(model)
+
+    def train_step():  # with hooks, backward raises; without, step_sync()
+        loss_of(model, batch(0, device, dtype=torch.float32)).backward()
+        opt.step_sync()
+
+    with pytest.raises(OffloadError, match=r"is torch\.float32, but its host state was built"):
+        train_step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("clip_mode", ["wait", "overlap"])
+def test_a_step_without_gradients_reports_a_norm_of_zero(clip_mode):
+    """step_sync() returned the previous step's norm after a step that received no gradient (a
+    logger or a NaN-norm skip saw a step that did not happen); clip_grad_norm_ over no gradient
+    gives 0."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), lr=1e-2, max_grad_norm=1.0, clip_mode=clip_mode)
+    loss_of(model, batch(0, "cpu")).backward()
+    assert opt.step_sync() > 0
+    opt.zero_grad()
+    assert opt.step_sync() == 0.0
+    assert opt.last_grad_norm == 0.0
+
+
+def test_a_grad_scaler_with_hooks_is_refused_by_name():
+    """The hooks take each gradient during backward, still scaled: torch's GradScaler then failed
+    with its internal "No inf checks were recorded for this optimizer"."""
+    model = torch.nn.Linear(8, 8)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32")
+    opt.attach_hooks(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale(model(torch.ones(4, 8)).pow(2).sum()).backward()
+    with pytest.raises(OffloadError, match="GradScaler with attach_hooks"):
+        scaler.step(opt)
+    assert not hasattr(opt, "found_inf")
+    assert not hasattr(opt, "grad_scale")
+
+
+def test_a_grad_scaler_without_hooks_steps_as_torch_adamw():
+    model = torch.nn.Linear(8, 8)
+    ref_model = copy.deepcopy(model)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision="fp32", weight_decay=0.0)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.0)
+    for m, o in ((model, opt), (ref_model, ref)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        for t in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(t))
+            scaler.scale(m(x).pow(2).sum()).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    torch.testing.assert_close(model.weight, ref_model.weight, rtol=0, atol=1e-6)
+
+
+def test_errors_name_parameters_by_the_groups_param_names():
+    model = make_model("cpu")
+    names = [n for n, _ in model.named_parameters()]
+    opt = AdamBridge([{"params": list(model.parameters()), "param_names": names}], lr=1e-2)
+    model[0].weight.data = torch.zeros(3, 3, dtype=torch.bfloat16)  # reshaped: refused
+    model[0].weight.grad = torch.zeros(3, 3, dtype=torch.bfloat16)
+    with pytest.raises(OffloadError, match=r"parameter 0\.weight of param group 0"):
+        opt.step()

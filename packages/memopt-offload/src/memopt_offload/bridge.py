@@ -260,6 +260,9 @@ class _Slot:
     staging: Tensor | None  # bf16 copy the kernel writes, when the master is fp32
     label: str
     index: int  # position among all parameters of the optimizer (orders the norm's sum)
+    shape: torch.Size  # the parameter's shape and dtype when its state was built
+    dtype: torch.dtype
+    addr: int  # its address when last found apart from every other parameter
     pos: int = -1  # update="device": the parameter's position in the DeviceUpdater
     # update="host": the parameter's (version counter, address) when its master last matched
     # it (built from it, or uploaded to it); another value means the weight was written since
@@ -742,11 +745,9 @@ class AdamBridge(Optimizer):
         if self._initial_ids is not None:
             self._initial_ids.update(map(id, params))
 
-    def _label(
-        self, gi: int, group: dict[str, Any], names: list[Any], p: Tensor
-    ) -> tuple[str, int]:
-        """(label, index among all parameters of the optimizer) of ``p`` in group ``gi``."""
-        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+    def _label(self, gi: int, names: list[Any], p: Tensor, idx: int) -> tuple[str, int]:
+        """(label, index among all parameters of the optimizer) of ``p``, parameter ``idx`` of
+        group ``gi``."""
         label = names[idx] if idx < len(names) and names[idx] else f"#{idx}"
         index = sum(len(g["params"]) for g in self.param_groups[:gi]) + idx
         return f"parameter {label} of param group {gi} (shape {tuple(p.shape)})", index
@@ -754,9 +755,14 @@ class AdamBridge(Optimizer):
     def _allocate_group(self, gi: int, group: dict[str, Any], raw: list[Any]) -> None:
         """Allocate group ``gi``'s host memory and state; nothing of it is kept on failure."""
         train = [p for p in group["params"] if p.requires_grad]
-        names = [item[0] if isinstance(item, tuple) else None for item in raw]
+        # torch records the names of named_parameters() and of a group's own "param_names"
+        names = group.get("param_names") or [
+            item[0] if isinstance(item, tuple) else None for item in raw
+        ]
+        where = {id(q): i for i, q in enumerate(group["params"])}
+        labels = [self._label(gi, names, p, where[id(p)]) for p in train]
         if self.update == "device":
-            self._allocate_device_group(gi, group, names, train)
+            self._allocate_device_group(gi, train, labels)
             return
         moments, master = PRECISIONS[self.precision]
         pin = self.pin_memory and self._cuda
@@ -791,12 +797,11 @@ class AdamBridge(Optimizer):
         uslab = HostSlab(plain, pin=False, what=what)
         slots, masters = [], []
         with torch.no_grad():
-            for p, (m, g, u, s) in zip(train, layout, strict=True):
+            for p, (m, g, u, s), (label, index) in zip(train, layout, labels, strict=True):
                 slab_m = pslab if p.dtype == torch.float32 or s is None else uslab
                 mt = slab_m.view(m)
                 mt.copy_(p.detach())  # the device weight (bf16 widens exactly)
                 mt.requires_grad_(True)
-                label, index = self._label(gi, group, names, p)
                 slot = _Slot(
                     param=p,
                     group=gi,
@@ -806,6 +811,9 @@ class AdamBridge(Optimizer):
                     staging=None if s is None else pslab.view(s),
                     label=label,
                     index=index,
+                    shape=p.shape,
+                    dtype=p.dtype,
+                    addr=p.data_ptr(),
                     seen=_written(p),
                 )
                 slots.append(slot)
@@ -836,7 +844,7 @@ class AdamBridge(Optimizer):
         return host
 
     def _allocate_device_group(
-        self, gi: int, group: dict[str, Any], names: list[Any], train: list[Tensor]
+        self, gi: int, train: list[Tensor], labels: list[tuple[str, int]]
     ) -> None:
         dev = self._dev
         if dev is None:
@@ -845,8 +853,7 @@ class AdamBridge(Optimizer):
         first = len(dev.params)  # the host update's tensor ids: trainable ones in order
         dev.add_group(gi, train, first, f"AdamBridge param group {gi}")  # all of it, or nothing
         self._dev = dev
-        for k, p in enumerate(train):
-            label, index = self._label(gi, group, names, p)
+        for k, (p, (label, index)) in enumerate(zip(train, labels, strict=True)):
             self._slots[id(p)] = _Slot(
                 param=p,
                 group=gi,
@@ -856,6 +863,9 @@ class AdamBridge(Optimizer):
                 staging=None,
                 label=label,
                 index=index,
+                shape=p.shape,
+                dtype=p.dtype,
+                addr=p.data_ptr(),
                 pos=first + k,
             )
 
@@ -935,7 +945,10 @@ class AdamBridge(Optimizer):
                 "not block the host (the next forward is ordered after the updates on the GPU)"
             )
         if self._hooks:
-            raise ConfigError("hooks are already attached: call detach_hooks() first")
+            raise ConfigError(
+                "hooks are already attached: call detach_hooks() first (to hook two models, "
+                "attach once to a torch.nn.ModuleList of both)"
+            )
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"attach_hooks takes a torch.nn.Module, got {type(model).__name__}")
         reject_hook_wrappers(model, "AdamBridge.attach_hooks()")
@@ -1027,7 +1040,9 @@ class AdamBridge(Optimizer):
                 f"a forward of {type(module).__name__} started while {len(self._pending)} "
                 "parameter update(s) of the last backward are not collected: call "
                 "optimizer.step_sync() (or step()) after backward and before the next forward, "
-                "or the forward could read half-updated weights"
+                "or the forward could read half-updated weights. After a backward that raised, "
+                "the updates its hooks started are already under way and step_sync() "
+                "completes them: to drop that batch instead, reload the last checkpoint"
             )
         if self._guard_next_forward and self._inflight and self._read_guard is None:
             # the first forward that overlaps updates checks that no weight is read before
@@ -1153,6 +1168,7 @@ class AdamBridge(Optimizer):
         g = p.grad
         self._check_grad(slot, g)
         if not self._pending:  # the step opens: every group's hyperparameters, checked once
+            self._check_moved()
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
             ]
@@ -1196,20 +1212,58 @@ class AdamBridge(Optimizer):
             slot.master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
         slot.seen = _written(p)
 
+    def _check_moved(self) -> None:
+        """Before a step takes its first gradient: a parameter given new memory since the last
+        step (``p.data = t``, ``model.float()``) must still have the shape and dtype of its
+        state, and must not share that memory with another parameter (a tie made after the
+        optimizer was built, ``head.weight.data = emb.weight.data``): each is updated from its
+        own state, so the last upload would overwrite the other's update."""
+        moved = [slot for slot in self._slots.values() if slot.param.data_ptr() != slot.addr]
+        if not moved:
+            return
+        for slot in moved:
+            self._check_param(slot)
+        ids = {id(slot.param) for slot in moved}
+        try:
+            check_parameters_apart(
+                [(slot.param, slot.label) for slot in moved],
+                [(q, w) for q, w in labelled_parameters(self.param_groups) if id(q) not in ids],
+            )
+        except ConfigError as e:
+            raise ConfigError(
+                f"{e}. A parameter got new memory since the optimizer was built (p.data = t) "
+                "that it shares with another parameter: tie weights by assigning the "
+                "Parameter itself (head.weight = emb.weight), and before building the optimizer"
+            ) from None
+        for slot in moved:
+            slot.addr = slot.param.data_ptr()
+
     @staticmethod
-    def _check_grad(slot: _Slot, g: Tensor) -> None:
+    def _check_param(slot: _Slot) -> None:
+        """The parameter still has the shape and dtype its state was built for."""
+        p = slot.param
+        if p.shape != slot.shape:  # p.data = t of a new shape
+            raise OffloadError(
+                f"{slot.label} has shape {tuple(p.shape)}, but its host state was built for "
+                f"{tuple(slot.shape)}: reshaped after the optimizer was built. Build a "
+                "new optimizer (or add the parameter in a new param group) after reshaping"
+            )
+        if p.dtype != slot.dtype:  # model.float(): the state would go on rounding to bf16
+            raise OffloadError(
+                f"{slot.label} is {p.dtype}, but its host state was built for {slot.dtype}: "
+                "cast after the optimizer was built. Cast the model first and build the "
+                "optimizer after it"
+            )
+
+    @classmethod
+    def _check_grad(cls, slot: _Slot, g: Tensor) -> None:
         p = slot.param
         if g.shape != p.shape or g.dtype != p.dtype or g.layout != torch.strided:
             raise OffloadError(
                 f"{slot.label} has a {g.dtype} {g.layout} gradient of shape {tuple(g.shape)}; "
                 f"AdamBridge takes dense gradients of the parameter's dtype and shape"
             )
-        if slot.grad is not None and p.shape != slot.grad.shape:  # p.data = t of a new shape
-            raise OffloadError(
-                f"{slot.label} has shape {tuple(p.shape)}, but its host state was built for "
-                f"{tuple(slot.grad.shape)}: reshaped after the optimizer was built. Build a "
-                "new optimizer (or add the parameter in a new param group) after reshaping"
-            )
+        cls._check_param(slot)
 
     def _copy_out(self, bucket: _Bucket) -> None:
         """Copy the bucket's gradients to their pinned host buffers (on the side stream, after
@@ -1341,6 +1395,10 @@ class AdamBridge(Optimizer):
                 self._submit(bucket, coef)
             if self.clip_mode == "overlap":
                 self._prev_coef = coef
+        elif self.max_grad_norm is not None:
+            # a step without gradients: clip_grad_norm_ over none gives 0, and a logger (or a
+            # skip on a NaN norm) must not see the last step's norm again
+            self.last_grad_norm = 0.0
 
     def _finish(self) -> None:
         """Collect the step and every update in flight, and order the uploads before the
@@ -1379,6 +1437,16 @@ class AdamBridge(Optimizer):
         them). Raises :class:`~memopt_core.errors.ConfigError`, changing nothing, when a
         group's hyperparameter is invalid. Returns the closure's loss."""
         MemOptimizer._refuse_inference_mode("step")
+        if hasattr(self, "found_inf"):  # GradScaler.step with hooks (_step_supports_amp_scaling)
+            del self.found_inf
+            self.__dict__.pop("grad_scale", None)
+            raise OffloadError(
+                "a torch.amp.GradScaler with attach_hooks(): the hooks update each parameter "
+                "during backward from its gradient as it arrives, still scaled, so the scaler "
+                "can neither unscale it nor skip a step with an inf. That backward updated the "
+                "weights from scaled gradients: reload the last checkpoint. With a GradScaler, "
+                "call step() without hooks"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1417,6 +1485,13 @@ class AdamBridge(Optimizer):
             self._finish()
         return loss
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # with hooks, GradScaler.step hands step() its scale (which step() refuses, saying
+        # why) instead of unscaling gradients the hooks already took, where torch failed with
+        # "No inf checks were recorded for this optimizer"
+        return bool(self._hooks)
+
     def step_sync(self) -> float | None:
         """Wait until every update of the last backward has landed and the new weights are
         back on the device (ordered before the current stream's next kernel). Calls
@@ -1439,7 +1514,8 @@ class AdamBridge(Optimizer):
         self._untrained = []
         p, gi = held[0]
         group = self.param_groups[gi]
-        label = self._label(gi, group, group.get("param_names", []), p)[0]
+        idx = next(i for i, q in enumerate(group["params"]) if q is p)
+        label = self._label(gi, group.get("param_names", []), p, idx)[0]
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         warnings.warn(
             f"{label}{more} has a gradient but is not trained: it was frozen when its param "
