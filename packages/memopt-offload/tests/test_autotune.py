@@ -440,3 +440,15 @@ def test_cache_path_depends_on_machine(tmp_path):
     assert a != b
     assert a.parent == Path(tmp_path)
     assert cache_path(tmp_path) == cache_path(tmp_path, machine_key())
+
+
+def test_measure_under_a_float64_default_dtype():
+    """Its workload's tensors took ``torch.set_default_dtype``'s float64: a ConfigError from the
+    plan ("plan group of torch.float32 tensors ... got a torch.float64 tensor")."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = AutoTuneConfig.measure(quick=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert cfg.num_threads >= 1
+    assert cfg.host_gbs > 0

@@ -692,3 +692,26 @@ def test_errors_name_parameters_by_the_groups_param_names():
     model[0].weight.grad = torch.zeros(3, 3, dtype=torch.bfloat16)
     with pytest.raises(OffloadError, match=r"parameter 0\.weight of param group 0"):
         opt.step()
+
+
+@both_updates()
+def test_a_float64_default_dtype_changes_nothing(device, precision, update):
+    """Under ``torch.set_default_dtype(torch.float64)`` the steps keep the bits of float32's,
+    and the device update's saved step counts stay float32 (they took the default dtype)."""
+    runs = []
+    for default in (torch.float32, torch.float64):
+        model = make_model(device)
+        xs = [batch(t, device) for t in range(4)]
+        opt = AdamBridge(model.parameters(), lr=3e-3, precision=precision, update=update)
+        opt.attach_hooks(model)
+        torch.set_default_dtype(default)
+        try:
+            for x in xs:
+                loss_of(model, x).backward()
+                opt.step_sync()
+            state = opt.state_dict()["state"]
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert all(s["step"].dtype == torch.float32 for s in state.values())
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))

@@ -166,7 +166,7 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
 @functools.cache
 def _torch_defaults_cached(cls: type[torch.optim.Optimizer]) -> tuple[tuple[str, Any], ...]:
     # the keys (and defaults) of this torch version's param groups, from a throwaway instance
-    dummy = torch.zeros(1, requires_grad=True, device="cpu")
+    dummy = torch.zeros(1, requires_grad=True, dtype=torch.float32, device="cpu")
     return tuple(cls([dummy]).defaults.items())
 
 

@@ -161,12 +161,14 @@ def make_group(
     initial parameters) and ``hyper`` (lr, betas, eps, weight_decay, momentum, ...).
     ``index_bases``: the steps' :attr:`GroupStep.index_bases` (the tensors as shards)."""
     kind, _ = RULE_KINDS[rule]
-    device = torch.empty(0, device=device).device  # canonical ("cuda" -> "cuda:0")
+    device = torch.empty(
+        0, dtype=torch.uint8, device=device
+    ).device  # canonical ("cuda" -> "cuda:0")
     g = torch.Generator().manual_seed(gen_seed)
     params = []
     for i, n in enumerate(sizes):
-        v = torch.randn(n, generator=g, device="cpu") * torch.exp(
-            torch.randn(n, generator=g, device="cpu")
+        v = torch.randn(n, generator=g, dtype=torch.float32, device="cpu") * torch.exp(
+            torch.randn(n, generator=g, dtype=torch.float32, device="cpu")
         )
         shape = (n // 4, 4) if n % 4 == 0 and n and i % 2 else (n,)
         params.append(v.to(dtype).to(device).view(shape))
@@ -193,8 +195,8 @@ def make_grads(
     for p in group.params:
         n = p.numel()
         v = (
-            torch.randn(n, generator=g, device="cpu")
-            * torch.exp(2 * torch.randn(n, generator=g, device="cpu"))
+            torch.randn(n, generator=g, dtype=torch.float32, device="cpu")
+            * torch.exp(2 * torch.randn(n, generator=g, dtype=torch.float32, device="cpu"))
             * scale
         )
         if n > 3:

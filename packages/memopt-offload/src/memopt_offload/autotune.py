@@ -207,8 +207,11 @@ def _adamw_workload(
     spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
     gen = torch.Generator().manual_seed(0)
     sizes = _workload_sizes(n)
-    params = [torch.randn(s, generator=gen, device="cpu") for s in sizes]
-    grads = [(torch.randn(s, generator=gen, device="cpu") * 1e-3).to(grad_dtype) for s in sizes]
+    params = [torch.randn(s, generator=gen, dtype=torch.float32, device="cpu") for s in sizes]
+    grads = [
+        (torch.randn(s, generator=gen, dtype=torch.float32, device="cpu") * 1e-3).to(grad_dtype)
+        for s in sizes
+    ]
     staging = [torch.empty(s, dtype=torch.bfloat16, device="cpu") for s in sizes]
     plan = GroupPlan(params, spec, device=torch.device("cpu"), param_dtype=torch.float32)
     arena = StateArena(

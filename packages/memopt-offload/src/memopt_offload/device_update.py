@@ -479,7 +479,9 @@ class DeviceUpdater:
         """The state dict entry of parameter ``pos``: ``step``, the moments and ECC code (live
         host views) and ``master`` (a host copy of the device weight), as ``update="host"``
         saves them."""
-        entry: dict[str, Any] = {"step": torch.tensor(float(self.steps[pos]), device="cpu")}
+        entry: dict[str, Any] = {
+            "step": torch.tensor(float(self.steps[pos]), dtype=torch.float32, device="cpu")
+        }
         entry.update(self.views(pos))
         entry["master"] = self.params[pos].detach().to("cpu", copy=True)
         return entry
