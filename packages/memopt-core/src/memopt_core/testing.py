@@ -161,9 +161,8 @@ def make_group(
     initial parameters) and ``hyper`` (lr, betas, eps, weight_decay, momentum, ...).
     ``index_bases``: the steps' :attr:`GroupStep.index_bases` (the tensors as shards)."""
     kind, _ = RULE_KINDS[rule]
-    device = torch.empty(
-        0, dtype=torch.uint8, device=device
-    ).device  # canonical ("cuda" -> "cuda:0")
+    # canonical ("cuda" -> "cuda:0")
+    device = torch.empty(0, dtype=torch.uint8, device=device).device
     g = torch.Generator().manual_seed(gen_seed)
     params = []
     for i, n in enumerate(sizes):
