@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import re
 import subprocess
@@ -133,28 +134,47 @@ def test_cuda_groups_route_to_triton_through_the_registry():
     assert chosen.name == "triton"
 
 
-def test_a_group_the_kernels_refuse_fails_before_any_group_runs(device):
-    """core takes a bf16 gradient for an fp32 parameter (its own master); these kernels refuse
-    it. With a bf16 group first, that group was updated before the fp32 one raised: the
-    backend's check() now refuses the step before any launch, changing nothing."""
-    from memopt_core import ConfigError, MemOptimizer
+def _set_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    if hasattr(p, "grad_dtype"):  # torch 2.12+ refuses another gradient dtype unless told
+        p.grad_dtype = None
+    p.grad = g
 
-    gen = torch.Generator().manual_seed(0)
-    half = torch.nn.Parameter(torch.randn(33, generator=gen).to(torch.bfloat16).to(device))
-    full = torch.nn.Parameter(torch.randn(31, generator=gen).to(device))
-    opt = MemOptimizer([half, full], lr=1e-2, backend="triton")
-    half.grad = torch.randn(33, generator=gen).to(torch.bfloat16).to(device)
-    full.grad = torch.randn(31, generator=gen).to(device)
-    opt.step()  # state exists
-    if hasattr(full, "grad_dtype"):  # torch 2.12+ refuses another gradient dtype unless told
-        full.grad_dtype = None
-    full.grad = full.grad.to(torch.bfloat16)
-    before = [t.clone() for t in (half.detach(), full.detach())]
-    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in (half, full)]
-    with pytest.raises(ConfigError, match="gradients must have the parameter's dtype or float32"):
-        opt.step()
-    assert torch.equal(half.detach(), before[0])
-    assert torch.equal(full.detach(), before[1])
-    for p, saved in zip((half, full), states, strict=True):
-        for k, v in saved.items():
-            assert torch.equal(opt.state[p][k], v), k
+
+@pytest.mark.parametrize("moments", ["fp32", "q8"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_float32_parameters_take_16bit_gradients(device, grad_dtype, moments):
+    """A float32 parameter (its own master) takes a bfloat16 or float16 gradient, widened
+    exactly, as core's other backends do: the torch backend's bits, beside float32 gradients
+    in the same launch. With a GradScaler's scale and found-inf flag on the device (the kernel
+    unscales), a scale that is not a power of two rounds the unscaled gradient in its own
+    dtype, as ``GradScaler.unscale_`` (the torch backend's host path) does. Until 2026-12-05
+    these kernels refused the pair, so the same step raised on CUDA and ran on CPU."""
+    from memopt_core import MemOptimizer
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = (1, 31, 33, 257)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+    opts = [
+        MemOptimizer(ps, lr=1e-2, weight_decay=0.1, moments=moments, seed=3, backend=b)
+        for ps, b in ((ref, "torch"), (mine, "triton"))
+    ]
+    for step in range(1, 7):
+        scaled = step > 3
+        for i, n in enumerate(sizes):
+            g = torch.randn(n, generator=gen) * (3.0 if scaled else 1.0)
+            g = g.to(grad_dtype if i % 2 == 0 else torch.float32)
+            if step == 5 and i == 2:
+                g[0] = math.inf  # found-inf: the step is skipped
+            _set_grad(ref[i], g.clone())
+            _set_grad(mine[i], g.clone().to(device))
+        for opt, dev in zip(opts, ("cpu", device), strict=True):
+            if scaled:  # what GradScaler.step sets before calling step()
+                opt.grad_scale = torch.full((1,), 3.0, device=dev)
+                opt.found_inf = torch.full((1,), float(step == 5), device=dev)
+            opt.step()
+        for i, (a, b) in enumerate(zip(ref, mine, strict=True)):
+            assert torch.equal(a.detach(), b.detach().cpu()), f"step {step}, parameter {i}"
+            for k, v in opts[0].state[a].items():
+                assert torch.equal(v, opts[1].state[b][k].cpu()), f"step {step}, {i}: {k}"

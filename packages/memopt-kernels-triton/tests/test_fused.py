@@ -125,6 +125,18 @@ def test_fp32_and_mixed_gradients(device, master, dtype):
     )
 
 
+@pytest.mark.parametrize("variant", ["adamw", "sgd-mom-damp-l2", "lion"])
+@pytest.mark.parametrize("preset", ["fp32", "q8"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_gradients_of_float32_parameters(device, variant, preset, grad_dtype):
+    """A float32 master takes 16-bit gradients, widened exactly (grad kinds 0 and 2), through
+    every loading path: an unblocked preset loads in the tile loop, a blocked one first."""
+    run_compare(
+        variant, preset, "fp32", torch.float32, True, device, sizes=sizes_for(device),
+        grad_dtype=grad_dtype,
+    )  # fmt: skip
+
+
 def test_partial_steps(device):
     """A step over some of the plan's tensors (gradient release) touches only those."""
     sizes = sizes_for(device)

@@ -280,8 +280,8 @@ def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[s
 
 def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
     """Gradients have the parameter's dtype or float32; a float32 parameter (its own master)
-    also takes a bfloat16/float16 gradient, widened exactly (the triton backend refuses that
-    pair with its own error)."""
+    also takes a bfloat16/float16 gradient, widened exactly (unscaled first in its own dtype,
+    as ``GradScaler.unscale_`` does), on every backend."""
     return grad in (param, torch.float32) or (
         param == torch.float32 and grad in (torch.bfloat16, torch.float16)
     )

@@ -737,19 +737,28 @@ def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
 
 
 #: Columns of the slot table (int64 each; see :mod:`memopt_kernels_triton.kernels.tiles`).
-_SLOT_COLUMNS = ("param address", "grad address", "grad is float32", "tensor id", "index base")
+_SLOT_COLUMNS = ("param address", "grad address", "grad kind", "tensor id", "index base")
 #: Index bases stay below this bound including the tensor's padded length (int64 index arithmetic
 #: in the kernels, with room to spare; core's random words take 64-bit indices).
 _INDEX_LIMIT = 2**62
 
 
-def _slot_rows(pp, gp, gd, tids, bases) -> Tensor:
+def _grad_kind(param: torch.dtype, grad: torch.dtype) -> int:
+    """The slot table's grad kind (:func:`~memopt_kernels_triton.kernels.tiles.chunk_info`): 1
+    for float32, 2 for float16 beside a float32 parameter, else 0 (bfloat16, or the parameter's
+    16-bit dtype)."""
+    if grad == torch.float32:
+        return 1
+    return 2 if param == torch.float32 and grad == torch.float16 else 0
+
+
+def _slot_rows(pp, pd, gp, gd, tids, bases) -> Tensor:
     """The slot table: one row of :data:`_SLOT_COLUMNS` per tensor of the step, in the step's
     order (:func:`_chunk_table`'s slot column). ``bases`` are the tensors' index bases
     (validated by :func:`_check_bases`)."""
     rows = [  # the kernels take a tensor id's low 32 bits, as core's words do
-        [pa, ga, int(dt == torch.float32), int(tid) & 0xFFFFFFFF, base]
-        for pa, ga, dt, tid, base in zip(pp, gp, gd, tids, bases, strict=True)
+        [pa, ga, _grad_kind(pdt, gdt), int(tid) & 0xFFFFFFFF, base]
+        for pa, pdt, ga, gdt, tid, base in zip(pp, pd, gp, gd, tids, bases, strict=True)
     ]
     return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(_SLOT_COLUMNS))
 
@@ -828,9 +837,11 @@ def _validate(work: GroupStep, plan) -> None:
                 f"{tuple(slot.shape)}); rebuild the plan after resizing a parameter"
             )
         _check_device(g, f"the gradient of {what}")
-        if g.dtype not in (p.dtype, torch.float32):
+        sixteen = (torch.bfloat16, torch.float16) if p.dtype == torch.float32 else ()
+        if g.dtype not in (p.dtype, torch.float32, *sixteen):
             raise ConfigError(
-                f"gradients must have the parameter's dtype or float32, got {g.dtype} for {p.dtype}"
+                f"the gradient of {what} is {g.dtype}: gradients must have the parameter's dtype "
+                f"({p.dtype}) or float32 (float32 parameters also bfloat16 or float16)"
             )
         if g.device != p.device or g.shape != p.shape:
             raise ConfigError(
@@ -1312,7 +1323,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         _validate(work, plan)
         checked = _check_bases(work, plan)
         chunks = _chunk_table(plan, work.slots, full, cs)
-        rows = _slot_rows(pp, gp, gd, work.tensor_ids, checked)
+        rows = _slot_rows(pp, pd, gp, gd, work.tensor_ids, checked)
         slot_tab = _to_device(rows, dev)
         tables = _Tables(chunks, slot_tab, rows)
         if not strided:

@@ -516,11 +516,12 @@ def store_master(x, pptr, cptr, offs, emask, amask, r24, MASTER: tl.constexpr, S
 @triton.jit
 def load_grad_raw(gptr, gkind, start, offs, emask, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """The gradient tile's stored words from int64 address ``gptr`` (elements ``start + offs``),
-    undecoded (for :func:`grad_value`): fp32 values with an fp32 master, else int32 holding the
-    fp32 bits (``gkind`` 1, a float32 gradient) or the 16-bit pattern (``gkind`` 0, the
-    parameter's dtype). Padding reads 0. ``ALIGNED``: ``gptr`` is a multiple of 16 bytes."""
+    undecoded (for :func:`grad_value`): fp32 values with an fp32 master (a 16-bit gradient
+    widened here), else int32 holding the fp32 bits (``gkind`` 1, a float32 gradient) or the
+    16-bit pattern (``gkind`` 0, the parameter's dtype). Padding reads 0. ``ALIGNED``: ``gptr``
+    is a multiple of 16 bytes."""
     if MASTER == MASTER_FP32:
-        g = tl.load(typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0)
+        g = load_grad_of_f32(gptr, gkind, start, offs, emask, ALIGNED)
     else:
         if gkind != 0:
             g = tl.load(typed_pointer(gptr, tl.int32, ALIGNED) + start + offs, mask=emask, other=0)
@@ -546,13 +547,30 @@ def grad_value(g, gkind, MASTER: tl.constexpr):
 
 
 @triton.jit
+def load_grad_of_f32(gptr, gkind, start, offs, emask, ALIGNED: tl.constexpr):
+    """Gradient tile of a float32 parameter as fp32: ``gkind`` 1 = float32, 0 = bfloat16,
+    2 = float16 (16-bit gradients widened exactly on the pattern, as core's backends take them).
+    Padding reads 0."""
+    if gkind == 1:
+        g = tl.load(typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0)
+    else:
+        g16 = tl.load(typed_pointer(gptr, tl.int16, ALIGNED) + start + offs, mask=emask, other=0)
+        if gkind == 2:  # noqa: SIM108 - one widening per branch, not both computed
+            g = fp16_widen(g16.to(tl.int32))
+        else:
+            g = bf16_widen(g16.to(tl.int32))
+    return g
+
+
+@triton.jit
 def load_grad(gptr, gkind, start, offs, emask, MASTER: tl.constexpr, ALIGNED: tl.constexpr):
     """Gradient tile as fp32 from int64 address ``gptr`` (elements ``start + offs``): ``gkind`` 1 =
-    float32 gradient, 0 = the parameter's 16-bit dtype (widened exactly on the pattern). Padding
-    reads 0. Not :func:`load_grad_raw` then :func:`grad_value`: one branch on ``gkind`` instead
-    of two, which the blocked formats' kernels (loading in place) feel."""
+    float32 gradient, 0 = the parameter's 16-bit dtype (widened exactly on the pattern; beside a
+    float32 parameter: :func:`load_grad_of_f32`). Padding reads 0. Not :func:`load_grad_raw`
+    then :func:`grad_value`: one branch on ``gkind`` instead of two, which the blocked formats'
+    kernels (loading in place) feel."""
     if MASTER == MASTER_FP32:
-        g = tl.load(typed_pointer(gptr, tl.float32, ALIGNED) + start + offs, mask=emask, other=0.0)
+        g = load_grad_of_f32(gptr, gkind, start, offs, emask, ALIGNED)
     else:
         if gkind != 0:
             g = tl.load(

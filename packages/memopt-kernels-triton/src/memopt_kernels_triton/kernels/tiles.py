@@ -2,7 +2,7 @@
 
 A launch covers one group: program ``pid`` of a persistent grid walks chunks ``pid, pid + nprog,
 ...`` of core's chunk table (int64 rows ``(slot, start, length, arena offset)``); a slot table
-(int64 rows ``(param address, grad address, grad is float32, tensor id, index base)``, one per
+(int64 rows ``(param address, grad address, grad kind, tensor id, index base)``, one per
 tensor of the step, indexed by the chunk's slot column: the tensor's position in the step) gives
 each chunk's tensors. The index base is the random-word index of the tensor's element 0
 (``GroupStep.index_bases``: a shard's offset in its whole tensor, else 0), so stochastic rounding
@@ -27,7 +27,8 @@ def chunk_info(
 ):
     """``(start, length, padded, aoff, param address, grad address, grad kind, tensor id, index
     base, slot)`` of chunk ``c`` (int64 scalars except ``length``/``padded``, int32: a chunk is
-    below 2**31).
+    below 2**31). The grad kind is 1 for a float32 gradient, 2 for a float16 one beside a float32
+    parameter, else 0 (bfloat16, or the parameter's 16-bit dtype).
 
     ``ALIGNED``: the launcher checked that every parameter and gradient address is a multiple of
     16 bytes and every chunk start a multiple of 32 elements; saying so lets Triton load and store
@@ -141,16 +142,23 @@ def gradient_and_decay(
     GradScaler's ``inv_scale``), negate (maximize), add L2 (``l2 * x``; with ``HAS_L2 == 2``
     only where ``l2 != 0``, as core's rule tests it: a device word may be 0, and ``g + 0 * x``
     would turn a ``-0`` gradient into ``+0``), decay ``x``. A 16-bit
-    gradient (``gkind`` 0 beside a 16-bit master) is unscaled as ``GradScaler.unscale_`` does
-    it: the fp32 product rounded to nearest even in the gradient's dtype."""
+    gradient (``gkind`` 0 beside a 16-bit master; 0 or 2 beside a float32 one, as
+    :func:`~memopt_kernels_triton.kernels.codecs.load_grad_of_f32` reads it) is unscaled as
+    ``GradScaler.unscale_`` does it: the fp32 product rounded to nearest even in the
+    gradient's dtype."""
     if UNSCALE:
         g = g * inv
-        if MASTER != C.MASTER_FP32:  # noqa: SIM102 - a constexpr test, then a runtime one
+        if MASTER != C.MASTER_FP32:
             if gkind == 0:
                 if MASTER == C.MASTER_FP16:
                     g = C.fp16_widen(C.fp16_round(C.f32_bits(g), 0, False))
                 else:
                     g = C.bf16_widen(C.bf16_round(C.f32_bits(g), 0, False))
+        else:
+            if gkind == 0:
+                g = C.bf16_widen(C.bf16_round(C.f32_bits(g), 0, False))
+            elif gkind == 2:
+                g = C.fp16_widen(C.fp16_round(C.f32_bits(g), 0, False))
     if MAXIMIZE:
         g = C.neg(g)
     if HAS_L2 == 2:
