@@ -194,3 +194,17 @@ def test_cuda_bits_equal_cpu(fmt):
                 da, db = c.decode(a), c.decode(b)
             assert all(torch.equal(u, v) for u, v in zip(flat(a), flat(b), strict=False))
             assert torch.equal(da.view(torch.int32), db.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_fp32_encoders_refuse_other_dtypes(dtype):
+    """The fp32 moment and master encoders refuse what every other encoder and both kernel
+    backends refuse: they rounded a float64 input silently (1e300 became inf)."""
+    from memopt_core.errors import FormatError
+    from memopt_core.formats import master_codec
+
+    x = torch.tensor([1e300 if dtype == torch.float64 else 1.0, 2.0], dtype=dtype)
+    with pytest.raises(FormatError, match=f"codecs encode float32 tensors, got {dtype}"):
+        moment_codec("fp32").encode(x)
+    with pytest.raises(FormatError, match=f"codecs encode float32 tensors, got {dtype}"):
+        master_codec("fp32", torch.float32).encode(x)

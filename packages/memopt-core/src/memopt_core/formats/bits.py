@@ -28,6 +28,7 @@ __all__ = [
     "minifloat_decode",
     "minifloat_encode",
     "pow2_block_exponent",
+    "require_f32",
     "round_drop_bits",
     "split_f32",
     "sr_round_up",
@@ -40,13 +41,19 @@ _U32 = 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------- bit views
-def f32_to_bits(x: Tensor) -> Tensor:
-    """The fp32 bit patterns of ``x`` as int64 values in ``[0, 2**32)``."""
+def require_f32(x: Tensor) -> Tensor:
+    """``x``, after a FormatError unless it is a float32 tensor: every encoder takes fp32 values
+    (a float64 input would be rounded on the way in, differently by each backend)."""
     if x.dtype != torch.float32:
         from memopt_core.errors import FormatError
 
         raise FormatError(f"codecs encode float32 tensors, got {x.dtype}: convert with .float()")
-    return x.contiguous().view(torch.int32).to(torch.int64) & _U32
+    return x
+
+
+def f32_to_bits(x: Tensor) -> Tensor:
+    """The fp32 bit patterns of ``x`` as int64 values in ``[0, 2**32)``."""
+    return require_f32(x).contiguous().view(torch.int32).to(torch.int64) & _U32
 
 
 def bits_to_f32(u: Tensor) -> Tensor:

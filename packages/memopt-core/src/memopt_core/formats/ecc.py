@@ -19,7 +19,7 @@ class Fp32Master(MasterCodec):
     code_dtype = None
 
     def encode(self, x: Tensor, *, rand: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        return x.to(torch.float32), None
+        return bits.require_f32(x), None
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)

@@ -12,6 +12,7 @@ from memopt_core.formats.bits import (
     bits_to_int16,
     f32_to_bits,
     int16_to_bits,
+    require_f32,
 )
 
 __all__ = ["Bf16Codec", "Fp32Codec"]
@@ -24,7 +25,7 @@ class Fp32Codec(MomentCodec):
     fields = {"": FieldSpec(torch.float32)}  # noqa: RUF012
 
     def encode(self, x: Tensor, *, rand: Tensor | None = None) -> dict[str, Tensor]:
-        return {"": x.to(torch.float32)}
+        return {"": require_f32(x)}
 
     def decode(self, fields: dict[str, Tensor]) -> Tensor:
         self.check_fields(fields)
