@@ -483,7 +483,7 @@ def _mutations():
         ),
         (
             fmt,
-            r"param group 0 of the state dict holds moments='bf16' states; this optimizer uses moments='q8'",
+            r"param group 0 of the state dict holds moments='bf16' states; this optimizer uses moments='q8'.*to_torch_state_dict and load_torch_state_dict",
         ),
         (rule, r"saved by a 'lion' optimizer; this one runs 'adamw'"),
         (groups, r"the state dict has 2 param group\(s\), this optimizer has 1"),

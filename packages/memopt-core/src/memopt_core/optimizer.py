@@ -2275,12 +2275,22 @@ class MemOptimizer(Optimizer):
             # float32 parameters keep an fp32 master whatever the group's says: a group of
             # only those stores the same states under any master
             master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
+            # moments convert through torch's AdamW layout (memopt_checkpoint's interop); a
+            # master's bits below the parameter's do not survive that, so say how to keep them
+            how = {
+                "master": "or convert through memopt_checkpoint.to_torch_state_dict and "
+                "load_torch_state_dict, which keep the moments but not the master's bits below "
+                "the parameter's: carry those over with memopt_ecc.get_fp32_model_state_dict "
+                "before and set_fp32_model_state_dict after",
+                "moments": "or convert the moments with memopt_checkpoint.to_torch_state_dict "
+                "and load_torch_state_dict",
+            }
             for k in ("master", "moments"):
                 if saved[k] != group[k] and not (k == "master" and master_unused):
                     raise StateDictError(
                         f"param group {gi} of the state dict holds {k}={saved[k]!r} states; this "
-                        f"optimizer uses {k}={group[k]!r}: build the optimizer with the same format "
-                        "(or convert the checkpoint with memopt_checkpoint)"
+                        f"optimizer uses {k}={group[k]!r}: build the optimizer with the same "
+                        f"format ({how[k]})"
                     )
             # the memopt entry describes the dict, not the group: never a live group's key
             merged = without_meta({k: v for k, v in group.items() if k != "params"})
