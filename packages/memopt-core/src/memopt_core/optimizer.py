@@ -88,6 +88,7 @@ from memopt_core.sharding import (
     is_dtensor,
     local_shard,
     local_state,
+    max_over_shards,
 )
 from memopt_core.state_dict_hooks import (
     finished_state_dict,
@@ -1642,11 +1643,27 @@ class MemOptimizer(Optimizer):
 
     def _check_finite(self, works: list[tuple[Any, backends.GroupStep]]) -> None:
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        sharded: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
         for _, work in works:
             for p, g in zip(work.param_owners, work.grads, strict=True):
-                if g.numel():
+                if is_dtensor(p):  # an empty shard too: every rank decides alike
+                    sharded.setdefault(g.device, []).append((p, g))
+                elif g.numel():
                     by_device.setdefault(g.device, []).append((p, g))
         bad: list[Tensor] = []
+        for dev, pairs in sharded.items():
+            # a NaN in one rank's shard is the whole tensor's: each shard's flag, maximized
+            # over the ranks, so every rank refuses the step (or none does)
+            flags = torch.stack(
+                [
+                    (~torch.isfinite(torch.stack(torch.aminmax(g)))).any().float()
+                    if g.numel()
+                    else torch.zeros((), dtype=torch.float32, device=dev)
+                    for _, g in pairs
+                ]
+            ).reshape(-1, 1)
+            flags = max_over_shards([p for p, _ in pairs], flags).flatten().tolist()
+            bad.extend(p for (p, _), f in zip(pairs, flags, strict=True) if f)
         for pairs in by_device.values():
             # a min-max reduction keeps NaN and inf (isfinite().all() took 20-50x as long on
             # the CPU); the small gradients of a dtype go through one: per-tensor calls cost

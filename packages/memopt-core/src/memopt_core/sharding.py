@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ __all__ = [
     "is_dtensor",
     "local_shard",
     "local_state",
+    "max_over_shards",
     "sharded_like",
 ]
 
@@ -99,6 +100,36 @@ def check_sharded(p: Tensor, desc: str) -> None:
 def local_shard(t: Tensor) -> Tensor:
     """The tensor an optimizer updates for ``t``: its local shard for a DTensor, else ``t``."""
     return t._local_tensor if is_dtensor(t) else t
+
+
+def max_over_shards(owners: Sequence[Tensor], rows: Tensor) -> Tensor:
+    """``rows`` (one row of float32 statistics per owner, on their device) with the row of each
+    sharded owner replaced by its element-wise maximum over every process of the owner's mesh;
+    unsharded owners' rows are returned as they are.
+
+    What a check decides from a sharded parameter's values (``check_numerics``: a non-finite
+    gradient, the largest weight) must be decided from the whole tensor, or one rank raises
+    while the others update their shards. Every process holding a shard of these owners must
+    call this with the same owners in the same order (one all-reduce per mesh and dimension):
+    a step or a gradient-release bucket does, since FSDP2's parameters, gradients and buckets
+    (sized by the DTensor gradients' global sizes) are the same on every rank."""
+    sharded = [i for i, p in enumerate(owners) if is_dtensor(p)]
+    if not sharded:
+        return rows
+    import torch.distributed as dist
+
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for i in sharded:
+        mesh = owners[i].device_mesh
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
+    out = rows.clone()
+    for mesh, idx in by_mesh.values():
+        at = torch.tensor(idx, dtype=torch.int64, device=rows.device)
+        part = rows.index_select(0, at).to(mesh.device_type)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        out.index_copy_(0, at, part.to(rows.device))
+    return out
 
 
 def index_base(p: Tensor) -> int:

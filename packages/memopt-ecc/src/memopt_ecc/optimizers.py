@@ -47,7 +47,7 @@ from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import RULES, check_bool
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
-from memopt_core.sharding import local_shard
+from memopt_core.sharding import local_shard, max_over_shards
 
 __all__ = [
     "MASTER_WEIGHT_BITS",
@@ -327,25 +327,30 @@ class FlashOptimizer(MemOptimizer):
             return
         by_device: dict[torch.device, list[tuple[Tensor, Mapping[str, Any], Tensor]]] = {}
         for p, g, grad in items:
-            # the decoded master's finite extremes and the gradient's, one min-max reduction
-            # each (aminmax keeps NaN and inf; on the CPU isfinite() and abs() took 20-50x as
-            # long), read once per device. A sharded parameter is checked on this process's
-            # shard (a DTensor's .tolist() raised): the largest weights it updates
+            # (the largest finite |x| of the decoded master, the largest |g| or 0 where a
+            # gradient is not finite, that flag), from one min-max reduction each (aminmax
+            # keeps NaN and inf; on the CPU isfinite() and abs() took 20-50x as long), read
+            # once per device. A sharded parameter's come from this process's shard (a
+            # DTensor's .tolist() raised), then the maximum over its ranks: every rank decides
+            # from the whole tensor, as one process does
             x, grad = local_shard(_decode(self, p, g)), local_shard(grad)
-            if x.numel() == 0:
-                continue  # a process holding none of the tensor
-            xlo, xhi = torch.aminmax(x.nan_to_num(0.0, 0.0, 0.0))
-            glo, ghi = torch.aminmax(grad)
-            stats = torch.stack([xlo, xhi, glo.float(), ghi.float()])
+            if x.numel() == 0:  # a process holding none of the tensor
+                stats = torch.zeros(3, dtype=torch.float32, device=x.device)
+            else:
+                xlo, xhi = torch.aminmax(x.nan_to_num(0.0, 0.0, 0.0))
+                glo, ghi = (v.float() for v in torch.aminmax(grad))
+                finite = torch.isfinite(glo) & torch.isfinite(ghi)
+                gmax = torch.where(finite, torch.maximum(ghi, -glo), 0.0)
+                stats = torch.stack([torch.maximum(xhi, -xlo).float(), gmax, (~finite).float()])
             by_device.setdefault(p.device, []).append((p, g, stats))
         bad: list[str] = []
         for entries in by_device.values():
             values = torch.stack([s for *_, s in entries])
-            for (p, g, _), (xlo, xhi, glo, ghi) in zip(entries, values.tolist(), strict=True):
-                if not (math.isfinite(glo) and math.isfinite(ghi)):
+            values = max_over_shards([p for p, *_ in entries], values)
+            for (p, g, _), (mag, gabs, nonfinite) in zip(entries, values.tolist(), strict=True):
+                if nonfinite:
                     continue  # core reports non-finite gradients
-                mag = max(abs(xlo), abs(xhi))  # the largest finite |x|
-                gmax = max(abs(glo), abs(ghi)) if kind == "sgd" else 0.0  # SGD's step: max |g|
+                gmax = gabs if kind == "sgd" else 0.0  # SGD's step: max |g|
                 master = "fp32" if p.dtype == torch.float32 else g["master"]
                 sr = bool(g["stochastic_rounding"])
                 # at M = 2**k a step down lands on the finer grid below M and is not lost:
