@@ -2434,7 +2434,7 @@ class MemOptimizer(Optimizer):
         label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
         if not isinstance(entry, Mapping):
             raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
-        p = local_shard(p)  # a sharded parameter's state is its local shard's
+        owner, p = p, local_shard(p)  # a sharded parameter's state is its local shard's
         spec = self._spec(group, p.dtype)
         master = spec.master_for(p.dtype)
         padded = round_up(p.numel(), padding_unit(spec))
@@ -2482,10 +2482,18 @@ class MemOptimizer(Optimizer):
                     f"state {k!r} of {label} must be a tensor, got {type(t).__name__}"
                 )
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                whole = (
+                    " for this process's shard of the parameter. A larger state is a whole "
+                    "tensor's (saved by one process?): it loads into a sharded optimizer through "
+                    "torch.distributed.checkpoint (dcp.load into this optimizer's own "
+                    "state_dict()), which reshards it"
+                    if p is not owner and t.numel() > math.prod(shape)
+                    else ""
+                )
                 raise StateDictError(
                     f"state {k!r} of {label} is {t.dtype} of shape {tuple(t.shape)}; the format "
                     f"master={spec.master!r}, moments={spec.moments!r} stores {dtype} of shape "
-                    f"{tuple(shape)}"
+                    f"{tuple(shape)}{whole}"
                 )
             if t.is_meta:  # no values to copy (torch raised NotImplementedError at the copy)
                 raise StateDictError(

@@ -1,10 +1,12 @@
-"""``check_numerics`` decides from the whole sharded tensor on every rank (2 ranks, gloo).
+"""Checks on sharded parameters (2 ranks, gloo). ``check_numerics`` decides from the whole
+sharded tensor on every rank.
 
 Each rank used to decide from its own shard: where one rank's shard alone held the largest
 weight or a NaN gradient, that rank raised ``NumericsError`` ("no parameter or state was
 modified") while the other updated its shard, so the tensor was half stepped; under gradient
 release the other rank then waited in the next reduce-scatter until its timeout. Now each shard's
-statistics are maximized over the ranks (``memopt_core.sharding.max_over_shards``) first."""
+statistics are maximized over the ranks (``memopt_core.sharding.max_over_shards``) first.
+And a one-process state dict loaded into a sharded optimizer says how it loads instead."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from sharded_numerics import _gradient, _weights, worker
+from sharded_checks import _gradient, _weights, worker
 
 import memopt_ecc
 from memopt_core import NumericsError
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded-numerics")
+    out = tmp_path_factory.mktemp("sharded-checks")
     files = [out / f"rank{r}.json" for r in (0, 1)]
     spawn_ranks(worker, (2, str(out / "init"), str(out)), 2, files)
     return [json.loads(f.read_text()) for f in files]
@@ -61,3 +63,13 @@ def test_gradient_release_raises_on_every_rank(ranks):
     for r, result in enumerate(ranks):
         assert result["released"]["raised"] is not None, f"rank {r} went on"
         assert "below the master format's resolution" in result["released"]["raised"]
+
+
+def test_a_whole_tensors_state_names_the_resharding_load(ranks):
+    """The refusal said only that the shapes differ (96 codes where the shard takes 64)."""
+    for result in ranks:
+        raised = result["whole-state"]["raised"]
+        assert raised is not None
+        assert "of shape (96,)" in raised
+        assert "shape (64,) for this process's shard" in raised
+        assert "torch.distributed.checkpoint (dcp.load" in raised

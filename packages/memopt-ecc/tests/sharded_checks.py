@@ -1,5 +1,6 @@
-"""Ranks of ``test_sharded_numerics.py``: ``check_numerics`` on sharded parameters, where one
-rank's shard alone holds what makes one process refuse the step."""
+"""Ranks of ``test_sharded_checks.py``: ``check_numerics`` on sharded parameters, where one
+rank's shard alone holds what makes one process refuse the step, and a one-process state dict
+loaded into a sharded optimizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import warnings
 import torch
 
 import memopt_ecc
-from memopt_core import MemOptimizer, NumericsError
+from memopt_core import MemOptimizer, NumericsError, StateDictError
 from memopt_core.testing import init_rank, leave_group
 
 
@@ -67,6 +68,22 @@ def _released(rank: int) -> dict:
     return {"raised": raised}
 
 
+def _whole_state(mesh) -> dict:
+    """A one-process optimizer's state dict loaded into a sharded one: refused, saying how."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.nn.Parameter(torch.randn(70, generator=torch.Generator().manual_seed(1)))
+    one = MemOptimizer([full], lr=1e-2, moments="q8")
+    full.grad = torch.ones(70)
+    one.step()
+    p = torch.nn.Parameter(distribute_tensor(full.detach().clone(), mesh, [Shard(0)]))
+    try:
+        MemOptimizer([p], lr=1e-2, moments="q8").load_state_dict(one.state_dict())
+        return {"raised": None}
+    except StateDictError as e:
+        return {"raised": str(e)}
+
+
 def worker(rank: int, world: int, init_file: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -86,6 +103,7 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
             lambda ps: MemOptimizer(ps, lr=1e-2, moments="q8", check_numerics=True), mesh, 40
         ),
         "released": _released(rank),
+        "whole-state": _whole_state(mesh),
     }
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
