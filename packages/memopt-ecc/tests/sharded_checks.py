@@ -99,9 +99,6 @@ def worker(rank: int, world: int, init_file: str, out: str) -> None:
     result = {
         "resolution": _try_step(flash(1e-5), mesh, None),
         "nan-flash": _try_step(flash(1e-2), mesh, 40),  # in rank 1's shard
-        "nan-core": _try_step(
-            lambda ps: MemOptimizer(ps, lr=1e-2, moments="q8", check_numerics=True), mesh, 40
-        ),
         "released": _released(rank),
         "whole-state": _whole_state(mesh),
     }

@@ -5,7 +5,8 @@ Each rank used to decide from its own shard: where one rank's shard alone held t
 weight or a NaN gradient, that rank raised ``NumericsError`` ("no parameter or state was
 modified") while the other updated its shard, so the tensor was half stepped; under gradient
 release the other rank then waited in the next reduce-scatter until its timeout. Now each shard's
-statistics are maximized over the ranks (``memopt_core.sharding.max_over_shards``) first.
+statistics are maximized over the ranks (``memopt_core.sharding.max_over_shards``) first. (Core's
+own non-finite check on shards is tested in memopt-core's ``test_sharded_finite.py``.)
 And a one-process state dict loaded into a sharded optimizer says how it loads instead."""
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ def test_one_process_refuses_these_steps():
     [
         ("resolution", "below the master format's resolution"),
         ("nan-flash", "non-finite gradient"),
-        ("nan-core", "non-finite gradient"),
     ],
 )
 def test_every_rank_refuses_and_keeps_its_shard(ranks, case, says):
