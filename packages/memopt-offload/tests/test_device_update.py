@@ -159,6 +159,60 @@ def test_non_contiguous_parameter(device):
     assert not model.w.is_contiguous()  # updated in place, layout kept
 
 
+class _Conv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(16, 32, 3)  # 4608 weights: pieces of TINY_BUCKETS
+        self.head = torch.nn.Linear(32, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("how", ["p.data", "channels_last"])
+def test_parameters_given_new_memory_are_trained(device, how):
+    """A weight larger than a bucket is cut into pieces, views of its memory. After ``p.data =
+    t`` or ``model.to(memory_format=torch.channels_last)`` the pieces' updates went on into the
+    old memory: the weight never trained again, and nothing said so. Its buckets are now cut
+    again over the new memory (a non-contiguous weight whole)."""
+    torch.manual_seed(0)
+    model = _Conv().to(device=device, dtype=torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS)
+    assert any(b.starts[0] > 0 for b in opt._dev.buckets)
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 16, 6, 6, generator=gen).to(device, torch.bfloat16) for _ in range(6)]
+    opt.attach_hooks(model)
+    step_pair(model, ref_model, opt, ref, xs[:2], loss=loss_of)
+    before = model.conv.weight.detach().clone()
+    if how == "p.data":
+        for p in model.parameters():
+            p.data = p.data.clone()
+    else:
+        model.to(memory_format=torch.channels_last)
+        assert not model.conv.weight.is_contiguous()
+    step_pair(model, ref_model, opt, ref, xs[2:], loss=loss_of, start=2)
+    assert not torch.equal(model.conv.weight, before)
+
+
+def test_a_parameter_moved_to_another_device_is_refused(device):
+    """Moved after the optimizer was built: refused when the step opens, naming the parameter,
+    where the device update failed inside its kernels ("an update failed ... reload the last
+    checkpoint") though nothing had been updated."""
+    model = make_model(device)
+    opt = device_bridge(model.parameters())
+    # cuda:0 -> cuda:1 assigns p.data (compatible tensor types); with one device here, the
+    # optimizer is told it was built for another one instead
+    opt._device = torch.device("meta")
+    model[0].weight.data = model[0].weight.data.clone()
+    with pytest.raises(
+        OffloadError,
+        match=rf"parameter #0 of param group 0 .* is on {device}.* built for parameters on meta",
+    ):
+        opt._check_moved()
+
+
 def test_dispatcher_thread_runs_without_grad_mode():
     # grad mode is per thread and on in a new one: the updates it runs write parameters in
     # place (a strided parameter is written back with copy_, which autograd refuses on a leaf)

@@ -1223,6 +1223,12 @@ class AdamBridge(Optimizer):
             return
         for slot in moved:
             self._check_param(slot)
+            if slot.param.device != self._device:  # model.to(other device): new memory too
+                raise OffloadError(
+                    f"{slot.label} is on {slot.param.device}, but this optimizer was built for "
+                    f"parameters on {self._device}: moved after the optimizer was built. Move "
+                    "the model first and build the optimizer after it"
+                )
         ids = {id(slot.param) for slot in moved}
         try:
             check_parameters_apart(
@@ -1235,6 +1241,8 @@ class AdamBridge(Optimizer):
                 "that it shares with another parameter: tie weights by assigning the "
                 "Parameter itself (head.weight = emb.weight), and before building the optimizer"
             ) from None
+        if self._dev is not None:
+            self._dev.follow_moved([slot.pos for slot in moved])
         for slot in moved:
             slot.addr = slot.param.data_ptr()
 

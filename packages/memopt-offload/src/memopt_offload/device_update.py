@@ -227,6 +227,35 @@ class DeviceUpdater:
             size += n
         close()
 
+    def follow_moved(self, positions: Sequence[int]) -> None:
+        """The parameters at ``positions`` got new memory since their buckets were cut
+        (``p.data = t``, ``model.to(memory_format=torch.channels_last)``): cut again the buckets
+        of each region where one of them is in pieces, which are views of its old memory (a
+        whole parameter is the Parameter itself and follows by itself). Between steps only:
+        nothing is staged for a step then."""
+        moved = set(positions)
+        regions = []
+        for b in self.buckets:
+            if b.region not in regions and any(
+                self._is_piece(b, si) for si, pos in enumerate(b.positions) if pos in moved
+            ):
+                regions.append(b.region)
+        for region in regions:
+            self.buckets = [b for b in self.buckets if b.region is not region]
+            self.order = [b for b in self.order if b.region is not region]
+            for pos in region.positions:
+                self.of_param[pos] = []
+            first = len(self.buckets)
+            self._cut(region)
+            for b in self.buckets[first:]:
+                for pos in b.members:
+                    if b not in self.of_param[pos]:
+                        self.of_param[pos].append(b)
+
+    def _is_piece(self, b: _Bucket, si: int) -> bool:
+        """Whether bucket ``b``'s plan slot ``si`` is a piece (a view) of its parameter."""
+        return b.plan.slots[si].numel != self.params[b.positions[si]].numel()
+
     def _add_bucket(self, region: _Region, pieces: list[tuple[int, int, int]]) -> None:
         plan = region.plan
         views, positions, starts = [], [], []
@@ -361,25 +390,26 @@ class DeviceUpdater:
         staged = b.staged
         b.staged, b.ran = None, True
         self._step.ran.append(b)
-        grads: dict[int, Tensor] = {}
-        for pos in b.members:
-            g = arrived.get(pos)
-            if g is not None:
-                grads[pos] = g if g.is_contiguous() else g.contiguous()
-        # each piece's range of its gradient; one work per step count (a parameter that missed
-        # a step is one update behind)
-        pieces: dict[int, Tensor] = {}
-        by_step: dict[int, list[int]] = {}
-        for si, pos in enumerate(b.positions):
-            if pos in grads:
-                g, a, n = grads[pos], b.starts[si], b.plan.slots[si].numel
-                pieces[si] = g if n == g.numel() else g.view(-1)[a : a + n]
-                by_step.setdefault(self.steps[pos], []).append(si)
         if cuda:
             _, comp, d2h = self._stream_triple()
             comp.wait_event(b.ready_event)  # the gradients are final
             comp.wait_event(b.staged_event)
+        arrived_grads = {pos: g for pos in b.members if (g := arrived.get(pos)) is not None}
         with torch.cuda.stream(comp) if cuda else nullcontext():
+            # a non-contiguous gradient's copy runs on the update stream, after the event that
+            # says it is final: on this thread's own stream it was unordered with the update
+            grads = {
+                pos: g if g.is_contiguous() else g.contiguous() for pos, g in arrived_grads.items()
+            }
+            # each piece's range of its gradient; one work per step count (a parameter that
+            # missed a step is one update behind)
+            pieces: dict[int, Tensor] = {}
+            by_step: dict[int, list[int]] = {}
+            for si, pos in enumerate(b.positions):
+                if pos in grads:
+                    g, a, n = grads[pos], b.starts[si], b.plan.slots[si].numel
+                    pieces[si] = g if n == g.numel() else g.view(-1)[a : a + n]
+                    by_step.setdefault(self.steps[pos], []).append(si)
             if coef is not None and coef < 1.0:
                 # mul_ as update="host" scales its host copies (torch._foreach_mul_ rounds
                 # the coefficient to bf16 on the CPU: other bits)
@@ -404,7 +434,7 @@ class DeviceUpdater:
             for t in staged.tensors():
                 t.record_stream(comp)
                 t.record_stream(d2h)
-            for g in grads.values():
+            for g in arrived_grads.values():  # their contiguous copies are comp's own
                 g.record_stream(comp)
         for pos in grads:
             if all(x.ran for x in self.of_param[pos]):  # its last piece: the update is done
