@@ -526,6 +526,83 @@ def test_a_fork_with_updates_in_flight_raises_in_the_child():
     assert msg.startswith("OffloadError this process was forked while"), msg
 
 
+def test_an_error_outside_the_updates_reaches_the_waits(monkeypatch):
+    """The dispatcher probes which queued bucket is ready (``event.query()`` on CUDA, which
+    raises after a device error in the user's backward). That probe ran outside the try of an
+    update: the thread died, and ``step_sync()`` waited for it forever. Now the error fails the
+    queued updates and every wait returns it."""
+    import threading
+
+    from memopt_offload.bridge import _Bucket, _Dispatcher
+
+    def fails(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_Bucket, "ready", fails)
+    d = _Dispatcher()
+    release = threading.Event()
+    ran = []
+    first = _Bucket()
+    d.submit(first, lambda bucket: release.wait(10))  # holds the thread while two queue
+    for _ in range(2):
+        d.submit(_Bucket(), lambda bucket: ran.append(bucket))
+    release.set()
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(d.wait()), daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert waited, "wait() blocked on a dispatcher thread that had ended"
+    assert isinstance(waited[0], RuntimeError)
+    assert "illegal memory access" in str(waited[0])
+    assert not ran  # skipped, as the updates after a failed one are
+    assert first.done
+
+
+def test_hyperparameters_set_after_backward_warn_with_hooks():
+    """A loop that sets the lr between backward and step (a warmup written that way) got it one
+    step late with hooks, silently: the step took its hyperparameters at its first gradient.
+    Now it warns (once); set before backward, nothing warns."""
+    import warnings
+
+    model = make_model("cpu", dtype=torch.float32)
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision="fp32", pin_memory=False)
+    opt.attach_hooks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in range(2):  # set before the backward: in time
+            opt.param_groups[0]["lr"] = 1e-3 * (t + 1)
+            loss_of(model, batch(t, "cpu", torch.float32)).backward()
+            opt.step_sync()
+    loss_of(model, batch(2, "cpu", torch.float32)).backward()
+    opt.param_groups[0]["lr"] = 5e-3
+    with pytest.warns(UserWarning, match=r"param group 0's lr changed from 0\.002 to 0\.005"):
+        opt.step_sync()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss_of(model, batch(3, "cpu", torch.float32)).backward()
+        opt.param_groups[0]["lr"] = 6e-3
+        opt.step_sync()  # once per optimizer
+
+
+def test_a_forward_after_another_optimizers_backward_names_the_freeze():
+    """A GAN's generator step backpropagates through the discriminator, whose hooks take those
+    gradients and update it; torch users drop them with zero_grad(), which cannot undo an
+    update under way. The refusal of the discriminator's next forward advised step_sync(), which
+    completes that update: it now names the freeze that avoids it."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+    opt_g = AdamBridge(gen.parameters(), lr=1e-2, precision="fp32", pin_memory=False)
+    opt_d = AdamBridge(disc.parameters(), lr=1e-2, precision="fp32", pin_memory=False)
+    opt_g.attach_hooks(gen)
+    opt_d.attach_hooks(disc)
+    (-disc(gen(torch.randn(4, 8))).mean()).backward()
+    opt_g.step_sync()
+    opt_d.zero_grad()
+    with pytest.raises(OffloadError, match=r"zero_grad\(\) cannot undo.*requires_grad_\(False\)"):
+        disc(torch.randn(4, 16))
+    opt_d.step_sync()
+
+
 def test_a_saved_state_dict_holds_the_state_only():
     """The masters are views of a slab that also holds the gradient buffers: torch.save wrote
     those too (7.07 B per parameter for compact's 5.06)."""

@@ -355,6 +355,19 @@ class _Dispatcher:
             self._done += 1
             self._cond.notify_all()
 
+    def fail_queued(self, error: BaseException) -> None:
+        """The loop itself failed outside an update (``ready()``'s ``event.query()`` raises
+        after a device error): keep ``error`` as the step's, and mark every queued item done
+        (skipped), so that no wait blocks for a thread that has ended."""
+        with self._cond:
+            if self._error is None:
+                self._error = error
+            for bucket, _, _ in self._items:
+                bucket.done = True
+            self._done += len(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+
     def wait_bucket(self, bucket: _Bucket) -> bool:
         """Block until ``bucket`` ran (or was skipped); False when a step's update failed."""
         self._check_not_forked_busy()
@@ -399,7 +412,11 @@ def _dispatch_loop(dispatcher: _Dispatcher) -> None:
     # grad mode is per thread, and a new thread's is on: the updates write parameters in place
     torch.set_grad_enabled(False)
     while True:
-        item = dispatcher.next_item()
+        try:
+            item = dispatcher.next_item()
+        except BaseException as e:  # the thread ends here: step_sync() raises it, not hangs
+            dispatcher.fail_queued(e)
+            return
         if item is None:
             return
         dispatcher.run(*item)
@@ -628,6 +645,7 @@ class AdamBridge(Optimizer):
         # that one of them holds a gradient
         self._untrained: list[tuple[Tensor, int]] = []
         self._hyper: list[dict[str, Any]] = []  # the open step's hyperparameters, per group
+        self._warned_late_hyper = False
         self._reset_pipeline()
         if isinstance(params, Tensor):
             raise ConfigError(
@@ -1042,7 +1060,10 @@ class AdamBridge(Optimizer):
                 "optimizer.step_sync() (or step()) after backward and before the next forward, "
                 "or the forward could read half-updated weights. After a backward that raised, "
                 "the updates its hooks started are already under way and step_sync() "
-                "completes them: to drop that batch instead, reload the last checkpoint"
+                "completes them: to drop that batch instead, reload the last checkpoint. A "
+                "backward through this model for another optimizer's loss (a GAN's generator "
+                "step through its discriminator) updates it too, and zero_grad() cannot undo "
+                "that: freeze it for that backward (requires_grad_(False))"
             )
         if self._guard_next_forward and self._inflight and self._read_guard is None:
             # the first forward that overlaps updates checks that no weight is read before
@@ -1462,6 +1483,8 @@ class AdamBridge(Optimizer):
         self.synchronize()  # overlap_forward: the last step's updates no forward waited for
         if self._untrained:
             self._warn_untrained()
+        if self._pending and not self._warned_late_hyper:
+            self._warn_late_hyperparameters()
         # the loop with hooks has no zero_grad(): a gradient left here would be added to the
         # next backward's and applied twice
         free = bool(self._hooks)
@@ -1513,6 +1536,31 @@ class AdamBridge(Optimizer):
         :meth:`synchronize` waits for all of them."""
         self.step()
         return self.last_grad_norm if self.max_grad_norm is not None else None
+
+    def _warn_late_hyperparameters(self) -> None:
+        """Warn when a group's hyperparameters changed after the hooks opened this step (at
+        its first gradient, in backward, where the step took them): a loop that sets the lr
+        between backward and ``step()`` (a warmup written that way) gets it one step late."""
+        for gi, group in enumerate(self.param_groups):
+            try:
+                now = _check_hyper(group, f"(param group {gi})")
+            except ConfigError:
+                return  # refused when the next step opens
+            was = self._hyper[gi]
+            changed = [k for k in now if now[k] != was.get(k)]
+            if changed:
+                k = changed[0]
+                warnings.warn(
+                    f"param group {gi}'s {k} changed from {was.get(k)} to {now[k]} after this "
+                    "step's first gradient: with hooks attached the step takes the "
+                    "hyperparameters when backward delivers its first gradient, so the new "
+                    "value applies from the next step. Set hyperparameters (and step LR "
+                    "schedulers) after step_sync() and before the next backward",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                self._warned_late_hyper = True  # once: such a loop does it at every step
+                return
 
     def _warn_untrained(self) -> None:
         """Warn once that a parameter frozen when its group was added holds a gradient."""
