@@ -330,6 +330,30 @@ def test_non_tensor_arguments(ops, device):
         ops.encode_moment("bf16", x, rand=torch.empty(32, dtype=torch.int64, device="meta"))
 
 
+def test_fields_layouts_and_empty_inputs_are_checked(ops, device, monkeypatch):
+    """What the CPU ops refused and these let through (audit of 2026-12-06)."""
+    x = torch.ones(32, device=device)
+    codes, scales = ops.q8_quantize(x)
+    # a tuple of fields: "missing ['', 'scale']", though both were passed
+    with pytest.raises(FormatError, match=r"fields must be a mapping .* got tuple"):
+        ops.decode_moment("q8_signed", (codes, scales))
+    # a sparse tensor was "a Tensor without memory of its own", with advice about steps
+    with pytest.raises(ConfigError, match=r"x is a torch\.sparse_coo tensor; .* dense"):
+        ops.encode_moment("bf16", x.to_sparse())
+    # an empty x skipped the check of rand
+    with pytest.raises(
+        FormatError, match=r"rand must be an int64 tensor of 0 .* got torch\.int64\(5,\)"
+    ):
+        ops.encode_moment("bf16", x[:0], rand=torch.zeros(5, dtype=torch.int64, device=device))
+    with pytest.raises(FormatError, match=r"rand must be an int64 tensor of 0"):
+        ops.encode_master("ecc24", x[:0], rand=torch.zeros(5, dtype=torch.int64, device=device))
+    # scales on another device than the codes (cuda:1 and cuda:0) reached the kernel as the
+    # other GPU's address; with one device here, meta stands in for the other one
+    monkeypatch.setattr(ops, "_check_device", lambda t, what: None)
+    with pytest.raises(ConfigError, match=r"field 'scale' of 'q8_signed' is on meta; the codes"):
+        ops.q8_dequantize(codes, torch.empty(1, dtype=torch.uint8, device="meta"))
+
+
 def pattern_soup(n_blocks: int, device, *, seed: int = 0) -> torch.Tensor:
     """Random fp32 bit patterns (every exponent, subnormals, inf, NaN), and blocks whose elements
     span up to 2**-200 of their maximum (underflow after the block scaling)."""

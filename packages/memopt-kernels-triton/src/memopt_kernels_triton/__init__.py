@@ -14,7 +14,8 @@ from typing import Any
 
 from memopt_kernels_triton.backend import BACKEND, TritonBackend
 
-__all__ = ["BACKEND", "TritonBackend", "__version__", "ops"]
+# not "ops": a star import would import triton, which importing this package never does
+__all__ = ["BACKEND", "TritonBackend", "__version__"]
 __version__ = "0.1.0"
 
 

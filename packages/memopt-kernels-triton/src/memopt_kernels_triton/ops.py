@@ -4,7 +4,9 @@ Standalone kernels (checkpoints, fp32 export, tests of the inlined codecs):
 :func:`encode_moment` / :func:`decode_moment` (every moment format; :func:`q8_quantize` /
 :func:`q8_dequantize` are the q8 shorthands), :func:`encode_master` / :func:`decode_master`
 (:func:`ecc_encode` / :func:`ecc_decode` for ECC-24/32), :func:`stream_words`. Each gives the
-same bits as the corresponding ``memopt_core.formats`` codec / ``memopt_core.rng`` function.
+same bits as the corresponding ``memopt_core.formats`` codec / ``memopt_core.rng`` function,
+except a NaN's payload: a NaN decodes as a NaN, not always of the reference's bits (a q8 or fp8
+scale byte of 255, which no encoder writes, decodes a zero code to 0 x inf).
 
 The fused optimizer step: :func:`fused_step` runs one :class:`memopt_core.backends.GroupStep`
 (every tensor of the group) in one launch of the rule's kernel, driven by core's chunk table and
@@ -33,7 +35,7 @@ import os
 import struct
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -142,6 +144,8 @@ _interpreter_compat()
 def _check_device(t: Tensor, what: str) -> None:
     if not isinstance(t, Tensor):
         raise ConfigError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ConfigError(f"{what} is a {t.layout} tensor; the Triton kernels take dense tensors")
     if not (t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())):
         raise ConfigError(
             f"the triton backend runs on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
@@ -293,6 +297,7 @@ def encode_moment(
     flat = x.resolve_neg().reshape(-1).contiguous()
     fields = codec.allocate(n, x.device)
     mode, seed, tid, step, stream = _sr_mode(rand, rng)
+    words = _rand_arg(rand, n, x.device)  # checked for an empty x too, as the other backends do
     code = _kernel_view(fields[""])
     scale = fields.get("scale", torch.zeros(1, dtype=torch.uint8, device=x.device))
     if n:
@@ -304,7 +309,7 @@ def encode_moment(
             flat,
             code,
             scale,
-            _rand_arg(rand, n, x.device),
+            words,
             n,
             seed,
             tid,
@@ -321,6 +326,11 @@ def encode_moment(
 def decode_moment(fmt: str, fields: dict[str, Tensor]) -> Tensor:
     """fp32 vector held by ``fields`` of moment format ``fmt`` (= ``moment_codec(fmt).decode``)."""
     codec: MomentCodec = moment_codec(fmt)
+    if not isinstance(fields, Mapping):
+        raise FormatError(
+            f"fields must be a mapping of field name to tensor (what encode_moment returns), "
+            f"got {type(fields).__name__}"
+        )
     missing = [k for k in codec.fields if k not in fields]
     if missing:
         raise FormatError(f"format {fmt!r} needs fields {list(codec.fields)}; missing {missing}")
@@ -328,6 +338,10 @@ def decode_moment(fmt: str, fields: dict[str, Tensor]) -> Tensor:
     _check_device(main, "the codes")
     for k, f in codec.fields.items():
         _check_device(fields[k], f"field {k!r} of {fmt!r}")
+        if fields[k].device != main.device:  # the kernel would read another GPU's address
+            raise ConfigError(
+                f"field {k!r} of {fmt!r} is on {fields[k].device}; the codes are on {main.device}"
+            )
         if fields[k].dtype != f.dtype:
             raise FormatError(f"field {k!r} of {fmt!r} is {f.dtype}, got {fields[k].dtype}")
     n = main.numel()
@@ -393,6 +407,7 @@ def encode_master(
         else None
     )
     mode, seed, tid, step, stream = _sr_mode(rand, rng)
+    words = _rand_arg(rand, n, x.device)
     if n:
         rows = _rows()
         _launch(
@@ -401,7 +416,7 @@ def encode_master(
             flat,
             _kernel_view(param),
             code if code is not None else torch.zeros(1, dtype=torch.uint8, device=x.device),
-            _rand_arg(rand, n, x.device),
+            words,
             n,
             seed,
             tid,
