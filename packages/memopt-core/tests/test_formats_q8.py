@@ -206,3 +206,36 @@ def test_sizes(n):
     assert f[""].shape == (n,)
     assert f["scale"].shape == (n // B,)
     assert not SQRT.decode(SQRT.allocate(n)).any()
+
+
+@pytest.mark.parametrize("fmt", ["q8_sqrt", "q8_signed", "fp8_e4m3", "bf16"])
+def test_stochastic_words_of_any_shape_in_flattened_order(fmt):
+    """The kernels read ``rand`` in x's flattened order, whatever its shape. The reference
+    wanted x's shape in some codecs and the flat shape in the blocked ones, and refused every
+    2-D x in q8_sqrt's stochastic rounding (its inner words were shaped like x, its rounding
+    flat)."""
+    codec = moment_codec(fmt)
+    x = torch.rand(2, 3 * B, generator=torch.Generator().manual_seed(0))
+    words = rng.uniform_bits(5, 1, torch.arange(x.numel()), 2, rng.STREAM_SECOND)
+    flat = codec.encode(x.reshape(-1), rand=words)
+    for r in (words, words.view(x.shape), words.view(-1, 1)):
+        got = codec.encode(x, rand=r)
+        assert got[""].shape == x.shape
+        for k in flat:
+            assert torch.equal(got[k].reshape(-1), flat[k].reshape(-1)), k
+    with pytest.raises(
+        FormatError, match=rf"rand must be an int64 tensor of {x.numel()} .* got list"
+    ):
+        codec.encode(x, rand=words.tolist())
+    with pytest.raises(FormatError, match=r"got torch\.int64\(5,\)"):
+        codec.encode(x, rand=words[:5])
+
+
+def test_codec_lookups_name_what_they_take():
+    from memopt_core.errors import ConfigError
+    from memopt_core.formats import master_codec
+
+    with pytest.raises(ConfigError, match=r"torch\.bfloat16, not 'bfloat16'"):
+        master_codec("ecc24", "bfloat16")  # read "got bfloat16 parameters: cast to bfloat16"
+    with pytest.raises(ConfigError, match=r"a moment format is one of .* got \['q8'\]"):
+        moment_codec(["q8"])  # unhashable: a bare TypeError from the cache

@@ -9,8 +9,8 @@ single correctly rounded IEEE operation.
 Blocked formats work on whole blocks of ``block_size`` elements: the plan pads every tensor to a
 multiple of the block so a block never straddles two tensors, and callers pass padded lengths.
 
-Stochastic rounding: ``encode(x, rand=r)`` takes ``r``, an int64 tensor of x's shape holding
-uniform 32-bit words (values in [0, 2**32); others count modulo 2**32, as in the kernels) from :mod:`memopt_core.rng`; ``rand=None`` rounds to
+Stochastic rounding: ``encode(x, rand=r)`` takes ``r``, an int64 tensor of x's element count
+(any shape, read in x's flattened order, as the kernels read it) holding uniform 32-bit words (values in [0, 2**32); others count modulo 2**32, as in the kernels) from :mod:`memopt_core.rng`; ``rand=None`` rounds to
 nearest. The rule, the same in every format: with ``lo <= |y| <= hi`` the two neighbours of the
 magnitude ``|y|`` on the target grid, ``frac24 = floor((|y| - lo) / (hi - lo) * 2**24)``, the
 magnitude rounds up to ``hi`` iff ``(r >> 8) < frac24``; the sign is kept.

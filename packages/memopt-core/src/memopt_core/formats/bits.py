@@ -82,14 +82,20 @@ def sr_round_up(frac24: Tensor, rand: Tensor) -> Tensor:
     A word outside ``[0, 2**32)`` is taken modulo ``2**32`` (its low 32 bits), as the kernels take
     it: a negative int32-style word otherwise always rounded up here and never there.
     """
-    if rand.dtype != torch.int64 or rand.shape != frac24.shape:
+    if not isinstance(rand, Tensor) or rand.dtype != torch.int64 or rand.numel() != frac24.numel():
         from memopt_core.errors import FormatError
 
-        raise FormatError(
-            f"rand must be an int64 tensor of the encoded tensor's shape {tuple(frac24.shape)}, got "
-            f"{rand.dtype}{tuple(rand.shape)}: use memopt_core.rng.uniform_bits"
+        got = (
+            f"{rand.dtype}{tuple(rand.shape)}" if isinstance(rand, Tensor) else type(rand).__name__
         )
-    return ((rand & 0xFFFFFFFF) >> 8) < frac24
+        raise FormatError(
+            f"rand must be an int64 tensor of {frac24.numel()} uniform 32-bit words (one per "
+            f"element of the encoded tensor, any shape), got {got}: use "
+            "memopt_core.rng.uniform_bits"
+        )
+    # words of any shape in the encoded tensor's flattened order, as the kernels read them (a
+    # blocked codec rounds its input flattened: a rand of a 2-D x's shape was refused there)
+    return ((rand.reshape(frac24.shape) & 0xFFFFFFFF) >> 8) < frac24
 
 
 def round_drop_bits(mag: Tensor, drop: int, rand: Tensor | None) -> Tensor:

@@ -30,9 +30,15 @@ MOMENT_PRESETS: dict[str, tuple[str, str]] = {
 }
 
 
-@cache
 def moment_codec(name: str) -> MomentCodec:
     """The moment codec called ``name`` (one of :data:`MOMENT_FORMATS`)."""
+    if not isinstance(name, str):  # the cache below would raise "unhashable type: 'list'"
+        raise ConfigError(f"a moment format is one of {MOMENT_FORMATS}, got {name!r}")
+    return _moment_codec(name)
+
+
+@cache
+def _moment_codec(name: str) -> MomentCodec:
     if name not in MOMENT_FORMATS:
         raise ConfigError(f"unknown moment format {name!r}; choose one of {MOMENT_FORMATS}")
     if name in ("fp32", "bf16"):
@@ -49,9 +55,19 @@ def moment_codec(name: str) -> MomentCodec:
     return q8.Q8SignedCodec() if name == "q8_signed" else q8.Q8SqrtCodec()
 
 
-@cache
 def master_codec(name: str, param_dtype: torch.dtype) -> MasterCodec:
     """The master codec ``name`` (one of :data:`MASTER_FORMATS`) for parameters of ``param_dtype``."""
+    if not isinstance(name, str):
+        raise ConfigError(f"a master format is one of {MASTER_FORMATS}, got {name!r}")
+    if not isinstance(param_dtype, torch.dtype):  # 'bfloat16' read "got bfloat16: cast to bfloat16"
+        raise ConfigError(
+            f"param_dtype must be a torch.dtype (torch.bfloat16, not 'bfloat16'), got {param_dtype!r}"
+        )
+    return _master_codec(name, param_dtype)
+
+
+@cache
+def _master_codec(name: str, param_dtype: torch.dtype) -> MasterCodec:
     from memopt_core.formats import ecc
 
     if name not in MASTER_FORMATS:
