@@ -10,8 +10,9 @@ Blocked formats work on whole blocks of ``block_size`` elements: the plan pads e
 multiple of the block so a block never straddles two tensors, and callers pass padded lengths.
 
 Stochastic rounding: ``encode(x, rand=r)`` takes ``r``, an int64 tensor of x's element count
-(any shape, read in x's flattened order, as the kernels read it) holding uniform 32-bit words (values in [0, 2**32); others count modulo 2**32, as in the kernels) from :mod:`memopt_core.rng`; ``rand=None`` rounds to
-nearest. The rule, the same in every format: with ``lo <= |y| <= hi`` the two neighbours of the
+(any shape, read in x's flattened order, as the kernels read it) holding uniform 32-bit words
+(values in [0, 2**32); others count modulo 2**32, as in the kernels) from
+:mod:`memopt_core.rng`; ``rand=None`` rounds to nearest. The rule, the same in every format: with ``lo <= |y| <= hi`` the two neighbours of the
 magnitude ``|y|`` on the target grid, ``frac24 = floor((|y| - lo) / (hi - lo) * 2**24)``, the
 magnitude rounds up to ``hi`` iff ``(r >> 8) < frac24``; the sign is kept.
 """
