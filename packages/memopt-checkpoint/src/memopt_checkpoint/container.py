@@ -252,9 +252,13 @@ class CheckpointWriter:
             return fn(*args)
         except BaseException as e:
             self.abort()
-            # a full disk: say which file (notes exist from Python 3.11; 3.10 keeps the error)
-            if isinstance(e, OSError) and e.filename is None and hasattr(e, "add_note"):
-                e.add_note(f"while writing the checkpoint {str(self.path)!r} (not written)")
+            # a full disk: say which file (a note from Python 3.11; on 3.10 the error's
+            # filename, which its message then names)
+            if isinstance(e, OSError) and e.filename is None:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"while writing the checkpoint {str(self.path)!r} (not written)")
+                else:
+                    e.filename = str(self.path)
             raise
 
     @property
