@@ -28,6 +28,7 @@ Timed (CUDA events): the median of ``--iters`` iterations each started on an idl
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,6 +76,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every row, alternated")
     ap.add_argument("--out", default="out/amp")
     args = ap.parse_args()
+    unknown = set(args.profiles.split(",")) - set(PROFILES)
+    if unknown:
+        ap.error(f"unknown profiles {sorted(unknown)}; choose from {sorted(PROFILES)}")
+    if min(args.iters, args.rounds, args.pipelined) < 1 or args.warmup < 0:
+        ap.error("--iters, --rounds and --pipelined must be at least 1, --warmup at least 0")
     if not torch.cuda.is_available():
         raise SystemExit("amp_step_bench times CUDA steps: no CUDA device here")
     device = torch.device("cuda")
@@ -111,11 +117,12 @@ def main() -> int:
 
                 for _ in range(args.warmup):
                     it()
-                times = sorted(timer(it) for _ in range(args.iters))
+                times = [timer(it) for _ in range(args.iters)]
                 back = timer.pipelined(it, args.pipelined)
                 if row == "adamw":
                     base = back
-                results.append((row, times[len(times) // 2], back))
+                # the median: times[len // 2] took the upper of the middle two of an even count
+                results.append((row, statistics.median(times), back))
                 del opt, params, scaler
                 free_memory(device)
             for row, ms, back in results:

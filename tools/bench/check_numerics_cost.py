@@ -44,13 +44,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
+    if args.rounds < 1 or args.reps < 1:
+        ap.error("--rounds and --reps must be at least 1")
     torch.set_num_threads(1)
     try:
         import memopt_kernels_cpu
 
         memopt_kernels_cpu.set_num_threads(1)
     except ImportError:  # core's torch backend then: slower steps, the same check
-        pass
+        print("memopt_kernels_cpu is not installed: the steps run core's torch backend", flush=True)
     for r in range(args.rounds):
         for label, shapes in PROFILES.items():
             off = median_step_ms(FlashAdamW(params(shapes)), args.reps)

@@ -161,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None, help="folder for conversion_bench.json")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    scale = args.scale or (16 if device.type == "cpu" else 1)
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.iters < 1 or (args.scale is not None and args.scale < 1):  # --scale 0 meant 16
+        ap.error("--iters and --scale must be at least 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device: {e}")
+    scale = args.scale if args.scale is not None else (16 if device.type == "cpu" else 1)
     shapes = step_bench.scaled(step_bench.PROFILES[args.profile], scale)
     n = sum(torch.Size(s).numel() for s in shapes)
     model, opt = build(shapes, device)

@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if r not in ROWS]
     if bad:
         ap.error(f"unknown rows {bad}; choose from {ROWS}")
+    if args.world < 1 or args.steps < 1 or args.warmup < 0 or min(args.batch, args.seq) < 1:
+        ap.error("--world, --steps, --batch and --seq must be at least 1, --warmup at least 0")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         ap.error(f"--world {args.world} needs that many GPUs; {torch.cuda.device_count()} here")
     results = []

@@ -676,6 +676,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CPU threads for torch and memopt's C++ kernels alike (default: their defaults)",
     )
     args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:  # a traceback from the first tensor otherwise
+        p.error(f"--device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch build or machine has no CUDA device")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
     on_cuda = torch.device(args.device).type == "cuda"
@@ -695,6 +701,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.param_groups.isdigit() and int(args.param_groups) >= 1
     ):
         p.error(f"--param-groups must be a count >= 1 or no-decay-1d, got {args.param_groups!r}")
+    if args.param_groups != "no-decay-1d":
+        args.param_groups = str(int(args.param_groups))  # "01" labelled rows "(01 groups)"
+    for name in args.profiles.split(","):
+        shapes = PROFILES[name]
+        if args.param_groups == "no-decay-1d":
+            if all(len(s) <= 1 for s in shapes) or all(len(s) > 1 for s in shapes):
+                p.error(
+                    f"--param-groups no-decay-1d: profile {name} has "
+                    f"{'only' if all(len(s) <= 1 for s in shapes) else 'no'} 1-D tensors, so one "
+                    "of the two groups would be empty"
+                )
+        elif int(args.param_groups) > len(shapes):
+            p.error(
+                f"--param-groups {args.param_groups}: profile {name} has {len(shapes)} tensors, "
+                "so some groups would be empty"
+            )
     if args.pipelined < 0:
         p.error("--pipelined must be at least 0")
     if args.warmup < 1 or args.iters < 1:

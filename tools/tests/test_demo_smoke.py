@@ -83,6 +83,8 @@ def test_tiny_run_writes_table_json_and_png(tmp_path, capsys: pytest.CaptureFixt
         (["--lr", "-1"], "--lr must be finite and positive"),  # was torch's ValueError
         (["--weight-decay", "nan"], "--weight-decay finite and at least 0"),
         (["--layers", "-1"], "--layers must be at least 0, got -1"),  # ran like 0 layers
+        (["--optimizers", ""], "unknown optimizer(s) ['']"),  # ran every optimizer
+        (["--device", "foo"], "--device: Expected one of"),  # a traceback at the first tensor
     ],
 )
 def test_bad_arguments_are_argparse_errors(argv, message, capsys) -> None:

@@ -232,3 +232,24 @@ def test_bad_param_groups_are_argparse_errors(value, capsys) -> None:
         step_bench.parse_args(["--device", "cpu", "--param-groups", value])
     assert exc.value.code == 2
     assert "--param-groups must be a count >= 1 or no-decay-1d" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profiles", "64M", "--param-groups", "5"], "profile 64M has 1 tensors"),
+        (["--profiles", "8x64M", "--param-groups", "no-decay-1d"], "8x64M has only 1-D tensors"),
+        (["--device", "foo"], "--device: Expected one of"),
+    ],
+)
+def test_groups_that_would_be_empty_and_bad_devices_are_argparse_errors(argv, message, capsys):
+    """Groups were built empty without a word (the row labelled "(5 groups)" over 1 tensor);
+    an unknown device was a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        step_bench.parse_args(["--device", "cpu", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_group_count_is_read_as_a_number() -> None:
+    assert step_bench.parse_args(["--device", "cpu", "--param-groups", "01"]).param_groups == "1"
