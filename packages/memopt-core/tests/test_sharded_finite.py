@@ -5,14 +5,13 @@ maximized over the mesh (``memopt_core.sharding.max_over_shards``) first."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch.distributed as dist
 from sharded_finite import worker
 
-from memopt_core.testing import spawn_ranks
+from memopt_core.testing import json_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded-finite")
-    files = [out / f"rank{r}.json" for r in (0, 1)]
-    spawn_ranks(worker, (2, str(out / "init"), str(out)), 2, files)
-    return [json.loads(f.read_text()) for f in files]
+    return json_ranks(worker, tmp_path_factory.mktemp("sharded-finite"))
 
 
 def test_rows_of_sharded_owners_take_the_maximum_over_ranks(ranks):

@@ -11,8 +11,6 @@ And a one-process state dict loaded into a sharded optimizer says how it loads i
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +18,7 @@ from sharded_checks import _gradient, _weights, worker
 
 import memopt_ecc
 from memopt_core import NumericsError
-from memopt_core.testing import spawn_ranks
+from memopt_core.testing import json_ranks
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -29,10 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded-checks")
-    files = [out / f"rank{r}.json" for r in (0, 1)]
-    spawn_ranks(worker, (2, str(out / "init"), str(out)), 2, files)
-    return [json.loads(f.read_text()) for f in files]
+    return json_ranks(worker, tmp_path_factory.mktemp("sharded-checks"))
 
 
 def test_one_process_refuses_these_steps():

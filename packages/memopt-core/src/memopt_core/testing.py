@@ -37,6 +37,7 @@ __all__ = [
     "group_state",
     "group_step",
     "init_rank",
+    "json_ranks",
     "leave_group",
     "make_grads",
     "make_group",
@@ -525,6 +526,17 @@ def spawn_ranks(fn: Callable, args: tuple, nprocs: int, outputs: Sequence[str | 
     except mp.ProcessExitedException as e:
         if e.signal_name != "SIGABRT" or not all(Path(o).exists() for o in outputs):
             raise
+
+
+def json_ranks(worker: Callable, out: Path, world: int = 2) -> list[Any]:
+    """Run ``worker(rank, world, init_file, out)`` on ``world`` processes (:func:`spawn_ranks`;
+    the worker joins with :func:`init_rank`) and read back what each rank wrote to
+    ``{out}/rank{rank}.json``."""
+    import json
+
+    files = [out / f"rank{r}.json" for r in range(world)]
+    spawn_ranks(worker, (world, str(out / "init"), str(out)), world, files)
+    return [json.loads(f.read_text()) for f in files]
 
 
 def fsdp2_worker(
