@@ -895,3 +895,48 @@ def test_check_dcp_load_refuses_an_empty_group_torch_maps_wrongly(tmp_path):
     train(model, opt, 1)
     _saved_by_name(model, opt, tmp_path / "last")
     check_dcp_load(topt, tmp_path / "last", model=twin)
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_checkpoint_of_another_memopt_class_into_a_flash_optimizer(tmp_path):
+    """A MemOptimizer (ECC-24 + q8) checkpoint loaded into FlashAdamW of the same formats:
+    check_dcp_load passed, then dcp.load failed inside torch on the 'compressed' key that
+    FlashAdamW's state dict has and the checkpoint lacks. Now the check says so and how; done
+    that way, training continues as the saving optimizer's would (the same rule and formats)."""
+    ecc = pytest.importorskip("memopt_ecc")
+    straight, sopt = build("memopt-ecc24-q8")
+    train(straight, sopt, 6)
+    first, fopt = build("memopt-ecc24-q8")
+    train(first, fopt, 3)
+    dcp.save(
+        {"optim": fopt.state_dict(), "model": first.state_dict()}, checkpoint_id=tmp_path / "ck"
+    )
+
+    torch.manual_seed(1)
+    resumed = build("memopt-ecc24-q8")[0]
+    ropt = ecc.FlashAdamW(resumed.parameters(), lr=1e-2, weight_decay=0.0, seed=5)
+    ropt.init_state()
+    with pytest.raises(StateDictError, match=r"no memopt\['compressed'\] .*\.pop\('compressed'\)"):
+        check_dcp_load(ropt, tmp_path / "ck")
+    target = {"optim": ropt.state_dict(), "model": resumed.state_dict()}
+    target["optim"]["memopt"].pop("compressed")
+    for g in target["optim"]["param_groups"]:
+        g["memopt"].pop("compressed")
+    dcp.load(target, checkpoint_id=tmp_path / "ck")
+    resumed.load_state_dict(target["model"])
+    ropt.load_state_dict(target["optim"])
+    train(resumed, ropt, 3, start=3)
+    for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
+
+
+@pytest.mark.usefixtures("process_group")
+def test_check_dcp_load_of_a_missing_folder_or_a_file(tmp_path):
+    """Both failed inside torch's dcp.load with a CheckpointException, which is no Exception."""
+    _, opt = build("memopt-ecc24-q8")
+    opt.init_state()
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        check_dcp_load(opt, tmp_path / "nothing")
+    (tmp_path / "ck.mopt").write_bytes(b"x")
+    with pytest.raises(StateDictError, match=r"is a file; .* memopt_checkpoint\.load"):
+        check_dcp_load(opt, tmp_path / "ck.mopt")

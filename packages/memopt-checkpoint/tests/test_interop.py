@@ -705,3 +705,22 @@ def test_quantization_bound_text():
     with pytest.raises(ConfigError, match="unknown moment format"):
         quantization_error_bound("q8", torch.zeros(3))
     assert torch.isinf(quantization_error_bound("bf16", torch.tensor([float("nan"), 3e38]))).all()
+
+
+def test_adambridge_is_named_with_the_way_its_state_moves():
+    """The torch interop refused AdamBridge as "not a MemOptimizer or Flash*" (ApexW, accepted,
+    went unnamed), and AdamBridge's own refusal of a torch state dict pointed at a
+    memopt_checkpoint conversion that does not exist for it."""
+    offload = pytest.importorskip("memopt_offload")
+    p = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    bridge = offload.AdamBridge([p], pin_memory=False)
+    with pytest.raises(TypeError, match=r"memopt_apexw\.ApexW\), got AdamBridge: .* no converter"):
+        to_torch_state_dict(bridge)
+    q = torch.nn.Parameter(torch.zeros(32))
+    adamw = torch.optim.AdamW([q])
+    q.grad = torch.ones(32)
+    adamw.step()
+    with pytest.raises(StateDictError, match=r"not saved by AdamBridge \(no converter makes one"):
+        offload.AdamBridge([torch.nn.Parameter(torch.zeros(32))], pin_memory=False).load_state_dict(
+            adamw.state_dict()
+        )

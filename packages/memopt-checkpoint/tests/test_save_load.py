@@ -220,7 +220,11 @@ def test_mismatches_change_nothing(tmp_path):
     with pytest.raises(StateDictError, match=r"model entry 'emb\.weight' .* shape"):
         load(tmp_path / "ck.mopt", model=wider)
     torch_opt = torch.optim.AdamW(target.parameters())
-    with pytest.raises(StateDictError, match=r"state of a memopt_core\.optimizer\.MemOptimizer"):
+    # the hint named torch interop alone, which drops an ECC master's low bits
+    with pytest.raises(
+        StateDictError,
+        match=r"state of a memopt_core\.optimizer\.MemOptimizer.*load it into a MemOptimizer",
+    ):
         load(tmp_path / "ck.mopt", model=target, optimizer=torch_opt)
     bf16 = MemOptimizer(target.parameters(), rule="adamw", lr=1e-2, moments="bf16", seed=3)
     with pytest.raises(StateDictError, match="moments='q8'"):

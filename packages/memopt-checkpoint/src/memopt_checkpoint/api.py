@@ -489,8 +489,10 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
     cls = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if info["class"] != cls:
         raise StateDictError(
-            f"the checkpoint holds the state of a {info['class']}; this optimizer is a {cls} "
-            "(memopt_checkpoint.interop converts between memopt and torch optimizers)"
+            f"the checkpoint holds the state of a {info['class']}; this optimizer is a {cls}: "
+            f"load it into a {info['class'].rsplit('.', 1)[-1]} (memopt_checkpoint.interop "
+            "converts between memopt and torch optimizers' state dicts; an ECC master keeps its "
+            "low bits through fp32_model_state_dict only)"
         )
     if info["keyed_by"] == "name" and model is None:
         # (a file keyed by position was saved with model=None, so it has no model to load)

@@ -247,6 +247,16 @@ def check_dcp_load(
             for _ in range(n + 1)
         ],
     }
+    if storage_reader is None and isinstance(checkpoint_id, (str, os.PathLike)):
+        # dcp.load raised torch's CheckpointException (a BaseException) with two tracebacks
+        where = os.fspath(checkpoint_id)
+        if not os.path.exists(where):
+            raise FileNotFoundError(f"no checkpoint at {where!r}")
+        if not os.path.isdir(where):
+            raise StateDictError(
+                f"{where!r} is a file; a torch.distributed.checkpoint checkpoint is a folder "
+                "(a file written by memopt_checkpoint.save loads with memopt_checkpoint.load)"
+            )
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     dcp.load(
         {key: probe},
@@ -326,6 +336,23 @@ def check_dcp_load(
                     "states before load_state_dict refuses them: build the optimizer with the "
                     "format the checkpoint was saved with"
                 )
+    # a Flash optimizer's state dict says compressed= in every group's memopt entry; a
+    # checkpoint of another memopt optimizer (MemOptimizer, ApexW) lacks the key, and dcp.load
+    # fails on a key its target has and the checkpoint lacks
+    if hasattr(optimizer, "compress_state_dict") and not bridge:
+        names = planner.metadata.state_dict_metadata
+        lacking = [
+            gi for gi in range(n) if f"{key}.param_groups.{gi}.{META_KEY}.compressed" not in names
+        ]
+        if lacking and any(k.startswith(f"{key}.param_groups.") for k in names):
+            raise StateDictError(
+                f"the checkpoint's param group {lacking[0]} has no memopt['compressed'] (saved by "
+                f"another memopt optimizer than {type(optimizer).__name__}), which this "
+                "optimizer's state dict has: dcp.load fails on a key the checkpoint lacks. "
+                "Drop it from the state dict you pass to dcp.load (sd['memopt'] and every "
+                "sd['param_groups'][i]['memopt']: .pop('compressed')); load_state_dict then "
+                "reads the state as compressed"
+            )
     # core's state dicts are compressed; FlashOptimizer(compress_state_dict=False) decodes
     compressed = meta.get("compressed") is not False
     if compressed != getattr(optimizer, "compress_state_dict", True):

@@ -2573,9 +2573,17 @@ def require_memopt_optimizer(optimizer: object) -> MemOptimizer:
     """``optimizer`` when it is a :class:`MemOptimizer`, else ``TypeError`` naming its type: the
     conversions of memopt-ecc and memopt-checkpoint read a memopt optimizer's state."""
     if not isinstance(optimizer, MemOptimizer):
+        bridge = type(optimizer).__name__ == "AdamBridge"
         raise TypeError(
-            f"expected a memopt optimizer (memopt_core.MemOptimizer or a memopt_ecc Flash*), got "
-            f"{type(optimizer).__name__}"
+            "expected a memopt optimizer (memopt_core.MemOptimizer, a memopt_ecc Flash* or "
+            f"memopt_apexw.ApexW), got {type(optimizer).__name__}"
+            + (
+                ": AdamBridge's state dict is its own, in torch's layout, and has no converter; "
+                "save and load it with its state_dict() / load_state_dict() (or "
+                "memopt_checkpoint.save / load)"
+                if bridge
+                else ""
+            )
         )
     return optimizer
 
