@@ -452,3 +452,39 @@ def test_measure_under_a_float64_default_dtype():
         torch.set_default_dtype(torch.float32)
     assert cfg.num_threads >= 1
     assert cfg.host_gbs > 0
+
+
+def test_a_failed_construction_leaves_the_kernel_settings_as_they_were():
+    """The config is applied before the host state is allocated (its pages are first-touched by
+    the pool's threads); a constructor that then raised (a bad lr, no parameters) left the
+    process-wide thread count and chunk size changed."""
+    from memopt_core.errors import ConfigError
+    from memopt_offload import AdamBridge
+
+    before = (ops.get_num_threads(), ops.get_chunk_size())
+    tuned = make_config(num_threads=before[0] + 1, chunk_size=before[1] * 2)
+    try:
+        with pytest.raises(ConfigError, match="learning rate"):
+            AdamBridge([torch.nn.Parameter(torch.zeros(4))], lr=-1.0, autotune=tuned)
+        assert (ops.get_num_threads(), ops.get_chunk_size()) == before
+        AdamBridge([torch.nn.Parameter(torch.zeros(4))], autotune=tuned, pin_memory=False)
+        assert (ops.get_num_threads(), ops.get_chunk_size()) == (before[0] + 1, before[1] * 2)
+    finally:
+        ops.set_num_threads(before[0])
+        ops.set_chunk_size(before[1])
+
+
+def test_a_config_of_another_machine_warns():
+    from memopt_offload import AdamBridge
+
+    before = (ops.get_num_threads(), ops.get_chunk_size())
+    try:
+        with pytest.warns(UserWarning, match="measured on 'another machine'"):
+            AdamBridge(
+                [torch.nn.Parameter(torch.zeros(4))],
+                autotune=make_config(machine="another machine"),
+                pin_memory=False,
+            )
+    finally:
+        ops.set_num_threads(before[0])
+        ops.set_chunk_size(before[1])

@@ -147,7 +147,7 @@ from memopt_core.state_dict_hooks import (
 )
 from memopt_core.state_dict_meta import META_KEY, add_group_meta, saved_meta, without_meta
 from memopt_kernels_cpu import ops as cpu_ops
-from memopt_offload.autotune import AutoTuneConfig
+from memopt_offload.autotune import AutoTuneConfig, machine_key
 from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
@@ -612,14 +612,35 @@ class AdamBridge(Optimizer):
         check_bool("pin_memory", pin_memory)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        tuned = None
         if autotune is True:
-            AutoTuneConfig.load_or_measure().apply()
+            tuned = AutoTuneConfig.load_or_measure()
         elif autotune is not None and autotune is not False:  # 0 is no bool: refused below
             if not isinstance(autotune, AutoTuneConfig):  # the class itself, say
                 raise ConfigError(
                     f"autotune must be None, True or an AutoTuneConfig instance, got {autotune!r}"
                 )
-            autotune.apply()
+            tuned = autotune
+            here = machine_key()
+            if autotune.machine != here:
+                warnings.warn(
+                    f"autotune: this AutoTuneConfig was measured on {autotune.machine!r}, not "
+                    f"on this machine ({here!r}); its thread count and chunk size may not suit "
+                    "it. autotune=True measures this one (and caches the result)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        # applied before the host state is allocated (the pool's threads first-touch its
+        # pages), and taken back if the construction fails: the settings are process-wide
+        untune = None
+        if tuned is not None:
+            prev = (cpu_ops.get_num_threads(), cpu_ops.get_chunk_size())
+            tuned.apply()
+
+            def untune() -> None:
+                cpu_ops.set_num_threads(prev[0])
+                cpu_ops.set_chunk_size(prev[1])
+
         self.precision = precision
         self.update = update
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -647,11 +668,21 @@ class AdamBridge(Optimizer):
         self._hyper: list[dict[str, Any]] = []  # the open step's hyperparameters, per group
         self._warned_late_hyper = False
         self._reset_pipeline()
+        try:
+            self._add_initial_groups(
+                params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            )
+        except BaseException:
+            if untune is not None:
+                untune()
+            raise
+
+    def _add_initial_groups(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        """The constructor's param groups and their host state (torch's ``__init__``)."""
         if isinstance(params, Tensor):
             raise ConfigError(
                 "params must be an iterable of tensors or param groups: wrap it in a list"
             )
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         # While the constructor adds its groups, the checks against the groups already held and
         # the host optimizer wait for the last one: made per group, they made construction
         # quadratic in the number of groups (14.7 s for 1000 one-parameter groups)
@@ -1765,8 +1796,9 @@ class AdamBridge(Optimizer):
                 )
         if not isinstance(meta, Mapping) or meta.get("family") != "AdamBridge":
             raise StateDictError(
-                f"{what} was not saved by AdamBridge (convert it with memopt_checkpoint), "
-                "or it lost AdamBridge's 'memopt' entry on the way (torch's "
+                f"{what} was not saved by AdamBridge (no converter makes one: a torch or "
+                "memopt optimizer's state does not load into AdamBridge, whose state is its "
+                "own), or it lost AdamBridge's 'memopt' entry on the way (torch's "
                 "get_optimizer_state_dict with flatten_optimizer_state_dict=True does not hand it "
                 "back: use the default options)"
             )
