@@ -4,8 +4,11 @@ the whole rule x format matrix."""
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import tempfile
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +79,7 @@ def _pair_step(kind, spec, plan, params, g, arena, s, step, seed, tids):
     )  # fmt: skip
 
 
+@pytest.mark.usefixtures("_free_gpu_memory")
 def test_tensor_past_2_pow_31_elements():
     n = 2**31 + 96
     if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
@@ -140,11 +144,19 @@ def _rule_window_reference(kind, spec, arena, p, g, code, s, seed, tid, step, lo
 
 @pytest.fixture
 def _free_gpu_memory():
-    """Give the caching allocator's blocks back after a large test (passed or failed), so the
-    next large case starts from an empty GPU."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
+    """One large test at a time across pytest-xdist's workers (a file lock; 12 workers ran
+    three of them together and one ran out of an H100's 80 GB), and the caching allocator's
+    blocks given back after it (passed or failed), so the next large case starts from an
+    empty GPU."""
+    lock = Path(tempfile.gettempdir()) / "memopt-kernels-triton-gpu-large.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _large_rule_case(kind):
