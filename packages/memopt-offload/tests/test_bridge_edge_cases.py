@@ -204,8 +204,16 @@ def test_a_gradient_after_the_hook_took_one_is_an_error(device, precision, updat
     assert model.weight.grad is None  # taken by the hook at once
     with opt.no_update():
         second.backward()
-    with pytest.raises(OffloadError, match="arrived twice"):
+    with pytest.raises(OffloadError, match=r"arrived twice.* until zero_grad\(\) drops it"):
         opt.step_sync()
+    with pytest.raises(OffloadError, match="arrived twice"):
+        opt.step_sync()  # again: the message says so
+    opt.zero_grad()
+    opt.step_sync()  # the first backward's step, as the message says
+    before = model.weight.detach().clone()
+    model(x).sum().backward()  # and training goes on
+    opt.step_sync()
+    assert not torch.equal(model.weight, before)
 
 
 @both_updates()

@@ -1531,7 +1531,9 @@ class AdamBridge(Optimizer):
                     raise OffloadError(
                         f"the gradient of {slot.label} arrived twice before step_sync(): "
                         "accumulate micro-batches inside `with optimizer.no_update():` before "
-                        "the last backward of the step, not after it"
+                        "the last backward of the step, not after it. The later gradient stays "
+                        "in .grad and every step_sync() refuses it until zero_grad() drops it; "
+                        "step_sync() then completes the step of the first one"
                     )
                 continue
             todo.append(slot)
