@@ -611,6 +611,22 @@ def test_a_forward_after_another_optimizers_backward_names_the_freeze():
     opt_d.step_sync()
 
 
+@both_updates()
+def test_the_models_state_dict_before_step_sync_collects_the_updates(device, precision, update):
+    """Between backward and step_sync() the hooks' updates are under way: model.state_dict()
+    (a checkpoint or an EMA copy taken there) read some weights updated and others not, where
+    only overlap_forward's pre-hook waited. It collects them first now, as the optimizer's own
+    state_dict() does: a copy of it holds the weights step_sync() leaves."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-2, precision=precision, update=update)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    saved = {n: t.clone() for n, t in model.state_dict().items()}
+    opt.step_sync()
+    assert all(torch.equal(saved[n], p) for n, p in model.named_parameters())
+    assert not all(torch.equal(saved[n], p) for n, p in make_model(device).named_parameters())
+
+
 def test_a_saved_state_dict_holds_the_state_only():
     """The masters are views of a slab that also holds the gradient buffers: torch.save wrote
     those too (7.07 B per parameter for compact's 5.06)."""

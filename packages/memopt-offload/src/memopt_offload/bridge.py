@@ -1049,11 +1049,9 @@ class AdamBridge(Optimizer):
             self._hooks.append(
                 model.register_forward_hook(_WeakHook(self._end_read_guard), always_call=True)
             )
-            # model.state_dict() reads the weights outside any forward
-            self._hooks.append(
-                model.register_state_dict_pre_hook(_WeakHook(self._sync_before_read))
-            )
             self._guard_next_forward = True
+        # model.state_dict() reads the weights outside any forward
+        self._hooks.append(model.register_state_dict_pre_hook(_WeakHook(self._sync_before_read)))
 
     def detach_hooks(self) -> None:
         """Remove the hooks (waits for in-flight updates first); idempotent."""
@@ -1126,6 +1124,11 @@ class AdamBridge(Optimizer):
             bucket.uploaded = None  # one wait per bucket is enough
 
     def _sync_before_read(self, *args: Any) -> None:
+        if self._pending:
+            # the last backward's updates are under way: collected first, as this optimizer's
+            # own state_dict() collects them (else some weights were read before their update
+            # and others after it)
+            self._finish()
         if self._inflight:
             self.synchronize()
 
