@@ -176,10 +176,7 @@ class DeviceUpdater:
             for si, pos in enumerate(region.positions):
                 homes[pos] = (region, si)
         self.homes = [homes[i] for i in range(len(self.params))]
-        for b in self.buckets:
-            for pos in b.members:
-                if b not in self.of_param[pos]:
-                    self.of_param[pos].append(b)
+        self._link(self.buckets)
 
     def _backend(self, plan: GroupPlan) -> Any:
         try:
@@ -247,10 +244,14 @@ class DeviceUpdater:
                 self.of_param[pos] = []
             first = len(self.buckets)
             self._cut(region)
-            for b in self.buckets[first:]:
-                for pos in b.members:
-                    if b not in self.of_param[pos]:
-                        self.of_param[pos].append(b)
+            self._link(self.buckets[first:])
+
+    def _link(self, buckets: Sequence[_Bucket]) -> None:
+        """Record each of ``buckets`` under the parameters it holds pieces of (``of_param``)."""
+        for b in buckets:
+            for pos in b.members:
+                if b not in self.of_param[pos]:
+                    self.of_param[pos].append(b)
 
     def _is_piece(self, b: _Bucket, si: int) -> bool:
         """Whether bucket ``b``'s plan slot ``si`` is a piece (a view) of its parameter."""
