@@ -501,7 +501,8 @@ def stream_words(
             _i32(step, "step"),
             BLOCK=block,
         )
-    words = out.to(torch.int64) & 0xFFFFFFFF
+    # masked in place: ``& 0xFFFFFFFF`` would allocate the 8 bytes per word a second time
+    words = out.to(torch.int64).bitwise_and_(0xFFFFFFFF)
     return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
 
 
