@@ -1,5 +1,5 @@
-"""The capture checks of a GPU tensor lr (``MemOptimizer._refuse_unready_capture``), on the
-CPU: a ``meta`` tensor stands for a tensor outside host memory. Every rule reads a tensor lr on
+"""The capture checks (``MemOptimizer._refuse_invalid_capture``), on the CPU: a capture faked
+by a fixture, and a ``meta`` tensor standing for a GPU tensor lr outside host memory. Every rule reads a tensor lr on
 its parameters' device (the Triton tests check the bits); on another device a captured step
 would read it on the host, which a capture cannot hold: refused, naming it."""
 
@@ -58,3 +58,37 @@ def test_an_lr_on_the_parameters_device_is_accepted(rule):
     opt.param_groups[0]["weight_decay"] = torch.zeros(2, device="meta")
     with pytest.raises(ConfigError, match=r"weight_decay \(param group 0\) must be a float or"):
         opt._check_group(opt.param_groups[0], "(param group 0)")
+
+
+@pytest.fixture
+def _capturing(monkeypatch):
+    """Every step runs as if inside a CUDA graph capture."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+@pytest.mark.usefixtures("_capturing")
+@pytest.mark.parametrize("what", ["step", "step_parameters"])
+def test_a_captured_step_without_capturable_is_refused(what):
+    """step_parameters (gradient release's step) was captured without a check: the graph froze
+    the host step count, and every replay repeated the captured step."""
+    param = torch.nn.Parameter(torch.ones(4))
+    opt = MemOptimizer([param], rule="adamw", capturable=False)
+    param.grad = torch.ones(4)
+    run = opt.step if what == "step" else lambda: opt.step_parameters([param])
+    with pytest.raises(ConfigError, match=rf"\.{what}\(\) is being captured .* capturable=False"):
+        run()
+    assert torch.equal(param, torch.ones(4))
+    assert not opt.state
+
+
+@pytest.mark.usefixtures("_capturing")
+def test_a_first_step_of_step_parameters_inside_a_capture_is_refused():
+    """Only the parameters it steps count: one without a gradient may have no state yet."""
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = MemOptimizer([a, b], rule="adamw", capturable=True)
+    with pytest.raises(ConfigError, match="first step inside a CUDA graph capture"):
+        opt.step_parameters([a], grads={a: torch.ones(4)})
+    assert torch.equal(a, torch.ones(4))
+    assert not opt.state
+    opt.step_parameters([b])  # no gradient: nothing to capture, nothing refused

@@ -94,3 +94,33 @@ def test_step_parameters_reads_found_inf_on_the_host():
     assert torch.equal(a[0], b[0])
     assert torch.equal(ref.state[a[0]]["exp_avg"], mine.state[b[0]]["exp_avg"])
     assert float(mine.state[b[0]]["step"]) == 1.0
+
+
+def test_a_refused_step_leaves_no_scaler_flags_behind():
+    """GradScaler.step deletes the optimizer's grad_scale / found_inf only after a step that
+    returns: after a refused one (a bad lr, refused before any change) the next scaler.step
+    unscaled by the square of the scale. The iteration whose step was refused must be a
+    skipped one: two good iterations after it give the bits of two plain ones."""
+
+    def run(refuse_first):
+        p = torch.nn.Parameter(torch.ones(64))
+        opt = MemOptimizer([p], rule="sgd", lr=0.1, backend="torch", seed=3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+        for it in range(3 if refuse_first else 2):
+            opt.zero_grad()
+            scaler.scale((p * torch.arange(64.0)).sum() * 1e-3).backward()
+            if refuse_first and it == 0:
+                opt.param_groups[0]["lr"] = -1.0
+                with pytest.raises(ValueError, match="learning rate"):
+                    scaler.step(opt)
+                opt.param_groups[0]["lr"] = 0.1
+                assert not hasattr(opt, "grad_scale")
+                assert not hasattr(opt, "found_inf")
+            else:
+                scaler.step(opt)
+            scaler.update()
+        return p.detach()
+
+    want = run(False)
+    assert not torch.equal(want, torch.ones(64))
+    assert torch.equal(run(True), want)

@@ -103,6 +103,7 @@ __all__ = [
     "MemOptimizer",
     "adam_hyperparameters",
     "check_bool",
+    "forgets_scaler_flags_on_error",
     "real_as_float",
     "require_memopt_optimizer",
 ]
@@ -355,6 +356,25 @@ def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tenso
             seen = torch.zeros(1, dtype=torch.float32, device=dev)  # checked by the scaler
             torch._amp_foreach_non_finite_check_and_unscale_(same, seen, inv.to(dev))
     return True
+
+
+def forgets_scaler_flags_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` wrapped to drop a GradScaler's ``grad_scale`` and ``found_inf`` attributes when it
+    raises. ``GradScaler.step`` sets them on the optimizer and deletes them only after a step
+    that returns: after a refused step (memopt refuses some before any change, for the caller
+    to fix and go on) the next ``scaler.step`` unscaled by the square of the scale, and a plain
+    ``step()`` read a stale scale or inf flag."""
+
+    @functools.wraps(step)
+    def wrapper(self: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(self, *args, **kwargs)
+        except BaseException:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    return wrapper
 
 
 def _describe_tensor(t: Tensor) -> str:
@@ -1778,6 +1798,7 @@ class MemOptimizer(Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     @run_eagerly  # under torch.compile too (memopt_core.eager says why)
+    @forgets_scaler_flags_on_error
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
@@ -1793,17 +1814,7 @@ class MemOptimizer(Optimizer):
         if self._release_owner is not None:
             self._warn_released("step")
             return None
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing and not self._capturable:
-            raise ConfigError(
-                f"{type(self).__name__}.step() is being captured in a CUDA graph, but the "
-                "optimizer has capturable=False: its step counts, bias corrections and stochastic"
-                "-rounding step live on the host and would be frozen into the graph (every "
-                "replay would repeat the captured step and no count would advance). Construct "
-                "it with capturable=True to capture its step"
-            )
-        if capturing:
-            self._refuse_unready_capture()
+        capturing = self._refuse_invalid_capture("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1819,13 +1830,45 @@ class MemOptimizer(Optimizer):
                 self._update_and_cache(None)
         return loss
 
-    def _refuse_unready_capture(self) -> None:
+    def _refuse_invalid_capture(self, what: str, stepped: list[Tensor] | None = None) -> bool:
+        """Whether ``what`` (``step`` or ``step_parameters``) is being captured in a CUDA graph;
+        ConfigError, before any change, where that capture could not replay correctly
+        (``stepped``: the parameters ``step_parameters`` takes with a gradient; None: all)."""
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self._capturable:
+            raise ConfigError(
+                f"{type(self).__name__}.{what}() is being captured in a CUDA graph, but the "
+                "optimizer has capturable=False: its step counts, bias corrections and stochastic"
+                "-rounding step live on the host and would be frozen into the graph (every "
+                "replay would repeat the captured step and no count would advance). Construct "
+                "it with capturable=True to capture its step"
+            )
+        if capturing:
+            self._refuse_unready_capture(stepped)
+        return capturing
+
+    def _refuse_unready_capture(self, stepped: list[Tensor] | None = None) -> None:
         """ConfigError, before any change, for a captured step that would have to read a device
         value on the host or copy from the host: a parameter's first step allocates its state
         and uploads its tables (torch refused the pageable copy with a RuntimeError that did
         not say why), and a GPU tensor lr (or initial_lr, or weight_decay) on another device than
         its group's parameters is read with a synchronising ``.item()`` (the capture failed with
-        ``cudaErrorStreamCaptureInvalidated``). One on their device is read by the kernel."""
+        ``cudaErrorStreamCaptureInvalidated``). One on their device is read by the kernel.
+        ``stepped``: the parameters with a gradient that the step takes (None: every parameter
+        whose ``.grad`` is set)."""
+        first = (
+            [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if stepped is None
+            else stepped
+        )
+        for p in first:
+            if p not in self.state:
+                raise ConfigError(
+                    f"{self._param_label(p)} takes its first step inside a CUDA graph "
+                    "capture: a first step allocates the state and copies tables from the "
+                    "host, which a capture cannot hold. Take one eager step (with the "
+                    "gradient buffers the graph will use) before capturing"
+                )
         for gi, group in enumerate(self.param_groups):
             devices = {p.device for p in group["params"]}
             lr, initial = group["lr"], group.get("initial_lr")
@@ -1850,14 +1893,6 @@ class MemOptimizer(Optimizer):
                         "hold); keep it on the parameters' device (the kernel reads it there "
                         "at every replay), or give a float or a CPU tensor (its value at "
                         "capture is the one the graph replays)"
-                    )
-            for p in group["params"]:
-                if p.grad is not None and p not in self.state:
-                    raise ConfigError(
-                        f"{self._param_label(p)} takes its first step inside a CUDA graph "
-                        "capture: a first step allocates the state and copies tables from the "
-                        "host, which a capture cannot hold. Take one eager step (with the "
-                        "gradient buffers the graph will use) before capturing"
                     )
 
     # ---------------------------------------------------------------------- the cached step
@@ -2093,6 +2128,8 @@ class MemOptimizer(Optimizer):
                 else type(found_inf).__name__
             )
             raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
+        stepped = [p for p in params if p.grad is not None or (grads and p in grads)]
+        self._refuse_invalid_capture("step_parameters", stepped)
         amp = None if found_inf is None else (None, found_inf)
         self._drop_cached_steps()  # some counters advance: the cached step counts would differ
         with torch.no_grad():
