@@ -5,6 +5,8 @@ would read it on the host, which a capture cannot hold: refused, naming it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -92,3 +94,22 @@ def test_a_first_step_of_step_parameters_inside_a_capture_is_refused():
     assert torch.equal(a, torch.ones(4))
     assert not opt.state
     opt.step_parameters([b])  # no gradient: nothing to capture, nothing refused
+
+
+def test_load_state_dict_after_a_capture_warns(monkeypatch):
+    """The load moves the state to new memory: a graph captured before replays freed addresses
+    (an illegal address on an H100), so the load says to capture again, once."""
+    opt = MemOptimizer([torch.nn.Parameter(torch.ones(4))], rule="adamw", capturable=True)
+    saved = opt.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(saved)  # nothing captured yet
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert opt._refuse_invalid_capture("step")  # what a captured step() checks first
+    monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match="capture the step again"):
+        opt.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(saved)  # warned once: the next capture sets it again

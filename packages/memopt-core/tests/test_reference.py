@@ -214,3 +214,14 @@ def test_bias_table_saturates_at_exactly_one_and_matches_adam_scalars(betas):
         k = min(step, last)
         assert s.step_size == 0.1 / bc1[k]
         assert s.bc2_sqrt == bc2[k]
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.99), (0.95, 0.9999), (0.999, 0.5)])
+def test_bias_tables_equal_their_definition_at_every_entry(betas):
+    """Each table stops taking pows where its beta saturates (a cycled beta1 then costs its
+    own few hundred pows): every entry still equals ``1.0 - beta**k`` (bc2: its sqrt)."""
+    bc1, bc2 = R.adam_bias_table(*betas)
+    assert len(bc1) == len(bc2) == R.adam_bias_last(*betas) + 1
+    b1, b2 = betas
+    assert bc1 == tuple(1.0 - b1**k for k in range(len(bc1)))
+    assert bc2 == tuple(math.sqrt(1.0 - b2**k) for k in range(len(bc2)))

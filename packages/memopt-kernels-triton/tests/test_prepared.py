@@ -603,3 +603,17 @@ def test_tensors_on_another_gpu_than_the_current_one(ops, entry):
             assert not bad, f"step {step}: " + "; ".join(bad)
     finally:
         torch.cuda.set_device(before)
+
+
+def test_a_captured_step_of_a_strided_gradient_is_refused_naming_it(ops, device, monkeypatch):
+    """Its table is made at every step, so a capture can never hold it: the refusal names the
+    tensor and its strides, where "take one eager step first" could not be followed."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    group = make_group(rule, spec, torch.bfloat16, [64], device, seed=3, **hyper)
+    strided = torch.zeros(128, dtype=torch.bfloat16, device=device)[::2]
+    strided.copy_(make_grads(group, 1)[0])
+    ops.prepare_step(group_step(group, [strided], 1))  # an eager step: accepted
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    with pytest.raises(ConfigError, match=r"gradient of tensor 0 .* strides \(2,\)\) is not"):
+        ops.prepare_step(group_step(group, [strided], 2))

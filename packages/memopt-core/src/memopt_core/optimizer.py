@@ -566,6 +566,7 @@ class MemOptimizer(Optimizer):
         self.check_numerics = check_numerics
         self.backend = backend
         self._capturable = capturable
+        self._captured = False  # a step was captured: a later load_state_dict warns
         self._reset_plans()
         self._reset_release()
         forced = backends.forced_backend(backend)
@@ -1845,6 +1846,7 @@ class MemOptimizer(Optimizer):
             )
         if capturing:
             self._refuse_unready_capture(stepped)
+            self._captured = True
         return capturing
 
     def _refuse_unready_capture(self, stepped: list[Tensor] | None = None) -> None:
@@ -2386,6 +2388,16 @@ class MemOptimizer(Optimizer):
         if new_state:
             self._ensure_plans()
         run_load_post_hooks(self)
+        if getattr(self, "_captured", False):  # absent in an optimizer pickled before
+            self._captured = False
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict() after a CUDA graph captured its step: "
+                "the loaded state lives in new memory, and that graph replays the old addresses "
+                "(freed now: a replay would read and write freed memory). Take one eager step "
+                "and capture the step again before replaying",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _checked_meta(self, meta: Any, what: str = "the state dict") -> int:
         """The seed to run with after loading a dict whose ``memopt`` entry is ``meta`` (None:

@@ -34,8 +34,10 @@ __all__ = [
     "LionScalars",
     "SGDScalars",
     "adam",
+    "adam_bias_last",
     "adam_bias_table",
     "adam_scalars",
+    "bias_correction_table",
     "correctly_rounded_sqrt",
     "decay_factor",
     "lion",
@@ -163,6 +165,13 @@ def adam_bias_table(beta1: float, beta2: float) -> tuple[tuple[float, ...], tupl
     earlier, at ``beta**k <= 2**-54``): entry ``K`` holds for every
     later step, so a device step reads entry ``min(k, K)``. ``K`` is at most
     :data:`DEVICE_STEP_LIMIT`; betas closer to 1 raise ``ValueError``."""
+    last = adam_bias_last(beta1, beta2)
+    return bias_correction_table(beta1, last), bias_correction_table(beta2, last, root=True)
+
+
+def adam_bias_last(beta1: float, beta2: float) -> int:
+    """The last index ``K`` of :func:`adam_bias_table` ``(beta1, beta2)``; ``ValueError`` for
+    betas outside [0, 1) or so close to 1 that ``K`` would pass :data:`DEVICE_STEP_LIMIT`."""
     for b in (beta1, beta2):
         if not 0.0 <= b < 1.0:
             raise ValueError(f"betas must lie in [0, 1), got {b!r}")
@@ -178,9 +187,24 @@ def adam_bias_table(beta1: float, beta2: float) -> tuple[tuple[float, ...], tupl
             f"{DEVICE_STEP_LIMIT} (2**24), the limit of device step counters; use betas further "
             "from 1 or capturable=False"
         )
-    bc1 = tuple(1.0 - beta1**k for k in range(last + 1))
-    bc2_sqrt = tuple(math.sqrt(1.0 - beta2**k) for k in range(last + 1))
-    return bc1, bc2_sqrt
+    return last
+
+
+@functools.lru_cache(maxsize=8)
+def bias_correction_table(beta: float, last: int, root: bool = False) -> tuple[float, ...]:
+    """``1.0 - beta**k`` (``root``: its ``math.sqrt``) for ``k`` in ``0..last``, in double, one of
+    :func:`adam_bias_table`'s two tables. From the first ``k`` with ``beta**k < 2**-55`` on every
+    entry is exactly 1.0, and is written so without its pow: a beta far from 1 costs its own few
+    hundred pows, not the other beta's tens of thousands (a scheduler that cycles beta1, as
+    ``OneCycleLR`` does, needs a new beta1 table at every step)."""
+    out: list[float] = []
+    for k in range(last + 1):
+        x = beta**k
+        if x < _SATURATED:
+            out.extend([1.0] * (last + 1 - k))
+            break
+        out.append(math.sqrt(1.0 - x) if root else 1.0 - x)
+    return tuple(out)
 
 
 def sgd_scalars(

@@ -48,7 +48,7 @@ from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
 from memopt_core.plan import ceil_div, overlaps_itself, round_up
-from memopt_core.reference import adam_bias_table, round_to_float32
+from memopt_core.reference import adam_bias_last, bias_correction_table, round_to_float32
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
@@ -720,7 +720,9 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
                 "a table of this step is not cached yet (the first step of these tensors, "
                 "gradients at new addresses, or new betas), and a CUDA graph capture cannot copy "
                 "it from the host: take one eager step with the same tensors and "
-                "hyperparameters before capturing"
+                "hyperparameters before capturing, and keep the gradients in that step's "
+                "buffers (zero_grad(set_to_none=False); torch's whole-network recipe sets them "
+                "to None before the capture, which these tables cannot follow)"
             )
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
@@ -1299,6 +1301,8 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))
         )
         if strided:
+            if _capturing():
+                _refuse_strided_capture(work)
             # run on contiguous copies, write the parameters back afterwards; the copies live
             # only as long as the prepared step, so its tables are neither cached nor reusable
             params, grads = list(params), [g.contiguous() for g in grads]
@@ -1587,6 +1591,23 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _refuse_strided_capture(work: GroupStep) -> None:
+    """ConfigError naming the first non-contiguous parameter or gradient of a captured step:
+    such a step runs through contiguous copies at new addresses, whose table a capture cannot
+    upload (the generic "not cached yet" advice, one eager step, could never be followed)."""
+    for i, (p, g) in enumerate(zip(work.params, work.grads, strict=True)):
+        for what, t in (("parameter", p), ("gradient", g)):
+            if not t.is_contiguous():
+                raise ConfigError(
+                    f"the {what} of tensor {i} (slot {work.slots[i]}, shape {tuple(t.shape)}, "
+                    f"strides {t.stride()}) is not contiguous (channels_last?): its step runs "
+                    "through contiguous copies whose tables are made at every step, which a "
+                    "CUDA graph capture cannot hold. Capture contiguous parameters and "
+                    "gradients (model.to(memory_format=torch.contiguous_format)), or step "
+                    "this one outside the graph"
+                )
+
+
 #: The fewest works :func:`fused_steps` launches together. A merged launch uploads its words
 #: (two torch calls and a pinned block per step) and saves one launch per further work. On the
 #: H200 with the Qwen2.5-0.5B shapes, back to back, merging was even at 2 param groups and
@@ -1786,26 +1807,55 @@ _RULE_IDS = {
     "lion": _words.RULE_LION.value,
     "sgd": _words.RULE_SGD.value,
 }
-#: (device, beta1, beta2) -> (bc1 float64, bc2_sqrt fp32 bits as int32, last index)
+#: (device, beta, last index, root) -> one bias-correction table on the device (bc1 float64,
+#: bc2_sqrt float32 bits as int32), the most recently used last
 _BIAS_TABLES: dict = {}
+#: keys read inside a CUDA graph capture: the graph replays their addresses, so they stay
+_BIAS_CAPTURED: set = set()
+#: tables kept besides those: a scheduler that cycles beta1 (OneCycleLR) asks for a new one
+#: at every step, and each kept table of beta2 0.999 holds 38,000 entries of device memory
+_BIAS_KEEP = 8
 
 
 def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tensor, Tensor, int]:
+    """The device tables of core's ``adam_bias_table(*betas)`` and their last index, each table
+    cached under its own beta (a cycled beta1 rebuilds only its own, short, table)."""
     if not isinstance(betas, Sequence) or len(betas) != 2:  # a third value would be ignored
         raise ConfigError(f"device_step.betas must be a pair (beta1, beta2), got {betas!r}")
-    key = (str(device), float(betas[0]), float(betas[1]))
-    hit = _BIAS_TABLES.get(key)
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    try:
+        last = adam_bias_last(beta1, beta2)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return _bias_table(device, beta1, last, False), _bias_table(device, beta2, last, True), last
+
+
+def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Tensor:
+    key = (str(device), beta, last, root)
+    hit = _BIAS_TABLES.pop(key, None)
     if hit is None:
-        try:
-            bc1, bc2 = adam_bias_table(float(betas[0]), float(betas[1]))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        t1 = _to_device(torch.tensor(bc1, dtype=torch.float64, device="cpu"), device)
-        t2 = _to_device(
-            torch.tensor([_f32_bits(v) for v in bc2], dtype=torch.int32, device="cpu"), device
+        values = bias_correction_table(beta, last, root)
+        host = (
+            torch.tensor([_f32_bits(v) for v in values], dtype=torch.int32, device="cpu")
+            if root
+            else torch.tensor(values, dtype=torch.float64, device="cpu")
         )
-        hit = _BIAS_TABLES[key] = (t1, t2, len(bc1) - 1)
-    return hit
+        hit = (_to_device(host, device), set())
+    _BIAS_TABLES[key] = hit
+    table, streams = hit
+    if _capturing():
+        _BIAS_CAPTURED.add(key)
+    elif table.is_cuda:
+        # an evicted table's memory goes back to the caching allocator, which hands it out
+        # again in the order of the streams recorded here: every stream that read it
+        stream = torch.cuda.current_stream(table.device)
+        if stream.cuda_stream not in streams:
+            table.record_stream(stream)
+            streams.add(stream.cuda_stream)
+    evictable = [k for k in _BIAS_TABLES if k not in _BIAS_CAPTURED]
+    for old in evictable[: max(0, len(evictable) - _BIAS_KEEP)]:
+        del _BIAS_TABLES[old]
+    return table
 
 
 def _check_amp_tensor(t: Tensor | None, what: str, device: torch.device) -> None:
