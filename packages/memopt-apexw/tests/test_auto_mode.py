@@ -34,7 +34,8 @@ def train(opt, params, steps):
         opt.step()
 
 
-TRIAL_STEPS = 2 * WARMUP_STEPS + 2 * TIMED_ROUNDS
+# two candidates: warm-up steps, then per round an untimed re-entry and a timed step each
+TRIAL_STEPS = 2 * WARMUP_STEPS + 2 * 2 * TIMED_ROUNDS
 needs_two_candidates = pytest.mark.skipif(
     fused_backend_for(torch.device("cpu")) is None,
     reason="a trial needs a fused CPU backend next to core's torch one (memopt-kernels-cpu)",
@@ -53,9 +54,49 @@ def test_trial_schedule_and_decision():
         seen[: 2 * WARMUP_STEPS]
         == [("fused", False)] * WARMUP_STEPS + [("torch", False)] * WARMUP_STEPS
     )
-    assert seen[2 * WARMUP_STEPS :] == [("fused", True), ("torch", True)] * TIMED_ROUNDS
+    assert (
+        seen[2 * WARMUP_STEPS :]
+        == [("fused", False), ("fused", True), ("torch", False), ("torch", True)] * TIMED_ROUNDS
+    )
+    assert len(seen) == TRIAL_STEPS
     assert t.decide() == "fused"
     assert t.medians() == {"fused": 1.0, "torch": 2.0}
+
+
+def _run_trial(cost):
+    """Run a Trial; ``cost(candidate, previous candidate, its timed count)`` is a step's time."""
+    t = Trial(["fused", "torch"])
+    seen, prev = [], None
+    while (nxt := t.next()) is not None:
+        seen.append(nxt)
+        mode, is_timed = nxt
+        if is_timed:
+            t.record(mode, cost(mode, prev, len(t.times[mode])))
+        prev = mode
+    return t, seen
+
+
+def test_a_switch_cost_is_never_timed():
+    """A switch between candidates has one-time costs (a CUDA graph captured at the fused
+    candidate's 3rd step, counters moving between host and device under a GradScaler). Timed,
+    they made fused look 100x slower and torch was picked and cached (audit F1, F2)."""
+
+    def cost(mode, prev, _):
+        return (1.0 if mode == "fused" else 2.0) + (100.0 if prev != mode else 0.0)
+
+    t, seen = _run_trial(cost)
+    for i, (mode, is_timed) in enumerate(seen):
+        if is_timed:
+            assert seen[i - 1] == (mode, False)  # the same candidate ran just before
+    assert t.times == {"fused": [1.0] * TIMED_ROUNDS, "torch": [2.0] * TIMED_ROUNDS}
+    assert t.decide() == "fused"
+
+
+def test_one_slow_sample_does_not_drop_a_candidate():
+    """A candidate was dropped on its first timed sample alone (audit F1)."""
+    t, _ = _run_trial(lambda mode, prev, n: (100.0 if n == 0 else 1.0) if mode == "fused" else 20.0)
+    assert t.times == {"fused": [100.0, 1.0, 1.0], "torch": [20.0] * TIMED_ROUNDS}
+    assert t.decide() == "fused"
 
 
 def test_trial_stops_timing_a_far_slower_candidate():
@@ -65,7 +106,8 @@ def test_trial_stops_timing_a_far_slower_candidate():
         if nxt[1]:
             timed.append(nxt[0])
             t.record(nxt[0], 1.0 if nxt[0] == "fused" else 100.0)
-    assert timed == ["fused", "torch"]  # one round; the 100x slower one is dropped
+    # dropped once both have 2 samples, which ends the trial after 2 rounds
+    assert timed == ["fused", "torch", "fused", "torch"]
     assert t.decide() == "fused"
 
 
@@ -111,6 +153,27 @@ def test_signature_depends_on_shapes_dtypes_and_state():
     assert base != key([torch.zeros(4, 4, dtype=torch.bfloat16, requires_grad=True)])
     assert base != key([torch.zeros(4, 4, requires_grad=True)], state="q8")
     assert base != key([torch.zeros(4, 4, requires_grad=True)], capturable=True)
+
+
+@pytest.mark.parametrize("change", ["frozen", "check_numerics"])
+def test_a_decision_is_not_reused_when_the_step_does_other_work(tmp_path, change):
+    """The signature ignored which tensors train and check_numerics, both of which change the
+    step's work: a decision measured under one was read back under the other (audit F7)."""
+    cache = tmp_path / "modes.json"
+    a = make_params("cpu")
+    plain = ApexW(a, mode_cache=cache)
+    key, about = auto_mode.signature(plain.param_groups, False)
+    auto_mode.save_decision(cache, key, ModeDecision("torch", "measured", {"torch": 1.0}), about)
+    control = ApexW(a, mode_cache=cache)
+    train(control, a, 1)
+    assert control.mode_decision.source == "cache"  # the entry is read
+    b = make_params("cpu")
+    if change == "frozen":
+        b[-1].requires_grad_(False)
+    opt = ApexW(b, mode_cache=cache, check_numerics=change == "check_numerics")
+    train(opt, b, 1)
+    assert opt.mode_decision is None or opt.mode_decision.source != "cache"
+    assert auto_mode.signature(opt.param_groups, False, opt.check_numerics)[0] != key
 
 
 @needs_two_candidates
@@ -171,7 +234,7 @@ def test_a_timed_step_that_raises_leaves_the_trial_going():
     step raised StatisticsError (audit round 4)."""
     a = make_params("cpu")
     opt = ApexW(a, mode_cache=None, check_numerics=True)
-    train(opt, a, 2 * WARMUP_STEPS)
+    train(opt, a, 2 * WARMUP_STEPS + 1)  # warm-up and the first re-entry step
     p = next(p for p in a if p.numel() and p.grad is not None)
     p.grad = torch.full_like(p, float("nan"))
     with pytest.raises(NumericsError):
@@ -480,3 +543,45 @@ def test_a_parameter_without_a_gradient_keeps_the_bits(tmp_path, missing_at):
         ref.step()
         assert_same(a, b, opt, ref, f"step {step}")
     assert opt.mode_decision is not None
+
+
+@needs_two_candidates
+@pytest.mark.parametrize("source", ["measured", "cache"])
+def test_a_group_added_after_the_decision_looks_up_the_new_model(tmp_path, source):
+    """The decision of the model before the group was kept: its signature named a model that no
+    longer existed, and an ApexW over the final model found no cache entry (audit F3)."""
+    cache = tmp_path / "modes.json"
+    if source == "cache":
+        first = make_params("cpu")
+        train(ApexW(first, mode_cache=cache), first, TRIAL_STEPS + 1)
+    a = make_params("cpu")
+    opt = ApexW(a, mode_cache=cache)
+    train(opt, a, 1 if source == "cache" else TRIAL_STEPS + 1)
+    assert opt.mode_decision.source == source
+    old_signature = opt.mode_decision.signature
+    extra = torch.nn.Parameter(torch.randn(64))
+    opt.add_param_group({"params": [extra]})
+    assert opt.mode_decision is None  # decided again on the next step
+    a.append(extra)
+    train(opt, a, TRIAL_STEPS + 1)
+    d = opt.mode_decision
+    assert d.source == "measured"
+    assert d.signature == auto_mode.signature(opt.param_groups, False)[0] != old_signature
+    b = make_params("cpu")
+    fresh = ApexW(b, mode_cache=cache)
+    fresh.add_param_group({"params": [torch.nn.Parameter(torch.randn(64))]})
+    b.append(fresh.param_groups[1]["params"][0])
+    train(fresh, b, 1)
+    assert (fresh.mode_decision.source, fresh.mode_decision.mode) == ("cache", d.mode)
+    assert fresh.mode_decision.signature == d.signature
+
+
+@pytest.mark.parametrize("mode", ["fused", "torch"])
+def test_a_group_added_to_a_fixed_mode_keeps_it(mode):
+    if mode == "fused" and fused_backend_for(torch.device("cpu")) is None:
+        pytest.skip("needs memopt-kernels-cpu")
+    a = make_params("cpu")
+    opt = ApexW(a, mode=mode, mode_cache=None)
+    train(opt, a, 1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(64))]})
+    assert opt.mode_decision == ModeDecision(mode, "fixed")

@@ -4,7 +4,9 @@ rules of capture are enforced with clear errors or warnings."""
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,3 +124,25 @@ def test_parameters_on_another_gpu_than_the_current_one(mode, capturable):
             assert opt._graph.graph is not None
     finally:
         torch.cuda.set_device(before)
+
+
+def test_captured_steps_warn_past_2_24():
+    """The captured step counted past 2**24 without the eager step's warning (audit F5)."""
+    a = make_params(CUDA)
+    opt = ApexW(a, capturable=True, mode="fused")
+    set_grads(a, 1)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        st["step"] = torch.full_like(st["step"], 2**24 - 4)
+    opt.load_state_dict(sd)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2, 8):  # ordinary, warm launch, capture, then replays past 2**24
+            set_grads(a, step)
+            opt.step()
+    assert opt._graph is not None
+    assert opt._graph.graph is not None
+    assert [str(w.message)[:26] for w in caught if w.category is RuntimeWarning] == [
+        "step counts reached 2**24 "
+    ]

@@ -20,6 +20,7 @@ from apexw_testutil import (
 )
 
 from memopt_apexw import ApexW, state_bytes_per_param
+from memopt_apexw.auto_mode import TIMED_ROUNDS, WARMUP_STEPS
 from memopt_core import MemOptimizer
 from memopt_core.errors import BackendUnavailableError, ConfigError, StateDictError
 
@@ -53,6 +54,41 @@ def test_refuses_float16_and_cpu_capture():
     with pytest.raises(ConfigError, match="float16"):
         opt.add_param_group({"params": [torch.zeros(2, dtype=torch.float16, requires_grad=True)]})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64, torch.int32])
+def test_a_refused_dtype_names_only_accepted_ones(dtype):
+    """Core's message offered float16, which ApexW refuses (audit F10)."""
+    p = torch.zeros(4, dtype=dtype)
+    with pytest.raises(ConfigError) as first:
+        ApexW([p], mode_cache=None)
+    opt = ApexW(make_params("cpu"), mode_cache=None)
+    with pytest.raises(ConfigError) as added:
+        opt.add_param_group({"params": (q for q in [p])})
+    assert len(opt.param_groups) == 1
+    for e, group in ((first, 0), (added, 1)):
+        assert str(e.value) == (
+            f"parameter #0 of param group {group} (shape (4,)) is {dtype}; ApexW takes float32 "
+            "or bfloat16 parameters: cast it or leave it out"
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_parameter_cast_after_adding_names_only_accepted_dtypes(dtype):
+    q = torch.zeros(4, requires_grad=True)
+    opt = ApexW([q], mode="torch")
+    q.data = q.data.to(dtype)
+    q.grad = torch.ones(4, dtype=dtype)
+    with pytest.raises(ConfigError) as e:
+        opt.step()
+    assert str(e.value).endswith(
+        "(was the model cast?); ApexW takes float32 or bfloat16 parameters: cast it back, or "
+        "build the optimizer after casting"
+    )
+
+
+def test_the_docstring_says_only_32_bits_of_the_seed_count():
+    assert "low 32 bits of ``seed``" in ApexW.__doc__
 
 
 def test_group_state_must_stay_compact():
@@ -303,7 +339,8 @@ def test_grad_scaler_through_auto_mode_trials_and_a_state_dict_round_trip(device
         scaler.step(opt)
         scaler.update()
 
-    for step in range(1, 13):
+    trial = 2 * WARMUP_STEPS + 2 * 2 * TIMED_ROUNDS  # and the decision at the step after it
+    for step in range(1, trial + 3):  # one more: step 4 (found inf) updates nothing
         scaled_step(opt, a, step, bad=step == 4)
         if step != 4:
             set_grads(b, step)
@@ -314,7 +351,7 @@ def test_grad_scaler_through_auto_mode_trials_and_a_state_dict_round_trip(device
     c = twin(a)
     again = ApexW(c, lr=2e-3, mode=opt.mode_decision.mode, mode_cache=None)
     again.load_state_dict(saved)
-    for step in (13, 14):
+    for step in (trial + 3, trial + 4):
         for o, params in ((opt, a), (again, c)):
             set_grads(params, step)
             o.step()
@@ -399,3 +436,17 @@ def test_a_step_inside_inference_mode_is_refused():
     with torch.inference_mode(), pytest.raises(ConfigError, match=r"inside torch.inference_mode"):
         opt.step()
     assert not opt.state
+
+
+def test_a_refused_step_leaves_no_scaler_flags_behind():
+    """As core's step: GradScaler deletes grad_scale / found_inf only after a step that returns,
+    and the next scaler.step unscaled by the square of the scale."""
+    p = torch.nn.Parameter(torch.ones(64))
+    opt = ApexW([p], lr=0.1, mode="torch", mode_cache=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(p.sum()).backward()
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="learning rate"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale")
+    assert not hasattr(opt, "found_inf")

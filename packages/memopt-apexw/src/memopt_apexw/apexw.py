@@ -45,7 +45,7 @@ from memopt_core.cached_step import CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
-from memopt_core.optimizer import check_bool
+from memopt_core.optimizer import check_bool, forgets_scaler_flags_on_error
 from memopt_core.sharding import is_dtensor
 
 __all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
@@ -57,6 +57,9 @@ MODES = ("auto", "fused", "torch")
 _MASTERS = ("ecc24", "ecc32")
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _DEFAULT_CACHE = "default"
+_TAKES = "ApexW takes float32 or bfloat16 parameters"
+#: mode="auto" decisions that hold for one model signature (not "fixed" or "forced")
+_DECIDED_FOR_A_MODEL = ("measured", "cache", "only candidate")
 _NO_AMSGRAD = (
     "ApexW does not implement amsgrad=True (it would need a compact running maximum of the second "
     "moment); use torch.optim.AdamW(amsgrad=True)"
@@ -114,7 +117,8 @@ class ApexW(MemOptimizer):
             ``"auto"`` ignores it (core's rule). A forced backend is the only candidate of
             ``mode="auto"`` and ``"fused"``; ``MEMOPT_BACKEND=torch`` forces core's torch step.
             Checked here, with the registry's reason.
-        seed, check_numerics: as :class:`memopt_core.MemOptimizer`.
+        seed, check_numerics: as :class:`memopt_core.MemOptimizer`. Every backend uses only
+            the low 32 bits of ``seed``: seeds 0 and 2**32 train identically.
     """
 
     def __init__(
@@ -250,12 +254,24 @@ class ApexW(MemOptimizer):
                     f"a param group sets state={state!r} and moments="
                     f"{param_group['moments']!r}; give one (state)"
                 )
+        if isinstance(param_group, dict) and isinstance(param_group.get("params"), Iterator):
+            param_group = {**param_group, "params": list(param_group["params"])}  # read twice
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        listed = params if isinstance(params, (list, tuple)) else ()  # else core says why
+        for i, p in enumerate([params] if isinstance(params, Tensor) else listed):
+            # before core's check, whose message offers float16 (core's own float16 message
+            # explains the bfloat16 master split, and stands)
+            if isinstance(p, Tensor) and p.dtype not in backends.PARAM_DTYPES:
+                raise ConfigError(
+                    f"parameter #{i} of param group {len(self.param_groups)} (shape "
+                    f"{tuple(p.shape)}) is {p.dtype}; {_TAKES}: cast it or leave it out"
+                )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for i, p in enumerate(group["params"]):
             bad = None
             if p.dtype not in _PARAM_DTYPES:
-                bad = f"is {p.dtype}; ApexW takes float32 or bfloat16 parameters"
+                bad = f"is {p.dtype}; {_TAKES}"
             elif self.capturable and p.device.type != "cuda":
                 bad = f"is on {p.device}; capturable=True captures a CUDA graph"
             if bad is not None:
@@ -269,6 +285,23 @@ class ApexW(MemOptimizer):
             # a trial under way timed the model before this group: it starts over on the new
             # one (its decision was stored under the old model's signature)
             self._trial = self._sig = None
+        decision = getattr(self, "_decision", None)  # unset while the constructor adds groups
+        if decision is not None and decision.source in _DECIDED_FOR_A_MODEL:
+            # decided for the model before this group: look the new one up (cache or trial),
+            # so the decision stays reproducible from the cache
+            self._decision = self._sig = None
+
+    @staticmethod
+    def _check_dtypes(gi: int, group: Mapping[str, Any], members: list[Tensor]) -> None:
+        """Core's check of a parameter cast after it was added, naming only ApexW's dtypes."""
+        for p in members:
+            if p.dtype not in _PARAM_DTYPES:
+                i = next(i for i, q in enumerate(group["params"]) if q is p)
+                raise ConfigError(
+                    f"parameter #{i} of param group {gi} (shape {tuple(p.shape)}) is {p.dtype} "
+                    f"since it was added to the optimizer (was the model cast?); {_TAKES}: cast "
+                    "it back, or build the optimizer after casting"
+                )
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """torch semantics; ``set_to_none`` defaults to False with ``capturable=True`` (gradients
@@ -293,6 +326,7 @@ class ApexW(MemOptimizer):
 
     # ----------------------------------------------------------------------------- stepping
     @run_eagerly  # as MemOptimizer.step
+    @forgets_scaler_flags_on_error
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One AdamW step over every parameter with a gradient; returns the closure's loss."""
         self._refuse_inference_mode("step")
@@ -390,7 +424,18 @@ class ApexW(MemOptimizer):
     def _require_fused(self) -> None:
         """BackendUnavailableError, with the registry's reasons, where a group would run on core's
         torch backend."""
-        why = set()
+        why = self._why_not_fused()
+        if why:
+            raise BackendUnavailableError(
+                f"ApexW(mode='fused') found no kernel backend for some parameters: "
+                f"{'; '.join(sorted(why))}. Use mode='auto' or mode='torch' to run core's "
+                "pure-torch step"
+            )
+
+    def _why_not_fused(self) -> set[str]:
+        """The registry's reasons why some group would run on core's torch backend (empty: none
+        would)."""
+        why: set[str] = set()
         for plan, spec, chosen in self._fused_selection():
             if getattr(chosen, "name", "?") != "torch":
                 continue
@@ -405,12 +450,7 @@ class ApexW(MemOptimizer):
                 continue
             caps = backends.backend_capabilities(self._kind, spec, plan.device, plan.param_dtype)
             why.add(f"memopt backend {kernel!r} {caps[kernel][1]}")
-        if why:
-            raise BackendUnavailableError(
-                f"ApexW(mode='fused') found no kernel backend for some parameters: "
-                f"{'; '.join(sorted(why))}. Use mode='auto' or mode='torch' to run core's "
-                "pure-torch step"
-            )
+        return why
 
     def _refuse_uncapturable(self, fused: bool) -> None:
         """ConfigError, before the step changes anything, where its graph could not be captured:
@@ -470,6 +510,7 @@ class ApexW(MemOptimizer):
         graph.run(scalars, self.seed, [e.work.step for e in cached.entries])
         for e in cached.entries:
             self._count_step(e.counters, e.work)
+        self._check_step_limit(e.work for e in cached.entries)  # warns as the eager step does
 
     # ------------------------------------------------------------------------------ auto mode
     def _next_mode(self) -> tuple[str, bool]:
@@ -505,21 +546,34 @@ class ApexW(MemOptimizer):
         return Path(self.mode_cache)
 
     def _start_auto(self) -> None:
-        self._sig = auto_mode.signature(self.param_groups, self.capturable)
+        if self.capturable:
+            why = self._why_not_fused()
+            if why:  # as mode='torch' is refused: there would be no graph, silently
+                raise ConfigError(
+                    "capturable=True captures the fused Triton step, and mode='auto' found no "
+                    f"kernel backend for some parameters: {'; '.join(sorted(why))}. Use "
+                    "capturable=False to run core's pure-torch step"
+                )
+        self._sig = auto_mode.signature(self.param_groups, self.capturable, self.check_numerics)
         key = self._sig[0]
         path = self._cache_path()
         if path is not None:
             found = auto_mode.load_decision(path, key)
             if found is not None:
-                self._decision = found
+                self._decide(found)
                 return
         candidates = ["torch"]
         if "torch" not in self._fused_names():
             candidates.insert(0, "fused")
         if len(candidates) == 1:
-            self._decision = ModeDecision(candidates[0], "only candidate", {}, key, None)
+            self._decide(ModeDecision(candidates[0], "only candidate", {}, key, None))
             return
         self._trial = Trial(candidates)
+
+    def _decide(self, decision: ModeDecision) -> None:
+        self._decision = decision
+        if decision.mode != "fused":
+            self._graph = None  # release the fused step's CUDA graph and pinned ring
 
     def _finish_auto(self) -> None:
         assert self._trial is not None
@@ -543,7 +597,7 @@ class ApexW(MemOptimizer):
                     UserWarning,
                     stacklevel=4,
                 )
-        self._decision = decision
+        self._decide(decision)
         self._trial = None
         for other in [m for m in self._cached_steps if m != decision.mode]:
             del self._cached_steps[other]  # release the other mode's resolved step
@@ -563,11 +617,7 @@ class ApexW(MemOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._reset_fast()
         super().__setstate__(state)
-        if self._decision is not None and self._decision.source in (
-            "cache",
-            "measured",
-            "only candidate",
-        ):
+        if self._decision is not None and self._decision.source in _DECIDED_FOR_A_MODEL:
             # decided for the process that pickled it: its kernels may not run here, or run
             # here where they did not there (the cache key holds the usable backends, so the
             # cache answers for this process)

@@ -7,17 +7,19 @@ compute the same bits (core's exactness rule), so the trial steps are ordinary t
 trying a mode changes nothing but the time taken.
 
 Trial schedule (:class:`Trial`): each candidate first runs :data:`WARMUP_STEPS` untimed steps
-(resolution, kernel compilation, graph capture), then the candidates alternate for
-:data:`TIMED_ROUNDS` timed steps each; a step is timed from a device synchronization to the next,
-so host and device work both count. The decision is the candidate with the lowest median; a
-candidate slower than :data:`DROP_FACTOR` times the best after the first round is not timed
-again. The decision, with every median, is stored under the signature (:func:`signature`:
+(resolution, kernel compilation), then :data:`TIMED_ROUNDS` rounds in which each candidate runs
+one untimed re-entry step and then one timed step: a switch between candidates has costs that
+never recur once decided (a CUDA graph captured, step counters moving between host and device),
+and they land in the untimed step. A step is timed from a device synchronization to the next,
+so host and device work both count. The decision is the candidate with the lowest median; once
+every candidate has 2 timed samples, one slower than :data:`DROP_FACTOR` times the best is not
+timed again. The decision, with every median, is stored under the signature (:func:`signature`:
 device name (CPU: the processor, torch's thread count and memopt_kernels_cpu's with its
 instruction set), torch / triton / memopt-core / memopt-kernels-triton / memopt-kernels-cpu /
-memopt-apexw versions, the usable backends, and per group the parameter dtype, state format
-and every shape) in a JSON file (:func:`default_cache_path`); an ApexW built for the same
-signature reads it and runs no trial. A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is
-the only candidate: no trial, no cache.
+memopt-apexw versions, the usable backends, ``capturable``, ``check_numerics``, and per group
+the parameter dtype, state format, every shape and ``requires_grad``) in a JSON file
+(:func:`default_cache_path`); an ApexW built for the same signature reads it and runs no trial.
+A backend forced by ``backend=`` or ``MEMOPT_BACKEND`` is the only candidate: no trial, no cache.
 """
 
 from __future__ import annotations
@@ -124,8 +126,12 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
-def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict[str, Any]]:
-    """The cache key of a model (sha256 hex) and a short readable description of it."""
+def signature(
+    groups: list[dict[str, Any]], capturable: bool, check_numerics: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """The cache key of a model (sha256 hex) and a short readable description of it. It holds
+    what changes the step's work: which tensors train (``requires_grad``) and ``check_numerics``
+    too."""
     described = []
     devices = set()
     total = 0
@@ -137,7 +143,10 @@ def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict
             {
                 "state": g["moments"],
                 "master": g["master"],
-                "tensors": [[str(p.dtype), str(p.device.type), list(p.shape)] for p in params],
+                "tensors": [
+                    [str(p.dtype), str(p.device.type), list(p.shape), p.requires_grad]
+                    for p in params
+                ],
             }
         )
         total += sum(p.numel() for p in params)
@@ -150,6 +159,7 @@ def signature(groups: list[dict[str, Any]], capturable: bool) -> tuple[str, dict
         "versions": _versions(),
         "backends": usable,
         "capturable": capturable,
+        "check_numerics": check_numerics,
         "groups": described,
     }
     key = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()
@@ -223,20 +233,23 @@ class Trial:
             if len(alive) < 2 and self._round > 0:
                 return None
             self._round += 1
-            self._queue = [(c, True) for c in alive]
+            # an untimed re-entry step before each timed one: a switch's one-time costs (a
+            # graph's capture, step counters moving between host and device) never recur once
+            # decided, so they must not be timed
+            self._queue = [(c, timed) for c in alive for timed in (False, True)]
         candidate, is_timed = self._queue.pop(0)
         if is_timed:
             self._last = (candidate, len(self.times[candidate]))
         return candidate, is_timed
 
     def _alive(self) -> list[str]:
-        """The candidates still in the trial: within DROP_FACTOR of the best median. One
-        without a time yet (its timed step raised) stays in."""
+        """The candidates still in the trial: within DROP_FACTOR of the best median, judged
+        only once every candidate has 2 timed samples (one sample may hold a one-time cost)."""
         med = self.medians()
-        if self._round == 0 or not med:
+        if any(len(t) < 2 for t in self.times.values()):
             return self.candidates
         best = min(med.values())
-        return [c for c in self.candidates if med.get(c, 0.0) <= DROP_FACTOR * best]
+        return [c for c in self.candidates if med[c] <= DROP_FACTOR * best]
 
     def record(self, candidate: str, ms: float) -> None:
         self.times[candidate].append(ms)

@@ -103,7 +103,11 @@ class GraphStep:
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.graph(graph, stream=stream):
+            # thread_local: another thread (a DataLoader's pin-memory thread) may allocate
+            # during the capture; in the default "global" mode that invalidated the capture and
+            # failed the allocation. The capture records only these launches on this stream and
+            # allocates nothing, so other threads cannot affect it.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 self._launch_all()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graph = graph
