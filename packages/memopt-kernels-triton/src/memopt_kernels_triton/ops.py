@@ -1835,11 +1835,14 @@ def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Ten
     hit = _BIAS_TABLES.pop(key, None)
     if hit is None:
         values = bias_correction_table(beta, last, root)
-        host = (
-            torch.tensor([_f32_bits(v) for v in values], dtype=torch.int32, device="cpu")
-            if root
-            else torch.tensor(values, dtype=torch.float64, device="cpu")
-        )
+        # entries are 1.0 from the first one on (monotone): only those before it are converted
+        n = values.index(1.0)
+        if root:
+            host = torch.full((last + 1,), _f32_bits(1.0), dtype=torch.int32, device="cpu")
+            host[:n] = torch.tensor([_f32_bits(v) for v in values[:n]], dtype=torch.int32)
+        else:
+            host = torch.ones(last + 1, dtype=torch.float64, device="cpu")
+            host[:n] = torch.tensor(values[:n], dtype=torch.float64)
         hit = (_to_device(host, device), set())
     _BIAS_TABLES[key] = hit
     table, streams = hit
