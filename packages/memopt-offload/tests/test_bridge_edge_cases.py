@@ -627,6 +627,56 @@ def test_the_models_state_dict_before_step_sync_collects_the_updates(device, pre
     assert not all(torch.equal(saved[n], p) for n, p in make_model(device).named_parameters())
 
 
+@both_updates()
+def test_the_models_load_state_dict_before_step_sync_collects_the_updates(
+    device, precision, update, monkeypatch
+):
+    """model.load_state_dict() between backward and step_sync() (dropping a batch on a loss
+    spike) raced the hooks' updates: some weights kept the loaded value, others got the update
+    (slowed down here, so that every one lost). It collects them first now: the same weights
+    and state as step_sync() and then the load."""
+    from memopt_offload.device_update import DeviceUpdater
+
+    real_update, real_run = AdamBridge._update, DeviceUpdater.run
+
+    def late_update(self, *args):
+        time.sleep(0.05)
+        real_update(self, *args)
+
+    def late_run(self, *args):
+        time.sleep(0.05)
+        real_run(self, *args)
+
+    monkeypatch.setattr(AdamBridge, "_update", late_update)
+    monkeypatch.setattr(DeviceUpdater, "run", late_run)
+    model = make_model(device)
+    twin = copy.deepcopy(model)
+    last_good = {n: t.clone() for n, t in model.state_dict().items()}
+    opts = []
+    for m in (model, twin):
+        opt = AdamBridge(
+            m.parameters(), lr=1e-2, precision=precision, update=update, **BOTH[update]
+        )
+        opt.attach_hooks(m)
+        opts.append(opt)
+    loss_of(twin, batch(0, device)).backward()
+    opts[1].step_sync()
+    twin.load_state_dict(last_good)
+    loss_of(model, batch(0, device)).backward()
+    model.load_state_dict(last_good)  # the updates are still queued (slowed down)
+    opts[0].step_sync()
+    assert all(torch.equal(last_good[n], p) for n, p in model.named_parameters())
+    a, b = (o.state_dict()["state"] for o in opts)
+    for i in a:
+        for key, t in a[i].items():
+            assert torch.equal(t, b[i][key]), (i, key)
+    assert all(s["step"].item() == 1 for s in a.values())
+    for m, opt in zip((model, twin), opts, strict=True):  # and they train on alike
+        loss_of(m, batch(1, device)).backward()
+        opt.step_sync()
+    assert_same_params(model, twin)
+
+
 def test_a_saved_state_dict_holds_the_state_only():
     """The masters are views of a slab that also holds the gradient buffers: torch.save wrote
     those too (7.07 B per parameter for compact's 5.06)."""

@@ -261,6 +261,55 @@ def test_parameters_that_miss_steps(device):
     assert [sd[i]["step"].item() for i in range(4)] == [7, 7, 4, 4]
 
 
+@pytest.mark.parametrize("where", ["wait", "norm"])
+def test_retried_step_sync_runs_each_bucket_once(device, where, monkeypatch):
+    """A step_sync() interrupted after it dispatched the bucket that a parameter without a
+    gradient left unfinished (Ctrl-C while it waits, or while the norm is read): the retry only
+    collects. A second run staged the bucket again before its write-back landed (on CUDA its
+    host state went back to the pre-step values)."""
+    from memopt_offload.device_update import DeviceUpdater
+
+    runs = []
+    real_run = DeviceUpdater.run
+
+    def counting_run(self, b, groups, coef):
+        runs.append(id(b))
+        return real_run(self, b, groups, coef)
+
+    monkeypatch.setattr(DeviceUpdater, "run", counting_run)
+    torch.manual_seed(6)
+    model = SometimesUnused().to(device=device, dtype=torch.bfloat16)
+    ref_model = copy.deepcopy(model)
+    clip = {"max_grad_norm": 1e9} if where == "norm" else {}
+    opt = device_bridge(model.parameters(), **clip)
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    opt.attach_hooks(model)
+    model.use_extra = ref_model.use_extra = False  # "extra" gets no gradient: bucket unfinished
+    x = batch(0, device)
+    loss_of(model, x).backward()
+    loss_of(ref_model, x).backward()
+    cls, name = (_Dispatcher, "wait") if where == "wait" else (AdamBridge, "_norm_stream")
+    real = getattr(cls, name)
+
+    def interrupt_once(self):
+        monkeypatch.setattr(cls, name, real)
+        raise KeyboardInterrupt("simulated Ctrl-C")
+
+    monkeypatch.setattr(cls, name, interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step_sync()
+    opt.step_sync()  # the user retries
+    ref.step()
+    assert len(runs) == len(set(runs)) == 1
+    assert_same_params(model, ref_model, where)
+    sd = opt.state_dict()["state"]
+    assert [sd[i]["step"].item() for i in range(4)] == [1, 1, 0, 0]
+    for i, q in enumerate([ref_model.main.weight, ref_model.main.bias]):
+        rs = ref.opt.state[ref.masters[id(q)]]  # written back once, after the update
+        for key in ("exp_avg", "exp_avg_sq", "master_code"):
+            assert torch.equal(sd[i][key], rs[key]), key
+
+
 def test_state_dict_resume_and_across_updates(device, tmp_path):
     """A device-update checkpoint resumes bit-identically, and loads into ``update="host"``
     (and back): the two keep the same state in the same layout."""
@@ -357,6 +406,129 @@ def test_bad_configurations(device):
     with pytest.raises(ConfigError, match="overlap_forward is for update='host'"):
         opt.attach_hooks(model, overlap_forward=True)
     assert not opt.hooks_attached
+
+
+@pytest.mark.parametrize("where", ["arrived", "norm"])
+def test_a_hook_interrupted_before_the_handover_keeps_the_gradient(device, where, monkeypatch):
+    """An exception in the hook (an OOM in the clipping norm, Ctrl-C) after it had taken the
+    gradient off the parameter and before the bucket counted it lost that gradient: the step
+    ran without it, with no message. It stays on the parameter now, and step_sync() takes it."""
+    from memopt_offload.device_update import DeviceUpdater
+
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    n = sum(1 for _ in model.parameters())
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS, max_grad_norm=1e9)
+    ref = Reference(ref_model, PRECISION, lr=3e-3)
+    opt.attach_hooks(model)
+    calls = []
+    cls, name = (DeviceUpdater, "arrived") if where == "arrived" else (torch.linalg, "vector_norm")
+    real = getattr(cls, name)
+
+    def interrupt_last(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == n:  # the last hook of backward: every gradient exists
+            raise KeyboardInterrupt("simulated Ctrl-C")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cls, name, interrupt_last)
+    x = batch(0, device)
+    with pytest.raises(KeyboardInterrupt):
+        loss_of(model, x).backward()
+    monkeypatch.setattr(cls, name, real)
+    assert sum(p.grad is not None for p in model.parameters()) == 1
+    loss_of(ref_model, x).backward()
+    expected_norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in ref_model.parameters()])
+    ).item()
+    assert opt.step_sync() == pytest.approx(expected_norm, rel=1e-5)
+    ref.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert_same_params(model, ref_model)
+    assert all(s["step"].item() == 1 for s in opt.state_dict()["state"].values())
+
+
+def test_a_failed_update_waits_for_the_streams_before_freeing(device, monkeypatch):
+    """A run that raised after its launch (and before its write-back) freed the staged state
+    and the gradients with no mark of the update stream, and abandon() left that stream
+    unordered: a queued kernel could use reused memory, or write the weights after a reload.
+    The buffers are marked before the first launch now, and abandon() waits for the streams
+    while it still holds the step's gradients. The reload then trains as a fresh run."""
+    from memopt_offload.device_update import DeviceUpdater
+
+    cuda = device.type == "cuda"
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS)
+    opt.attach_hooks(model)
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    syncs, launched, recorded = [], [], set()
+    real_sync, real_launch = DeviceUpdater.synchronize_host, DeviceUpdater._launch
+
+    def sync(self):
+        syncs.append(len(self._step.arrived))  # the step's gradients, still held
+        real_sync(self)
+
+    def failing_launch(self, b, staged, *args):
+        if cuda:
+            torch.cuda._sleep(100_000_000)  # on the update stream: the kernel is still queued
+        real_launch(self, b, staged, *args)
+        launched.append([t.data_ptr() in recorded for t in staged.tensors()])
+        raise RuntimeError("simulated failure after the launch")
+
+    if cuda:
+        real_record = torch.Tensor.record_stream
+
+        def record_stream(t, stream):
+            recorded.add(t.data_ptr())
+            real_record(t, stream)
+
+        monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    monkeypatch.setattr(DeviceUpdater, "synchronize_host", sync)
+    monkeypatch.setattr(DeviceUpdater, "_launch", failing_launch)
+    loss_of(model, batch(0, device)).backward()
+    with pytest.raises(OffloadError, match="simulated failure after the launch"):
+        opt.step_sync()
+    assert len(launched) == 1
+    if cuda:
+        assert all(launched[0])  # marked for the streams before the launch
+        assert all(s.query() for s in opt._dev._streams)
+    assert syncs
+    assert syncs[0] > 0  # abandon() waited before the gradients went
+    monkeypatch.setattr(DeviceUpdater, "_launch", real_launch)
+    opt.load_state_dict(saved_opt)
+    model.load_state_dict(saved_model)
+    ref_opt = device_bridge(ref_model.parameters(), bucket_mb=TINY_BUCKETS)
+    ref_opt.attach_hooks(ref_model)
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        loss_of(m, batch(1, device)).backward()
+        o.step_sync()
+    assert_same_params(model, ref_model)
+
+
+@pytest.mark.parametrize("prefetch_mb", [0.0, 1e-6, 64.0], ids=["zero", "tiny", "all"])
+def test_prefetch_budget(device, prefetch_mb, monkeypatch):
+    """prefetch_mb=0 ("none") still staged one bucket ahead when nothing was in flight. The
+    buckets _prefetch would stage at the start of a step (on a CPU model it runs as on CUDA
+    here: staging itself is stubbed out)."""
+    model = make_model(device)
+    opt = device_bridge(model.parameters(), bucket_mb=TINY_BUCKETS, prefetch_mb=prefetch_mb)
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, device)).backward()
+    opt.step_sync()
+    dev = opt._dev
+    assert len(dev.order) > 2
+    for b in dev.buckets:  # as the next step's _open leaves them
+        b.ran = False
+    staged = []
+    monkeypatch.setattr(dev, "_stage", staged.append)
+    dev.synchronize_host()  # no write-back in flight counts against the budget
+    if device.type != "cuda":
+        monkeypatch.setattr(dev, "device", SimpleNamespace(type="cuda"))
+    dev._prefetch()
+    expected = {0.0: 0, 1e-6: 1, 64.0: len(dev.order)}[prefetch_mb]
+    assert staged == dev.order[:expected]
 
 
 @pytest.mark.gpu

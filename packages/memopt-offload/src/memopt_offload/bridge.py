@@ -558,7 +558,7 @@ class AdamBridge(Optimizer):
             backward (:mod:`memopt_offload.device_update`); needs ``precision="bf16-ecc24"``
             and no ``overlap_forward``.
         prefetch_mb: ``update="device"``: device megabytes of state copied ahead of the
-            gradients (0: none).
+            gradients (0: none; a positive budget below one bucket copies one bucket ahead).
 
     Host memory is allocated when a param group is added (at construction), with an
     :class:`~memopt_core.errors.OffloadError` before anything is allocated when the host lacks it.
@@ -1050,8 +1050,12 @@ class AdamBridge(Optimizer):
                 model.register_forward_hook(_WeakHook(self._end_read_guard), always_call=True)
             )
             self._guard_next_forward = True
-        # model.state_dict() reads the weights outside any forward
+        # model.state_dict() reads the weights outside any forward; model.load_state_dict()
+        # writes them (the root's pre-hook runs before any copy): pending updates land first
         self._hooks.append(model.register_state_dict_pre_hook(_WeakHook(self._sync_before_read)))
+        self._hooks.append(
+            model.register_load_state_dict_pre_hook(_WeakHook(self._sync_before_read))
+        )
 
     def detach_hooks(self) -> None:
         """Remove the hooks (waits for in-flight updates first); idempotent."""
@@ -1227,18 +1231,27 @@ class AdamBridge(Optimizer):
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
             ]
+        if self._dev is not None:
+            norm = None
+            if self.max_grad_norm is not None:
+                norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+            done = self._dev.arrived(slot.pos, g)
+            # handed over: only now taken (an exception before, an OOM in the norm or Ctrl-C,
+            # leaves the gradient on the parameter for step_sync() to take)
+            if norm is not None:
+                self._norms[slot.index] = norm
+            self._taken[id(p)] = weakref.ref(g)
+            self._pending[id(p)] = None
+            if free:
+                p.grad = None
+            for bucket in done:
+                self._dispatch(bucket)
+            return
         self._taken[id(p)] = weakref.ref(g)
         if free:
             # taken now, not when the bucket leaves: a later backward (or a hook registered
             # after AdamBridge's) sees no gradient, whatever the bucket size or update
             p.grad = None
-        if self._dev is not None:
-            self._pending[id(p)] = None
-            if self.max_grad_norm is not None:
-                self._norms[slot.index] = torch.linalg.vector_norm(g, dtype=torch.float32)
-            for done in self._dev.arrived(slot.pos, g):
-                self._dispatch(done)
-            return
         if _written(p) != slot.seen:
             self._reread_master(slot)
         if self._bucket.copied:  # an interrupted close left it copied but not handed on

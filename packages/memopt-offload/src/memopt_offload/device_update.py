@@ -32,7 +32,7 @@ With the model on the CPU the same code runs with plain copies (the CPU tests).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,7 @@ class _Bucket:
     staged: StateArena | None = None  # its state on the device, copied or being copied
     staged_event: Any = None
     ready_event: Any = None  # after the work that made its gradients final
+    dispatched: bool = False  # handed to AdamBridge this step (a retried close skips it)
     done: bool = False  # set by AdamBridge's dispatcher once the update ran
 
 
@@ -302,7 +303,7 @@ class DeviceUpdater:
         st.open = True
         for b in self.buckets:
             b.waiting = len(b.members)
-            b.ran = b.done = False
+            b.ran = b.done = b.dispatched = False
             b.ready_event = None
         if self.device.type == "cuda":
             h2d, _, d2h = self._stream_triple()
@@ -316,27 +317,33 @@ class DeviceUpdater:
             ready.record(torch.cuda.current_stream(self.device))
             for b in buckets:
                 b.ready_event = ready
+        for b in buckets:
+            b.dispatched = True
         return buckets
 
     def arrived(self, pos: int, grad: Tensor) -> list[_Bucket]:
         """Parameter ``pos``'s gradient ``grad`` is final (held until its update ran; the
         caller takes it off the parameter); returns the buckets it completes."""
         self._open()
+        # what can raise comes first: an interrupted call leaves the gradient not counted
+        done = self._mark_ready([b for b in self.of_param[pos] if b.waiting == 1])
         self._step.arrived[pos] = grad
-        done = []
         for b in self.of_param[pos]:
             b.waiting -= 1
-            if b.waiting == 0:
-                done.append(b)
-        return self._mark_ready(done)
+        return done
 
     def unfinished(self) -> list[_Bucket]:
         """Buckets that some parameter's final gradient joined but that are not complete (a
         parameter of theirs got no gradient this step): what closing the step still runs.
-        Complete buckets went to :meth:`run` (or are held for the norm) already."""
+        Complete buckets went to :meth:`run` (or are held for the norm) already, and so did
+        those an interrupted close returned: a retried close only collects."""
         arrived = self._step.arrived
         return self._mark_ready(
-            [b for b in self.buckets if b.waiting > 0 and any(p in arrived for p in b.members)]
+            [
+                b
+                for b in self.buckets
+                if b.waiting > 0 and not b.dispatched and any(p in arrived for p in b.members)
+            ]
         )
 
     def _stage(self, b: _Bucket) -> None:
@@ -344,6 +351,10 @@ class DeviceUpdater:
         region = b.region
         cuda = self.device.type == "cuda"
         h2d = self._stream_triple()[0] if cuda else None
+        written = self._in_flight.get(b)
+        if cuda and written is not None:
+            # a write-back of this step (_open orders only the last step's): read after it
+            h2d.wait_event(written)
         with torch.cuda.stream(h2d) if cuda else nullcontext():
             staged = StateArena(
                 b.plan,
@@ -360,7 +371,8 @@ class DeviceUpdater:
         self._in_flight[b] = None
 
     def _prefetch(self) -> None:
-        if self.device.type != "cuda" or not self.order:
+        # prefetch_mb=0: none (a positive budget below one bucket still stages one)
+        if self.device.type != "cuda" or not self.order or not self.prefetch_bytes:
             return
         for b, ev in list(self._in_flight.items()):
             if ev is not None and ev.query():
@@ -383,6 +395,8 @@ class DeviceUpdater:
         below 1: clipping) with ``groups[group index]``'s hyperparameters (floats, checked when
         the step opened). AdamBridge calls it on its dispatcher thread: the backward thread only
         counts gradients (:meth:`arrived`)."""
+        if b.ran:  # at most once a step: a second run would write its staged old state back
+            return
         group = groups[b.plan.group_index]
         arrived = self._step.arrived
         cuda = self.device.type == "cuda"
@@ -396,6 +410,14 @@ class DeviceUpdater:
             comp.wait_event(b.ready_event)  # the gradients are final
             comp.wait_event(b.staged_event)
         arrived_grads = {pos: g for pos in b.members if (g := arrived.get(pos)) is not None}
+        if cuda:
+            # the caching allocator reuses these only after the streams that use them; marked
+            # before the first launch, so a run that raises after it frees them no earlier
+            for t in staged.tensors():
+                t.record_stream(comp)
+                t.record_stream(d2h)
+            for g in arrived_grads.values():  # their contiguous copies are comp's own
+                g.record_stream(comp)
         with torch.cuda.stream(comp) if cuda else nullcontext():
             # a non-contiguous gradient's copy runs on the update stream, after the event that
             # says it is final: on this thread's own stream it was unordered with the update
@@ -430,13 +452,6 @@ class DeviceUpdater:
                 self._in_flight[b] = written
             else:
                 self._in_flight.pop(b, None)
-        if cuda:
-            # the caching allocator reuses these only after the streams that read them
-            for t in staged.tensors():
-                t.record_stream(comp)
-                t.record_stream(d2h)
-            for g in arrived_grads.values():  # their contiguous copies are comp's own
-                g.record_stream(comp)
         for pos in grads:
             if all(x.ran for x in self.of_param[pos]):  # its last piece: the update is done
                 self.steps[pos] += 1
@@ -487,7 +502,11 @@ class DeviceUpdater:
 
     def abandon(self) -> None:
         """After a failed update: drop the step (its gradients with it) and the state staged
-        for it; the step counts of the buckets that did run stay advanced."""
+        for it; the step counts of the buckets that did run stay advanced. Waits for the
+        streams first: a kernel of the failed step may still be queued, and must neither use
+        freed buffers nor write the weights after a reload."""
+        with suppress(RuntimeError):  # a CUDA error of the failed step: it is lost
+            self.synchronize_host()
         for b in list(self._in_flight):
             if self._in_flight[b] is None:  # staged, never written back
                 b.staged = None
