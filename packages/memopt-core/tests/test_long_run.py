@@ -11,6 +11,9 @@ E[g^2] = 1.01) and ``m`` at 0.
   AR(1) process: about ``gap/sqrt(6*(1-beta2**2))``; measured ~2% bf16, ~13% fp8 e5m2, ~9% q8_sqrt).
 * With round-to-nearest bf16, ``v`` stalls: each update ``0.001*(g^2 - v)`` is below half a bf16
   ulp of ``v``, so ``v`` stays at 4 (fp32: 1.03 after 5000 steps).
+* With zero gradients (decay alone) a first moment reaches exactly 0, and a second moment
+  decays without bias, but in q8 and fp8 its per-element spread lengthens Adam's steps on
+  average (a limit of these formats that docs/formats.md describes; pinned here).
 """
 
 from __future__ import annotations
@@ -118,3 +121,49 @@ def test_small_gradients_beside_a_noisy_large_one_never_overshoot(moments, c):
         moved.append(p.detach()[1:])
     ratio = (moved[1] / moved[0]).mean().item()
     assert 0.02 < ratio <= 1.05
+
+
+def decay(preset: str, which: int, beta: float, steps: int):
+    """Moment ``which`` (0: first, from N(0, 1); 1: second, from a burst's g*g) of ``preset``
+    decayed by ``beta`` with zero gradients for ``steps`` steps, stored with stochastic
+    rounding at every step: (stored, exact) at the end, and the step from which every stored
+    element was 0 (None if never)."""
+    codec = moment_codec(MOMENT_PRESETS[preset][which])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=gen)
+    fields = codec.encode(x * x if which else x)
+    exact = codec.decode(fields).double()
+    b, idx, zero_from = torch.tensor(beta), torch.arange(1024), None
+    stream = rng.STREAM_SECOND if which else rng.STREAM_FIRST
+    for t in range(steps):
+        fields = codec.encode(b * codec.decode(fields), rand=rng.uniform_bits(7, 0, idx, t, stream))
+        exact = exact * beta
+        if zero_from is None and not codec.decode(fields).any():
+            zero_from = t + 1
+    return codec.decode(fields).double(), exact, zero_from
+
+
+@pytest.mark.parametrize("preset", ["bf16", "fp8", "q8"])
+def test_a_first_moment_decays_to_exactly_zero(preset):
+    """Momentum after the gradients stop (SGD's buffer, Lion's and Adam's m): every stored
+    element reaches 0, where fp32 underflows (0.9**k below 2**-149 near k = 980), and stays."""
+    m, _, zero_from = decay(preset, 0, 0.9, 1000)
+    assert zero_from is not None
+    assert zero_from <= 1000
+    assert not m.any()
+
+
+#: E[sqrt(v_exact / v)] after 3000 steps of pure decay at beta2 0.999 (1024 elements): the
+#: mean of Adam's step factor. Unbiased in v, the compact formats' v wanders per element, and
+#: 1/sqrt(v) of a spread is larger on average: measured 1.005 (bf16), 1.12 (q8), 1.27 (fp8),
+#: growing with the steps (docs/formats.md). A format change that fixes it fails the lower
+#: bound here, to be tightened with the docs.
+STEP_FACTOR = {"bf16": (0.99, 1.01), "q8": (1.05, 1.16), "fp8": (1.15, 1.33)}
+
+
+@pytest.mark.parametrize("preset", ["bf16", "fp8", "q8"])
+def test_a_decaying_second_moment_stays_unbiased_but_spreads(preset):
+    v, exact, _ = decay(preset, 1, 0.999, 3000)
+    assert abs((v.mean() / exact.mean()).item() - 1) < 0.05  # decays: no stall, no bias
+    lo, hi = STEP_FACTOR[preset]
+    assert lo < (exact / v).sqrt().mean().item() < hi
