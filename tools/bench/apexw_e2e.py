@@ -96,9 +96,10 @@ from torch import nn
 BF16, FP32 = torch.bfloat16, torch.float32
 HYPER = dict(offload_e2e.HYPER)  # lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.01
 SETTLE_MAX = 50  # untimed steps at most that apexw-auto adds while its trial runs
-# mode="auto" with two candidates: 2 untimed steps each, then at most 3 timed rounds of both; the
-# decision is taken at the start of the step after (11th): a warmup of 11 covers it.
-DEFAULT_WARMUP = 11
+# mode="auto" with two candidates: 2 untimed steps each, then at most 3 rounds of an untimed and
+# a timed step of both (16 steps); the decision is taken at the start of the step after (17th):
+# a warmup of 17 covers it (tests/test_apexw_e2e.py checks it against memopt_apexw.auto_mode)
+DEFAULT_WARMUP = 17
 
 
 # ----------------------------------------------------------------------------- rows

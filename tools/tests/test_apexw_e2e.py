@@ -48,7 +48,21 @@ def test_default_rows_are_the_issues() -> None:
         "torch-adamw-bf16",
         "apexw-bf16params-q8",
     )
-    assert apexw_e2e.parse_args(["--device", "cpu"]).warmup == 11  # covers auto's trial
+    assert apexw_e2e.parse_args(["--device", "cpu"]).warmup == apexw_e2e.DEFAULT_WARMUP
+
+
+@needs_apexw
+def test_the_default_warmup_covers_the_auto_trial() -> None:
+    """The trial grew from 10 steps to 16 (an untimed re-entry step before each timed one): with
+    the old default of 11, apexw-auto ran untimed steps the other rows did not."""
+    from memopt_apexw.auto_mode import Trial
+
+    t, steps = Trial(["fused", "torch"]), 0
+    while (nxt := t.next()) is not None:
+        steps += 1
+        if nxt[1]:
+            t.record(nxt[0], 1.0)
+    assert steps + 1 == apexw_e2e.DEFAULT_WARMUP  # decided at the start of the step after
 
 
 def _shape_of(argv: list[str]) -> tuple[int, int]:
@@ -86,8 +100,8 @@ def test_tiny_run_of_every_row(tmp_path, capsys) -> None:
         assert 0 < r["min_ms"] <= r["median_ms"]
         assert 0 < r["opt_median_ms"] < r["median_ms"]
         assert r["peak_gib"] is None  # no CUDA
-        assert r["warmup_steps"] == 11
-        assert len(r["losses"]) == 13
+        assert r["warmup_steps"] == apexw_e2e.DEFAULT_WARMUP
+        assert len(r["losses"]) == apexw_e2e.DEFAULT_WARMUP + 2
         assert all(math.isfinite(x) for x in r["losses"])
         assert r["final_loss"] == r["losses"][-1]
         base = rows["torch-adamw"]["median_ms"]
@@ -134,7 +148,7 @@ def test_apexw_modes_compute_the_same_losses(tmp_path) -> None:
     rows = ["apexw-bf16", "apexw-bf16-torch", "apexw-auto", "apexw-q8", "apexw-q8-torch"]
     data = _run(tmp_path, rows, "--model", "qwen", "--qwen-impl", "plain")
     losses = {r["name"]: r["losses"] for r in data["rows"]}
-    assert all(len(x) == 13 for x in losses.values())
+    assert all(len(x) == apexw_e2e.DEFAULT_WARMUP + 2 for x in losses.values())
     assert losses["apexw-bf16"] == losses["apexw-bf16-torch"] == losses["apexw-auto"]
     assert losses["apexw-q8"] == losses["apexw-q8-torch"]
     assert losses["apexw-q8"] != losses["apexw-bf16"]  # the state format matters

@@ -1839,10 +1839,11 @@ def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Ten
         n = values.index(1.0)
         if root:
             host = torch.full((last + 1,), _f32_bits(1.0), dtype=torch.int32, device="cpu")
-            host[:n] = torch.tensor([_f32_bits(v) for v in values[:n]], dtype=torch.int32)
+            bits = [_f32_bits(v) for v in values[:n]]
+            host[:n] = torch.tensor(bits, dtype=torch.int32, device="cpu")
         else:
             host = torch.ones(last + 1, dtype=torch.float64, device="cpu")
-            host[:n] = torch.tensor(values[:n], dtype=torch.float64)
+            host[:n] = torch.tensor(values[:n], dtype=torch.float64, device="cpu")
         hit = (_to_device(host, device), set())
     _BIAS_TABLES[key] = hit
     table, streams = hit
