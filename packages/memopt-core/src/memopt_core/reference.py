@@ -169,6 +169,7 @@ def adam_bias_table(beta1: float, beta2: float) -> tuple[tuple[float, ...], tupl
     return bias_correction_table(beta1, last), bias_correction_table(beta2, last, root=True)
 
 
+@functools.lru_cache(maxsize=64)  # a capturable step asks at every step
 def adam_bias_last(beta1: float, beta2: float) -> int:
     """The last index ``K`` of :func:`adam_bias_table` ``(beta1, beta2)``; ``ValueError`` for
     betas outside [0, 1) or so close to 1 that ``K`` would pass :data:`DEVICE_STEP_LIMIT`."""

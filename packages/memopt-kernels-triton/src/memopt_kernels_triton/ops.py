@@ -1819,7 +1819,8 @@ _BIAS_KEEP = 8
 
 def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tensor, Tensor, int]:
     """The device tables of core's ``adam_bias_table(*betas)`` and their last index, each table
-    cached under its own beta (a cycled beta1 rebuilds only its own, short, table)."""
+    cached under its own beta (a cycled beta1 rebuilds only its own table, whose pows stop
+    where beta1 saturates)."""
     if not isinstance(betas, Sequence) or len(betas) != 2:  # a third value would be ignored
         raise ConfigError(f"device_step.betas must be a pair (beta1, beta2), got {betas!r}")
     beta1, beta2 = float(betas[0]), float(betas[1])
