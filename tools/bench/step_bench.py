@@ -684,7 +684,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda: this torch build or machine has no CUDA device")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be at least 1")
-    on_cuda = torch.device(args.device).type == "cuda"
+    on_cuda = device.type == "cuda"
     if args.scale is None:
         args.scale = 1 if on_cuda else CPU_SCALE
     if args.copy_mib is None:

@@ -1831,10 +1831,15 @@ class MemOptimizer(Optimizer):
                 self._update_and_cache(None)
         return loss
 
-    def _refuse_invalid_capture(self, what: str, stepped: list[Tensor] | None = None) -> bool:
+    def _refuse_invalid_capture(
+        self,
+        what: str,
+        params: list[Tensor] | None = None,
+        grads: Mapping[Tensor, Tensor] | None = None,
+    ) -> bool:
         """Whether ``what`` (``step`` or ``step_parameters``) is being captured in a CUDA graph;
         ConfigError, before any change, where that capture could not replay correctly
-        (``stepped``: the parameters ``step_parameters`` takes with a gradient; None: all)."""
+        (``params``, ``grads``: those of ``step_parameters``; None: every parameter)."""
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._capturable:
             raise ConfigError(
@@ -1845,6 +1850,11 @@ class MemOptimizer(Optimizer):
                 "it with capturable=True to capture its step"
             )
         if capturing:
+            stepped = (
+                None
+                if params is None
+                else [p for p in params if p.grad is not None or (grads and p in grads)]
+            )
             self._refuse_unready_capture(stepped)
             self._captured = True
         return capturing
@@ -2130,8 +2140,7 @@ class MemOptimizer(Optimizer):
                 else type(found_inf).__name__
             )
             raise ConfigError(f"found_inf must be a one-element float32 tensor, got {got}")
-        stepped = [p for p in params if p.grad is not None or (grads and p in grads)]
-        self._refuse_invalid_capture("step_parameters", stepped)
+        self._refuse_invalid_capture("step_parameters", params, grads)
         amp = None if found_inf is None else (None, found_inf)
         self._drop_cached_steps()  # some counters advance: the cached step counts would differ
         with torch.no_grad():

@@ -1846,7 +1846,11 @@ def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Ten
             host = torch.ones(last + 1, dtype=torch.float64, device="cpu")
             host[:n] = torch.tensor(values[:n], dtype=torch.float64, device="cpu")
         hit = (_to_device(host, device), set())
-    _BIAS_TABLES[key] = hit
+        # only a new table can take the count past the bound: the oldest unread ones go
+        evictable = [k for k in _BIAS_TABLES if k not in _BIAS_CAPTURED]
+        for old in evictable[: max(0, len(evictable) + 1 - _BIAS_KEEP)]:
+            del _BIAS_TABLES[old]
+    _BIAS_TABLES[key] = hit  # the most recently used last
     table, streams = hit
     if _capturing():
         _BIAS_CAPTURED.add(key)
@@ -1857,9 +1861,6 @@ def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Ten
         if stream.cuda_stream not in streams:
             table.record_stream(stream)
             streams.add(stream.cuda_stream)
-    evictable = [k for k in _BIAS_TABLES if k not in _BIAS_CAPTURED]
-    for old in evictable[: max(0, len(evictable) - _BIAS_KEEP)]:
-        del _BIAS_TABLES[old]
     return table
 
 
