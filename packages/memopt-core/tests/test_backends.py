@@ -19,7 +19,7 @@ SPEC = StateSpec(master="fp32", moments="fp32")
 
 
 def test_kernel_api_level_and_torch_always_there(fresh_backends):
-    assert KERNEL_API == 7
+    assert KERNEL_API == 8
     reg = backends.available_backends()
     assert reg["torch"].usable
     assert isinstance(reg["torch"].backend, TorchBackend)

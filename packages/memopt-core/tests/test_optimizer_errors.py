@@ -458,6 +458,12 @@ def _mutations():
     def orphan(sd):
         sd["state"][5] = sd["state"][0]
 
+    def norm_list(sd):  # one normalizing beta2 per param group
+        sd["memopt"]["decay_norm_beta2"] = [0.999, 0.999]
+
+    def norm_beta2(sd):
+        sd["memopt"]["decay_norm_beta2"] = [1.5]
+
     def torch_dict(sd):
         del sd["param_groups"][0]["master"]
 
@@ -494,8 +500,13 @@ def _mutations():
         (orphan, r"state for parameter index 5, which none of its param groups lists"),
         (meta_state, r"state 'exp_avg' of parameter index 0 .*on the meta device"),
         (params_not_a_list, r"param group 0 of the state dict: 'params' must be a list"),
-        (future_version, r"the state dict has version 99; this memopt reads versions 1 to 1"),
+        (future_version, r"the state dict has version 99; this memopt reads versions 1 to 2"),
         (torch_dict, r"lacks \['master'\]: it was not saved by a memopt optimizer"),
+        (norm_list, r"'decay_norm_beta2' must list one beta2 \(or None\) per param group \(1\)"),
+        (
+            norm_beta2,
+            r"'decay_norm_beta2' of param group 0 must be None or a beta2 in \[0, 1\), got 1.5",
+        ),
         (bad_lr, r"invalid learning rate -3.0 \(param group 0 of the state dict\)"),
         (no_state, r"lacks 'state'"),
     ]

@@ -67,7 +67,7 @@ def _pad(x, padded):
     return torch.cat([flat, flat.new_zeros(padded - flat.numel())])
 
 
-def _scalars(rule: str, hp: dict, step: int):
+def _scalars(rule: str, hp: dict, step: int, normalized: bool = False):
     lr, wd = hp["lr"], hp.get("weight_decay", 0.0)
     initial = lr if hp.get("decouple_lr") else None
     if rule in ("adam", "adamw"):
@@ -80,6 +80,7 @@ def _scalars(rule: str, hp: dict, step: int):
             decoupled=rule == "adamw",
             maximize=hp.get("maximize", False),
             initial_lr=initial,
+            normalized=normalized,
         )
     if rule == "lion":
         return R.lion_scalars(
@@ -124,7 +125,8 @@ def reference_run(rule, hp, spec: StateSpec, params, grads, seed):
             if g is None:
                 continue
             step += 1
-            s = _scalars(rule, hp, step)
+            # the 8-bit presets store Adam's second moment divided by its decay
+            s = _scalars(rule, hp, step, normalized=spec.decay_normalized)
             x = mc.decode(p, code)
             g32 = _pad(g.float(), padded)
             vals = {k: c.decode(fields[k]) for k, c in codecs.items()}
@@ -207,6 +209,31 @@ def test_bit_exact_against_reference_loop(case, master, dtype, moments, sr, devi
     # the run moved the parameters (a no-op optimizer would pass the comparisons above)
     moved = [not torch.equal(p.detach(), p0) for p, p0 in zip(ps, params, strict=True) if p.numel()]
     assert any(moved)
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+def test_decay_normalized_second_moments_across_periods(moments, device):
+    """beta2 = 0.5 renormalizes every 8 steps (reference.decay_norm_period): 20 steps cross two
+    period ends, where the stored moment is re-rounded (beta2**8), bit for bit with the loop."""
+    assert R.decay_norm_period(0.5) == 8
+    hp = dict(lr=1e-2, betas=(0.9, 0.5), weight_decay=0.01)
+    params, _ = _make_inputs(torch.float32, device, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    grads = [
+        [
+            (torch.randn(p.shape, generator=gen) * (1.0 if t < 4 else 1e-3)).to(device)
+            for p in params
+        ]
+        for t in range(20)
+    ]
+    ps, opt = _optimizer_run("adamw", hp, "fp32", moments, True, params, grads)
+    spec = StateSpec(master="fp32", moments=moments, stochastic_rounding=True)
+    expected = reference_run("adamw", hp, spec, params, grads, SEED)
+    for p, (ref_p, ref_state) in zip(ps, expected, strict=True):
+        assert torch.equal(p.detach(), ref_p)
+        for key, ref in ref_state.items():
+            assert torch.equal(opt.state[p][key].cpu(), ref.cpu()), key
+    assert opt.decay_norm(0, 20) == 0.5**4
 
 
 def test_fp16_parameters_with_master_none(device):

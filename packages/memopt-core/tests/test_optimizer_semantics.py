@@ -93,7 +93,12 @@ def test_state_dict_format_and_dtypes_survive_loading():
     opt = MemOptimizer(params, master="ecc24", moments="q8")
     train(opt, params, 2)
     sd = opt.state_dict()
-    assert sd["memopt"] == {"rule": "adamw", "seed": 0, "version": 1}
+    assert sd["memopt"] == {
+        "rule": "adamw",
+        "seed": 0,
+        "version": 2,
+        "decay_norm_beta2": [0.999],
+    }
     assert sd["param_groups"][0]["params"] == [0, 1]
     assert sd["param_groups"][0]["moments"] == "q8"
     st = sd["state"][0]

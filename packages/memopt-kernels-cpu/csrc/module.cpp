@@ -438,7 +438,7 @@ PYBIND11_MODULE(_core, mod) {
   mod.attr("SLOT_ROW_WORDS") = static_cast<int>(sizeof(SlotRow) / sizeof(int64_t));
   // the interface level of these kernels' bits (memopt_core.backends.KERNEL_API), so that a
   // stale build of the same package version is caught at import
-  mod.attr("KERNEL_API") = 7;
+  mod.attr("KERNEL_API") = 8;
   using release = py::call_guard<py::gil_scoped_release>;
 
   mod.def("supported_isas", &supported_names,

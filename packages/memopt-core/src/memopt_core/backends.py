@@ -86,7 +86,10 @@ __all__ = [
 #: zeroed in place after its code was written) decodes to that zero, not to a NaN.
 #: 7: ``q8_sqrt``'s stochastic rounding decides with integer arithmetic on ``s``'s fraction
 #: between its two codes (before: a division in ``v``), the same probability up to 2**-24.
-KERNEL_API = 7
+#: 8: Adam's 8-bit second moments are stored divided by their decay
+#: (``reference.adam_scalars(normalized=True)``), and a capturable step's words follow
+#: ``DeviceStep.normalized``: a backend of 7 would compute them for ``v`` itself.
+KERNEL_API = 8
 ENTRY_POINT_GROUP = "memopt.kernels"
 ENV_VAR = "MEMOPT_BACKEND"
 #: Rule names a backend sees (SGDW/AdamW are SGD/Adam with decoupled decay in their scalars).
@@ -124,6 +127,12 @@ class DeviceStep:
     ``GradScaler.unscale_`` does, inside the update) and ``found_inf`` (None, or a float32 tensor:
     nonzero means skip the step: no parameter, state or step count changes). Both are read on
     the device.
+
+    ``normalized`` (Adam): the second moments are stored divided by their decay
+    (``StateSpec.decay_normalized``); the backend computes Adam's ``beta2``,
+    ``one_minus_beta2`` and ``bc2_sqrt`` words per tensor as
+    :func:`memopt_core.reference.adam_scalars` does with ``normalized=True``, from
+    :func:`memopt_core.reference.decay_norm_table` at ``j = step % P``.
     """
 
     steps: Tensor
@@ -134,6 +143,7 @@ class DeviceStep:
     weight_decay: float | Tensor = 0.0
     decoupled: bool = False
     initial_lr: float | Tensor | None = None
+    normalized: bool = False
 
 
 @dataclass

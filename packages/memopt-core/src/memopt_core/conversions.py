@@ -37,9 +37,11 @@ __all__ = [
     "codec_kernels",
     "decode_master",
     "decode_moment",
+    "denormalize_second_moment",
     "encode_master",
     "encode_master_into",
     "encode_moment",
+    "normalize_second_moment",
 ]
 
 
@@ -130,3 +132,25 @@ def encode_master_into(
         else partial(kernels.encode_master, codec.name, param_dtype=codec.param_dtype)
     )
     codec.encode_into(x, param, code, slice_elems=slice_elems, encode=encode)
+
+
+def denormalize_second_moment(u: Tensor, norm: float) -> Tensor:
+    """The fp32 second moment ``v = u * norm`` of a decoded decay-normalized one (``norm``:
+    ``MemOptimizer.decay_norm``), rounded once (a double product); ``u`` itself where ``norm``
+    is 1.0."""
+    if norm == 1.0:
+        return u
+    return (u.double() * norm).to(torch.float32)
+
+
+def normalize_second_moment(v: Tensor, norm: float) -> Tensor:
+    """``u = v / norm`` in fp32, rounded toward zero, to encode (the inverse of
+    :func:`denormalize_second_moment`). Toward zero, so that a decoded ``u`` survives the round
+    trip: ``v / norm`` lies within an fp32 unit of ``u``, and a value just above a block's
+    largest code would move the block's scale up, where one just below encodes back to ``u``."""
+    if norm == 1.0:
+        return v
+    exact = v.double() / norm
+    out = exact.to(torch.float32)
+    above = out.double().abs() > exact.abs()
+    return torch.where(above, torch.nextafter(out, torch.zeros_like(out)), out)

@@ -63,6 +63,7 @@ from memopt_core.errors import (
     StateDictError,
 )
 from memopt_core.formats import (
+    DECAY_NORMALIZED_PRESETS,
     MASTER_FORMATS,
     MOMENT_FORMATS,
     MOMENT_PRESETS,
@@ -131,7 +132,11 @@ _HYPER = (
     "stochastic_rounding",
 )
 _BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
-_STATE_DICT_VERSION = 1
+#: 2: Adam's 8-bit second moments are stored decay-normalized (``decay_norm_beta2`` in the
+#: ``memopt`` entry); a version-1 dict's hold ``v`` itself and are normalized at the next step
+_STATE_DICT_VERSION = 2
+#: the ``memopt`` entry's key of each group's normalizing beta2 (None: not normalized)
+_NORM_KEY = "decay_norm_beta2"
 #: the first step count a float32 counter cannot advance past (see _check_step_limit)
 _STEP_LIMIT = 2**24
 _CPU = torch.device("cpu")
@@ -567,6 +572,9 @@ class MemOptimizer(Optimizer):
         self.backend = backend
         self._capturable = capturable
         self._captured = False  # a step was captured: a later load_state_dict warns
+        #: group index -> the beta2 its stored second moments are normalized with (absent:
+        #: the group's current one; 0.0: not normalized, as a version-1 state dict's)
+        self._norm_beta2: dict[int, float] = {}
         self._reset_plans()
         self._reset_release()
         forced = backends.forced_backend(backend)
@@ -1274,6 +1282,7 @@ class MemOptimizer(Optimizer):
                 decoupled=decoupled,
                 maximize=group["maximize"],
                 initial_lr=initial_lr,
+                normalized=self._decay_normalized(group),
             )
         if kind == "lion":
             return reference.lion_scalars(
@@ -1293,6 +1302,59 @@ class MemOptimizer(Optimizer):
             maximize=group["maximize"],
             initial_lr=initial_lr,
         )
+
+    # ------------------------------------------------------ decay-normalized second moments
+    @staticmethod
+    def _decay_normalized(group: Mapping[str, Any]) -> bool:
+        """Whether ``group``'s Adam second moments are stored divided by their decay
+        (``StateSpec.decay_normalized``: the 8-bit moment presets)."""
+        return group.get("moments") in DECAY_NORMALIZED_PRESETS
+
+    def _normalizing_beta2(self, gi: int) -> float | None:
+        """The beta2 that group ``gi``'s stored second moments are normalized with (None: they
+        are not normalized): the group's current one unless it changed since they were
+        written (:meth:`_sync_decay_norm` then converts them at the next step)."""
+        group = self.param_groups[gi]
+        if self._kind != "adam" or not self._decay_normalized(group):
+            return None
+        return self._norm_beta2.get(gi, float(self._group_betas(group)[1]))
+
+    def decay_norm(self, group_index: int, step: int) -> float:
+        """``N``: the stored second moment of a parameter of param group ``group_index`` after
+        ``step`` steps is ``v / N`` (Adam's 8-bit second moments, ``reference.decay_norm`` of
+        the beta2 they were written with; 1.0 for every other state). Code that reads or writes
+        decoded second moments outside a step (state dict conversions) multiplies or divides
+        by it: ``memopt_core.conversions.denormalize_second_moment`` /
+        ``normalize_second_moment``."""
+        beta2 = self._normalizing_beta2(group_index)
+        return 1.0 if beta2 is None else reference.decay_norm(beta2, int(step))
+
+    def _sync_decay_norm(self, gi: int) -> None:
+        """Before group ``gi`` steps: where its beta2 changed since its normalized second
+        moments were written (a scheduler, a loaded version-1 state dict), re-encode them with
+        the current beta2's normalization (rounded to nearest, once)."""
+        old = self._normalizing_beta2(gi)
+        if old is None:
+            return
+        group = self.param_groups[gi]
+        new = float(self._group_betas(group)[1])
+        if old != new:
+            codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+            with torch.no_grad():
+                for p in group["params"]:
+                    st = self.state.get(p)
+                    if not st or "step" not in st:
+                        continue
+                    k = int(float(st["step"]))
+                    fields = {sfx: st[state_key("exp_avg_sq", sfx)] for sfx in codec.fields}
+                    u = conversions.decode_moment(
+                        codec, {s: f.reshape(-1) for s, f in fields.items()}
+                    )
+                    v = conversions.denormalize_second_moment(u, reference.decay_norm(old, k))
+                    u = conversions.normalize_second_moment(v, reference.decay_norm(new, k))
+                    for sfx, x in conversions.encode_moment(codec, u).items():
+                        fields[sfx].copy_(x.reshape(fields[sfx].shape))
+        self._norm_beta2[gi] = new
 
     def _check_grad(self, p: Tensor, g: Tensor, plan: GroupPlan, si: int) -> None:
         if is_dtensor(p) or is_dtensor(g):
@@ -1426,6 +1488,7 @@ class MemOptimizer(Optimizer):
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
+            self._sync_decay_norm(gi)
             entry = self._plans[gi].entries[ei]
             plan = entry.plan
             if entry.sharded:
@@ -1593,6 +1656,7 @@ class MemOptimizer(Optimizer):
             weight_decay=wd if device_wd else float(wd),
             decoupled=decoupled,
             initial_lr=initial_lr,
+            normalized=self._kind == "adam" and self._decay_normalized(group),
         )
 
     def _group_step(self, entry, spec, items, staging, scalars) -> backends.GroupStep:
@@ -2031,6 +2095,7 @@ class MemOptimizer(Optimizer):
                 group = self.param_groups[e.group_index]
                 if e.group_index not in checked:
                     self._check_group(group, f"(param group {e.group_index})")
+                    self._sync_decay_norm(e.group_index)
                     checked.add(e.group_index)
                 work = e.work
                 if amp is None:
@@ -2222,7 +2287,12 @@ class MemOptimizer(Optimizer):
         """:meth:`state_dict` with every state in the arena's local layout and no
         ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
         sd = super().state_dict()
-        sd[META_KEY] = {"rule": self.rule, "seed": self.seed, "version": _STATE_DICT_VERSION}
+        sd[META_KEY] = {
+            "rule": self.rule,
+            "seed": self.seed,
+            "version": _STATE_DICT_VERSION,
+            _NORM_KEY: [self._normalizing_beta2(gi) for gi in range(len(self.param_groups))],
+        }
         return sd
 
     def _blocked_keys(self, group: Mapping[str, Any], p: Tensor) -> dict[str, tuple]:
@@ -2309,7 +2379,9 @@ class MemOptimizer(Optimizer):
                 raise StateDictError(
                     f"the state dict lacks {key!r}; pass the dict MemOptimizer.state_dict() returns"
                 )
-        seed = self._checked_meta(saved_meta(state_dict))
+        meta = saved_meta(state_dict)
+        seed = self._checked_meta(meta)
+        norm_beta2 = self._checked_norm_meta(meta)
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, (list, tuple)):
             raise StateDictError("the state dict's 'param_groups' must be a list")
@@ -2393,6 +2465,7 @@ class MemOptimizer(Optimizer):
         for p, entry in new_state.items():
             self.state[p] = entry
         self.seed = seed
+        self._norm_beta2 = norm_beta2
         self._reset_plans()
         if new_state:
             self._ensure_plans()
@@ -2435,6 +2508,32 @@ class MemOptimizer(Optimizer):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
             raise StateDictError(f"{what}'s seed must be an int in [0, 2**64), got {seed!r}")
         return seed
+
+    def _checked_norm_meta(self, meta: Any) -> dict[int, float]:
+        """The normalizing beta2 of each group after loading a dict whose ``memopt`` entry is
+        ``meta`` (checked by :meth:`_checked_meta`): its ``decay_norm_beta2`` list (None: 0.0),
+        else 0.0 for every group (a version-1 dict, or one without the entry). 0.0 means the
+        second moments are ``v`` itself (``decay_norm`` 1.0), normalized at the next step."""
+        saved = meta.get(_NORM_KEY) if isinstance(meta, Mapping) else None
+        if saved is None:
+            return dict.fromkeys(range(len(self.param_groups)), 0.0)
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
+            raise StateDictError(
+                f"the state dict's {_NORM_KEY!r} must list one beta2 (or None) per param group "
+                f"({len(self.param_groups)}), got {saved!r}"
+            )
+        out: dict[int, float] = {}
+        for gi, b in enumerate(saved):
+            if b is None:  # saved as v itself (a group that was not normalized)
+                out[gi] = 0.0
+                continue
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+                raise StateDictError(
+                    f"the state dict's {_NORM_KEY!r} of param group {gi} must be None or a "
+                    f"beta2 in [0, 1), got {b!r}"
+                )
+            out[gi] = float(b)
+        return out
 
     def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
         """Check every entry's ``param_shape`` against its parameter before anything converts
@@ -2612,6 +2711,7 @@ class MemOptimizer(Optimizer):
         self.__dict__.setdefault("check_numerics", False)
         self.__dict__.setdefault("backend", None)
         self.__dict__.setdefault("_capturable", False)
+        self.__dict__.setdefault("_norm_beta2", {})
         self._reset_release()  # the hooks belong to the original
         self._in_step = False
         for st in self.state.values():  # a shallow copy.copy() gets the pickling wrappers

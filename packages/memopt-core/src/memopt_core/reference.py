@@ -40,6 +40,9 @@ __all__ = [
     "bias_correction_table",
     "correctly_rounded_sqrt",
     "decay_factor",
+    "decay_norm",
+    "decay_norm_period",
+    "decay_norm_table",
     "lion",
     "lion_scalars",
     "round_to_float32",
@@ -127,22 +130,79 @@ def adam_scalars(
     decoupled: bool,
     maximize: bool = False,
     initial_lr: float | None = None,
+    normalized: bool = False,
 ) -> AdamScalars:
-    """Scalars of Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) at ``step`` (1-based)."""
+    """Scalars of Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) at ``step``
+    (1-based). ``normalized``: the second moment is stored divided by :func:`decay_norm`
+    (``u = v / N``, the 8-bit formats), so the rule's ``v`` line updates ``u`` and its ``d``
+    line divides ``sqrt(u)`` by ``bc2_sqrt / sqrt(N)``: with ``j = step % P`` (``P`` =
+    :func:`decay_norm_period`), ``beta2`` is 1.0 (``j != 0``) or ``beta2**P`` (``j == 0``, where
+    ``N`` returns to 1), ``one_minus_beta2 = (1 - beta2) / N`` and ``bc2_sqrt =
+    sqrt(1 - beta2**step) / sqrt(N)``, each in double. A step with a zero gradient then leaves
+    ``u`` exactly as it was on ``P - 1`` of every ``P`` steps: no re-rounding, so a decaying
+    ``v`` does not random-walk (docs/formats.md, "Decay-normalized second moments")."""
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     beta1, beta2 = betas
+    b2, omb2, bc2 = beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step)
+    if normalized:
+        period, norms, roots = decay_norm_table(beta2)
+        j = step % period
+        b2 = 1.0 if j else beta2**period
+        omb2, bc2 = omb2 / norms[j], bc2 / roots[j]
     return AdamScalars(
         one_minus_beta1=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
+        beta2=b2,
+        one_minus_beta2=omb2,
         eps=eps,
         step_size=lr / (1.0 - beta1**step),
-        bc2_sqrt=math.sqrt(1.0 - beta2**step),
+        bc2_sqrt=bc2,
         decay=decay_factor(lr, weight_decay, initial_lr) if decoupled else 1.0,
         l2=0.0 if decoupled else weight_decay,
         maximize=maximize,
     )
+
+
+#: How far :func:`decay_norm` falls within a period: ``beta2**P >= 2**-8``, so a normalized
+#: second moment is at most 256 times ``v`` (and ``one_minus_beta2 / N`` at most 256 times
+#: ``1 - beta2``)
+_NORM_FLOOR = 2.0**-8
+#: The longest period: ``beta2`` within about 1e-5 of 1 re-rounds a pure decay once in 65536 steps
+_NORM_MAX_PERIOD = 1 << 16
+
+
+@functools.lru_cache(maxsize=64)
+def decay_norm_period(beta2: float) -> int:
+    """``P``: the largest count in ``[1, 65536]`` with ``beta2**P >= 2**-8`` (1 for ``beta2``
+    below ``2**-8``, where a normalized second moment is a plain one). ``ValueError`` outside
+    [0, 1)."""
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"beta2 must lie in [0, 1), got {beta2!r}")
+    if beta2 < _NORM_FLOOR:
+        return 1
+    period = min(_NORM_MAX_PERIOD, max(1, int(math.log(_NORM_FLOOR) / math.log(beta2))))
+    while period > 1 and beta2**period < _NORM_FLOOR:  # log rounding
+        period -= 1
+    while period < _NORM_MAX_PERIOD and beta2 ** (period + 1) >= _NORM_FLOOR:
+        period += 1
+    return period
+
+
+@functools.lru_cache(maxsize=8)
+def decay_norm_table(beta2: float) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
+    """``(P, N, R)``: :func:`decay_norm_period` and, for ``j`` in ``0..P-1``, ``N[j] =
+    beta2**j`` and ``R[j] = math.sqrt(N[j])`` in double (a capturable step reads them on the
+    device by ``j = step % P``)."""
+    period = decay_norm_period(beta2)
+    norms = tuple(beta2**j for j in range(period))
+    return period, norms, tuple(math.sqrt(n) for n in norms)
+
+
+def decay_norm(beta2: float, step: int) -> float:
+    """``N = beta2**(step % P)``: a normalized second moment ``u`` (the 8-bit formats, see
+    :func:`adam_scalars`) after ``step`` steps stands for ``v = u * N``. 1.0 at step 0."""
+    period, norms, _ = decay_norm_table(beta2)
+    return norms[step % period]
 
 
 #: Step counts a device step (``capturable=True``) represents: float32 counters are exact below

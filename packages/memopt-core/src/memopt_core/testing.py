@@ -207,7 +207,8 @@ def make_grads(
 
 
 def scalars_for(group: Group, step: int):
-    """The rule's scalars (core's reference functions, in double) for ``step``."""
+    """The rule's scalars (core's reference functions, in double) for ``step`` (Adam's
+    normalized for the 8-bit presets, as the optimizer computes them)."""
     kind, decoupled = RULE_KINDS[group.rule]
     h = group.hyper
     lr = h.get("lr", 1e-2)
@@ -224,6 +225,7 @@ def scalars_for(group: Group, step: int):
             decoupled=decoupled,
             maximize=maximize,
             initial_lr=initial_lr,
+            normalized=group.spec.decay_normalized,
         )
     if kind == "lion":
         return reference.lion_scalars(

@@ -29,7 +29,7 @@ class CpuBackend:
     #: the KERNEL_API level whose stochastic-rounding words (memopt_core.rng) these kernels
     #: compute; a literal rather than core's constant, so a core of another level refuses the
     #: package instead of getting other bits
-    KERNEL_API = 7
+    KERNEL_API = 8
     #: ``step`` writes ``work.staging`` (the bf16 copies) in the update's own pass
     fused_staging = True
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from memopt_core.formats.base import FieldSpec, MasterCodec, MomentCodec
 from memopt_core.formats.registry import (
+    DECAY_NORMALIZED_PRESETS,
     MASTER_FORMATS,
     MOMENT_FORMATS,
     MOMENT_PRESETS,
@@ -22,6 +23,7 @@ from memopt_core.formats.registry import (
 )
 
 __all__ = [
+    "DECAY_NORMALIZED_PRESETS",
     "MASTER_FORMATS",
     "MOMENT_FORMATS",
     "MOMENT_PRESETS",

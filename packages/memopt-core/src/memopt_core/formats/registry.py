@@ -95,6 +95,10 @@ def _master_codec(name: str, param_dtype: torch.dtype) -> MasterCodec:
     return ecc.Ecc24Master() if name == "ecc24" else ecc.Ecc32Master()
 
 
+#: moment presets whose second moments are stored divided by their decay (StateSpec.decay_normalized)
+DECAY_NORMALIZED_PRESETS = frozenset({"fp8", "q8"})
+
+
 @dataclass(frozen=True)
 class StateSpec:
     """The formats of one optimizer group: a master format, a moment preset, the rounding mode."""
@@ -122,6 +126,13 @@ class StateSpec:
     def second(self) -> MomentCodec:
         """Codec of second moments (Adam's exp_avg_sq)."""
         return moment_codec(MOMENT_PRESETS[self.moments][1])
+
+    @property
+    def decay_normalized(self) -> bool:
+        """Whether Adam's second moments are stored divided by their decay, ``u = v / N``
+        (``memopt_core.reference.decay_norm``): the 8-bit presets ``fp8`` and ``q8``, whose
+        re-rounding of a decaying ``v`` at every step would random-walk (docs/formats.md)."""
+        return self.moments in DECAY_NORMALIZED_PRESETS
 
     @property
     def block_size(self) -> int:
