@@ -39,6 +39,25 @@ CONFIGS = {
         {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
     ),
 }
+# Adam's 8-bit second moments are stored decay-normalized (core's StateSpec.decay_normalized):
+# the words kernel computes their beta2, one_minus_beta2 and bc2_sqrt words per tensor from
+# j = step % P. With these beta2 (P = 8 and 52) the steps cross periods: NORMALIZED_STEPS.
+CONFIGS["adamw-ecc24-q8-beta2-0.5"] = (
+    "adamw",
+    "ecc24",
+    "q8",
+    torch.bfloat16,
+    {"weight_decay": 0.1, "betas": (0.9, 0.5)},
+)
+CONFIGS["adam-l2-fp8-beta2-0.9"] = (
+    "adam",
+    "none",
+    "fp8",
+    torch.float32,
+    {"weight_decay": 0.01, "betas": (0.8, 0.9)},
+)
+#: name -> the steps its tests take (more than one period of its decay normalization)
+NORMALIZED_STEPS = {"adamw-ecc24-q8-beta2-0.5": 20, "adam-l2-fp8-beta2-0.9": 56}
 SIZES = [(33,), (4, 8), (1,), (0,), (65,)]
 
 
@@ -89,13 +108,16 @@ def _assert_same(opt_a, params_a, opt_b, params_b, what):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_capturable_equals_host_step(device, name):
     """Several steps, one of which leaves two tensors without gradients (their counts fall
-    behind, so the rows of one launch hold different steps)."""
+    behind, so the rows of one launch hold different steps). Decay-normalized second moments
+    (q8, fp8) over more than one period: the rows of one launch then also hold different
+    ``j = step % P``, one of them 0 where the others are not."""
     dtype = CONFIGS[name][3]
+    n = NORMALIZED_STEPS.get(name, 4)
     ref_p = _params(dtype, "cpu")
     dev_p = _params(dtype, device)
     ref = _optimizer(name, ref_p, capturable=False, backend="torch")
     mine = _optimizer(name, dev_p, capturable=True, backend="triton")
-    for step in range(1, 5):
+    for step in range(1, n + 1):
         skip = (0, 3) if step == 2 else ()
         _grads(ref_p, step, skip=skip)
         _grads(dev_p, step, skip=skip)
@@ -103,7 +125,7 @@ def test_capturable_equals_host_step(device, name):
         mine.step()
         _assert_same(ref, ref_p, mine, dev_p, f"{name} step {step}")
     steps = [float(mine.state[p]["step"]) for p in dev_p]
-    assert steps == [3.0, 4.0, 4.0, 3.0, 4.0]
+    assert steps == [n - 1.0, n, n, n - 1.0, n]
     assert all(mine.state[p]["step"].device.type == torch.device(device).type for p in dev_p)
 
 
@@ -327,14 +349,24 @@ def test_grad_scaler_in_kernel(device, name, scale, capturable, monkeypatch):
         assert mine.state[dev_p[1]]["step"].device.type == "cpu"
 
 
-def test_words_follow_core_scalars(device):
+@pytest.mark.parametrize("moments", ["fp32", "q8", "fp8"])
+def test_words_follow_core_scalars(device, moments):
     """The device words equal the host's ``hyper_words`` of core's ``adam_scalars`` at each
-    tensor's own step, including steps at and past the end of the bias table."""
+    tensor's own step, including steps at and past the end of the bias table. With the 8-bit
+    moments (decay-normalized, ``adam_scalars(normalized=True)``) also at the steps where
+    ``j = step % P`` is 0, P - 1 and 1, before and past the end of the table."""
     from memopt_kernels_triton import ops
 
     betas = (0.5, 0.75)  # a short table: every step past 'last' reads its last entry
     last = len(reference.adam_bias_table(*betas)[0]) - 1
     counts = [0.0, 1.0, 6.0, float(last - 1), float(last), float(last + 40)]
+    normalized = moments != "fp32"
+    if normalized:
+        period = reference.decay_norm_period(betas[1])
+        assert 1 < period < last  # 19 and 133
+        beyond = period * (last // period + 2)  # a multiple of P past 'last'
+        counts += [float(k - 1) for k in (period - 1, period, period + 1, 2 * period)]
+        counts += [float(k - 1) for k in (beyond - 1, beyond, beyond + 1)]
     params = [torch.nn.Parameter(torch.zeros(3, device=device)) for _ in counts]
     for lr in (1e-3, 0.1 / 3, 7.5e-6):
         opt = MemOptimizer(
@@ -344,6 +376,7 @@ def test_words_follow_core_scalars(device):
             betas=betas,
             weight_decay=0.1,
             seed=9,
+            moments=moments,
             capturable=True,
             backend="triton",
         )
@@ -358,7 +391,13 @@ def test_words_follow_core_scalars(device):
         for si, p in enumerate(entry.owners):
             k = int(count_of[id(p)]) + 1
             s = reference.adam_scalars(
-                lr=lr, betas=betas, eps=1e-8, weight_decay=0.1, step=k, decoupled=True
+                lr=lr,
+                betas=betas,
+                eps=1e-8,
+                weight_decay=0.1,
+                step=k,
+                decoupled=True,
+                normalized=normalized,
             )
             assert words[si] == ops.adam_hyper_words(s, 9, k), (lr, k)
             assert float(opt.state[p]["step"]) == k
@@ -397,9 +436,47 @@ def test_bias_table_matches_adam_scalars():
         reference.adam_bias_table(1.0, 0.9)
 
 
+def test_normalized_table_matches_adam_scalars(monkeypatch):
+    """The words a decay-normalized device step reads from its table (``bc2_sqrt`` at every
+    step up to the end of the bias table and one period past it, ``one_minus_beta2`` at every
+    ``j``) and the ``beta2`` word it is given are ``adam_scalars(normalized=True)``'s, rounded
+    to fp32; the table is cached with the bias tables (bounded, built once)."""
+    monkeypatch.setattr(ops, "_BIAS_TABLES", {})
+    monkeypatch.setattr(ops, "_BIAS_CAPTURED", set())
+    dev = torch.device("cpu")
+    for betas in ((0.9, 0.999), (0.9, 0.5), (0.0, 0.75), (0.9, 0.0), (0.5, 0.003)):
+        _, table, last = ops._bias_tables(dev, betas, True)
+        assert ops._bias_tables(dev, betas, True)[1] is table
+        period, _, _ = reference.decay_norm_table(betas[1])
+        assert table.shape == (last + 1 + 2 * period,)
+        bits = table.tolist()
+        for k in range(1, last + period + 1):
+            s = reference.adam_scalars(
+                lr=0.1, betas=betas, eps=1e-8, weight_decay=0.0, step=k, decoupled=True,
+                normalized=True,
+            )  # fmt: skip
+            j = k % period
+            at = k if k <= last else last + 1 + j
+            assert bits[at] == ops._f32_bits(s.bc2_sqrt), (betas, k)
+            assert bits[last + 1 + period + j] == ops._f32_bits(s.one_minus_beta2), (betas, k)
+            b2 = ops._f32_bits(betas[1] ** period) if j == 0 else ops._f32_bits(1.0)
+            assert b2 == ops._f32_bits(s.beta2), (betas, k)
+            assert s.bc2_sqrt <= 16.0  # kernels.division.divisor_in_range's bound
+    assert len(ops._BIAS_TABLES) <= ops._BIAS_KEEP
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["adamw-ecc24-q8", "lion-ecc24-q8", "sgd-nesterov-fp32"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "adamw-ecc24-q8",
+        "adamw-ecc24-q8-beta2-0.5",
+        "adam-l2-fp8-beta2-0.9",
+        "lion-ecc24-q8",
+        "sgd-nesterov-fp32",
+    ],
+)
 def test_cuda_graph_replay_equals_eager(name):
     """Capture ``opt.step()`` in a CUDA graph after one eager step; replaying it with new
     gradients copied into the same buffers gives the eager capturable step's bits, and those
@@ -416,7 +493,7 @@ def test_cuda_graph_replay_equals_eager(name):
     for p in graph_p:
         p.grad = torch.zeros_like(p)
     graph = None
-    for step in range(1, 7):
+    for step in range(1, NORMALIZED_STEPS.get(name, 6) + 1):
         _grads(ref_p, step)
         _grads(eager_p, step)
         gen = torch.Generator().manual_seed(1000 + step)

@@ -2,8 +2,8 @@
 (``kernels.division``) against the correctly rounded division ``tl.div_rn`` it replaces, on the
 GPU (the interpreter keeps ``div_rn``: no inline PTX there): every fp32 significand of the
 dividend at exponents across the range of square roots of fp32 values, for the divisors Adam's
-bias correction takes and for random and edge divisors in the accepted range; and the special
-dividends (signed zeros, infinity, NaN)."""
+bias correction takes (plain, and decay-normalized up to 16) and for random and edge divisors in
+the accepted range; and the special dividends (signed zeros, infinity, NaN)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from memopt_core.reference import adam_bias_table
+from memopt_core.reference import adam_bias_table, adam_scalars, decay_norm_period
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -63,28 +63,48 @@ def quotients_kernel(a_ptr, b_ptr, got_ptr, want_ptr, n, BLOCK: tl.constexpr):
 
 
 def _in_range(b: torch.Tensor) -> torch.Tensor:
-    return (b >= 2.0**-60) & (b <= 1.0)
+    return (b >= 2.0**-60) & (b <= 16.0)
 
 
 def divisors() -> torch.Tensor:
     """Adam's ``bc2_sqrt`` (rounded to fp32, as the launcher passes it) at steps 1..50 and a
-    sample of later ones for common and extreme ``beta2``, the range's ends, significands of
-    all ones and zeros, and log-uniform random divisors."""
+    sample of later ones for common and extreme ``beta2``, and its decay-normalized form
+    (``adam_scalars(normalized=True)``, up to 16: the 8-bit second moments) over the first
+    periods and a sample of later steps, the range's ends, significands of all ones and zeros,
+    and log-uniform random divisors in [2**-60, 1] and in (1, 16]."""
     values: list[float] = [1.0, 2.0**-60, 1.0 - 2.0**-24, 0.5, 0.75]
+    values += [16.0, 16.0 - 2.0**-20, 1.0 + 2.0**-23, 2.0, 4.0 - 2.0**-22, 8.0, 11.3137085]
     for beta2 in (0.0, 0.5, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9995, 0.9999, 0.99999):
         table = adam_bias_table(0.9, beta2)[1]
         steps = list(range(1, min(51, len(table)))) + list(range(51, len(table), 997))
         values += [table[k] for k in steps]
+    for beta2 in (0.3, 0.5, 0.9, 0.99, 0.999, 0.9999):
+        period = decay_norm_period(beta2)
+        last = len(adam_bias_table(0.9, beta2)[1]) - 1
+        steps = list(range(1, min(2 * period + 2, 100)))  # the first periods
+        steps += list(range(100, last + period, max(1, (last + period) // 60)))  # ~60 more
+        steps += [period - 1, period, period + 1, last + period - 1]
+        values += [_normalized_bc2(beta2, k) for k in steps if k >= 1]
     values.append(math.sqrt(1.0 - (1.0 - 2.0**-53)))  # the smallest bc2_sqrt: beta2 = 1 - 2**-53
     b = torch.tensor(values, dtype=torch.float64).float()
     g = torch.Generator().manual_seed(0)
     rnd = torch.pow(2.0, -60.0 * torch.rand(256, generator=g, dtype=torch.float64)).float()
-    ones = (torch.randint(67, 127, (16,), generator=g, dtype=torch.int32) << 23) | 0x7FFFFF
-    zeros = torch.randint(67, 127, (16,), generator=g, dtype=torch.int32) << 23
-    b = torch.cat([b, rnd, ones.view(torch.float32), zeros.view(torch.float32)])
+    above = torch.pow(2.0, 4.0 * torch.rand(128, generator=g, dtype=torch.float64)).float()
+    ones = (torch.randint(67, 131, (24,), generator=g, dtype=torch.int32) << 23) | 0x7FFFFF
+    zeros = torch.randint(67, 131, (24,), generator=g, dtype=torch.int32) << 23
+    b = torch.cat([b, rnd, above, ones.view(torch.float32), zeros.view(torch.float32)])
     b = torch.unique(b[_in_range(b)])
-    assert b.numel() > 400
+    assert b.numel() > 600
+    assert int((b > 1.0).sum()) > 150
     return b
+
+
+def _normalized_bc2(beta2: float, step: int) -> float:
+    s = adam_scalars(
+        lr=1.0, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, step=step, decoupled=True,
+        normalized=True,
+    )  # fmt: skip
+    return s.bc2_sqrt
 
 
 def test_every_significand_divides_as_div_rn():
@@ -99,7 +119,7 @@ def test_every_significand_divides_as_div_rn():
 def test_special_dividends():
     inf, nan = float("inf"), float("nan")
     a = torch.tensor([0.0, -0.0, inf, nan, 2.0**-75, 2.0**64, 1.0, 3.0], device="cuda")
-    b = torch.tensor([1.0, 2.0**-60, 1e-8, 0.3, 0.999], device="cuda")
+    b = torch.tensor([1.0, 2.0**-60, 1e-8, 0.3, 0.999, 16.0, 3.7], device="cuda")
     got = torch.empty(b.numel(), a.numel(), device="cuda")
     want = torch.empty_like(got)
     quotients_kernel[(b.numel(),)](a, b, got, want, a.numel(), BLOCK=16)
@@ -108,7 +128,7 @@ def test_special_dividends():
     assert bool(same.all()), (got, want)
     # the signs of zeros and the infinity survive (what the max and the negated remainder keep)
     assert torch.equal(
-        got[:, 1].view(torch.int32).cpu(), torch.full((5,), -(2**31), dtype=torch.int32)
+        got[:, 1].view(torch.int32).cpu(), torch.full((b.numel(),), -(2**31), dtype=torch.int32)
     )
     assert bool((got[:, 2] == inf).all())
     assert bool(got[:, 3].isnan().all())
@@ -121,10 +141,23 @@ def in_range_kernel(b_ptr, out_ptr):
 
 
 def test_divisor_range():
-    """The range the kernels take the reciprocal path in: 2**-60 <= b <= 1."""
+    """The range the kernels take the reciprocal path in: 2**-60 <= b <= 16 (a
+    decay-normalized ``bc2_sqrt`` reaches 16)."""
     b = torch.tensor(
-        [0.0, 2.0**-61, 2.0**-60, 1e-8, 1.0, 1.0 + 2.0**-23, float("inf"), float("nan")]
+        [
+            0.0,
+            2.0**-61,
+            2.0**-60,
+            1e-8,
+            1.0,
+            1.0 + 2.0**-23,
+            16.0,
+            16.0 + 2.0**-19,
+            float("inf"),
+            float("nan"),
+            -1.0,
+        ]
     ).cuda()
     out = torch.empty(b.numel(), dtype=torch.int8, device="cuda")
     in_range_kernel[(b.numel(),)](b, out)
-    assert out.cpu().tolist() == [0, 0, 1, 1, 1, 0, 0, 0]
+    assert out.cpu().tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0]

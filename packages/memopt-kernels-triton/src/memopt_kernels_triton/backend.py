@@ -39,7 +39,7 @@ class TritonBackend:
     #: whose bits they compute (``memopt_core.rng``'s stochastic-rounding words, the ``q8_sqrt``
     #: and ``fp8_e5m2`` floors, the ECC zero decode, ``q8_sqrt``'s integer rounding rule), so a
     #: core at another level refuses a stale package.
-    KERNEL_API = 7
+    KERNEL_API = 8
     #: runs ``GroupStep.device_step`` work (capturable steps: :func:`ops.device_step`)
     device_steps = True
     #: steps the param groups of one family arena in one launch (:meth:`step_all`)

@@ -48,7 +48,12 @@ from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
 from memopt_core.plan import ceil_div, overlaps_itself, round_up
-from memopt_core.reference import adam_bias_last, bias_correction_table, round_to_float32
+from memopt_core.reference import (
+    adam_bias_last,
+    bias_correction_table,
+    decay_norm_table,
+    round_to_float32,
+)
 from memopt_core.rng import STREAM_FIRST, STREAM_MASTER, STREAM_SECOND
 from memopt_kernels_triton.kernels import adam as _adam
 from memopt_kernels_triton.kernels import convert as _convert
@@ -1808,7 +1813,9 @@ _RULE_IDS = {
     "sgd": _words.RULE_SGD.value,
 }
 #: (device, beta, last index, root) -> one bias-correction table on the device (bc1 float64,
-#: bc2_sqrt float32 bits as int32), the most recently used last
+#: bc2_sqrt float32 bits as int32), and (device, beta2, last index, "normalized") -> the int32
+#: table of a decay-normalized step's words (:func:`_normalized_table`), the most recently used
+#: last
 _BIAS_TABLES: dict = {}
 #: keys read inside a CUDA graph capture: the graph replays their addresses, so they stay
 _BIAS_CAPTURED: set = set()
@@ -1817,10 +1824,13 @@ _BIAS_CAPTURED: set = set()
 _BIAS_KEEP = 8
 
 
-def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tensor, Tensor, int]:
+def _bias_tables(
+    device: torch.device, betas: tuple[float, float], normalized: bool = False
+) -> tuple[Tensor, Tensor, int]:
     """The device tables of core's ``adam_bias_table(*betas)`` and their last index, each table
     cached under its own beta (a cycled beta1 rebuilds only its own table, whose pows stop
-    where beta1 saturates)."""
+    where beta1 saturates). ``normalized``: the second table is beta2's
+    :func:`_normalized_table` instead."""
     if not isinstance(betas, Sequence) or len(betas) != 2:  # a third value would be ignored
         raise ConfigError(f"device_step.betas must be a pair (beta1, beta2), got {betas!r}")
     beta1, beta2 = float(betas[0]), float(betas[1])
@@ -1828,13 +1838,14 @@ def _bias_tables(device: torch.device, betas: tuple[float, float]) -> tuple[Tens
         last = adam_bias_last(beta1, beta2)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return _bias_table(device, beta1, last, False), _bias_table(device, beta2, last, True), last
+    bc1 = _bias_table(device, beta1, last, False)
+    if normalized:
+        return bc1, _normalized_table(device, beta2, last), last
+    return bc1, _bias_table(device, beta2, last, True), last
 
 
 def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Tensor:
-    key = (str(device), beta, last, root)
-    hit = _BIAS_TABLES.pop(key, None)
-    if hit is None:
+    def build() -> Tensor:
         values = bias_correction_table(beta, last, root)
         # entries are 1.0 from the first one on (monotone): only those before it are converted
         n = values.index(1.0)
@@ -1845,7 +1856,40 @@ def _bias_table(device: torch.device, beta: float, last: int, root: bool) -> Ten
         else:
             host = torch.ones(last + 1, dtype=torch.float64, device="cpu")
             host[:n] = torch.tensor(values[:n], dtype=torch.float64, device="cpu")
-        hit = (_to_device(host, device), set())
+        return host
+
+    return _cached_table((str(device), beta, last, root), device, build)
+
+
+def _normalized_table(device: torch.device, beta2: float, last: int) -> Tensor:
+    """The words of a decay-normalized Adam step (``DeviceStep.normalized``) that depend on the
+    step ``k``, as float32 bits in one int32 table, each computed in double as core's
+    ``adam_scalars(normalized=True)`` computes it and rounded once (``decay_norm_table``'s
+    ``P``, ``N``, ``R``; ``r = k % P``): ``bc2_sqrt[k] / R[k % P]`` for ``k`` in ``0..last``
+    (``bc2_sqrt`` of :func:`bias_correction_table`), then ``bc2_sqrt[last] / R[r]`` (1.0 /
+    ``R[r]``: every step past ``last``) and ``(1 - beta2) / N[r]`` for ``r`` in ``0..P-1``.
+    The ``beta2`` word (1.0, or ``beta2**P`` where ``r == 0``) takes no table."""
+
+    def build() -> Tensor:
+        period, norms, roots = decay_norm_table(beta2)
+        bc2 = bias_correction_table(beta2, last, True)
+        omb2 = 1.0 - beta2
+        values = [b / roots[k % period] for k, b in enumerate(bc2)]
+        values += [bc2[last] / r for r in roots]
+        values += [omb2 / n for n in norms]
+        # struct's float conversion: round_to_float32's, for all of them at once
+        packed = struct.pack(f"<{len(values)}f", *values)
+        return torch.tensor(struct.unpack(f"<{len(values)}i", packed), dtype=torch.int32)
+
+    return _cached_table((str(device), beta2, last, "normalized"), device, build)
+
+
+def _cached_table(key: tuple, device: torch.device, build: Callable[[], Tensor]) -> Tensor:
+    """The device copy of the host table ``build()`` under ``key`` in :data:`_BIAS_TABLES`,
+    built and uploaded on a miss (evicting the oldest tables a capture did not read)."""
+    hit = _BIAS_TABLES.pop(key, None)
+    if hit is None:
+        hit = (_to_device(build(), device), set())
         # only a new table can take the count past the bound: the oldest unread ones go
         evictable = [k for k in _BIAS_TABLES if k not in _BIAS_CAPTURED]
         for old in evictable[: max(0, len(evictable) + 1 - _BIAS_KEEP)]:
@@ -1960,8 +2004,15 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
     wd_bits = _double_bits(0.0 if wd_t is not None else ds.weight_decay)
     ilr_bits = _double_bits(0.0 if ilr is None or ilr_t is not None else ilr)
     dummy64 = _dummy(dev, torch.float64)
+    # decay-normalized second moments (Adam): beta2, one_minus_beta2 and bc2_sqrt per step
+    norm = rule == "adam" and bool(ds.normalized)
+    period, b2p = 1, 0
     if rule == "adam":
-        bc1, bc2, last = _bias_tables(dev, ds.betas)
+        bc1, bc2, last = _bias_tables(dev, ds.betas, norm)
+        if norm:
+            beta2 = float(ds.betas[1])
+            period = decay_norm_table(beta2)[0]
+            b2p = _f32_bits(beta2**period)
     else:
         bc1, bc2, last = _dummy(dev, torch.float64), _dummy(dev, torch.int32), 0
     dummy = _dummy(dev, torch.float32)
@@ -1987,6 +2038,8 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         dummy64 if ilr_t is None else ilr_t,
         _i32(ilr_bits),
         _i32(ilr_bits >> 32),
+        period,
+        b2p,
         RULE=_RULE_IDS[rule],
         W=words.shape[1],
         HAS_FOUND=ds.found_inf is not None,
@@ -1997,6 +2050,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         L2=l2,
         ILR=ilr is not None,
         ILR_PTR=ilr_t is not None,
+        NORM=norm,
         BLOCK=_WORDS_BLOCK,
     )
 

@@ -11,6 +11,13 @@ kernel runs before the rule kernel and, for the step's ``i``-th tensor (plan slo
   (a double division, as ``memopt_core.reference.adam_scalars`` does it) and
   ``bc2_sqrt = bc2[j]`` with ``j = min(k, last)`` (core's ``adam_bias_table``); the ``step``
   word ``k``; SGD's ``first_step`` word ``k == 1``;
+- with ``NORM`` (Adam's decay-normalized second moments, ``DeviceStep.normalized``), Adam's
+  ``beta2``, ``one_minus_beta2`` and ``bc2_sqrt`` words of ``adam_scalars(normalized=True)``
+  at ``r = k % period``: ``beta2`` is 1.0, or the word ``b2p`` (``beta2**period``) where
+  ``r == 0``; the other two come from the int32 table at ``bc2_ptr`` that the host computed
+  in double as core does and rounded once (``ops._normalized_table``): ``bc2_sqrt[k] /
+  R[k % period]`` for ``k`` in ``0..last``, then ``1 / R[r]`` (every step past ``last``, whose
+  bias correction is 1.0), then ``(1 - beta2) / N[r]``;
 - ``inv_scale = float32(1 / float64(scale))`` when a GradScaler's scale is given
   (``GradScaler.unscale_``'s factor), else 1.0, and ``skip = found_inf != 0``;
 - advances ``steps[s]`` to ``k`` unless the step is skipped.
@@ -67,6 +74,8 @@ def _double(lo, hi):
         "wd_hi",
         "ilr_lo",
         "ilr_hi",
+        "period",
+        "b2p",
     ]
 )
 def device_words_kernel(
@@ -97,6 +106,8 @@ def device_words_kernel(
     ilr_ptr,
     ilr_lo,
     ilr_hi,
+    period,
+    b2p,
     RULE: tl.constexpr,
     W: tl.constexpr,
     HAS_FOUND: tl.constexpr,
@@ -107,6 +118,7 @@ def device_words_kernel(
     L2: tl.constexpr,
     ILR: tl.constexpr,
     ILR_PTR: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -153,10 +165,19 @@ def device_words_kernel(
         j = tl.minimum(k, last)
         bc1 = tl.load(bc1_ptr + j, mask=mask, other=1.0)
         step_size = (lr / bc1).to(tl.float32).to(tl.int32, bitcast=True)
-        bc2 = tl.load(bc2_ptr + j, mask=mask, other=0)
         _put(row, 0, zero + w0, mask)
-        _put(row, 1, zero + w1, mask)
-        _put(row, 2, zero + w2, mask)
+        if NORM:
+            r = k % period
+            # past 'last' the bias correction is 1.0: entry last + 1 + r holds 1 / R[r]
+            at = tl.where(k > last, last + 1 + r, j)
+            bc2 = tl.load(bc2_ptr + at, mask=mask, other=0)
+            omb2 = tl.load(bc2_ptr + (last + 1 + period) + r, mask=mask, other=0)
+            _put(row, 1, tl.where(r == 0, zero + b2p, zero + 0x3F800000), mask)  # 1.0
+            _put(row, 2, omb2, mask)
+        else:
+            bc2 = tl.load(bc2_ptr + j, mask=mask, other=0)
+            _put(row, 1, zero + w1, mask)
+            _put(row, 2, zero + w2, mask)
         _put(row, 3, zero + w3, mask)
         _put(row, 4, step_size, mask)
         _put(row, 5, bc2, mask)

@@ -32,11 +32,21 @@ FAST_SCALAR_DIVISION: tl.constexpr = tl.constexpr(not INTERPRETED.value)
 
 @triton.jit
 def divisor_in_range(b):
-    """Whether scalar ``b`` may divide through :func:`div_rn_by`: ``2**-60 <= b <= 1``, which
+    """Whether scalar ``b`` may divide through :func:`div_rn_by`: ``2**-60 <= b <= 16``, which
     holds for every ``bc2_sqrt = sqrt(1 - beta2**step)`` of a ``beta2`` in [0, 1) (computed in
-    double, as core does: at least ``sqrt(2**-53)``). With dividends below ``2**65`` (square
-    roots of fp32 values) quotients stay below ``2**125`` and the reciprocal at most ``2**60``."""
-    return (b >= 8.673617379884035e-19) & (b <= 1.0)
+    double, as core does: at least ``sqrt(2**-53)``, at most 1) and for its decay-normalized
+    form ``bc2_sqrt / sqrt(N)`` (``memopt_core.reference.adam_scalars(normalized=True)``:
+    ``N = beta2**j >= 2**-8``, so at most ``1 / sqrt(2**-8) = 16``).
+
+    The dividends are square roots of fp32 values: +-0 or ``2**-75 <= a < 2**64``. Over that
+    range of ``b`` the reciprocal lies in ``[2**-4, 2**60]``, a quotient of a nonzero ``a`` in
+    ``[2**-79, 2**124]`` (``a / 16`` at least, ``a / 2**-60`` at most), and the exact
+    remainder ``q0 * b - a`` is a multiple of the smaller of ``ulp(a)`` and ``ulp(q0) *
+    ulp(b)`` (about ``a * 2**-47``, at least ``2**-122``): zero or normal. So every operand of
+    the fast path is normal, as :func:`div_rn_by` needs; the bound on the remainder holds for
+    any ``b`` (it follows ``a``), and the upper end 16 only lowers the smallest quotient from
+    ``2**-75`` to ``2**-79``."""
+    return (b >= 8.673617379884035e-19) & (b <= 16.0)
 
 
 @triton.jit
