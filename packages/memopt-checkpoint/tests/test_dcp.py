@@ -199,7 +199,7 @@ def test_check_dcp_load_checks_the_entry_a_get_state_dict_checkpoint_holds(tmp_p
         ),
         (
             lambda gs: [g["memopt"].update(version=99) for g in gs],
-            r"the checkpoint has version 99; this memopt reads versions 1 to 1",
+            r"the checkpoint has version 99; this memopt reads versions 1 to 2",
         ),
         (
             lambda gs: [g["memopt"].update(seed=2**64) for g in gs],
@@ -928,6 +928,70 @@ def test_a_checkpoint_of_another_memopt_class_into_a_flash_optimizer(tmp_path):
     train(resumed, ropt, 3, start=3)
     for (n, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16)), n
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize("compress", [True, False], ids=["codes", "decoded"])
+def test_a_version_1_checkpoint_loads_its_second_moments_as_v(compress, tmp_path):
+    """A checkpoint of a memopt before decay-normalized second moments (state-dict version 1:
+    no 'decay_norm_beta2', the 8-bit exp_avg_sq is v itself, as codes or decoded). dcp.load
+    failed on the key the live state dict has: check_dcp_load says to drop it, and done that
+    way the load gives v back (the next step normalizes it)."""
+    ecc = pytest.importorskip("memopt_ecc")
+    from memopt_checkpoint import to_torch_state_dict
+    from memopt_core import conversions
+    from memopt_core.formats import moment_codec
+    from memopt_core.plan import state_key
+
+    def flash(model):
+        return ecc.FlashAdamW(
+            model.parameters(), lr=1e-2, betas=(0.9, 0.5), compress_state_dict=compress, seed=5
+        )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 48), torch.nn.Linear(48, 9))
+    model = model.to(torch.bfloat16)
+    opt = flash(model)
+    train(model, opt, 5)  # N = 0.5**5
+    codec = moment_codec("q8_sqrt")
+    sd = opt.state_dict()
+    raw = []  # v on the raw grid: what a version-1 memopt held
+    for i, v in to_torch_state_dict(opt)["state"].items():
+        v = v["exp_avg_sq"]
+        flat = torch.zeros(-(-v.numel() // 32) * 32)
+        flat[: v.numel()] = v.reshape(-1)
+        codes = conversions.encode_moment(codec, flat)
+        raw.append(conversions.decode_moment(codec, codes)[: v.numel()].reshape(v.shape))
+        if compress:
+            for sfx, c in codes.items():
+                sd["state"][i][state_key("exp_avg_sq", sfx)] = c
+        else:
+            sd["state"][i]["exp_avg_sq"] = raw[-1].clone()
+    for meta in [sd["memopt"]] + [g["memopt"] for g in sd["param_groups"]]:
+        del meta["decay_norm_beta2"]
+        meta["version"] = 1
+    dcp.save({"optim": sd}, checkpoint_id=tmp_path / "v1")
+
+    resumed = torch.nn.Sequential(torch.nn.Linear(20, 48), torch.nn.Linear(48, 9))
+    resumed = resumed.to(torch.bfloat16)
+    resumed.load_state_dict(model.state_dict())
+    ropt = flash(resumed)
+    ropt.init_state()
+    with pytest.raises(StateDictError, match=r"no 'decay_norm_beta2' .*pop\('decay_norm_beta2'\)"):
+        check_dcp_load(ropt, tmp_path / "v1")
+    target = {"optim": ropt.state_dict()}
+    for meta in [target["optim"]["memopt"]] + [
+        g["memopt"] for g in target["optim"]["param_groups"]
+    ]:
+        meta.pop("decay_norm_beta2")
+    dcp.load(target, checkpoint_id=tmp_path / "v1")
+    ropt.load_state_dict(target["optim"])
+    assert ropt.decay_norm(0, 5) == 1.0
+    exported = to_torch_state_dict(ropt)["state"]
+    for i, v in enumerate(raw):
+        assert torch.equal(exported[i]["exp_avg_sq"], v), i
+    train(resumed, ropt, 1, start=5)  # normalized by the step
+    assert ropt.decay_norm(0, 6) == 0.5**6
 
 
 @pytest.mark.usefixtures("process_group")

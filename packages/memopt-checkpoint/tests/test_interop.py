@@ -24,7 +24,7 @@ from memopt_checkpoint.interop import (
     to_torch_state_dict,
     torch_optimizer_class,
 )
-from memopt_core import MemOptimizer
+from memopt_core import MemOptimizer, conversions
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.formats import MOMENT_FORMATS, MOMENT_PRESETS, master_codec, moment_codec
 from memopt_core.plan import state_key
@@ -126,6 +126,34 @@ def decoded(opt: MemOptimizer, p: torch.Tensor, name: str) -> torch.Tensor:
     return x.reshape(-1)[: p.numel()].reshape(p.shape)
 
 
+def decay_norm(beta2: float, step: int) -> float:
+    """``N = beta2**(step % P)``, ``P`` the largest count with ``beta2**P >= 2**-8``: an 8-bit
+    (fp8, q8) second moment after ``step`` steps is stored as ``u = v / N`` (computed here, not
+    by memopt-core)."""
+    period = 1
+    while beta2 ** (period + 1) >= 2.0**-8:
+        period += 1
+    return beta2 ** (step % period)
+
+
+def norm_of(opt: MemOptimizer, p: torch.Tensor) -> float:
+    """:func:`decay_norm` of ``p``'s group and step where its second moment is normalized (an
+    Adam rule with fp8 / q8 moments), else 1."""
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    if group["moments"] not in ("fp8", "q8") or opt.rule not in ("adam", "adamw"):
+        return 1.0
+    return decay_norm(float(group["betas"][1]), int(opt.state[p]["step"].item()))
+
+
+def torch_value(opt: MemOptimizer, p: torch.Tensor, name: str) -> torch.Tensor:
+    """The fp32 value torch holds for memopt's moment ``name`` of ``p``: :func:`decoded`, and
+    for ``exp_avg_sq`` Adam's ``v = u * N`` (one rounding, from double)."""
+    x = decoded(opt, p, name)
+    if name != "exp_avg_sq":
+        return x
+    return (x.double() * norm_of(opt, p)).float()
+
+
 def snapshot(opt: MemOptimizer, model: nn.Module):
     sd = copy.deepcopy(opt.state_dict())
     params = [p.detach().clone() for p in model.parameters()]
@@ -199,6 +227,12 @@ def test_torch_moments_load_within_the_stated_bound(moments):
     ):
         for name, fmt in (("exp_avg", first), ("exp_avg_sq", second)):
             x = ref_opt.state[p][name]
+            if name == "exp_avg_sq":  # fp8 / q8 store u = v / N: the value encoded
+                norm = norm_of(my_opt, q)
+                assert (norm == 1.0) == (moments == "bf16")
+                x = conversions.normalize_second_moment(x, norm)
+                exact = ref_opt.state[p][name].double() / norm
+                assert ((x.double() - exact).abs() <= exact * EPS32).all()
             y = decoded(my_opt, q, name)
             err = (y.double() - x.double()).abs()
             assert (err <= quantization_error_bound(fmt, x)).all(), (name, fmt)
@@ -276,17 +310,32 @@ def test_torch_groups_never_take_the_memopt_entry():
     assert back.seed == 9  # torch's dict has none: the optimizer's own
     assert all("memopt" not in g for g in back.param_groups)
     assert all(
-        g["memopt"] == {"rule": "adamw", "seed": 9, "version": 1}
+        # the normalizing beta2 of its q8 second moments: the torch dict's
+        g["memopt"] == {"rule": "adamw", "seed": 9, "version": 2, "decay_norm_beta2": [0.99]}
         for g in back.state_dict()["param_groups"]
     )
 
 
-@pytest.mark.parametrize("moments", ["bf16", "fp8", "q8"])
-def test_memopt_quantized_state_exports_its_decoded_values(moments):
+@pytest.mark.parametrize(
+    ("moments", "beta2", "steps"),
+    [
+        ("bf16", 0.99, 5),
+        ("fp8", 0.99, 5),
+        ("q8", 0.99, 5),
+        # fp8 / q8 second moments are stored as u = v / beta2**(k % P): exported one step
+        # before a period's end (P = 8 for 0.5, 52 for 0.9), continued across it
+        ("fp8", 0.5, 7),
+        ("q8", 0.5, 7),
+        ("fp8", 0.9, 51),
+        ("q8", 0.9, 51),
+    ],
+)
+def test_memopt_quantized_state_exports_its_decoded_values(moments, beta2, steps):
     torch.manual_seed(3)
     mine = Net()
-    my_opt = MemOptimizer(mine.parameters(), rule="adamw", moments=moments, **ADAM_KW)
-    train(mine, my_opt, 5)
+    kw = dict(ADAM_KW, betas=(0.8, beta2))
+    my_opt = MemOptimizer(mine.parameters(), rule="adamw", moments=moments, **kw)
+    train(mine, my_opt, steps)
     sd = to_torch_state_dict(my_opt)
     ref = copy.deepcopy(mine)
     ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False)
@@ -298,18 +347,88 @@ def test_memopt_quantized_state_exports_its_decoded_values(moments):
         zip(mine.parameters(), ref.parameters(), back_model.parameters(), strict=True)
     ):
         for name in ("exp_avg", "exp_avg_sq"):
-            exact = decoded(my_opt, q, name)
-            assert same_bits(sd["state"][i][name], exact), (i, name)  # no loss beyond the format
+            # no loss beyond the format; exp_avg_sq is v, the stored u times N
+            exact = torch_value(my_opt, q, name)
+            assert same_bits(sd["state"][i][name], exact), (i, name)
             assert same_bits(ref_opt.state[p][name], exact)
             # memopt -> torch -> memopt: the same values (error 0, within any bound)
-            assert same_bits(decoded(back, r, name), exact), (i, name)
+            assert same_bits(decoded(back, r, name), decoded(my_opt, q, name)), (i, name)
+            assert same_bits(torch_value(back, r, name), exact), (i, name)
     # so training goes on bit for bit as if nothing happened (steps and seed kept)
-    for t in range(5, 8):
+    for t in range(steps, steps + 3):
         for model, opt in ((mine, my_opt), (back_model, back)):
             backward(model, t)
             opt.step()
     for q, r in zip(mine.parameters(), back_model.parameters(), strict=True):
         assert same_bits(q, r)
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+@pytest.mark.parametrize(("beta2", "steps"), [(0.5, 13), (0.9, 100)])
+def test_exported_second_moment_tracks_torchs(moments, beta2, steps):
+    """memopt and torch's AdamW step on the same gradients (drawn per step, not from the
+    weights). After ``steps`` (P = 8 for 0.5, 52 for 0.9: N = beta2**5, beta2**48, far from 1)
+    the exported exp_avg_sq is Adam's v, within the format's error of torch's: each step
+    re-rounds it (2 significant bits in e5m2, 5 in q8's sqrt), so per element a few roundings
+    apart, and unbiased in sum (stochastic rounding). u itself would be 1/N times too large."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(512))
+    q = nn.Parameter(p.detach().clone())
+    kw = dict(lr=1e-3, betas=(0.9, beta2), weight_decay=0.01)
+    my_opt = MemOptimizer([p], rule="adamw", moments=moments, **kw)
+    ref_opt = torch.optim.AdamW([q], foreach=False, **kw)
+    gen = torch.Generator().manual_seed(1)
+    scale = torch.linspace(0.5, 2.0, 512)
+    for _ in range(steps):
+        g = torch.randn(512, generator=gen) * scale
+        p.grad, q.grad = g.clone(), g.clone()
+        my_opt.step()
+        ref_opt.step()
+    assert norm_of(my_opt, p) < 2.0**-4
+    v = to_torch_state_dict(my_opt)["state"][0]["exp_avg_sq"].double()
+    assert same_bits(v.float(), torch_value(my_opt, p, "exp_avg_sq"))
+    ref = ref_opt.state[q]["exp_avg_sq"].double()
+    rel = (v - ref).abs() / ref
+    median, worst = (0.1, 0.6) if moments == "q8" else (0.2, 1.5)
+    assert rel.median() <= median, rel.median().item()
+    assert rel.max() <= worst, rel.max().item()
+    assert abs(v.sum() / ref.sum() - 1.0) <= 0.05
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+def test_torch_memopt_torch_keeps_v_within_the_bound(moments):
+    """torch -> memopt -> torch: the exported v is torch's within the format's stated bound
+    (of v: the normalization scales the value and its block alike), at a step whose N is
+    0.5**5; and exported again into the same memopt optimizer, nothing changes."""
+    torch.manual_seed(11)
+    ref = Net()
+    kw = dict(ADAM_KW, betas=(0.8, 0.5))
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
+    train(ref, ref_opt, 13)
+    sd = ref_opt.state_dict()
+    mine = copy.deepcopy(ref)
+    my_opt = MemOptimizer(mine.parameters(), rule="adamw", moments=moments)
+    load_torch_state_dict(my_opt, sd)
+    assert my_opt.param_groups[0]["betas"] == (0.8, 0.5)
+    back = to_torch_state_dict(my_opt)
+    second = MOMENT_PRESETS[moments][1]
+    for i, (p, q) in enumerate(zip(ref.parameters(), mine.parameters(), strict=True)):
+        assert norm_of(my_opt, q) == 0.5**5
+        x = ref_opt.state[p]["exp_avg_sq"]
+        y = back["state"][i]["exp_avg_sq"]
+        assert same_bits(y, torch_value(my_opt, q, "exp_avg_sq"))
+        err = (y.double() - x.double()).abs()
+        # (1 + 2**-20): the fp32 roundings of v / N and u * N, far below the format's
+        assert (err <= quantization_error_bound(second, x) * (1 + 2.0**-20)).all(), i
+        assert (err > 0).any()
+        assert same_bits(back["state"][i]["exp_avg"], decoded(my_opt, q, "exp_avg"))
+    # (a block may come back with a lower scale and codes scaled to match: compare values)
+    names = ("exp_avg", "exp_avg_sq")
+    values = {q: [decoded(my_opt, q, m) for m in names] for q in mine.parameters()}
+    load_torch_state_dict(my_opt, back)
+    for q in mine.parameters():
+        for m, v in zip(names, values[q], strict=True):
+            assert same_bits(decoded(my_opt, q, m), v), m
 
 
 @pytest.mark.parametrize("moments", ["fp32", "q8"])
@@ -389,7 +508,7 @@ def test_mixed_bf16_fp32_model_keeps_every_moment(kind):
             assert entry[m].dtype == torch.float32
             assert entry[m].shape == p.shape
             assert entry[m].abs().sum() > 0, (name, m)  # FlashOptim 0.1.4 loses fp32 exp_avg
-            assert same_bits(entry[m], decoded(opt, p, m)), (name, m)
+            assert same_bits(entry[m], torch_value(opt, p, m)), (name, m)
 
     # the vanilla route: fp32 weights (ECC decoded) + these moments in torch.optim.AdamW
     weights = _fp32_weights(opt, model)
@@ -428,6 +547,8 @@ def test_mixed_bf16_fp32_model_keeps_every_moment(kind):
         assert opt.state[p]["step"].item() == 7
         for m, fmt in (("exp_avg", first), ("exp_avg_sq", second)):
             x = ref_opt.state[r][m]
+            if m == "exp_avg_sq":  # q8 stores u = v / N: the value encoded
+                x = conversions.normalize_second_moment(x, norm_of(opt, p))
             y = decoded(opt, p, m)
             assert y.abs().sum() > 0, (n, m)
             assert ((y.double() - x.double()).abs() <= quantization_error_bound(fmt, x)).all(), (

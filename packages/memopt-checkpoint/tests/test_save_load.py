@@ -75,6 +75,12 @@ FAMILIES = {
     "memopt-q8-fp32": (_memopt_q8, torch.float32),
     "flash-adamw-ecc24": (_flash("FlashAdamW"), torch.bfloat16),
     "flash-adamw-ecc32": (_flash("FlashAdamW", master_weight_bits=32), torch.bfloat16),
+    # decoded moments (exp_avg_sq as Adam's v, its q8 codes normalized by beta2**(k % 8)):
+    # saved after 5 steps, resumed across the period's end at 8
+    "flash-adamw-decoded": (
+        _flash("FlashAdamW", betas=(0.9, 0.5), compress_state_dict=False),
+        torch.bfloat16,
+    ),
     "flash-lion": (_flash("FlashLion"), torch.bfloat16),
     "flash-sgd-momentum": (_flash("FlashSGD", momentum=0.9), torch.bfloat16),
     "adambridge-compact": (_bridge, torch.bfloat16),
@@ -147,7 +153,12 @@ def test_the_memopt_entry_is_stored_once(tmp_path):
     save(tmp_path / "ck.mopt", model=model, optimizer=opt)
     with CheckpointReader(tmp_path / "ck.mopt") as r:
         info = r.meta["optimizer"]
-        assert info["memopt"] == {"rule": "adamw", "seed": 3, "version": 1}
+        assert info["memopt"] == {
+            "rule": "adamw",
+            "seed": 3,
+            "version": 2,
+            "decay_norm_beta2": [0.999],  # JSON gives the floats back exactly
+        }
         assert all("memopt" not in g for g in info["param_groups"])
 
     def drop_top_level(optimizer, sd):

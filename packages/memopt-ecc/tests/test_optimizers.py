@@ -383,11 +383,35 @@ def test_fused_uses_a_registered_kernel_backend(monkeypatch):
 
 
 # --------------------------------------------------------------------- compress_state_dict
-def _train_pair(device, **kwargs):
+def _train_pair(device, steps=3, moments="q8", **kwargs):
     params = make_params(device)
-    opt = FlashAdamW(params, **HYPER[FlashAdamW], **kwargs)
-    run(opt, params, steps=3)
+    opt = FlashAdamW([{"params": params, "moments": moments}], **HYPER[FlashAdamW], **kwargs)
+    run(opt, params, steps=steps)
     return opt, params
+
+
+def _decay_norm(beta2: float, step: int) -> float:
+    """``N = beta2**(step % P)``, ``P`` the largest count with ``beta2**P >= 2**-8``: the
+    decay an 8-bit second moment is stored divided by (computed here, not by memopt-core)."""
+    period = 1
+    while beta2 ** (period + 1) >= 2.0**-8:
+        period += 1
+    return beta2 ** (step % period)
+
+
+def _stored_v(opt, p):
+    """``p``'s second moment ``v`` from the optimizer's live codes: decoded by the codec and
+    multiplied by :func:`_decay_norm` (one rounding, from double), shaped like ``p``."""
+    from memopt_core.formats import MOMENT_PRESETS, moment_codec
+    from memopt_core.plan import state_key
+
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+    st = opt.state[p]
+    u = codec.decode({sfx: st[state_key("exp_avg_sq", sfx)] for sfx in codec.fields})
+    u = u.reshape(-1)[: p.numel()].reshape(p.shape)
+    norm = _decay_norm(group["betas"][1], int(st["step"].item()))
+    return (u.double() * norm).float()
 
 
 def test_compressed_state_dict_keeps_codes(device):
@@ -399,12 +423,30 @@ def test_compressed_state_dict_keeps_codes(device):
     assert st["master_code"].dtype == torch.uint8
 
 
-def test_uncompressed_state_dict_resumes_bit_identically(device):
-    opt, params = _train_pair(device, compress_state_dict=False)
+@pytest.mark.parametrize(
+    ("moments", "beta2", "steps"),
+    [
+        ("q8", 0.999, 3),
+        # 8-bit second moments are stored decay-normalized, u = v / beta2**(k % P): saved one
+        # step before a period's end (P = 8 for 0.5, 52 for 0.9), resumed across it
+        ("q8", 0.5, 7),
+        ("fp8", 0.5, 7),
+        ("q8", 0.9, 51),
+        ("fp8", 0.9, 51),
+        ("q8", 0.5, 8),  # saved at a period's end (N = 1)
+    ],
+)
+def test_uncompressed_state_dict_resumes_bit_identically(device, moments, beta2, steps):
+    hyper = dict(HYPER[FlashAdamW], betas=(0.9, beta2))
+    params = make_params(device)
+    opt = FlashAdamW([{"params": params, "moments": moments}], **hyper, compress_state_dict=False)
+    run(opt, params, steps=steps)
     seen = []  # a state-dict post-hook sees the decoded moments state_dict() returns
     opt.register_state_dict_post_hook(lambda o, sd: seen.append(sd["state"][0]["exp_avg"].dtype))
     sd = opt.state_dict()
     assert seen == [torch.float32]
+    assert sd["memopt"]["decay_norm_beta2"] == [beta2]
+    assert sd["memopt"]["version"] == 2
     for i, p in enumerate(params):
         st = sd["state"][i]
         assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_code", "param_shape"} - (
@@ -414,6 +456,8 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
         assert st["exp_avg"].dtype == torch.float32
         assert st["exp_avg"].shape == p.shape
         assert st["exp_avg_sq"].shape == p.shape
+        # the decoded second moment is Adam's v: the stored u times beta2**(k % P)
+        assert same_bits(st["exp_avg_sq"], _stored_v(opt, p)), i
         for name in ("exp_avg", "exp_avg_sq"):  # no padded tail for torch.save to store
             assert st[name].untyped_storage().nbytes() == st[name].nbytes
     buf = io.BytesIO()
@@ -424,14 +468,23 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
     # continue: the original, a copy loaded from the uncompressed dict, and (for reference)
     # a copy loaded from the compressed dict of the same state
     twin_params = [p.detach().clone().requires_grad_() for p in params]
-    twin = FlashAdamW(twin_params, **HYPER[FlashAdamW], compress_state_dict=False)
+    twin = FlashAdamW(
+        [{"params": twin_params, "moments": moments}],
+        **HYPER[FlashAdamW],
+        compress_state_dict=False,
+    )  # built with another beta2: the dict's is loaded
     twin.load_state_dict(loaded)
+    assert twin.param_groups[0]["betas"] == (0.9, beta2)
+    # decoding the encoded moments gives exactly the values that were saved
+    for i, (p, q) in enumerate(zip(params, twin_params, strict=True)):
+        assert same_bits(twin.state[q]["step"], opt.state[p]["step"])
+        assert same_bits(_stored_v(twin, q), _stored_v(opt, p)), i
     other_params = [p.detach().clone().requires_grad_() for p in params]
-    other = FlashAdamW(other_params, **HYPER[FlashAdamW])
+    other = FlashAdamW([{"params": other_params, "moments": moments}], **hyper)
     opt.compress_state_dict = True
     other.load_state_dict(opt.state_dict())
     for o, ps in ((opt, params), (twin, twin_params), (other, other_params)):
-        for t in range(3, 6):
+        for t in range(steps, steps + 3):
             set_grads(ps, t)
             o.step()
     assert_same_state(opt, params, twin, twin_params)
@@ -442,6 +495,71 @@ def test_uncompressed_state_dict_resumes_bit_identically(device):
     for i, st in sd["state"].items():
         for k, v in st.items():
             assert torch.equal(v.cpu(), loaded["state"][i][k].cpu()), (i, k)
+
+
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+@pytest.mark.parametrize("compress", [True, False], ids=["compressed", "decoded"])
+def test_a_version_1_state_dict_holds_v_and_loads_as_v(moments, compress):
+    """A state dict of memopt before decay-normalized second moments (version 1, no
+    ``decay_norm_beta2``) holds ``v`` itself, as codes or decoded: it loads as ``v`` (the
+    decoded dict gives it back exactly, ``decay_norm`` is 1), and the next step normalizes."""
+    from memopt_core import conversions
+    from memopt_core.formats import MOMENT_PRESETS, moment_codec
+    from memopt_core.plan import padding_unit, round_up, state_key
+
+    hyper = dict(HYPER[FlashAdamW], betas=(0.9, 0.5))
+    params = make_params("cpu")
+    opt = FlashAdamW([{"params": params, "moments": moments}], **hyper)
+    run(opt, params, steps=5)  # N = 0.5**5
+    codec = moment_codec(MOMENT_PRESETS[moments][1])
+    fields = [state_key("exp_avg_sq", sfx) for sfx in codec.fields]
+    sd = copy.deepcopy(opt.state_dict())
+    raw = []  # v on the raw (not normalized) grid: what a version-1 dict held
+    for i, p in enumerate(params):
+        v = _stored_v(opt, p)
+        spec = opt._spec_of(opt.param_groups[0], p)
+        flat = torch.zeros(round_up(p.numel(), padding_unit(spec)))
+        flat[: p.numel()] = v.reshape(-1)
+        codes = conversions.encode_moment(codec, flat)
+        raw.append(conversions.decode_moment(codec, codes)[: p.numel()].reshape(p.shape))
+        entry = sd["state"][i]
+        for sfx, k in zip(codec.fields, fields, strict=True):
+            del entry[k]
+            if compress:
+                entry[k] = codes[sfx]
+        if not compress:
+            entry["exp_avg_sq"] = raw[-1].clone()
+            entry["exp_avg"] = conversions.decode_moment(
+                spec.first,
+                {sfx: entry.pop(state_key("exp_avg", sfx)) for sfx in spec.first.fields},
+            )[: p.numel()].reshape(p.shape)
+    for meta in [sd["memopt"]] + [g["memopt"] for g in sd["param_groups"]]:
+        del meta["decay_norm_beta2"]
+        meta.update(version=1, compressed=compress)
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = FlashAdamW(
+        [{"params": twin_params, "moments": moments}], **hyper, compress_state_dict=compress
+    )
+    twin.load_state_dict(sd)
+    assert twin.decay_norm(0, 5) == 1.0
+    twin.compress_state_dict = False
+    out = twin.state_dict()
+    assert out["memopt"]["decay_norm_beta2"] == [0.0]
+    for i in range(len(twin_params)):
+        assert same_bits(out["state"][i]["exp_avg_sq"], raw[i]), i
+    # the next step normalizes with the group's beta2 and goes on as the original does
+    for o, ps in ((opt, params), (twin, twin_params)):
+        set_grads(ps, 5)
+        o.step()
+    assert twin.decay_norm(0, 6) == opt.decay_norm(0, 6) == 0.5**6
+    assert twin.state_dict()["memopt"]["decay_norm_beta2"] == [0.5]
+    for p, q in zip(params, twin_params, strict=True):
+        a, b = _stored_v(opt, p).double(), _stored_v(twin, q).double()
+        # a few roundings apart (raw, normalized, then stochastic in the step): within a few
+        # grid spacings of the format (q8: 2**-4 on sqrt(v); fp8's e5m2: 2**-2 on v), far from
+        # the factor N = 2**-5 a v taken for u would be off by
+        tol = 0.6 if moments == "fp8" else 0.3
+        assert ((a - b).abs() <= tol * a.abs() + 2.0**-10 * a.abs().max()).all()
 
 
 def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
@@ -484,7 +602,13 @@ def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
     assert ropt.seed == 3
     assert all("memopt" not in g for g in ropt.param_groups)
     assert "memopt" not in osd
-    meta = {"rule": "adamw", "seed": 3, "version": 1, "compressed": False}
+    meta = {
+        "rule": "adamw",
+        "seed": 3,
+        "version": 2,
+        "decay_norm_beta2": [0.999],
+        "compressed": False,
+    }
     assert [g["memopt"] for g in osd["param_groups"]] == [meta]
     assert osd["state"]["0.weight"]["exp_avg"].dtype == torch.float32  # decoded
 

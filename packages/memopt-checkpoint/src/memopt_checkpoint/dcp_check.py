@@ -33,6 +33,8 @@ from memopt_core.state_dict_meta import META_KEY, saved_meta
 __all__ = ["check_dcp_load"]
 
 _UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
+#: the ``memopt`` entry's list of each group's normalizing beta2 (memopt-core's version 2)
+_NORM_KEY = "decay_norm_beta2"
 _PARAM_SHAPE = "param_shape"
 #: the fields of the 'memopt' entry read from the checkpoint (None: not in it): core's, and
 #: AdamBridge's family, precision and clipping state
@@ -203,6 +205,10 @@ def check_dcp_load(
     count that is not a whole number >= 0 (a corrupted checkpoint) is a ``StateDictError``
     too. Other values (moments, codes, a block scale byte of 255, which no format writes) are
     checked by ``load_state_dict`` only, after ``dcp.load`` wrote them into the live state.
+    Last, a checkpoint of state-dict version 1 (its ``memopt`` entry without
+    ``decay_norm_beta2``, which the optimizer's state dict has and ``dcp.load`` would report
+    missing) is a ``StateDictError`` that says to drop that key from the state dict given to
+    ``dcp.load``: everything else has been checked by then.
 
     ``optimizer`` may also be memopt-offload's ``AdamBridge``: its family, version, precision
     and clipping state are checked as its ``load_state_dict`` checks them (another precision's
@@ -503,4 +509,20 @@ def check_dcp_load(
                 "belongs to another parameter (were the parameters reordered, or the model "
                 "changed, since it was saved?), and dcp.load would write it over the live states "
                 "before load_state_dict refuses it"
+            )
+    # memopt-core's state dicts of version 2 record each group's normalizing beta2 beside the
+    # rule (Adam's 8-bit second moments are stored divided by their decay); a checkpoint of
+    # version 1 lacks the key, and dcp.load fails on a key its target has and it lacks. Last,
+    # so that everything else has been checked when the key is dropped as the message says
+    if not bridge:
+        saved_keys = planner.metadata.state_dict_metadata
+        places = [f"{key}.{META_KEY}"] + [f"{key}.param_groups.{gi}.{META_KEY}" for gi in range(n)]
+        if any(f"{w}.rule" in saved_keys and f"{w}.{_NORM_KEY}" not in saved_keys for w in places):
+            raise StateDictError(
+                f"the checkpoint's memopt entry has no {_NORM_KEY!r} (saved by a memopt of "
+                "state-dict version 1, whose 8-bit second moments are Adam's v itself), which "
+                "this optimizer's state dict has: dcp.load fails on a key the checkpoint lacks. "
+                "Drop it from the state dict you pass to dcp.load (sd['memopt'] and every "
+                f"sd['param_groups'][i]['memopt']: .pop({_NORM_KEY!r})); load_state_dict then "
+                "reads the second moments as v, and the next step normalizes them"
             )

@@ -13,16 +13,23 @@ parameter element for Adam/AdamW, 4 for SGD with momentum); memopt keeps them in
 
 - memopt -> torch decodes each moment with its codec: exact for ``fp32`` (bit for bit), and for
   ``bf16`` / ``fp8`` / ``q8`` exactly the values memopt itself computes with, so the export adds
-  no error of its own.
+  no error of its own. Adam's second moments in ``fp8`` / ``q8`` are stored decay-normalized,
+  ``u = v / N`` with ``N = beta2**(step % P)`` (:meth:`MemOptimizer.decay_norm
+  <memopt_core.MemOptimizer.decay_norm>`); the export hands out torch's ``v = u * N``, rounded
+  once to fp32 (within 2**-24 of ``v`` relative).
 - torch -> memopt encodes each fp32 moment into the optimizer's format, rounding to nearest even
   (never stochastically: the result is deterministic): exact for ``fp32``; otherwise within
-  :data:`QUANTIZATION_BOUNDS`. A value decoded from a memopt format encodes back to the same value,
-  so memopt -> torch -> memopt changes no moment value in any format (fp32: not a bit; a blocked
-  format's block may come back with a lower scale and codes scaled to match, decoding to the same
-  values). Adam/AdamW training then continues with the same bits. SGD/SGDW too, except with
-  stochastic rounding: torch's SGD keeps no step, so a parameter's step becomes max(its current
-  step in the memopt optimizer, 1) (1 in a fresh one), and that step is also the
-  stochastic-rounding counter, so the continuation rounds with other (equally distributed) bits.
+  :data:`QUANTIZATION_BOUNDS` (an ``fp8`` / ``q8`` second moment is divided by ``N`` of the
+  torch dict's beta2 and step first, rounded toward zero, and the bounds hold for that ``u``;
+  the optimizer records that beta2 as its state dict's ``decay_norm_beta2``). A value decoded
+  from a memopt format encodes back to the same value (a second moment through ``v`` and back
+  too), so memopt -> torch -> memopt changes no moment value in any format (fp32: not a bit; a
+  blocked format's block may come back with a lower scale and codes scaled to match, decoding
+  to the same values). Adam/AdamW training then continues with the same bits. SGD/SGDW too,
+  except with stochastic rounding: torch's SGD keeps no step, so a parameter's step becomes
+  max(its current step in the memopt optimizer, 1) (1 in a fresh one), and that step is also
+  the stochastic-rounding counter, so the continuation rounds with other (equally distributed)
+  bits.
 
 Master weights are not optimizer state in torch. fp32 parameters are their own master and travel
 with the model; a bf16 parameter with an ECC master (``ecc24`` / ``ecc32``) is only half of its
@@ -42,9 +49,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core import conversions
+from memopt_core import conversions, reference
 from memopt_core.errors import ConfigError, StateDictError
-from memopt_core.formats import MOMENT_FORMATS, MOMENT_PRESETS, MomentCodec, StateSpec
+from memopt_core.formats import (
+    DECAY_NORMALIZED_PRESETS,
+    MOMENT_FORMATS,
+    MOMENT_PRESETS,
+    MomentCodec,
+    StateSpec,
+)
 from memopt_core.optimizer import MemOptimizer, require_memopt_optimizer
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 
@@ -69,6 +82,8 @@ _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _SGD_STATE = ("momentum_buffer",)
 _ADAM_HYPER = ("lr", "betas", "eps", "weight_decay")
 _SGD_HYPER = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+#: the ``memopt`` entry's list of each group's normalizing beta2 (memopt-core's state dict v2)
+_NORM_KEY = "decay_norm_beta2"
 
 #: Stated error of loading a finite fp32 moment ``x`` into each moment format (round to nearest
 #: even, as :func:`load_torch_state_dict` does; see docs/formats.md). ``x'`` is the decoded value,
@@ -126,6 +141,8 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
 
     Precision: moments are decoded from memopt's format: ``fp32`` exactly (bit for bit); ``bf16``,
     ``fp8``, ``q8`` to exactly the values memopt computes with (no loss beyond the format's own).
+    ``exp_avg_sq`` is torch's ``v``: an ``fp8`` / ``q8`` second moment, stored decay-normalized
+    (``u = v / N``), is multiplied by ``optimizer.decay_norm(group, step)``, rounded once.
     torch's ``load_state_dict`` casts them to the parameter dtype: load into an fp32 copy of a
     bf16 model to keep them (the master weights come from
     :func:`memopt_core.fp32_state.get_fp32_model_state_dict` for ECC models; they are not optimizer state).
@@ -154,7 +171,7 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
             ids.append(index)
             entry = optimizer.state.get(p)
             if entry:
-                out = _export_entry(kind, group, p, entry, index)
+                out = _export_entry(optimizer, kind, gi, group, p, entry, index)
                 if out:
                     state[index] = out
             index += 1
@@ -240,7 +257,13 @@ def _decode(entry: Mapping[str, Any], name: str, codec: MomentCodec, p: Tensor) 
 
 
 def _export_entry(
-    kind: str, group: Mapping[str, Any], p: Tensor, entry: Mapping[str, Any], index: int
+    optimizer: MemOptimizer,
+    kind: str,
+    gi: int,
+    group: Mapping[str, Any],
+    p: Tensor,
+    entry: Mapping[str, Any],
+    index: int,
 ) -> dict[str, Tensor]:
     spec = _spec(group, p)
     step = float(_plain(entry.get("step", 0)))
@@ -257,6 +280,8 @@ def _export_entry(
                 f"the memopt state of parameter index {index} ({tuple(p.shape)}, {p.dtype}) lacks "
                 f"{name!r}; it is not the state of an Adam optimizer"
             )
+        if name == "exp_avg_sq":  # q8 / fp8 store u = v / N: torch's is v
+            x = conversions.denormalize_second_moment(x, optimizer.decay_norm(gi, int(step)))
         out[name] = x
     return out
 
@@ -283,7 +308,10 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
     nearest) and encoded into the optimizer's moment format with round to nearest even (never
     stochastic rounding, so loading is deterministic): exact for ``fp32``, within
     :data:`QUANTIZATION_BOUNDS` otherwise (``bf16`` 2 B, ``fp8``/``q8`` 1.03125 B per element per
-    moment).
+    moment). An ``fp8`` / ``q8`` ``exp_avg_sq`` is stored decay-normalized: torch's ``v`` is
+    divided by ``memopt_core.reference.decay_norm(beta2, step)`` of the torch dict's beta2 and the
+    entry's step (rounded toward zero) before it is encoded, and the optimizer records that
+    beta2 (``optimizer.decay_norm`` then gives the same ``N``).
 
     Hyperparameters come from the torch dict (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``maximize``; SGD ``momentum``, ``dampening``, ``nesterov``; ``initial_lr`` where present) with
@@ -352,15 +380,54 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
             )
         gi, p = where[key]
         moments[key] = _validated_entry(kind, key, gi, p, entry)
-    # everything checked: build memopt's state dict (fresh tensors only) and load it
+    # everything checked: build memopt's state dict (fresh tensors only) and load it. The
+    # 8-bit second moments are stored normalized, u = v / N, with N of the loaded beta2 and
+    # step; the memopt entry records that beta2 per group, as a memopt state dict does
+    norm_beta2 = [
+        _normalizing_beta2(kind, group, merged)
+        for group, merged in zip(optimizer.param_groups, new_groups, strict=True)
+    ]
     new_state: dict[Any, dict[str, Any]] = {}
     for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         merged = new_groups[gi]
         for key, p in zip(saved["params"], group["params"], strict=True):
-            entry = _memopt_entry(optimizer, kind, group, merged, p, moments.get(key))
+            entry = _memopt_entry(
+                optimizer, kind, group, merged, p, moments.get(key), norm_beta2[gi]
+            )
             if entry is not None:
                 new_state[key] = entry
-    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    optimizer.load_state_dict(
+        {
+            "state": new_state,
+            "param_groups": new_groups,
+            "memopt": {_NORM_KEY: norm_beta2},
+        }
+    )
+
+
+def _normalizing_beta2(
+    kind: str, group: Mapping[str, Any], merged: Mapping[str, Any]
+) -> float | None:
+    """The beta2 a group's second moments are loaded normalized with: the torch dict's, for
+    Adam groups of a decay-normalized moment preset (q8, fp8); None for the others, and where
+    that beta2 is out of [0, 1) (the optimizer's load_state_dict then refuses the group)."""
+    if kind != "adam" or group["moments"] not in DECAY_NORMALIZED_PRESETS:
+        return None
+    try:
+        beta2 = float(_plain(merged["betas"][1]))
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return None
+    return beta2 if 0.0 <= beta2 < 1.0 else None
+
+
+def _step_count(value: Any) -> int | None:
+    """A loaded step as an int (None where it is not a whole number >= 0: the optimizer's
+    load_state_dict refuses it)."""
+    try:
+        count = float(_plain(value))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return int(count) if count >= 0 and count.is_integer() else None
 
 
 def _merged_group(
@@ -472,13 +539,14 @@ def _validated_entry(kind: str, key: Any, gi: int, p: Tensor, entry: Any) -> dic
 
 
 def _encode(
-    x: Tensor | None, codec: MomentCodec, p: Tensor, padded: int, name: str
+    x: Tensor | None, codec: MomentCodec, p: Tensor, padded: int, name: str, norm: float = 1.0
 ) -> dict[str, Tensor]:
     """Fields of ``x`` (``p``'s shape; None: zeros) under memopt's state keys, rounded to
-    nearest even."""
+    nearest even; a second moment divided by ``norm`` first (``N``: stored ``u = v / N``)."""
     flat = torch.zeros(padded, dtype=torch.float32, device=p.device)
     if x is not None:
         flat[: p.numel()] = x.detach().reshape(-1).to(device=p.device, dtype=torch.float32)
+        flat = conversions.normalize_second_moment(flat, norm)
     out = {}
     for sfx, value in conversions.encode_moment(codec, flat).items():
         if codec.block_size == 1:
@@ -494,6 +562,7 @@ def _memopt_entry(
     merged: Mapping[str, Any],
     p: Tensor,
     loaded: dict[str, Any] | None,
+    norm_beta2: float | None = None,
 ) -> dict[str, Any] | None:
     spec = _spec(group, p)
     master = spec.master_for(p.dtype)
@@ -516,9 +585,13 @@ def _memopt_entry(
         step = current.get("step")
         entry = {"step": max(int(float(_plain(step))) if step is not None else 0, 1)}
     padded = round_up(p.numel(), padding_unit(spec))
+    count = _step_count(entry["step"])
     for name in names:
         x = None if loaded is None else loaded[name]
-        entry.update(_encode(x, _codec(spec, name), p, padded, name))
+        norm = 1.0
+        if name == "exp_avg_sq" and norm_beta2 is not None and count is not None:
+            norm = reference.decay_norm(norm_beta2, count)
+        entry.update(_encode(x, _codec(spec, name), p, padded, name, norm))
     if master.code_dtype is not None:
         if code is None:  # what init_state() writes: the code of the current value
             _, code = conversions.encode_master(master, p.detach().float().reshape(-1))

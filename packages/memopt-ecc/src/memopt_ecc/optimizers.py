@@ -43,11 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions
+from memopt_core import MemOptimizer, NumericsError, StateSpec, conversions, reference
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.optimizer import RULES, check_bool
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 from memopt_core.sharding import local_shard, max_over_shards
+from memopt_core.state_dict_meta import saved_meta
 
 __all__ = [
     "MASTER_WEIGHT_BITS",
@@ -392,7 +393,9 @@ class FlashOptimizer(MemOptimizer):
     def _local_state_dict(self) -> dict[str, Any]:
         """Core's state dict; with ``compress_state_dict=False`` every moment is decoded to an fp32
         tensor shaped like its parameter (master codes and steps keep their formats; core
-        hands a sharded parameter's out as DTensors sharded like it). Where moments were
+        hands a sharded parameter's out as DTensors sharded like it). A decay-normalized second
+        moment (q8, fp8: stored as ``u = v / N``) is handed out as Adam's ``v``, ``u`` times
+        :meth:`~memopt_core.MemOptimizer.decay_norm` of its step, rounded once. Where moments were
         decoded, the entry is a snapshot: its other tensors are copies too (core's entries
         are live views, as torch's are)."""
         sd = super()._local_state_dict()
@@ -400,7 +403,9 @@ class FlashOptimizer(MemOptimizer):
         if self.compress_state_dict:
             return sd
         state = sd["state"]
-        for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
+        for gi, (group, saved) in enumerate(
+            zip(self.param_groups, sd["param_groups"], strict=True)
+        ):
             for p, key in zip(group["params"], saved["params"], strict=True):
                 if key not in state:
                     continue
@@ -415,6 +420,9 @@ class FlashOptimizer(MemOptimizer):
                     flat = conversions.decode_moment(
                         codec, {sfx: entry.pop(k) for sfx, k in keys.items()}
                     )
+                    if name == "exp_avg_sq":  # stored as u = v / N (8-bit): hand out v
+                        norm = self.decay_norm(gi, int(float(entry.get("step", 0))))
+                        flat = conversions.denormalize_second_moment(flat, norm)
                     shard = local_shard(p)
                     entry[name] = own_storage(flat[: shard.numel()].reshape(shard.shape))
                     decoded.add(name)
@@ -433,7 +441,13 @@ class FlashOptimizer(MemOptimizer):
 
         Uncompressed moments (fp32 tensors shaped like their parameters) are encoded into this
         optimizer's format (round to nearest) first; decoding them gives exactly the values that
-        were saved, so training resumes with the same bits as from the compressed dict.
+        were saved, so training resumes with the same bits as from the compressed dict. A
+        decoded second moment is Adam's ``v``; where the format stores it decay-normalized (q8,
+        fp8) it is divided by the ``N`` it was saved with (the saved ``memopt`` entry's
+        ``decay_norm_beta2`` of its group and its step count, rounded toward zero) before it is
+        encoded, so the stored ``u`` is the one the saving optimizer held. A dict without that
+        list (state-dict version 1) holds ``v`` itself: it is encoded as it is, and the next
+        step normalizes it (memopt-core).
         """
         super().load_state_dict(state_dict)
 
@@ -462,7 +476,8 @@ class FlashOptimizer(MemOptimizer):
                     raise StateDictError(str(e)) from None
         state = dict(sd["state"])
         changed = False
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+        norm_beta2 = self._saved_norm_beta2(sd)
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
             if not isinstance(saved, Mapping) or len(saved.get("params", ())) != len(
                 group["params"]
             ):
@@ -505,6 +520,9 @@ class FlashOptimizer(MemOptimizer):
                     padded = round_up(p.numel(), padding_unit(spec))
                     flat = torch.zeros(padded, dtype=torch.float32, device=t.device)
                     flat[: p.numel()] = t.reshape(-1)
+                    if name == "exp_avg_sq" and spec.decay_normalized:  # v -> u = v / N
+                        norm = _saved_norm(norm_beta2, gi, new.get("step"))
+                        flat = conversions.normalize_second_moment(flat, norm)
                     del new[name]
                     for sfx, value in conversions.encode_moment(codec, flat).items():
                         new[state_key(name, sfx)] = value
@@ -515,6 +533,17 @@ class FlashOptimizer(MemOptimizer):
         out = dict(sd)
         out["state"] = state
         return out
+
+    def _saved_norm_beta2(self, sd: Mapping[str, Any]) -> dict[int, float] | None:
+        """The normalizing beta2 of each group of the saved dict ``sd``, as core's
+        ``load_state_dict`` records it from the dict's ``memopt`` entry (its
+        ``decay_norm_beta2`` list; 0.0, whose second moments are ``v`` itself, for a group the
+        list gives None and for every group of a dict without it). None where the entry is
+        malformed: core's checks explain it."""
+        try:
+            return self._checked_norm_meta(saved_meta(sd))
+        except StateDictError:
+            return None
 
     # ---------------------------------------------------------------- FlashOptim's methods
     def recompute_param_stats(self) -> None:
@@ -784,6 +813,23 @@ class FlashLion(FlashOptimizer):
             seed=seed,
             capturable=capturable,
         )
+
+
+def _saved_norm(norm_beta2: Mapping[int, float] | None, gi: int, step: Any) -> float:
+    """``N`` a decoded second moment of saved param group ``gi`` at ``step`` was
+    denormalized with: ``reference.decay_norm`` of the group's normalizing beta2
+    (:meth:`FlashOptimizer._saved_norm_beta2`). 1.0 where the dict is malformed (a step that is
+    not a whole number >= 0): nothing is loaded then, core's checks say why."""
+    if norm_beta2 is None:
+        return 1.0
+    try:
+        beta2 = norm_beta2[gi]
+        count = float(step.item() if isinstance(step, Tensor) else step)
+        if not (count >= 0 and count.is_integer()):
+            return 1.0
+        return reference.decay_norm(beta2, int(count))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        return 1.0
 
 
 def _saved_by_flashoptim(sd: Mapping[str, Any]) -> bool:
