@@ -318,10 +318,17 @@ def test_clipping_reads_the_norms_after_the_copy_stream(device, monkeypatch):
         ref_model.zero_grad()
 
 
-def test_state_dict_resume_is_bit_identical(device, tmp_path):
+@pytest.mark.parametrize("beta2", [0.999, 0.5])
+def test_state_dict_resume_is_bit_identical(device, tmp_path, beta2):
+    """q8 second moments are stored divided by their decay (beta2 0.5: by 0.5**(k % 8)); the
+    saved dict records the normalizing beta2, so the resumed run reads them as they were."""
+
     def build(seed=0):
         model = make_model(device, seed=seed)
-        return model, AdamBridge(model.parameters(), lr=2e-3, precision="compact", seed=7)
+        opt = AdamBridge(
+            model.parameters(), lr=2e-3, betas=(0.9, beta2), precision="compact", seed=7
+        )
+        return model, opt
 
     straight, sopt = build()
     sopt.attach_hooks(straight)

@@ -151,6 +151,9 @@ from memopt_offload.autotune import AutoTuneConfig, machine_key
 from memopt_offload.device_update import DeviceUpdater
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
+#: the ``memopt`` entry's list of the host optimizer's normalizing beta2 per group (core's)
+_NORM_KEY = "decay_norm_beta2"
+
 __all__ = ["PRECISIONS", "UPDATES", "AdamBridge"]
 
 #: precision -> (moment preset, master format of bf16 parameters)
@@ -1640,7 +1643,9 @@ class AdamBridge(Optimizer):
         """torch's layout: ``state`` by parameter index with the host optimizer's named state
         (``step``, ``exp_avg``, ``exp_avg_sq``, scales, ``master_code``) plus ``master`` (the
         host master: fp32, or the bf16 weight of an ECC-24 master), ``param_groups`` as torch
-        saves them, and ``memopt`` (precision, seed, version, clipping state), at the top level
+        saves them, and ``memopt`` (precision, seed, version, clipping state; with
+        ``update="host"`` also ``decay_norm_beta2``, what the host optimizer's 8-bit second
+        moments are divided by: memopt-core's decay normalization), at the top level
         and a copy in every saved param group (torch's ``get_state_dict`` keeps only ``state``
         and ``param_groups``; the live groups do not hold it). The moments,
         scales and codes (and, with ``update="host"``, the step counts) are live host views
@@ -1682,6 +1687,9 @@ class AdamBridge(Optimizer):
             state[index[id(slot.param)]] = entry
         sd["state"] = state
         sd[META_KEY] = self._state_dict_meta(self._host.seed)
+        # the host optimizer's record of what its 8-bit second moments are divided by
+        # (memopt-core's decay normalization): without it they would load as v itself
+        sd[META_KEY][_NORM_KEY] = host_sd[META_KEY][_NORM_KEY]
         return add_group_meta(sd)
 
     def _state_dict_meta(self, seed: int) -> dict[str, Any]:
@@ -1772,7 +1780,12 @@ class AdamBridge(Optimizer):
             {
                 "state": host_state,
                 "param_groups": host_groups,
-                "memopt": {"rule": "adamw", "seed": meta.get("seed", self._host.seed)},
+                "memopt": {
+                    "rule": "adamw",
+                    "seed": meta.get("seed", self._host.seed),
+                    # absent from dicts saved before the decay normalization: v itself
+                    _NORM_KEY: meta.get(_NORM_KEY),
+                },
             }
         )
         self._load_groups(saved_groups)
