@@ -6,6 +6,7 @@ itself), and through ``MemOptimizer.decay_norm``."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -104,3 +105,20 @@ def test_a_version_1_state_dict_holds_v_and_is_normalized_at_the_next_step(momen
     assert old.decay_norm(0, 25) == reference.decay_norm(0.9, 25)
     assert _close(_v(old, q), ref) < TOL[moments]
     assert _close(_v(old, q), _v(opt, p).double()) < 2 * TOL[moments]
+
+
+def test_an_optimizer_pickled_before_the_normalization_reads_v():
+    """An optimizer pickled by a memopt of state-dict version 1 has no record: its q8 second
+    moments are v itself, read with ``decay_norm`` 1.0 until the next step normalizes them."""
+    p = torch.nn.Parameter(torch.randn(N))
+    opt = MemOptimizer([p], betas=(0.9, 0.9), moments="q8")
+    p.grad = torch.randn(N)
+    opt.step()
+    state = opt.__getstate__()
+    del state["_norm_beta2"]
+    old = MemOptimizer.__new__(MemOptimizer)
+    old.__setstate__(state)
+    assert old.decay_norm(0, 1) == 1.0
+    # a pickle of this version keeps the record
+    opt.param_groups[0]["betas"] = (0.9, 0.5)  # not stepped since: still normalized with 0.9
+    assert pickle.loads(pickle.dumps(opt)).decay_norm(0, 1) == opt.decay_norm(0, 1) == 0.9

@@ -2381,7 +2381,6 @@ class MemOptimizer(Optimizer):
                 )
         meta = saved_meta(state_dict)
         seed = self._checked_meta(meta)
-        norm_beta2 = self._checked_norm_meta(meta)
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, (list, tuple)):
             raise StateDictError("the state dict's 'param_groups' must be a list")
@@ -2390,6 +2389,7 @@ class MemOptimizer(Optimizer):
                 f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
                 f"{len(self.param_groups)}"
             )
+        norm_beta2 = self._checked_norm_meta(meta)
         merged_groups: list[dict[str, Any]] = []
         id_map: dict[Any, tuple[int, Tensor]] = {}
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
@@ -2702,6 +2702,7 @@ class MemOptimizer(Optimizer):
             "check_numerics": self.check_numerics,
             "backend": self.backend,
             "_capturable": self._capturable,
+            "_norm_beta2": dict(self._norm_beta2),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -2711,7 +2712,8 @@ class MemOptimizer(Optimizer):
         self.__dict__.setdefault("check_numerics", False)
         self.__dict__.setdefault("backend", None)
         self.__dict__.setdefault("_capturable", False)
-        self.__dict__.setdefault("_norm_beta2", {})
+        # pickled before the decay normalization: its 8-bit second moments are v itself
+        self.__dict__.setdefault("_norm_beta2", dict.fromkeys(range(len(self.param_groups)), 0.0))
         self._reset_release()  # the hooks belong to the original
         self._in_step = False
         for st in self.state.values():  # a shallow copy.copy() gets the pickling wrappers
