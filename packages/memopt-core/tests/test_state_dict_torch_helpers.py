@@ -82,7 +82,7 @@ def test_resume_through_torchs_helpers_into_another_seed_is_bit_identical(backen
     assert no_live_meta(ropt)
     assert "memopt" not in osd  # what torch keeps: the groups, with the entry in each
     assert [g["memopt"] for g in osd["param_groups"]] == [
-        {"rule": "adamw", "seed": 5, "version": 1}
+        {"rule": "adamw", "seed": 5, "version": 2, "decay_norm_beta2": [0.999, 0.999]}
     ] * 2
     # the control: a different seed does change the bits, so the test can tell
     other, oopt = build(backend, seed=42)
@@ -130,7 +130,7 @@ def _group_only(opt):
         ),
         (
             lambda sd: [g["memopt"].update(version=99) for g in sd["param_groups"]],
-            r"the state dict has version 99; this memopt reads versions 1 to 1",
+            r"the state dict has version 99; this memopt reads versions 1 to 2",
         ),
         (
             lambda sd: [g["memopt"].update(seed=-1) for g in sd["param_groups"]],
@@ -160,7 +160,12 @@ def test_state_dict_repeats_the_entry_in_its_groups_and_live_groups_never_hold_i
     model, opt = build("torch", seed=5)
     train(model, opt, 2)
     sd = opt.state_dict()
-    assert sd["memopt"] == {"rule": "adamw", "seed": 5, "version": 1}
+    assert sd["memopt"] == {
+        "rule": "adamw",
+        "seed": 5,
+        "version": 2,
+        "decay_norm_beta2": [0.999, 0.999],
+    }
     assert all(g["memopt"] == sd["memopt"] for g in sd["param_groups"])
     assert all(g["memopt"] is not sd["memopt"] for g in sd["param_groups"])  # copies
     assert no_live_meta(opt)
