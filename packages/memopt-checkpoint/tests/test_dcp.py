@@ -9,6 +9,8 @@ its save plans through numpy, so these tests need it.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -1004,3 +1006,30 @@ def test_check_dcp_load_of_a_missing_folder_or_a_file(tmp_path):
     (tmp_path / "ck.mopt").write_bytes(b"x")
     with pytest.raises(StateDictError, match=r"is a file; .* memopt_checkpoint\.load"):
         check_dcp_load(opt, tmp_path / "ck.mopt")
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_adam_bridge_checkpoint_of_version_1_says_which_key_to_drop(tmp_path):
+    """AdamBridge with q8 moments (precision="compact") saves its host optimizer's normalizing
+    beta2s; a checkpoint from before lacks them, and dcp.load would fail on the missing key.
+    check_dcp_load names it; dropped as it says, the load reads the moments as v."""
+    model, opt = _bridge_mlp("compact")
+    train(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["memopt"]["decay_norm_beta2"] == [0.999]
+    for meta in [saved["memopt"]] + [g["memopt"] for g in saved["param_groups"]]:
+        del meta["decay_norm_beta2"]
+    dcp.save({"optim": saved}, checkpoint_id=tmp_path / "v1")
+    _, fresh = _bridge_mlp("compact")
+    with pytest.raises(StateDictError, match=r"has no 'decay_norm_beta2' .*\.pop\("):
+        check_dcp_load(fresh, tmp_path / "v1")
+    target = fresh.state_dict()
+    for meta in [target["memopt"]] + [g["memopt"] for g in target["param_groups"]]:
+        meta.pop("decay_norm_beta2")
+    dcp.load({"optim": target}, checkpoint_id=tmp_path / "v1")
+    fresh.load_state_dict(target)
+    assert fresh._host.decay_norm(0, 2) == 1.0  # v itself until the next step
+    # a checkpoint of this version passes
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "v2")
+    _, other = _bridge_mlp("compact")
+    check_dcp_load(other, tmp_path / "v2")

@@ -514,10 +514,13 @@ def check_dcp_load(
     # rule (Adam's 8-bit second moments are stored divided by their decay); a checkpoint of
     # version 1 lacks the key, and dcp.load fails on a key its target has and it lacks. Last,
     # so that everything else has been checked when the key is dropped as the message says
-    if not bridge:
+    # (AdamBridge's too, with update="host", whose entry carries its host optimizer's list)
+    if _NORM_KEY in optimizer.state_dict()[META_KEY]:
         saved_keys = planner.metadata.state_dict_metadata
         places = [f"{key}.{META_KEY}"] + [f"{key}.param_groups.{gi}.{META_KEY}" for gi in range(n)]
-        if any(f"{w}.rule" in saved_keys and f"{w}.{_NORM_KEY}" not in saved_keys for w in places):
+        if any(
+            f"{w}.version" in saved_keys and f"{w}.{_NORM_KEY}" not in saved_keys for w in places
+        ):
             raise StateDictError(
                 f"the checkpoint's memopt entry has no {_NORM_KEY!r} (saved by a memopt of "
                 "state-dict version 1, whose 8-bit second moments are Adam's v itself), which "
