@@ -1879,7 +1879,9 @@ def _normalized_table(device: torch.device, beta2: float, last: int) -> Tensor:
         values += [omb2 / n for n in norms]
         # struct's float conversion: round_to_float32's, for all of them at once
         packed = struct.pack(f"<{len(values)}f", *values)
-        return torch.tensor(struct.unpack(f"<{len(values)}i", packed), dtype=torch.int32)
+        return torch.tensor(
+            struct.unpack(f"<{len(values)}i", packed), dtype=torch.int32, device="cpu"
+        )
 
     return _cached_table((str(device), beta2, last, "normalized"), device, build)
 
