@@ -122,3 +122,30 @@ def test_an_optimizer_pickled_before_the_normalization_reads_v():
     # a pickle of this version keeps the record
     opt.param_groups[0]["betas"] = (0.9, 0.5)  # not stepped since: still normalized with 0.9
     assert pickle.loads(pickle.dumps(opt)).decay_norm(0, 1) == opt.decay_norm(0, 1) == 0.9
+
+
+@pytest.mark.parametrize(
+    ("step", "count"),
+    [
+        (0, 0),
+        (7, 7),
+        (7.0, 7),
+        (torch.tensor(12.0), 12),
+        (torch.tensor([3]), 3),
+        (2**40, 2**40),
+        (-1, None),
+        (2.5, None),
+        (float("nan"), None),
+        (float("inf"), None),
+        (10**400, None),  # an int beyond float's range
+        (True, None),
+        ("3", None),
+        (None, None),
+        (torch.tensor([1.0, 2.0]), None),
+        (torch.tensor(1 + 1j), None),
+    ],
+)
+def test_saved_step_count_takes_only_whole_counts(step, count):
+    """The count a conversion denormalizes a saved second moment with: None, which leaves the
+    entry to the load's checks, for anything that is not a whole number >= 0."""
+    assert conversions.saved_step_count(step) == count

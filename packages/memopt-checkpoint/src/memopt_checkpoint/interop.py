@@ -420,16 +420,6 @@ def _normalizing_beta2(
     return beta2 if 0.0 <= beta2 < 1.0 else None
 
 
-def _step_count(value: Any) -> int | None:
-    """A loaded step as an int (None where it is not a whole number >= 0: the optimizer's
-    load_state_dict refuses it)."""
-    try:
-        count = float(_plain(value))
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    return int(count) if count >= 0 and count.is_integer() else None
-
-
 def _merged_group(
     rule: str,
     kind: str,
@@ -585,7 +575,7 @@ def _memopt_entry(
         step = current.get("step")
         entry = {"step": max(int(float(_plain(step))) if step is not None else 0, 1)}
     padded = round_up(p.numel(), padding_unit(spec))
-    count = _step_count(entry["step"])
+    count = conversions.saved_step_count(entry["step"])
     for name in names:
         x = None if loaded is None else loaded[name]
         norm = 1.0

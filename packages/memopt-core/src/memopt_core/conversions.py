@@ -42,6 +42,7 @@ __all__ = [
     "encode_master_into",
     "encode_moment",
     "normalize_second_moment",
+    "saved_step_count",
 ]
 
 
@@ -141,6 +142,24 @@ def denormalize_second_moment(u: Tensor, norm: float) -> Tensor:
     if norm == 1.0:
         return u
     return (u.double() * norm).to(torch.float32)
+
+
+def saved_step_count(step: Any) -> int | None:
+    """A saved state entry's ``step`` (a number or a one-element tensor) as an int, or None
+    where it is not a whole number >= 0. For conversions that need a count before the
+    optimizer's ``load_state_dict`` has checked it (the ``decay_norm`` of a second moment):
+    None makes them leave the entry alone, and the load then refuses it, naming the entry."""
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_complex() or step.is_meta:
+            return None
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        return None
+    try:
+        count = float(step)
+    except OverflowError:
+        return None
+    return int(count) if count >= 0 and count.is_integer() else None
 
 
 def normalize_second_moment(v: Tensor, norm: float) -> Tensor:

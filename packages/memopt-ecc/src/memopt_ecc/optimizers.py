@@ -818,18 +818,12 @@ class FlashLion(FlashOptimizer):
 def _saved_norm(norm_beta2: Mapping[int, float] | None, gi: int, step: Any) -> float:
     """``N`` a decoded second moment of saved param group ``gi`` at ``step`` was
     denormalized with: ``reference.decay_norm`` of the group's normalizing beta2
-    (:meth:`FlashOptimizer._saved_norm_beta2`). 1.0 where the dict is malformed (a step that is
-    not a whole number >= 0): nothing is loaded then, core's checks say why."""
-    if norm_beta2 is None:
+    (:meth:`FlashOptimizer._saved_norm_beta2`). 1.0 where the dict is malformed (no such group,
+    a step that is not a whole number >= 0): nothing is loaded then, core's checks say why."""
+    count = conversions.saved_step_count(step)
+    if norm_beta2 is None or gi not in norm_beta2 or count is None:
         return 1.0
-    try:
-        beta2 = norm_beta2[gi]
-        count = float(step.item() if isinstance(step, Tensor) else step)
-        if not (count >= 0 and count.is_integer()):
-            return 1.0
-        return reference.decay_norm(beta2, int(count))
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
-        return 1.0
+    return reference.decay_norm(norm_beta2[gi], count)
 
 
 def _saved_by_flashoptim(sd: Mapping[str, Any]) -> bool:
