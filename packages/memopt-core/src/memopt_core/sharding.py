@@ -36,6 +36,10 @@ global tensor per state and loads it into any other sharding of the same paramet
 - ``param_shape``, which ``MemOptimizer.state_dict()`` adds after :func:`global_state`, is a
   plain int64 tensor of the global shape, the same on every rank (:func:`local_state` passes it
   through, as any plain tensor).
+
+Each of these DTensors holds, as its local tensor, an alias of the state's own bytes in the
+optimizer's arena (no copy; live, as a view is) at storage offset 0: over a view at an offset,
+torch could neither ``torch.save`` nor ``copy.deepcopy`` it (see ``_own_storage``).
 """
 
 from __future__ import annotations
@@ -170,13 +174,44 @@ def _rows_hold_blocks(p: Tensor, block: int) -> bool:
     return p.dim() >= 2 and math.prod(p.shape[1:]) % block == 0
 
 
+def _own_storage(t: Tensor) -> Tensor:
+    """``t`` over a storage of its own bytes: ``t`` itself where it spans its whole storage from
+    offset 0, else an alias of it (no copy: a slice of its storage, which keeps that storage
+    alive) at storage offset 0.
+
+    A DTensor made over a view of a larger storage (a state in an arena) takes the view's
+    storage offset, with no storage of its own: its ``data_ptr()`` is then the offset in bytes,
+    not 0, and torch (2.13) takes it for a tensor with data, so ``torch.save`` and
+    ``copy.deepcopy`` of it read its storage and raise "invalid python storage". Over an alias
+    at offset 0, torch handles it as the wrapper it is and saves or copies ``t``'s own bytes
+    (and no others: a view would save its whole arena)."""
+    if t.device.type == "meta":
+        return t  # no bytes to save or copy (and meta storages cannot be sliced)
+    size = t.element_size()
+    span = (
+        1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+    )
+    storage = t.untyped_storage()
+    if t.storage_offset() == 0 and storage.nbytes() == span * size:
+        return t
+    start = t.storage_offset() * size
+    own = storage[start : start + span * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(own, 0, t.shape, t.stride())
+
+
 def _like_param(p: Tensor, local: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``local`` (this rank's rows of a ``shape`` tensor) as a DTensor sharded like ``p``."""
+    """``local`` (this rank's rows of a ``shape`` tensor) as a DTensor sharded like ``p``, over
+    an alias of ``local`` that torch can save and deep-copy (:func:`_own_storage`)."""
     from torch.distributed.tensor import DTensor
 
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+        _own_storage(local),
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=stride,
     )
 
 
