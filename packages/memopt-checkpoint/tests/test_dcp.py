@@ -1019,6 +1019,7 @@ def test_an_adam_bridge_checkpoint_of_version_1_says_which_key_to_drop(tmp_path)
     assert saved["memopt"]["decay_norm_beta2"] == [0.999]
     for meta in [saved["memopt"]] + [g["memopt"] for g in saved["param_groups"]]:
         del meta["decay_norm_beta2"]
+        meta["version"] = 1
     dcp.save({"optim": saved}, checkpoint_id=tmp_path / "v1")
     _, fresh = _bridge_mlp("compact")
     with pytest.raises(StateDictError, match=r"has no 'decay_norm_beta2' .*\.pop\("):

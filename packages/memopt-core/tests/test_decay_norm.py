@@ -107,6 +107,63 @@ def test_a_version_1_state_dict_holds_v_and_is_normalized_at_the_next_step(momen
     assert _close(_v(old, q), _v(opt, p).double()) < 2 * TOL[moments]
 
 
+def _twins(moments, beta2=0.9):
+    """Two optimizers over equal parameters, each stepped 8 times on the same gradients."""
+    ps = [torch.nn.Parameter(torch.randn(N, generator=torch.Generator().manual_seed(7)))]
+    ps.append(torch.nn.Parameter(ps[0].detach().clone()))
+    opts = [MemOptimizer([p], lr=1e-3, betas=(0.9, beta2), moments=moments) for p in ps]
+    for opt, p in zip(opts, ps, strict=True):
+        _run(opt, p, _grads(8, 0), torch.zeros(N, dtype=torch.float64), beta2)
+    return opts, ps
+
+
+def _continue_equal(a, p, b, q, betas=(0.9, 0.6)):
+    """Both optimizers step 6 more times on the same gradients: the same bits."""
+    for opt, param in ((a, p), (b, q)):
+        opt.param_groups[0]["betas"] = betas
+        _run(opt, param, _grads(6, 3), torch.zeros(N, dtype=torch.float64), betas[1])
+    assert torch.equal(p, q)
+    for k in a.state[p]:
+        assert torch.equal(a.state[p][k], b.state[q][k]), k
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+def test_a_dict_without_its_record_reads_its_groups_beta2(moments):
+    """torch's get_state_dict / set_state_dict with flatten_optimizer_state_dict=True drop the
+    ``memopt`` entry: the moments are read as normalized with the saved group's beta2, and
+    state_dict() converts them to a beta2 changed since the last step first (the record was
+    the only place that change showed). Read as v, the next step's v was 20x too large."""
+    (a, _), (p, q) = _twins(moments)
+    a.param_groups[0]["betas"] = (0.9, 0.6)  # no step since
+    sd = copy.deepcopy(a.state_dict())
+    assert sd["memopt"]["decay_norm_beta2"] == [0.6]  # converted by state_dict()
+    del sd["memopt"]
+    for g in sd["param_groups"]:
+        del g["memopt"]
+    fresh = MemOptimizer([q], lr=1e-3, betas=(0.9, 0.99), moments=moments)
+    fresh.load_state_dict(sd)
+    assert fresh.decay_norm(0, 8) == a.decay_norm(0, 8) == reference.decay_norm(0.6, 8)
+    _continue_equal(a, p, fresh, q)
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+def test_states_written_from_outside_follow_their_groups_beta2(moments):
+    """ZeroRedundancyOptimizer's load writes ``optim.state`` and the param groups directly:
+    the states it writes hold the saver's format, normalized with the group's beta2 it writes,
+    not with the one recorded for the states they replace (a resumer that stepped at 0.99)."""
+    (a, _), (p, _) = _twins(moments)
+    q = torch.nn.Parameter(p.detach().clone())
+    b = MemOptimizer([q], lr=1e-3, betas=(0.9, 0.99), moments=moments)
+    q.grad = torch.randn(N)
+    b.step()  # records 0.99
+    with torch.no_grad():
+        q.copy_(p)
+    b.state[q] = {k: v.clone() for k, v in a.state[p].items()}
+    b.param_groups[0]["betas"] = (0.9, 0.9)
+    assert b.state_dict()["memopt"]["decay_norm_beta2"] == [0.9]
+    _continue_equal(a, p, b, q)
+
+
 def test_an_optimizer_pickled_before_the_normalization_reads_v():
     """An optimizer pickled by a memopt of state-dict version 1 has no record: its q8 second
     moments are v itself, read with ``decay_norm`` 1.0 until the next step normalizes them."""

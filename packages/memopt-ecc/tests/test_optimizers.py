@@ -542,11 +542,16 @@ def test_a_version_1_state_dict_holds_v_and_loads_as_v(moments, compress):
     )
     twin.load_state_dict(sd)
     assert twin.decay_norm(0, 5) == 1.0
+    # state_dict() normalizes them first (what the next step would do), so that its dict is
+    # this version's whatever entry it loses; its decoded v is a few roundings from raw
     twin.compress_state_dict = False
     out = twin.state_dict()
-    assert out["memopt"]["decay_norm_beta2"] == [0.0]
+    assert out["memopt"]["decay_norm_beta2"] == [0.5]
+    assert twin.decay_norm(0, 5) == 0.5**5
     for i in range(len(twin_params)):
-        assert same_bits(out["state"][i]["exp_avg_sq"], raw[i]), i
+        a, b = raw[i].double(), out["state"][i]["exp_avg_sq"].double()
+        tol = 0.6 if moments == "fp8" else 0.3
+        assert ((a - b).abs() <= tol * a.abs() + 2.0**-10 * a.abs().max()).all(), i
     # the next step normalizes with the group's beta2 and goes on as the original does
     for o, ps in ((opt, params), (twin, twin_params)):
         set_grads(ps, 5)

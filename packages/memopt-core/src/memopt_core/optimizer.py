@@ -230,6 +230,17 @@ _DEVICE_KEY = ("device",)
 _DEVICE_KEYS = ("lr", "initial_lr", "weight_decay")
 
 
+def _group_beta2(groups: Any, gi: int) -> float:
+    """The beta2 of param group ``gi`` of ``groups`` (live or saved; 0.0 where it has none that
+    is a number in [0, 1): a group whose second moments are not normalized, or a malformed
+    one, which the group checks refuse)."""
+    try:
+        beta2 = float(groups[gi]["betas"][1])
+    except (TypeError, KeyError, IndexError, ValueError, RuntimeError):
+        return 0.0
+    return beta2 if 0.0 <= beta2 < 1.0 else 0.0
+
+
 def _on_a_gpu(value: Any) -> bool:
     """Whether ``value`` is a tensor outside host memory (reading it synchronises)."""
     return isinstance(value, Tensor) and value.device.type != "cpu"
@@ -575,6 +586,7 @@ class MemOptimizer(Optimizer):
         #: group index -> the beta2 its stored second moments are normalized with (absent:
         #: the group's current one; 0.0: not normalized, as a version-1 state dict's)
         self._norm_beta2: dict[int, float] = {}
+        self._norm_writes_seen: int | None = None  # the write count _adopt_state_writes saw
         self._reset_plans()
         self._reset_release()
         forced = backends.forced_backend(backend)
@@ -609,6 +621,7 @@ class MemOptimizer(Optimizer):
             raise ConfigError("optimizer got an empty parameter list")
         self._writes = WriteCounter()
         self._writes_seen = 0
+        self._norm_writes_seen = None
         self._warned_step_limit = False
         self._warned_rne = False
         # While the constructor adds its groups, the checks against the groups already held
@@ -978,9 +991,18 @@ class MemOptimizer(Optimizer):
         they are now (a missing one starts fresh, a replaced tensor is copied in)."""
         if not self._state_written():
             return
-        for gp in self._plans.values():
+        # states written from outside (ZeroRedundancyOptimizer's load writes them) hold this
+        # version's format, normalized with their group's beta2 now, as a dict without the
+        # record does (_checked_norm_meta), not with the one recorded for the states they
+        # replace; decided once per batch of writes (state_dict() adopts them too, and a beta2
+        # changed after it must still convert them at the next step)
+        adopt_norms = self._writes.n != self._norm_writes_seen
+        self._norm_writes_seen = self._writes.n
+        for gi, gp in self._plans.items():
             if not all(e.holds_its_state(self.state) for e in gp.entries):
                 gp.signature = None  # rebuilt by _ensure_all_plans
+                if adopt_norms:
+                    self._norm_beta2[gi] = _group_beta2(self.param_groups, gi)
         self._drop_cached_steps()
 
     def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
@@ -1332,21 +1354,31 @@ class MemOptimizer(Optimizer):
     def _sync_decay_norm(self, gi: int) -> None:
         """Before group ``gi`` steps: where its beta2 changed since its normalized second
         moments were written (a scheduler, a loaded version-1 state dict), re-encode them with
-        the current beta2's normalization (rounded to nearest, once)."""
+        the current beta2's normalization (``v = u * N_old`` rounded to fp32, ``v / N_new``
+        rounded toward zero, then the format's encode to nearest)."""
         old = self._normalizing_beta2(gi)
         if old is None:
             return
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
         if old != new:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # captured, the re-encoding would run again at every replay
+                raise ConfigError(
+                    f"param group {gi}'s beta2 changed to {new} since its second moments were "
+                    f"last written (with {old}), and a CUDA graph capture cannot hold their "
+                    "one-time conversion: take one eager step with the new beta2 before "
+                    "capturing"
+                )
             codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
             with torch.no_grad():
                 for p in group["params"]:
                     st = self.state.get(p)
-                    if not st or "step" not in st:
-                        continue
+                    keys = {sfx: state_key("exp_avg_sq", sfx) for sfx in codec.fields}
+                    if not st or "step" not in st or not all(k in st for k in keys.values()):
+                        continue  # no state yet, or states written from outside: _ensure_plans
                     k = int(float(st["step"]))
-                    fields = {sfx: st[state_key("exp_avg_sq", sfx)] for sfx in codec.fields}
+                    fields = {sfx: st[key] for sfx, key in keys.items()}
                     u = conversions.decode_moment(
                         codec, {s: f.reshape(-1) for s, f in fields.items()}
                     )
@@ -2262,7 +2294,8 @@ class MemOptimizer(Optimizer):
         The states of a sharded (FSDP2) parameter are DTensors sharded like it, in the layout
         :mod:`memopt_core.sharding` describes, so ``torch.distributed.checkpoint`` can load them
         into another sharding; per-element states and the blocked fields of parameters whose rows
-        hold whole blocks are views of the arenas, like a plain parameter's.
+        hold whole blocks alias the arenas, live like a plain parameter's views (each over a
+        storage of its own bytes, which ``torch.save`` stores and ``copy.deepcopy`` copies).
 
         Each entry also holds ``"param_shape"``: its parameter's shape (a sharded parameter's
         global shape) as a new int64 CPU tensor, which :meth:`load_state_dict` checks (flat
@@ -2286,6 +2319,17 @@ class MemOptimizer(Optimizer):
     def _local_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` with every state in the arena's local layout and no
         ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
+        # a beta2 changed since a group's last step: its second moments convert now, as the
+        # next step would, so that the dict's follow its param groups' beta2 even where its
+        # record is lost (torch's flatten_optimizer_state_dict, ZeroRedundancyOptimizer). States
+        # written from outside are adopted first (_adopt_state_writes: their group's beta2)
+        self._adopt_state_writes()
+        for gi, group in enumerate(self.param_groups):
+            try:
+                self._check_group(group, f"(param group {gi})")
+            except ConfigError:
+                continue  # the next step refuses the group; its record says what it holds
+            self._sync_decay_norm(gi)
         sd = super().state_dict()
         sd[META_KEY] = {
             "rule": self.rule,
@@ -2389,7 +2433,7 @@ class MemOptimizer(Optimizer):
                 f"the state dict has {len(saved_groups)} param group(s), this optimizer has "
                 f"{len(self.param_groups)}"
             )
-        norm_beta2 = self._checked_norm_meta(meta)
+        norm_beta2 = self._checked_norm_meta(meta, saved_groups)
         merged_groups: list[dict[str, Any]] = []
         id_map: dict[Any, tuple[int, Tensor]] = {}
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
@@ -2509,14 +2553,20 @@ class MemOptimizer(Optimizer):
             raise StateDictError(f"{what}'s seed must be an int in [0, 2**64), got {seed!r}")
         return seed
 
-    def _checked_norm_meta(self, meta: Any) -> dict[int, float]:
+    def _checked_norm_meta(self, meta: Any, saved_groups: Any) -> dict[int, float]:
         """The normalizing beta2 of each group after loading a dict whose ``memopt`` entry is
-        ``meta`` (checked by :meth:`_checked_meta`): its ``decay_norm_beta2`` list (None: 0.0),
-        else 0.0 for every group (a version-1 dict, or one without the entry). 0.0 means the
-        second moments are ``v`` itself (``decay_norm`` 1.0), normalized at the next step."""
+        ``meta`` (checked by :meth:`_checked_meta`) and whose param groups are
+        ``saved_groups``: its ``decay_norm_beta2`` list (None: 0.0); 0.0 for every group of a
+        version-1 dict. 0.0 means the second moments are ``v`` itself (``decay_norm`` 1.0),
+        normalized at the next step. A dict without the list (torch's
+        ``flatten_optimizer_state_dict=True`` drops the whole entry) is taken as this
+        version's format, its moments normalized with each saved group's beta2, which
+        :meth:`state_dict` makes sure of."""
         saved = meta.get(_NORM_KEY) if isinstance(meta, Mapping) else None
         if saved is None:
-            return dict.fromkeys(range(len(self.param_groups)), 0.0)
+            if isinstance(meta, Mapping) and meta.get("version") == 1:
+                return dict.fromkeys(range(len(self.param_groups)), 0.0)
+            return {gi: _group_beta2(saved_groups, gi) for gi in range(len(self.param_groups))}
         if not isinstance(saved, (list, tuple)) or len(saved) != len(self.param_groups):
             raise StateDictError(
                 f"the state dict's {_NORM_KEY!r} must list one beta2 (or None) per param group "
@@ -2722,6 +2772,7 @@ class MemOptimizer(Optimizer):
                     st[k] = v.__reduce__()[0](*v.__reduce__()[1])
         self._writes = WriteCounter()
         self._writes_seen = 0
+        self._norm_writes_seen = None
         self._warned_step_limit = False
         self._warned_rne = False
         self._initial_ids = None

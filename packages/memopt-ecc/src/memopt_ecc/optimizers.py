@@ -541,7 +541,7 @@ class FlashOptimizer(MemOptimizer):
         list gives None and for every group of a dict without it). None where the entry is
         malformed: core's checks explain it."""
         try:
-            return self._checked_norm_meta(saved_meta(sd))
+            return self._checked_norm_meta(saved_meta(sd), sd.get("param_groups"))
         except StateDictError:
             return None
 
