@@ -154,9 +154,13 @@ def test_grad_scaler_in_kernel_long_run(capturable):
 
 @pytest.mark.gpu
 @_CUDA
-def test_whole_iteration_in_a_cuda_graph():
+@pytest.mark.parametrize("set_to_none", [False, True], ids=["grads-kept", "torch-recipe"])
+def test_whole_iteration_in_a_cuda_graph(set_to_none):
     """Forward, backward and ``opt.step()`` of a bf16 model (ECC-24 + q8) captured once and
-    replayed on new data copied into the static input: the same bits as eager iterations."""
+    replayed on new data copied into the static input: the same bits as eager iterations.
+    ``torch-recipe``: torch's whole-network recipe sets the gradients to None before the
+    capture, so backward allocates them from the graph's pool, at addresses the step's tables
+    meet first inside the capture."""
 
     def build():
         torch.manual_seed(0)
@@ -176,8 +180,8 @@ def test_whole_iteration_in_a_cuda_graph():
     static_x = data[0].clone()
 
     def iteration(model, opt, x):
-        # grads stay in their buffers: a captured backward accumulates into the same tensors
-        opt.zero_grad(set_to_none=False)
+        # False: grads stay in their buffers, a captured backward accumulates into them
+        opt.zero_grad(set_to_none=set_to_none)
         model(x).float().square().mean().backward()
         opt.step()
 
@@ -362,24 +366,100 @@ def test_a_cuda_initial_lr_beside_a_float_lr_in_a_capture_is_refused():
     assert float(opt.state[params[0]]["step"]) == 1.0
 
 
+def _eager_twin_and_captured(new_addresses=True):
+    """Two FlashAdamW(capturable=True) over the same parameters, one eager step each with
+    gradients 0.25; the second then captures its step in a graph, with new gradient tensors
+    (at new addresses: tables made inside the capture) or the eager step's (tables made before
+    it). Returns (twin, its params, captured, its params, graph)."""
+    sets = [_params(torch.bfloat16), _params(torch.bfloat16)]
+    opts = [FlashAdamW(ps, lr=1e-3, weight_decay=0.1, capturable=True) for ps in sets]
+    for opt, ps in zip(opts, sets, strict=True):
+        for p in ps:
+            p.grad = torch.full_like(p, 0.25)
+        opt.step()
+    params = sets[1]
+    keep = [p.grad for p in params]  # held, so the new gradients get new addresses
+    if new_addresses:
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        assert all(p.grad.data_ptr() != k.data_ptr() for p, k in zip(params, keep, strict=True))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        opts[1].step()
+    torch.cuda.current_stream().wait_stream(side)
+    return opts[0], sets[0], opts[1], params, graph
+
+
+def _replay_against_twin(twin, twin_params, opt, params, graph, values):
+    """Replay ``graph`` with the captured gradients filled with each of ``values`` in place,
+    and step ``twin`` eagerly on the same gradients."""
+    for v in values:
+        for p in params:
+            p.grad.fill_(v)
+        graph.replay()
+        for p in twin_params:
+            p.grad = torch.full_like(p, v)
+        twin.step()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @_CUDA
-def test_a_capture_needing_a_new_table_is_refused():
-    """Gradients at new addresses need a new slot table, copied from the host: captured, the
-    copy would read a freed pinned buffer at every replay. Refused before the launch."""
+def test_a_capture_with_gradients_at_new_addresses_replays_them():
+    """Gradients at new addresses need a new slot table, which the capture copies from the
+    host: the graph repeats that copy from a held host table at every replay (refused before
+    2026-12-06, as torch's whole-network recipe needs it). Same bits as eager steps."""
+    twin, twin_params, opt, params, graph = _eager_twin_and_captured()
+    _replay_against_twin(twin, twin_params, opt, params, graph, (0.5, -1.5, 3.0))
+    assert_same_state(twin, twin_params, opt, params)
+    assert float(opt.state[params[0]]["step"]) == 4.0
+
+
+@pytest.mark.gpu
+@_CUDA
+@pytest.mark.parametrize("new_addresses", [True, False], ids=["made-in-capture", "made-before"])
+def test_tables_a_graph_reads_outlive_the_table_caches(new_addresses):
+    """Eager steps over many other gradient buffers after the capture push its tables out of
+    the optimizer's caches; the graph still reads them, so they are held: replays after 40 such
+    steps (each with fresh gradients, and the twin with the same values) keep the same bits.
+    Tables made before the capture lived in the caching allocator's ordinary pool, where the
+    fresh steps' tables would take their memory once freed."""
+    twin, twin_params, opt, params, graph = _eager_twin_and_captured(new_addresses)
+    captured_grads = [p.grad for p in params]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(40):
+        values = [torch.randn(p.shape, generator=gen, device="cuda") for p in params]
+        for o, ps in ((opt, params), (twin, twin_params)):
+            for p, v in zip(ps, values, strict=True):
+                p.grad = v.to(p.dtype)  # a new buffer each step
+            o.step()
+    for p, g in zip(params, captured_grads, strict=True):
+        p.grad = g  # the graph's own buffers again, for the hand-written replays below
+    _replay_against_twin(twin, twin_params, opt, params, graph, (0.75, -0.25))
+    assert_same_state(twin, twin_params, opt, params)
+    assert float(opt.state[params[0]]["step"]) == 43.0
+
+
+@pytest.mark.gpu
+@_CUDA
+def test_a_capture_after_a_beta2_change_is_refused_before_any_change():
+    """q8 second moments are stored divided by beta2's decay: a new beta2 re-encodes them once,
+    at the next step. Captured, that conversion would run again at every replay: refused, and
+    the next eager step converts them."""
     params = _params(torch.bfloat16)
     opt = FlashAdamW(params, lr=1e-3, capturable=True)
     for p in params:
         p.grad = torch.full_like(p, 0.25)
     opt.step()
-    keep = [p.grad for p in params]  # held, so the new gradients get new addresses
-    for p in params:
-        p.grad = torch.full_like(p, 0.5)
-    assert all(p.grad.data_ptr() != k.data_ptr() for p, k in zip(params, keep, strict=True))
-    before = [p.detach().clone() for p in params]
-    _refused_capture(opt, r"not cached yet .* take one eager step")
-    assert all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
-    opt.step()  # eagerly, the new table is built
+    opt.param_groups[0]["betas"] = (0.9, 0.99)
+    before = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    _refused_capture(opt, r"beta2 changed to 0\.99 .* take one eager step")
+    assert all(
+        torch.equal(b, opt.state[p]["exp_avg_sq"]) for b, p in zip(before, params, strict=True)
+    )
+    opt.step()
     assert float(opt.state[params[0]]["step"]) == 2.0
 
 

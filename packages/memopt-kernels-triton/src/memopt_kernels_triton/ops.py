@@ -716,21 +716,34 @@ def _table_cache_limits(n_slots: int) -> tuple[int, int]:
     return 2 * n_slots + 8, 4 * n_slots + 64
 
 
+#: What CUDA graphs captured by the caller read besides the state arenas, parameters and
+#: gradients: chunk, slot and word tables, and the host sources of tables uploaded during a
+#: capture, whose copy the graph repeats at every replay. Their memory must never go back to an
+#: allocator (a replay would read or write whatever took it), and a graph's lifetime is not
+#: known here, so they stay for the process's (by id: a table captured again is held once).
+#: Tens of bytes per tensor of a captured step: the tables, not the state.
+_GRAPH_HELD: dict[int, Tensor] = {}
+
+
+def _hold_for_graph(*tensors: Tensor) -> None:
+    """Keep ``tensors`` alive for good when a CUDA graph capture is reading them."""
+    if _capturing():
+        for t in tensors:
+            _GRAPH_HELD.setdefault(id(t), t)
+
+
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            # captured, the copy would read a temporary pinned buffer at every replay, long
-            # after it is freed and reused
-            raise ConfigError(
-                "a table of this step is not cached yet (the first step of these tensors, "
-                "gradients at new addresses, or new betas), and a CUDA graph capture cannot copy "
-                "it from the host: take one eager step with the same tensors and "
-                "hyperparameters before capturing, and keep the gradients in that step's "
-                "buffers (zero_grad(set_to_none=False); torch's whole-network recipe sets them "
-                "to None before the capture, which these tables cannot follow)"
-            )
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    """A device copy of the host table ``host`` (a tensor the caller made and no one writes).
+    During a CUDA graph capture the copy is captured: every replay copies ``host`` again, so it
+    is held (:func:`_hold_for_graph`), unchanged, with its device copy; a capture can then make
+    the tables of gradients at new addresses (torch's whole-network recipe sets them to None
+    before the capture, so that backward allocates them from the graph's pool)."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    out = pinned.to(device, non_blocking=True)
+    _hold_for_graph(pinned, out)  # captured: the graph copies from ``pinned`` at every replay
+    return out
 
 
 def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
@@ -1251,6 +1264,7 @@ class PreparedStep:
             has_momentum = kw.pop("_HAS_MOMENTUM")
             kw.update(HAS_L2=l2_mode, NESTEROV=nest and has_momentum, FIRST=False)
         n_scalars = fields.index("seed")
+        _hold_for_graph(self._head[0], self._head[2], hyper)  # chunk and slot tables, words
         _launch(
             _KERNELS[rule],
             self._grid,
