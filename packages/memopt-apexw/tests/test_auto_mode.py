@@ -389,6 +389,19 @@ def test_no_cache_measures_in_memory(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_cache_variable_naming_a_folder_puts_the_file_in_it(tmp_path, monkeypatch):
+    """MEMOPT_APEXW_CACHE="dir/" (a folder meant, not yet there) made a file named "dir":
+    Path() drops the trailing separator. A trailing separator, or an existing folder, now
+    holds apexw-modes.json; anything else is the file itself."""
+    monkeypatch.setenv(auto_mode.CACHE_ENV, f"{tmp_path}/new{os.sep}")
+    assert auto_mode.default_cache_path() == tmp_path / "new" / "apexw-modes.json"
+    (tmp_path / "there").mkdir()
+    monkeypatch.setenv(auto_mode.CACHE_ENV, str(tmp_path / "there"))
+    assert auto_mode.default_cache_path() == tmp_path / "there" / "apexw-modes.json"
+    monkeypatch.setenv(auto_mode.CACHE_ENV, str(tmp_path / "modes.json"))
+    assert auto_mode.default_cache_path() == tmp_path / "modes.json"
+
+
 def test_no_home_directory_decides_without_a_cache(monkeypatch):
     """The default cache with no HOME and no passwd entry (docker --user 12345): Path.home()
     raised RuntimeError at the first step. Now one warning naming the variable to set, and the

@@ -99,7 +99,15 @@ def test_group_state_must_stay_compact():
         opt.step()
 
 
-@pytest.mark.parametrize("mode", ["auto", "fused", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "no-such-backend"])
+def test_mode_torch_refuses_a_named_kernel_backend(backend):
+    """mode='torch' runs core's torch step: a named kernel backend was accepted and dropped."""
+    with pytest.raises(ConfigError, match=f"backend='{backend}' names the kernel backend of"):
+        ApexW(make_params("cpu"), mode="torch", backend=backend)
+    assert ApexW(make_params("cpu"), mode="torch", backend="auto").mode_decision.mode == "torch"
+
+
+@pytest.mark.parametrize("mode", ["auto", "fused"])
 def test_backend_is_checked_at_construction(mode, monkeypatch):
     with pytest.raises(BackendUnavailableError, match="'no-such-backend' is not installed"):
         ApexW(make_params("cpu"), mode=mode, backend="no-such-backend")

@@ -27,6 +27,9 @@ def test_cache_dir_resolution(tmp_path, monkeypatch):
     assert cache_files.cache_dir() == tmp_path / "home" / "mine"
     monkeypatch.setenv(cache_files.CACHE_DIR_ENV, "")  # empty: as if unset
     assert cache_files.cache_dir() == tmp_path / "xdg" / "memopt"
+    # a relative XDG_CACHE_HOME is ignored (the XDG spec): it named a folder under the cwd
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache_files.cache_dir() == tmp_path / "home" / ".cache" / "memopt"
 
 
 def test_cache_dir_without_a_home_raises_runtime_error(monkeypatch):

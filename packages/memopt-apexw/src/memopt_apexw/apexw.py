@@ -159,6 +159,12 @@ class ApexW(MemOptimizer):
                 f"backend names the kernel backend of mode='fused' (e.g. 'triton', 'cpu'); got "
                 f"{backend!r} (mode='torch' selects core's torch backend)"
             )
+        if mode == "torch" and backend not in (None, "auto"):
+            # it would run core's torch step and drop the named backend without a word
+            raise ConfigError(
+                f"backend={backend!r} names the kernel backend of mode='fused' or 'auto'; "
+                "mode='torch' runs core's torch step: leave backend out, or use mode='fused'"
+            )
         # backend=, else MEMOPT_BACKEND; mode="torch" runs core's torch step whatever the
         # variable says (an unusable name there refused the construction)
         forced = backends.forced_backend(backend) if mode != "torch" or backend else None

@@ -75,15 +75,23 @@ class ModeDecision:
     cache_path: str | None = None
 
 
+#: the file name of the mode cache in a folder
+_CACHE_NAME = "apexw-modes.json"
+
+
 def default_cache_path() -> Path:
-    """``$MEMOPT_APEXW_CACHE`` (``~`` expanded), else ``apexw-modes.json`` in memopt's cache
-    folder (:func:`memopt_core.cache_files.cache_dir`: ``$MEMOPT_CACHE_DIR``, else
+    """``$MEMOPT_APEXW_CACHE`` (``~`` expanded; a folder, named with a trailing separator or
+    existing, holds ``apexw-modes.json``), else ``apexw-modes.json`` in memopt's cache folder
+    (:func:`memopt_core.cache_files.cache_dir`: ``$MEMOPT_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/memopt``, else ``~/.cache/memopt``). ``RuntimeError`` when that needs a
     home directory and there is none."""
     env = os.environ.get(CACHE_ENV)
     if env:
-        return Path(env).expanduser()
-    return cache_files.cache_dir() / "apexw-modes.json"
+        path = Path(env).expanduser()
+        # Path() drops a trailing "/": "dir/" (meant as a folder) became a file named "dir"
+        folder = env.endswith(("/", os.sep)) or path.is_dir()
+        return path / _CACHE_NAME if folder else path
+    return cache_files.cache_dir() / _CACHE_NAME
 
 
 def _versions() -> dict[str, str]:

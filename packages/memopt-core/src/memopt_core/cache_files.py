@@ -29,13 +29,16 @@ _MAX_BYTES = 16 << 20
 
 def cache_dir() -> Path:
     """``$MEMOPT_CACHE_DIR`` when set and not empty (``~`` expanded), else
-    ``$XDG_CACHE_HOME/memopt``, else ``~/.cache/memopt``. ``RuntimeError`` when the answer needs
-    a home directory and there is none (a uid without a passwd entry, in some containers)."""
+    ``$XDG_CACHE_HOME/memopt`` where that is an absolute path (the XDG spec says to ignore a
+    relative one, which would put the cache wherever the process runs), else
+    ``~/.cache/memopt``. ``RuntimeError`` when the answer needs a home directory and there is
+    none (a uid without a passwd entry, in some containers)."""
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "memopt"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "memopt"
 
 
 def read_json(path: str | os.PathLike[str], max_bytes: int = _MAX_BYTES) -> Any | None:
