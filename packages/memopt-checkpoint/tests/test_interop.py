@@ -845,3 +845,25 @@ def test_adambridge_is_named_with_the_way_its_state_moves():
         offload.AdamBridge([torch.nn.Parameter(torch.zeros(32))], pin_memory=False).load_state_dict(
             adamw.state_dict()
         )
+
+
+def test_sharded_parameters_are_refused_up_front(monkeypatch):
+    """FSDP2-sharded (DTensor) parameters: the conversions work on whole tensors and failed deep
+    inside (a local shard reshaped to the global shape, a plain tensor copied into a DTensor;
+    found with 2 gloo ranks). Refused first, naming the parameter and what to use instead."""
+    from memopt_checkpoint import interop
+
+    model = nn.Linear(4, 3)
+    opt = MemOptimizer(model.parameters(), rule="adamw", moments="q8")
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    torch_sd = torch.optim.AdamW(nn.Linear(4, 3).parameters()).state_dict()
+    monkeypatch.setattr(interop, "is_dtensor", lambda t: t is model.bias)
+    match = r"parameter 1 of param group 0 is sharded .* torch.distributed.checkpoint"
+    with pytest.raises(ConfigError, match="to_torch_state_dict converts whole tensors; " + match):
+        to_torch_state_dict(opt)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ConfigError, match="load_torch_state_dict converts whole tensors; " + match):
+        load_torch_state_dict(opt, torch_sd)
+    after = opt.state_dict()
+    assert all(torch.equal(before["state"][1][k], after["state"][1][k]) for k in after["state"][1])

@@ -60,6 +60,7 @@ from memopt_core.formats import (
 )
 from memopt_core.optimizer import MemOptimizer, require_memopt_optimizer
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
+from memopt_core.sharding import is_dtensor
 
 __all__ = [
     "QUANTIZATION_BOUNDS",
@@ -120,6 +121,21 @@ def torch_optimizer_class(optimizer: MemOptimizer) -> type[torch.optim.Optimizer
     return _TORCH_CLASS[optimizer.rule]
 
 
+def _refuse_sharded(optimizer: MemOptimizer, what: str) -> None:
+    """ConfigError for an optimizer over FSDP2-sharded (DTensor) parameters: the conversions
+    work on whole tensors (they reshaped a local shard to the global shape, or copied a plain
+    tensor into a DTensor, deep inside)."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if is_dtensor(p):
+                raise ConfigError(
+                    f"{what} converts whole tensors; parameter {i} of param group {gi} is "
+                    f"sharded (a DTensor of shape {tuple(p.shape)}): save sharded optimizers "
+                    "with optimizer.state_dict() or torch.distributed.checkpoint (dcp.save / "
+                    "dcp.load, any sharding on load), or convert an unsharded copy of the model"
+                )
+
+
 # --------------------------------------------------------------------------------------- export
 def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     """``optimizer``'s state as the state dict of the matching torch optimizer.
@@ -159,6 +175,7 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     ``weight_decay`` is ``weight_decay / initial_lr`` (the same factor up to one rounding).
     """
     cls = torch_optimizer_class(optimizer)
+    _refuse_sharded(optimizer, "to_torch_state_dict")
     kind = "adam" if cls is not torch.optim.SGD else "sgd"
     defaults = _torch_defaults(cls)
     state: dict[int, dict[str, Tensor]] = {}
@@ -330,6 +347,7 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
     :func:`memopt_ecc.set_fp32_model_state_dict`.
     """
     cls = torch_optimizer_class(optimizer)
+    _refuse_sharded(optimizer, "load_torch_state_dict")
     kind = "adam" if cls is not torch.optim.SGD else "sgd"
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a state dict (a mapping), got {type(state_dict).__name__}")
