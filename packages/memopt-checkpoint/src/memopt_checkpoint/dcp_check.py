@@ -434,7 +434,9 @@ def check_dcp_load(
             )
             raise ConfigError(
                 f"the checkpoint holds no optimizer state for {label} (frozen when it was "
-                "saved?): dcp.load would fail on its missing keys. To start it from fresh "
+                "saved, or saved before the optimizer's first step: memopt optimizers create "
+                "their state at it, and init_state() creates it before): dcp.load would fail "
+                "on its missing keys. To start it from fresh "
                 f"state, delete its entry from the state dict given to dcp.load (del "
                 f"sd[{key!r}]['state'][{saved_key.get(index, index)!r}]){strict}: "
                 "load_state_dict then keeps the fresh state it has here"
