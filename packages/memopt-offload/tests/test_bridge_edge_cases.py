@@ -866,3 +866,217 @@ def test_a_float64_default_dtype_changes_nothing(device, precision, update):
         assert all(s["step"].dtype == torch.float32 for s in state.values())
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+# ------------------------------------------------------------------ review of 2026-12-06 (s58)
+_COLLECT_EARLY = {
+    "model.state_dict": lambda model, opt: model.state_dict(),
+    "optimizer.state_dict": lambda model, opt: opt.state_dict(),
+    "master_weight": lambda model, opt: opt.master_weight(next(model.parameters())),
+    "detach_hooks": lambda model, opt: opt.detach_hooks(),
+}
+
+
+@both_updates()
+@pytest.mark.parametrize("collect", sorted(_COLLECT_EARLY))
+def test_a_step_collected_before_step_sync_keeps_its_norm(precision, update, collect):
+    """With clipping, a read that collects the step between backward and ``step_sync()``
+    (``model.state_dict()``, ``optimizer.state_dict()``, ``master_weight()``,
+    ``detach_hooks()``) took the norm; the ``step_sync()`` after it closed the step again,
+    found no norm, and returned 0.0 (and set ``last_grad_norm`` to 0.0) for a step that had
+    gradients."""
+    results = []
+    for early in (False, True):
+        model = make_model("cpu")
+        opt = AdamBridge(
+            model.parameters(), precision=precision, update=update, max_grad_norm=1.0,
+            **BOTH[update],
+        )  # fmt: skip
+        opt.attach_hooks(model)
+        loss_of(model, batch(0, "cpu")).backward()
+        if early:
+            _COLLECT_EARLY[collect](model, opt)
+        results.append((opt.step_sync(), opt.last_grad_norm))
+    assert results[0][0] > 0
+    assert results[1] == results[0]
+
+
+def test_a_nan_step_collected_before_step_sync_reports_nan():
+    """The worst case of the above: a NaN step (its weights went NaN) reported 0.0 after a
+    checkpoint taken before ``step_sync()``, so a loop that skips or alerts on a non-finite
+    norm missed it."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), max_grad_norm=1.0)
+    opt.attach_hooks(model)
+    x = batch(0, "cpu")
+    x[0, 0] = float("nan")
+    loss_of(model, x).backward()
+    model.state_dict()
+    assert math.isnan(opt.step_sync())
+    assert math.isnan(opt.last_grad_norm)
+
+
+@both_updates()
+def test_a_retried_step_sync_after_an_interrupt_keeps_the_norm(monkeypatch, precision, update):
+    """``step_sync()`` interrupted (Ctrl-C while it waits for the updates) took the norm; the
+    retried call returned 0.0 and set ``last_grad_norm`` to 0.0."""
+    from memopt_offload.bridge import _Dispatcher
+
+    model = make_model("cpu")
+    opt = AdamBridge(
+        model.parameters(), precision=precision, update=update, max_grad_norm=1.0, **BOTH[update]
+    )
+    opt.attach_hooks(model)
+    loss_of(model, batch(0, "cpu")).backward()
+    wait, calls = _Dispatcher.wait, []
+
+    def interrupted_once(self):
+        calls.append(self)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # Ctrl-C while step_sync() waits for the updates
+        return wait(self)
+
+    monkeypatch.setattr(_Dispatcher, "wait", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step_sync()
+    norm = opt.last_grad_norm
+    assert norm > 0
+    assert opt.step_sync() == norm
+    assert opt.last_grad_norm == norm
+
+
+@pytest.mark.parametrize("after", ["state_dict", "detach_hooks"])
+def test_overlap_forward_keeps_the_norm_after_a_collecting_call(after):
+    """With ``overlap_forward``, ``optimizer.state_dict()`` or ``detach_hooks()`` right after
+    ``step_sync()`` collected the updates in flight and reset ``last_grad_norm`` to 0.0 (and
+    the checkpoint saved 0.0)."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), max_grad_norm=1.0)
+    opt.attach_hooks(model, overlap_forward=True)
+    loss_of(model, batch(0, "cpu")).backward()
+    norm = opt.step_sync()
+    assert norm > 0
+    if after == "state_dict":
+        assert opt.state_dict()["memopt"]["last_grad_norm"] == norm
+    else:
+        opt.detach_hooks()
+    assert opt.last_grad_norm == norm
+
+
+def test_an_item_submitted_while_the_failed_dispatcher_thread_ends_runs(monkeypatch):
+    """After the dispatcher loop failed outside an update, ``fail_queued()`` returned and the
+    thread was still alive for a moment: a ``submit()`` in that window saw ``is_alive()``,
+    started no thread, and queued an item nobody ran, so ``wait()`` blocked forever. The window
+    is held open here until the item was submitted."""
+    import threading
+
+    from memopt_offload.bridge import _Bucket, _Dispatcher
+
+    in_window, proceed = threading.Event(), threading.Event()
+    fail_queued = _Dispatcher.fail_queued
+
+    def held_open(self, error):
+        fail_queued(self, error)
+        in_window.set()  # the lock is released, the thread not ended yet
+        proceed.wait(10)
+
+    def fails(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_Dispatcher, "fail_queued", held_open)
+    monkeypatch.setattr(_Bucket, "ready", fails)
+    d = _Dispatcher()
+    release = threading.Event()
+    d.submit(_Bucket(), lambda bucket: release.wait(10))  # holds the thread while two queue
+    for _ in range(2):
+        d.submit(_Bucket(), lambda bucket: None)
+    release.set()  # next_item() probes ready() with two queued: the loop fails
+    assert in_window.wait(10)
+    d.submit(_Bucket(), lambda bucket: None)
+    proceed.set()
+    waited: list = []
+    waiter = threading.Thread(target=lambda: waited.append(d.wait()), daemon=True)
+    waiter.start()
+    waiter.join(10)  # without the fix it blocks forever: fail, not hang
+    assert waited, "wait() blocked on an item queued for a dispatcher thread that had ended"
+    assert isinstance(waited[0], RuntimeError)  # the step's error, as for the other items
+    assert d._done == d._submitted
+    d.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_module_list_of_two_models_refuses_a_forward_before_step_sync(overlap):
+    """A second ``attach_hooks`` advises hooking two models as one ``nn.ModuleList``; the
+    forward pre-hook went on the list, which is never called, so a forward before
+    ``step_sync()`` read the weights unchecked (half-updated). The hooks now go on the models
+    in it; with ``overlap_forward`` the read guard of the first forward ends with it."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    a, b = make_model("cpu"), make_model("cpu", seed=1)
+    opt = AdamBridge([*a.parameters(), *b.parameters()], lr=1e-2)
+    opt.attach_hooks(torch.nn.ModuleList([a, b]), overlap_forward=overlap)
+    with pytest.raises(ConfigError, match="ModuleList of both"):
+        opt.attach_hooks(b)
+    x = batch(0, "cpu")
+    (loss_of(a, x) + loss_of(b, x)).backward()
+    for model in (a, b):
+        with pytest.raises(OffloadError, match="started while 12 parameter update"):
+            model(x)
+    opt.step_sync()
+    a(x)
+    b(x)
+    assert not _get_current_function_mode_stack()  # no read guard left on after a's forward
+    opt.detach_hooks()
+
+
+def test_detach_hooks_after_a_failed_update_removes_them():
+    """``detach_hooks()`` (documented idempotent) raised the failed update's error before it
+    removed the hooks, and left them attached."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters())
+    opt.attach_hooks(model)
+
+    def fails(bucket, coef):
+        raise RuntimeError("injected")
+
+    opt._update = fails
+    loss_of(model, batch(0, "cpu")).backward()
+    with pytest.raises(OffloadError, match="an update failed"):
+        opt.detach_hooks()
+    assert not opt.hooks_attached
+    opt.detach_hooks()  # still idempotent
+    assert not opt.hooks_attached
+
+
+@pytest.mark.parametrize("hooks", [False, True])
+@pytest.mark.parametrize("appended", ["parameter", "group"])
+def test_a_parameter_appended_outside_add_param_group_is_refused(hooks, appended):
+    """A parameter appended to ``param_groups[0]["params"]`` (torch's AdamW trains it) has no
+    host state, and step() walks the states: it was silently never trained. The step now
+    refuses it, by name, when it opens (a group appended to ``param_groups`` likewise)."""
+    model = make_model("cpu")
+    params = list(model.parameters())
+    opt = AdamBridge(params[:-1], lr=1e-2)
+    if appended == "parameter":
+        opt.param_groups[0]["params"].append(params[-1])
+        match = r"parameter #5 of param group 0 \(shape \(31,\)\) was added to the group's"
+    else:
+        opt.param_groups.append({**opt.param_groups[0], "params": [params[-1]]})
+        match = r"param_groups has 2 groups, but 1 were added"
+    if hooks:
+        opt.attach_hooks(model)
+    before = params[-1].detach().clone()
+
+    def train_step():  # with hooks, backward raises; without, step_sync()
+        loss_of(model, batch(0, "cpu")).backward()
+        opt.step_sync()
+
+    with pytest.raises(ConfigError, match=match):
+        train_step()
+    assert torch.equal(params[-1].detach(), before)
+
+
+def test_a_precision_that_is_no_string_is_a_config_error():
+    """``precision=["bf16"]`` raised ``TypeError: unhashable type: 'list'`` from the lookup."""
+    with pytest.raises(ConfigError, match=r"unknown precision \['bf16'\]; choose one of \('fp32'"):
+        AdamBridge(make_model("cpu").parameters(), precision=["bf16"])

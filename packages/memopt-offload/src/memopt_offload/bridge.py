@@ -369,6 +369,11 @@ class _Dispatcher:
                 bucket.done = True
             self._done += len(self._items)
             self._items.clear()
+            # the calling thread returns next but is still alive for a moment: a submit()
+            # in that window saw is_alive(), started no thread and queued an item nobody ran
+            # (wait() blocked forever). Marked dead under the lock, the next submit starts one
+            if self._thread is threading.current_thread():
+                self._thread = None
             self._cond.notify_all()
 
     def wait_bucket(self, bucket: _Bucket) -> bool:
@@ -437,6 +442,17 @@ _METADATA_ATTRIBUTES = frozenset(
      "names", "itemsize", "nbytes", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
      "is_nested", "_version"}
 )  # fmt: skip
+
+
+def _called_modules(m: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``m``, or where ``m`` is a container without a forward of its own (``ModuleList``,
+    ``ModuleDict``), the modules in it that run: their callers call them, never ``m``, so a
+    forward hook on ``m`` would not run (memopt_ecc's ``cast_model`` hooks the same way)."""
+    if type(m).forward is not torch.nn.Module.forward:
+        yield m
+        return
+    for child in m.children():
+        yield from _called_modules(child)
 
 
 class _WeakHook:
@@ -590,7 +606,8 @@ class AdamBridge(Optimizer):
         update: str = "host",
         prefetch_mb: float = 512.0,
     ) -> None:
-        if precision not in PRECISIONS:
+        # a str first: a list (precision=["bf16"]) is unhashable, a TypeError in the dict lookup
+        if not isinstance(precision, str) or precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}; choose one of {tuple(PRECISIONS)}")
         if update not in UPDATES:
             raise ConfigError(f"update must be one of {UPDATES}, got {update!r}")
@@ -668,6 +685,9 @@ class AdamBridge(Optimizer):
         # (parameter, group) of params frozen when their group was added, until step() warns
         # that one of them holds a gradient
         self._untrained: list[tuple[Tensor, int]] = []
+        # each group's parameter count when it was added: one appended to its "params" list
+        # later has no slot, and step() (which walks the slots) would never train it
+        self._group_sizes: list[int] = []
         self._hyper: list[dict[str, Any]] = []  # the open step's hyperparameters, per group
         self._warned_late_hyper = False
         self._reset_pipeline()
@@ -794,6 +814,7 @@ class AdamBridge(Optimizer):
             self._device = prev_device
             raise
         self._untrained += [(p, gi) for p in self.param_groups[gi]["params"] if not p.requires_grad]
+        self._group_sizes.append(len(self.param_groups[gi]["params"]))
         if self._initial_ids is not None:
             self._initial_ids.update(map(id, params))
 
@@ -980,8 +1001,9 @@ class AdamBridge(Optimizer):
     # ------------------------------------------------------------------------------ hooks
     def attach_hooks(self, model: torch.nn.Module, *, overlap_forward: bool = False) -> None:
         """Update each parameter of ``model`` from a post-accumulate-grad hook as soon as its
-        gradient is final (see the module doc); a forward pre-hook on ``model`` raises
-        :class:`~memopt_core.errors.OffloadError` when a forward starts before
+        gradient is final (see the module doc); a forward pre-hook on ``model`` (on each
+        module in it that runs, for a container without a forward such as a ``ModuleList`` of
+        two models) raises :class:`~memopt_core.errors.OffloadError` when a forward starts before
         :meth:`step_sync` collected the updates of the last backward. DDP and FSDP1 models
         are refused (``TypeError``: their hooks see un-reduced gradients); with DDP, call
         :meth:`step` after backward instead, one AdamBridge per process.
@@ -1031,7 +1053,12 @@ class AdamBridge(Optimizer):
                 "attach_hooks found none of this optimizer's trainable parameters in the model "
                 "(that require gradients)"
             )
-        self._hooks.append(model.register_forward_pre_hook(_WeakHook(self._check_synced)))
+        # on the modules that run: a container without a forward of its own (the ModuleList
+        # of two models that the message of a second attach_hooks() advises) is never called,
+        # so a hook on it alone left a forward before step_sync() unchecked
+        called = list({id(m): m for m in _called_modules(model)}.values())  # one hook each
+        for module in called:
+            self._hooks.append(module.register_forward_pre_hook(_WeakHook(self._check_synced)))
         self._overlap = overlap_forward
         if overlap_forward:
             for module in model.modules():
@@ -1049,9 +1076,10 @@ class AdamBridge(Optimizer):
                 if own:
                     await_own = _WeakHook(self._await_params, own)
                     self._hooks.append(module.register_forward_pre_hook(await_own))
-            self._hooks.append(
-                model.register_forward_hook(_WeakHook(self._end_read_guard), always_call=True)
-            )
+            for module in called:
+                self._hooks.append(
+                    module.register_forward_hook(_WeakHook(self._end_read_guard), always_call=True)
+                )
             self._guard_next_forward = True
         # model.state_dict() reads the weights outside any forward; model.load_state_dict()
         # writes them (the root's pre-hook runs before any copy): pending updates land first
@@ -1062,16 +1090,20 @@ class AdamBridge(Optimizer):
 
     def detach_hooks(self) -> None:
         """Remove the hooks (waits for in-flight updates first); idempotent."""
-        if self._pending or self._inflight:
-            self._finish()
-        remove_hooks(self._hooks)  # the same list: the finalizer holds it
-        self._overlap = False
-        self._guard_next_forward = False
-        # a forward interrupted by a BaseException (KeyboardInterrupt: the always-called
-        # forward hook only sees Exceptions) left its read guard on torch's mode stack
-        guard, self._read_guard = self._read_guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+        try:
+            if self._pending or self._inflight:
+                self._finish()  # raises a failed update's error
+        finally:
+            # removed even then: detach_hooks() raised and left them attached (a second call
+            # was needed, and the caller that gave up after the error kept hooked weights)
+            remove_hooks(self._hooks)  # the same list: the finalizer holds it
+            self._overlap = False
+            self._guard_next_forward = False
+            # a forward interrupted by a BaseException (KeyboardInterrupt: the always-called
+            # forward hook only sees Exceptions) left its read guard on torch's mode stack
+            guard, self._read_guard = self._read_guard, None
+            if guard is not None:
+                guard.__exit__(None, None, None)
 
     @property
     def hooks_attached(self) -> bool:
@@ -1173,6 +1205,9 @@ class AdamBridge(Optimizer):
         self._bucket = _Bucket()
         self._held: list[Any] = []  # buckets of either update waiting for the step's norm
         self._norms: dict[int, Tensor] = {}
+        # a gradient opened the step that step() ends next (its norm, possibly taken by an
+        # earlier close, is the step's; else step() reports 0.0)
+        self._step_had_grads = False
         self._callback_queued = False
         # the device update runs buckets in order: each waits for its own copies, not the host
         self._dispatcher = _Dispatcher(newest_first=self.update == "host")
@@ -1230,10 +1265,12 @@ class AdamBridge(Optimizer):
         g = p.grad
         self._check_grad(slot, g)
         if not self._pending:  # the step opens: every group's hyperparameters, checked once
+            self._check_group_sizes()
             self._check_moved()
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
             ]
+            self._step_had_grads = True  # its norm is this step's, whoever closes it
         if self._dev is not None:
             norm = None
             if self.max_grad_norm is not None:
@@ -1282,6 +1319,32 @@ class AdamBridge(Optimizer):
                 w = torch.where(slot.master.to(w.dtype) == w, slot.master, w.float())
             slot.master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
         slot.seen = _written(p)
+
+    def _check_group_sizes(self) -> None:
+        """Before a step takes its first gradient: a parameter appended to a group's "params"
+        list (or a group appended to ``param_groups``) after it was added has no host state,
+        and was silently never trained. Counts only (no per-parameter scan each step)."""
+        groups = self.param_groups
+        if len(groups) != len(self._group_sizes):
+            raise ConfigError(
+                f"param_groups has {len(groups)} groups, but {len(self._group_sizes)} were "
+                "added: add a group with add_param_group() (detach_hooks() first), not by "
+                "appending to param_groups"
+            )
+        for gi, (group, size) in enumerate(zip(groups, self._group_sizes, strict=True)):
+            params = group["params"]
+            if len(params) == size:
+                continue
+            if len(params) > size:  # appended (list.append): the first one past the old end
+                label = self._label(gi, group.get("param_names", []), params[size], size)[0]
+                what = f"{label} was added to the group's 'params' list after the group was"
+            else:
+                what = f"param group {gi} has {len(params)} parameters, {size} when it was added"
+            raise ConfigError(
+                f"{what}: AdamBridge builds a parameter's host state when its group is added, "
+                "so it would not train it. Add new parameters in a new group with "
+                "add_param_group() (detach_hooks() first), or build a new optimizer"
+            )
 
     def _check_moved(self) -> None:
         """Before a step takes its first gradient: a parameter given new memory since the last
@@ -1474,10 +1537,10 @@ class AdamBridge(Optimizer):
                 self._submit(bucket, coef)
             if self.clip_mode == "overlap":
                 self._prev_coef = coef
-        elif self.max_grad_norm is not None:
-            # a step without gradients: clip_grad_norm_ over none gives 0, and a logger (or a
-            # skip on a NaN norm) must not see the last step's norm again
-            self.last_grad_norm = 0.0
+        # no reset to 0.0 here: this also runs as a second close of a step whose norm was
+        # already taken (model.state_dict() or master_weight() before step_sync(), a retry
+        # after an interrupted step_sync(), state_dict() after an overlapped step); step()
+        # resets it for a step that no gradient opened
 
     def _finish(self) -> None:
         """Collect the step and every update in flight, and order the uploads before the
@@ -1566,6 +1629,13 @@ class AdamBridge(Optimizer):
             self._clear_pending()
         else:
             self._finish()
+        if self.max_grad_norm is not None and not self._step_had_grads:
+            # a step without gradients: clip_grad_norm_ over none gives 0, and a logger (or a
+            # skip on a NaN norm) must not see the last step's norm again. Decided here, at
+            # the step's end, not in _close_step(): a step collected early (state_dict(),
+            # master_weight(), an interrupted step_sync()) had its norm taken by that close
+            self.last_grad_norm = 0.0
+        self._step_had_grads = False  # after the close: an interrupted one keeps its norm
         return loss
 
     @property
@@ -1783,8 +1853,10 @@ class AdamBridge(Optimizer):
                 "memopt": {
                     "rule": "adamw",
                     "seed": meta.get("seed", self._host.seed),
-                    # absent from dicts saved before the decay normalization: v itself
                     _NORM_KEY: meta.get(_NORM_KEY),
+                    # absent from dicts saved before the decay normalization, which hold v
+                    # itself: the host optimizer's version 1 says so
+                    **({} if meta.get(_NORM_KEY) is not None else {"version": 1}),
                 },
             }
         )
