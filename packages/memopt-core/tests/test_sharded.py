@@ -113,16 +113,7 @@ def test_fsdp2_without_resharding_after_forward(fsdp2_results):
 
 
 # --------------------------------------------------------------------- one-process DTensors
-@pytest.fixture
-def mesh(tmp_path):
-    """A one-rank gloo process group and its 1-D CPU mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+# (the `mesh` fixture: conftest.py)
 
 
 def test_refused_placements_say_what_is_supported(mesh):

@@ -179,16 +179,7 @@ def test_the_continuation_depends_on_the_loaded_state(case, results):
 
 
 # --------------------------------------------------------------------- one-process DTensors
-@pytest.fixture
-def mesh(tmp_path):
-    """A one-rank gloo process group and its 1-D CPU mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+# (the `mesh` fixture: conftest.py)
 
 
 def test_sharded_state_dict_is_live_without_a_copy_and_saves_each_state_once(mesh):
