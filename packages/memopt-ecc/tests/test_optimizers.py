@@ -618,6 +618,21 @@ def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
     assert osd["state"]["0.weight"]["exp_avg"].dtype == torch.float32  # decoded
 
 
+def test_a_decoded_dict_into_a_core_optimizer_says_what_reads_it():
+    """A compress_state_dict=False dict holds decoded moments, which only the memopt_ecc
+    classes encode on load: a MemOptimizer (ApexW too) named each missing code field."""
+    p = torch.randn(8, 40).bfloat16().requires_grad_()
+    opt = FlashAdamW([p], compress_state_dict=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    core = MemOptimizer([p], rule="adamw", master="ecc24", moments="q8")
+    with pytest.raises(StateDictError, match=r"decoded moments .* into that memopt_ecc class"):
+        core.load_state_dict(sd)
+    assert not core.state
+    FlashAdamW([p]).load_state_dict(sd)  # the compressed class reads it too
+
+
 def test_uncompressed_moment_that_does_not_fit_is_named():
     p = torch.randn(8, 40).bfloat16().requires_grad_()
     opt = FlashAdamW([p], compress_state_dict=False)

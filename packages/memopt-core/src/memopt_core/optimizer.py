@@ -2384,7 +2384,17 @@ class MemOptimizer(Optimizer):
 
     def _prepare_loaded(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Extension point of :meth:`load_state_dict`, called on the localized dict before the
-        checks (memopt-ecc encodes decoded moments here)."""
+        checks (memopt-ecc encodes decoded moments here). Here: a decoded dict of a
+        memopt-ecc optimizer (``compressed`` False in its ``memopt`` entry) is refused, naming
+        what reads it (its missing code fields were named one by one)."""
+        meta = saved_meta(state_dict)
+        if isinstance(meta, Mapping) and meta.get("compressed") is False:
+            raise StateDictError(
+                "this state dict holds decoded moments (a memopt_ecc optimizer's, saved with "
+                f"compress_state_dict=False); {type(self).__name__} reads only encoded ones: "
+                "load it into that memopt_ecc class (FlashAdamW, ...), which encodes them, or "
+                "save it with compress_state_dict=True"
+            )
         return state_dict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
