@@ -1049,20 +1049,24 @@ def test_detach_hooks_after_a_failed_update_removes_them():
 
 
 @pytest.mark.parametrize("hooks", [False, True])
-@pytest.mark.parametrize("appended", ["parameter", "group"])
+@pytest.mark.parametrize("appended", ["parameter", "group", "swapped"])
 def test_a_parameter_appended_outside_add_param_group_is_refused(hooks, appended):
     """A parameter appended to ``param_groups[0]["params"]`` (torch's AdamW trains it) has no
     host state, and step() walks the states: it was silently never trained. The step now
-    refuses it, by name, when it opens (a group appended to ``param_groups`` likewise)."""
+    refuses it, by name, when it opens (a group appended to ``param_groups`` likewise, and a
+    parameter put in place of one of the group's, which kept its count)."""
     model = make_model("cpu")
     params = list(model.parameters())
     opt = AdamBridge(params[:-1], lr=1e-2)
     if appended == "parameter":
         opt.param_groups[0]["params"].append(params[-1])
         match = r"parameter #5 of param group 0 \(shape \(31,\)\) was added to the group's"
-    else:
+    elif appended == "group":
         opt.param_groups.append({**opt.param_groups[0], "params": [params[-1]]})
         match = r"param_groups has 2 groups, but 1 were added"
+    else:
+        opt.param_groups[0]["params"][3] = params[-1]
+        match = r"parameter #3 of param group 0 \(shape \(31,\)\) is not the parameter the"
     if hooks:
         opt.attach_hooks(model)
     before = params[-1].detach().clone()

@@ -105,6 +105,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import os
 import threading
 import warnings
@@ -685,9 +686,10 @@ class AdamBridge(Optimizer):
         # (parameter, group) of params frozen when their group was added, until step() warns
         # that one of them holds a gradient
         self._untrained: list[tuple[Tensor, int]] = []
-        # each group's parameter count when it was added: one appended to its "params" list
-        # later has no slot, and step() (which walks the slots) would never train it
-        self._group_sizes: list[int] = []
+        # each group's parameters when it was added: one appended to its "params" list later,
+        # or put in place of one, has no slot, and step() (which walks the slots) would never
+        # train it
+        self._group_params: list[tuple[Tensor, ...]] = []
         self._hyper: list[dict[str, Any]] = []  # the open step's hyperparameters, per group
         self._warned_late_hyper = False
         self._reset_pipeline()
@@ -814,7 +816,7 @@ class AdamBridge(Optimizer):
             self._device = prev_device
             raise
         self._untrained += [(p, gi) for p in self.param_groups[gi]["params"] if not p.requires_grad]
-        self._group_sizes.append(len(self.param_groups[gi]["params"]))
+        self._group_params.append(tuple(self.param_groups[gi]["params"]))
         if self._initial_ids is not None:
             self._initial_ids.update(map(id, params))
 
@@ -1265,7 +1267,7 @@ class AdamBridge(Optimizer):
         g = p.grad
         self._check_grad(slot, g)
         if not self._pending:  # the step opens: every group's hyperparameters, checked once
-            self._check_group_sizes()
+            self._check_group_params()
             self._check_moved()
             self._hyper = [
                 _check_hyper(g, f"(param group {gi})") for gi, g in enumerate(self.param_groups)
@@ -1320,26 +1322,36 @@ class AdamBridge(Optimizer):
             slot.master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
         slot.seen = _written(p)
 
-    def _check_group_sizes(self) -> None:
+    def _check_group_params(self) -> None:
         """Before a step takes its first gradient: a parameter appended to a group's "params"
-        list (or a group appended to ``param_groups``) after it was added has no host state,
-        and was silently never trained. Counts only (no per-parameter scan each step)."""
+        list (or a group appended to ``param_groups``) after it was added, or put in place of
+        one of its parameters, has no host state, and was silently never trained. One identity
+        pass over each group (C-level, no per-parameter Python)."""
         groups = self.param_groups
-        if len(groups) != len(self._group_sizes):
+        if len(groups) != len(self._group_params):
             raise ConfigError(
-                f"param_groups has {len(groups)} groups, but {len(self._group_sizes)} were "
+                f"param_groups has {len(groups)} groups, but {len(self._group_params)} were "
                 "added: add a group with add_param_group() (detach_hooks() first), not by "
                 "appending to param_groups"
             )
-        for gi, (group, size) in enumerate(zip(groups, self._group_sizes, strict=True)):
+        for gi, (group, built) in enumerate(zip(groups, self._group_params, strict=True)):
             params = group["params"]
-            if len(params) == size:
+            if len(params) == len(built) and all(map(operator.is_, params, built)):
                 continue
-            if len(params) > size:  # appended (list.append): the first one past the old end
-                label = self._label(gi, group.get("param_names", []), params[size], size)[0]
+            names = group.get("param_names", [])
+            swapped = next(
+                (i for i, (p, q) in enumerate(zip(params, built, strict=False)) if p is not q), None
+            )
+            if swapped is not None:
+                label = self._label(gi, names, params[swapped], swapped)[0]
+                what = f"{label} is not the parameter the group was built with at that place"
+            elif len(params) > len(built):  # appended (list.append): the first one past the end
+                label = self._label(gi, names, params[len(built)], len(built))[0]
                 what = f"{label} was added to the group's 'params' list after the group was"
             else:
-                what = f"param group {gi} has {len(params)} parameters, {size} when it was added"
+                what = (
+                    f"param group {gi} has {len(params)} parameters, {len(built)} when it was added"
+                )
             raise ConfigError(
                 f"{what}: AdamBridge builds a parameter's host state when its group is added, "
                 "so it would not train it. Add new parameters in a new group with "
