@@ -125,6 +125,20 @@ def test_no_backend_supports_the_group(monkeypatch, fresh_backends):
         backends.select_backend("adam", SPEC, "cpu", torch.float32, backend=5)
 
 
+def test_an_empty_backend_argument_is_refused_and_an_empty_variable_unsets(
+    monkeypatch, fresh_backends
+):
+    """``backend=""`` is a name that went missing (an unset config field), not "auto"; an empty
+    ``MEMOPT_BACKEND=`` is the shell's way to unset the variable."""
+    install(monkeypatch)
+    monkeypatch.setenv("MEMOPT_BACKEND", "")
+    assert backends.forced_backend() is None
+    for name in ("", "  "):
+        with pytest.raises(ConfigError, match=f"backend={name!r} names no backend: pass None"):
+            MemOptimizer([torch.nn.Parameter(torch.ones(3))], backend=name)
+    assert backends.forced_backend(" Auto ") is None
+
+
 def test_env_var_forces_torch(monkeypatch, fresh_backends):
     cpu = RecordingBackend("cpu")
     install(monkeypatch, FakeEntryPoint("cpu", cpu))

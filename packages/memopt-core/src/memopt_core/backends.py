@@ -516,6 +516,13 @@ def forced_backend(backend: str | None = None) -> str | None:
             f"backend must be a backend name (str) or None, got {type(name).__name__} {name!r}"
         )
     name = name.strip().lower()
+    if not name and backend is not None:
+        # an empty argument is a name that went missing (an unset config field), not a choice;
+        # an empty MEMOPT_BACKEND is the shell's way to unset it
+        raise ConfigError(
+            f"backend={backend!r} names no backend: pass None or 'auto' to let memopt choose, or "
+            "a name from memopt_core.available_backends()"
+        )
     return None if name in ("", "auto") else name
 
 
