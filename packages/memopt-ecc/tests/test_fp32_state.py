@@ -247,6 +247,23 @@ def test_fp32_master_without_state_is_the_parameter():
     assert same_bits(fp32_master(opt, q), q.detach())  # not held: itself
 
 
+def test_fp32_master_of_a_detached_alias_is_its_parameters_and_a_part_is_refused():
+    """``p.detach()`` / ``p.data`` is not the object the optimizer holds; it was taken for a
+    parameter without state and widened, silently not the master weight."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, 5).bfloat16())
+    opt = FlashAdamW([p], lr=1e-3)
+    for _ in range(3):
+        p.grad = torch.randn(4, 5).bfloat16()
+        opt.step()
+    master = fp32_master(opt, p)
+    assert not torch.equal(master, p.detach().float())  # the code holds bits of its own
+    assert same_bits(fp32_master(opt, p.detach()), master)
+    assert same_bits(fp32_master(opt, p.data), master)
+    with pytest.raises(ValueError, match=r"part of parameter #0 of param group 0 \(shape \(4, 5\)"):
+        fp32_master(opt, p[1])
+
+
 def test_fp32_state_dict_is_fp32_for_buffers_and_frozen_parameters():
     """Buffers and parameters the optimizer does not hold are widened too (mutation testing:
     dropping their ``.float()`` went unnoticed)."""

@@ -32,6 +32,8 @@ __all__ = [
     "clear_of",
     "has_memory",
     "labelled_parameters",
+    "same_view",
+    "share_memory",
     "sorted_extents",
 ]
 
@@ -69,13 +71,23 @@ def _share_bytes(a: Tensor, b: Tensor) -> bool:
     return bool(torch.isin(_byte_set(a), _byte_set(b)).any())
 
 
-def _same_view(a: Tensor, b: Tensor) -> bool:
+def same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (``p.detach()``,
+    ``p.data`` and ``p``)."""
     return (
         a.data_ptr() == b.data_ptr()
         and a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
     )
+
+
+def share_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` (on one device, with memory: :func:`has_memory`) share a byte."""
+    ea, eb = _extent(a), _extent(b)
+    if ea is None or eb is None or ea[1] <= eb[0] or eb[1] <= ea[0]:
+        return False
+    return _share_bytes(a, b)
 
 
 _NBYTES = attrgetter("nbytes")
@@ -134,7 +146,7 @@ def check_aliasing(
             if not (item[2] or other[2]):
                 continue  # two tensors that are only read may share memory
             a, b = other[3], item[3]
-            if ((id(a), id(b)) in allowed or (id(b), id(a)) in allowed) and _same_view(a, b):
+            if ((id(a), id(b)) in allowed or (id(b), id(a)) in allowed) and same_view(a, b):
                 continue
             if _share_bytes(a, b):
                 na, nb = _name(other[4]), _name(item[4])

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from memopt_core import MemOptimizer, conversions
+from memopt_core.aliasing import has_memory, same_view, share_memory
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
 from memopt_core.optimizer import check_bool, require_memopt_optimizer
@@ -65,10 +66,32 @@ def fp32_master(optimizer: MemOptimizer, param: Tensor) -> Tensor:
 
     bf16 parameter + ECC code decoded with the master codec; without a code (master ``none``, a
     parameter without state yet, or one the optimizer does not hold) the parameter widened to
-    fp32, which is also what a fresh ECC state decodes to.
+    fp32, which is also what a fresh ECC state decodes to. ``param.detach()`` or ``param.data``
+    stands for the parameter; a part of a held parameter (``param[0]``) raises ``ValueError``:
+    widened, it would not be that part's master weight.
     """
     require_memopt_optimizer(optimizer)
-    return _decode(optimizer, param, _groups(optimizer).get(id(param)))
+    held = _groups(optimizer)
+    if id(param) not in held and not is_dtensor(param) and has_memory(param):
+        param = _held_alias(optimizer, param)
+    return _decode(optimizer, param, held.get(id(param)))
+
+
+def _held_alias(optimizer: MemOptimizer, t: Tensor) -> Tensor:
+    """The held parameter ``t`` is a detached alias of (the same view of its memory), else
+    ``t`` when it shares no byte with one; ValueError for a part of one."""
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if is_dtensor(p) or p.device != t.device or not share_memory(p.detach(), t):
+                continue
+            if same_view(p, t):
+                return p
+            raise ValueError(
+                f"fp32_master got a tensor that is part of parameter #{i} of param group {gi} "
+                f"(shape {tuple(p.shape)}), not the parameter: its ECC code belongs to the "
+                "whole parameter. Pass the parameter, and index its fp32 master"
+            )
+    return t
 
 
 def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict[str, Any]:
