@@ -84,6 +84,19 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources, with each package's ``[tool.mypy]`` settings. The
+    memopt packages resolve from their source trees (``MYPYPATH``), so nothing is built; torch
+    is installed for its types (triton ships none: memopt-kernels-triton's settings say so)."""
+    _install_torch(session)
+    session.install("mypy==2.4.1")  # pinned as ruff is: a new release must not turn CI red
+    mypy_path = os.pathsep.join(str(d / "src") for d in _package_dirs())
+    for package in _package_dirs():
+        with session.chdir(package):
+            session.run("mypy", env={"MYPYPATH": mypy_path})
+
+
 @nox.session(python=False)
 def check_versions(session: nox.Session) -> None:
     """Fail when a sibling pin does not admit the local version of the package it names."""

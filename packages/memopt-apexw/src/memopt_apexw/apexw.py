@@ -333,7 +333,7 @@ class ApexW(MemOptimizer):
     # ----------------------------------------------------------------------------- stepping
     @run_eagerly  # as MemOptimizer.step
     @forgets_scaler_flags_on_error
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW step over every parameter with a gradient; returns the closure's loss."""
         self._refuse_inference_mode("step")
         if self._release_owner is not None:
@@ -489,7 +489,8 @@ class ApexW(MemOptimizer):
     def _build_cached(self, works: list[tuple[Any, backends.GroupStep]]) -> CachedStep | None:
         cached = super()._build_cached(works)
         names = {getattr(e.backend, "name", "?") for e in cached.entries} if cached else set()
-        if self.capturable and names == {"triton"}:
+        # names is empty where cached is None: the first test only narrows it for mypy
+        if cached is not None and self.capturable and names == {"triton"}:
             cached.prepare()  # the capture replays the prepared launches: check them now
             self._check_capturable(cached)
             cached.fixed_grads = True  # the graph holds the gradients' addresses

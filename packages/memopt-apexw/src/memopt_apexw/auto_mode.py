@@ -141,7 +141,7 @@ def signature(
     what changes the step's work: which tensors train (``requires_grad``) and ``check_numerics``
     too."""
     described = []
-    devices = set()
+    devices: set[torch.device] = set()
     total = 0
     tensors = 0
     for g in groups:
@@ -205,7 +205,7 @@ def load_decision(path: Path, key: str) -> ModeDecision | None:
 def save_decision(path: Path, key: str, decision: ModeDecision, about: dict[str, Any]) -> None:
     """Add ``decision`` under ``key`` to the JSON cache at ``path``, atomically (temporary file and
     rename; a concurrent writer loses at most its own entry)."""
-    data = {"version": _CACHE_VERSION, "entries": _entries(path)}
+    data: dict[str, Any] = {"version": _CACHE_VERSION, "entries": _entries(path)}
     data["entries"][key] = {
         "mode": decision.mode,
         "timings_ms": decision.timings_ms,

@@ -235,7 +235,7 @@ def save(
         groups = []
         # memopt's state dicts repeat their 'memopt' entry in every param group (for torch's
         # get_state_dict, which keeps only the groups): the file keeps the top-level one
-        skipped = ("params", "param_names")
+        skipped: tuple[str, ...] = ("params", "param_names")
         if sd.get("memopt") is not None:
             skipped += ("memopt",)
         for gi, g in enumerate(sd["param_groups"]):
@@ -303,11 +303,12 @@ def load(
         # set_extra_state and load hooks, which may still refuse. Then the optimizer, whose
         # load_state_dict validates everything before it changes anything. If either raises,
         # the model's tensors are put back from a host copy, so nothing is half loaded.
-        backup = _host_copy(model) if model_sd is not None else []
+        # a plan is None exactly where its target is: testing both only narrows them for mypy
+        backup = _host_copy(model) if model is not None and model_sd is not None else []
         try:
-            if model_sd is not None:
+            if model is not None and model_sd is not None:
                 model.load_state_dict(model_sd, strict=strict)
-            if optim_sd is not None:
+            if optimizer is not None and optim_sd is not None:
                 optimizer.load_state_dict(optim_sd)
         except BaseException:
             with torch.no_grad():
@@ -359,7 +360,8 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
                 f"edited): {what}"
             )
 
-    schema = meta.get("schema")
+    # JSON values, of any type until require() has checked them
+    schema: Any = meta.get("schema")
     require(type(schema) is int, f"its meta's 'schema' is {schema!r}, not an int")
     if schema > CHECKPOINT_SCHEMA:
         raise CheckpointError(
@@ -382,9 +384,9 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
         refs += [f"model/{k}" for k in info["keys"]]
     info = meta.get("optimizer")
     if info is not None:
-        groups = info.get("param_groups") if isinstance(info, dict) else None
-        state = info.get("state") if isinstance(info, dict) else None
-        shapes = info.get("shapes", {}) if isinstance(info, dict) else None
+        groups: Any = info.get("param_groups") if isinstance(info, dict) else None
+        state: Any = info.get("state") if isinstance(info, dict) else None
+        shapes: Any = info.get("shapes", {}) if isinstance(info, dict) else None
         require(
             isinstance(info, dict)
             and isinstance(info.get("class"), str)

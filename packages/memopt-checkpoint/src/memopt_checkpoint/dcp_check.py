@@ -21,7 +21,7 @@ state, that the checkpoint lacks: a parameter frozen when it was saved and train
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -58,7 +58,7 @@ def _read_meta(probe: dict[str, Any]) -> dict[str, Any] | None:
         kept = {k: v for k, v in entry.items() if v is not None}
         return kept or None
 
-    groups = [
+    groups: list[dict[str, Any]] = [
         {"params": []} | ({META_KEY: m} if (m := found(g[META_KEY])) is not None else {})
         for g in probe["param_groups"]
         if g["params"] is not None  # a group the checkpoint holds
@@ -118,7 +118,8 @@ def _live_named_state(
                     "model given to check_dcp_load: pass the model the optimizer's state dict "
                     "is built from (get_state_dict(model, optimizer))"
                 )
-    osd = get_optimizer_state_dict(model, optimizer)
+    # torch types every value as the union of all a state dict holds
+    osd: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
     return [list(g["params"]) for g in osd["param_groups"]], osd["state"]
 
 
@@ -229,7 +230,7 @@ def check_dcp_load(
     def label_of(p: torch.Tensor) -> str:
         if bridge:  # AdamBridge names its parameters in its messages by shape
             return f"parameter of shape {tuple(p.shape)}"
-        return optimizer._param_label(p)
+        return cast(MemOptimizer, optimizer)._param_label(p)
 
     # AdamBridge holds host state for its trainable parameters from its construction
     stateless = [
@@ -246,7 +247,7 @@ def check_dcp_load(
         )
     n = len(optimizer.param_groups)
     # one group more than this optimizer has: a partial load leaves missing values None
-    probe = {
+    probe: dict[str, Any] = {
         META_KEY: dict.fromkeys(_META_FIELDS),
         "param_groups": [
             {"master": None, "moments": None, "params": None, META_KEY: dict.fromkeys(_META_FIELDS)}
@@ -271,9 +272,12 @@ def check_dcp_load(
         planner=planner,
         process_group=process_group,
     )
+    # dcp.load set the planner up with the checkpoint's metadata
+    metadata = planner.metadata
+    assert metadata is not None
     meta = _read_meta(probe)
-    if bridge:
-        optimizer._checked_meta(meta, "the checkpoint")
+    if bridge:  # memopt-offload's AdamBridge: not a dependency, so not a type mypy knows
+        cast(Any, optimizer)._checked_meta(meta, "the checkpoint")
     rule = meta.get("rule") if meta is not None else None
     if rule is None and not bridge:
         if meta is not None and meta.get("family") is not None:
@@ -288,13 +292,13 @@ def check_dcp_load(
             "only, where get_state_dict drops it, or saved with "
             "StateDictOptions(flatten_optimizer_state_dict=True), which this check does not read)"
         )
-    if not bridge and rule != optimizer.rule:
+    if not bridge and rule != cast(MemOptimizer, optimizer).rule:
         raise StateDictError(
             f"the checkpoint holds the state of a {rule!r} optimizer; this one runs "
-            f"{optimizer.rule!r}"
+            f"{cast(MemOptimizer, optimizer).rule!r}"
         )
     if not bridge:  # the version and seed load_state_dict checks, after dcp.load wrote
-        optimizer._checked_meta(meta, "the checkpoint")
+        cast(MemOptimizer, optimizer)._checked_meta(meta, "the checkpoint")
     saved = probe["param_groups"]
     count = sum(g["params"] is not None for g in saved)
     if count != n:
@@ -346,11 +350,11 @@ def check_dcp_load(
     # checkpoint of another memopt optimizer (MemOptimizer, ApexW) lacks the key, and dcp.load
     # fails on a key its target has and the checkpoint lacks
     if hasattr(optimizer, "compress_state_dict") and not bridge:
-        names = planner.metadata.state_dict_metadata
+        stored = metadata.state_dict_metadata
         lacking = [
-            gi for gi in range(n) if f"{key}.param_groups.{gi}.{META_KEY}.compressed" not in names
+            gi for gi in range(n) if f"{key}.param_groups.{gi}.{META_KEY}.compressed" not in stored
         ]
-        if lacking and any(k.startswith(f"{key}.param_groups.") for k in names):
+        if lacking and any(k.startswith(f"{key}.param_groups.") for k in stored):
             raise StateDictError(
                 f"the checkpoint's param group {lacking[0]} has no memopt['compressed'] (saved by "
                 f"another memopt optimizer than {type(optimizer).__name__}), which this "
@@ -359,6 +363,8 @@ def check_dcp_load(
                 "sd['param_groups'][i]['memopt']: .pop('compressed')); load_state_dict then "
                 "reads the state as compressed"
             )
+    # None raised above: as no rule, or in AdamBridge's _checked_meta
+    assert meta is not None
     # core's state dicts are compressed; FlashOptimizer(compress_state_dict=False) decodes
     compressed = meta.get("compressed") is not False
     if compressed != getattr(optimizer, "compress_state_dict", True):
@@ -375,7 +381,7 @@ def check_dcp_load(
     position = {name: i for i, name in enumerate(by_name)}
     listed = position.keys() | {k for ps in saved_lists or [] for k in ps}
     saved_names: dict[int, set[str]] = {}
-    for k in planner.metadata.state_dict_metadata:
+    for k in metadata.state_dict_metadata:
         if not k.startswith(prefix):
             continue
         rest = k[len(prefix) :]
@@ -392,9 +398,9 @@ def check_dcp_load(
             if name is not None:
                 saved_names.setdefault(position[name], set()).add(rest[len(name) + 1 :])
             continue
-        index, _, state_name = rest.partition(".")
-        if index.isdigit():
-            saved_names.setdefault(int(index), set()).add(state_name)
+        digits, _, state_name = rest.partition(".")
+        if digits.isdigit():
+            saved_names.setdefault(int(digits), set()).add(state_name)
     if live_by_name is None:
         live = optimizer.state_dict()["state"]
     else:
@@ -472,9 +478,7 @@ def check_dcp_load(
     shapes = {index: tuple(params[index].shape) for index in live}
     if bridge:  # AdamBridge saves no param_shape: its host master has the parameter's shape
         for i, shape in shapes.items():
-            saved_master = planner.metadata.state_dict_metadata.get(
-                f"{prefix}{saved_key.get(i, i)}.master"
-            )
+            saved_master = metadata.state_dict_metadata.get(f"{prefix}{saved_key.get(i, i)}.master")
             size = getattr(saved_master, "size", None)
             if size is not None and tuple(size) != shape:
                 raise StateDictError(
@@ -518,7 +522,7 @@ def check_dcp_load(
     # so that everything else has been checked when the key is dropped as the message says
     # (AdamBridge's too, with update="host", whose entry carries its host optimizer's list)
     if _NORM_KEY in optimizer.state_dict()[META_KEY]:
-        saved_keys = planner.metadata.state_dict_metadata
+        saved_keys = metadata.state_dict_metadata
         places = [f"{key}.{META_KEY}"] + [f"{key}.param_groups.{gi}.{META_KEY}" for gi in range(n)]
         if any(
             f"{w}.version" in saved_keys and f"{w}.{_NORM_KEY}" not in saved_keys for w in places

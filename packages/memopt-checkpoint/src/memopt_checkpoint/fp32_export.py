@@ -51,7 +51,8 @@ def fp32_model_state_dict(
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}
     masters: dict[int, torch.Tensor] = {}
     master_weight = getattr(optimizer, "master_weight", None)
-    if callable(master_weight):  # memopt_offload.AdamBridge
+    # (None's master_weight is None: the test of optimizer only narrows it for mypy)
+    if optimizer is not None and callable(master_weight):  # memopt_offload.AdamBridge
         for g in optimizer.param_groups:
             for p in g["params"]:
                 # every parameter it holds a master of: one frozen after training has its

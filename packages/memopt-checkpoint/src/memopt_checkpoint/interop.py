@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -198,13 +198,15 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
 
 
 @functools.cache
-def _torch_defaults_cached(cls: type[torch.optim.Optimizer]) -> tuple[tuple[str, Any], ...]:
+def _torch_defaults_cached(
+    cls: Callable[..., torch.optim.Optimizer],
+) -> tuple[tuple[str, Any], ...]:
     # the keys (and defaults) of this torch version's param groups, from a throwaway instance
     dummy = torch.zeros(1, requires_grad=True, dtype=torch.float32, device="cpu")
     return tuple(cls([dummy]).defaults.items())
 
 
-def _torch_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+def _torch_defaults(cls: Callable[..., torch.optim.Optimizer]) -> dict[str, Any]:
     return dict(_torch_defaults_cached(cls))
 
 
@@ -577,7 +579,7 @@ def _memopt_entry(
     current = optimizer.state.get(p) or {}
     code = current.get("master_code") if master.code_dtype is not None else None
     if kind == "adam":
-        names = ("exp_avg", "exp_avg_sq")
+        names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     else:
         has_buffer = loaded is not None and "momentum_buffer" in loaded
         names = ("momentum_buffer",) if has_buffer or float(merged["momentum"]) != 0.0 else ()
@@ -603,6 +605,7 @@ def _memopt_entry(
     if master.code_dtype is not None:
         if code is None:  # what init_state() writes: the code of the current value
             _, code = conversions.encode_master(master, p.detach().float().reshape(-1))
+            assert code is not None  # a master format with a code dtype encodes one
         entry["master_code"] = code.detach().reshape(p.shape).clone()
     return entry
 

@@ -185,10 +185,15 @@ def labelled_parameters(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple
     """Every parameter of ``param_groups`` with its error-message label ("parameter #i of param
     group g", made only when an error needs it), for :func:`check_parameters_apart`."""
     return [
-        (p, lambda gi=gi, i=i: f"parameter #{i} of param group {gi}")
+        (p, _param_label(gi, i))
         for gi, g in enumerate(param_groups)
         for i, p in enumerate(g["params"])
     ]
+
+
+def _param_label(gi: int, i: int) -> Label:
+    """The label of parameter ``i`` of param group ``gi``, made when called."""
+    return lambda: f"parameter #{i} of param group {gi}"
 
 
 def check_parameters_apart(

@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, is_, itemgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -118,8 +118,8 @@ def param_sizes(params: Sequence[Tensor]) -> tuple[int, ...]:
 
 def grad_addresses(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
     """Storage addresses of ``grads``, -1 for None (an empty tensor's address is 0)."""
-    try:
-        return tuple(map(_DATA_PTR, grads))  # a C-level loop: the common case
+    try:  # a C-level loop: the common case, no None (which raises TypeError)
+        return tuple(map(_DATA_PTR, cast("Sequence[Tensor]", grads)))
     except TypeError:  # some gradient is None
         return tuple(-1 if g is None else g.data_ptr() for g in grads)
 
@@ -136,8 +136,8 @@ def still_contiguous(tensors: Sequence[Tensor | None], positions: tuple[int, ...
     are contiguous (or None). A strided tensor that became contiguous needs no check: its work
     has no prepared launch, or one that reads it through a copy."""
     chosen = tensors if positions is None else [tensors[i] for i in positions]
-    try:
-        return all(map(_CONTIGUOUS, chosen))  # a C-level loop: the common case
+    try:  # a C-level loop: the common case, no None (which raises TypeError)
+        return all(map(_CONTIGUOUS, cast("Sequence[Tensor]", chosen)))
     except TypeError:  # some gradient is None
         return all(t is None or t.is_contiguous() for t in chosen)
 
@@ -146,8 +146,8 @@ def any_negated(grads: Sequence[Tensor | None]) -> bool:
     """Whether a gradient is a negated view (torch's negative bit, ``x.conj().imag``), whose
     memory holds the opposite values: kernels read memory. Checked for gradients that moved
     (a flip at the same address takes torch's private ``_neg_view``)."""
-    try:
-        return any(map(_IS_NEG, grads))  # a C-level loop: the common case
+    try:  # a C-level loop: the common case, no None (which raises TypeError)
+        return any(map(_IS_NEG, cast("Sequence[Tensor]", grads)))
     except TypeError:  # some gradient is None
         return any(g is not None and g.is_neg() for g in grads)
 
@@ -159,8 +159,8 @@ def param_dtypes(params: Sequence[Tensor]) -> tuple[Any, ...]:
 
 def grad_sizes(grads: Sequence[Tensor | None]) -> tuple[int, ...]:
     """Numbers of elements of ``grads`` (-1 for None)."""
-    try:
-        return tuple(map(_NUMEL, grads))  # a C-level loop: the common case
+    try:  # a C-level loop: the common case, no None (which raises TypeError)
+        return tuple(map(_NUMEL, cast("Sequence[Tensor]", grads)))
     except TypeError:  # some gradient is None
         return tuple(-1 if g is None else g.numel() for g in grads)
 
@@ -375,7 +375,9 @@ class CachedStep:
     def hand_grads(self, grads: list[list[Tensor | None]]) -> None:
         """Give each work the current gradients of its parameters."""
         for e in self.entries:
-            g = grads[e.group_index]
+            # a work holds parameters that had gradients, and current_grads found None where
+            # None was (a work with positions None holds its whole group)
+            g = cast("list[Tensor]", grads[e.group_index])
             e.work.grads = g if e.positions is None else list(map(g.__getitem__, e.positions))
 
     def drop_grads(self) -> None:

@@ -18,7 +18,7 @@ without memopt-ecc installed; ``memopt_ecc`` re-exports these functions (FlashOp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,9 @@ from memopt_core.formats import master_codec
 from memopt_core.optimizer import check_bool, require_memopt_optimizer
 from memopt_core.sharding import is_dtensor, local_shard, sharded_like
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["fp32_master", "get_fp32_model_state_dict", "set_fp32_model_state_dict"]
 
 
@@ -38,7 +41,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     wrappers: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
     while isinstance(model, wrappers):
-        model = model.module
+        # DistributedDataParallel does not declare .module's type (nn.Module's __getattr__
+        # would say Tensor | Module); both wrappers hold the wrapped module there
+        model = cast(nn.Module, model.module)
     return model
 
 
@@ -141,13 +146,15 @@ def _local_value(key: str, param: Tensor, value: Tensor) -> Tensor:
     """The part of ``value`` that ``param``'s local shard holds (``value`` itself unsharded)."""
     if not is_dtensor(param):
         return value
-    if not is_dtensor(value) or tuple(value.placements) != tuple(param.placements):
-        got = f"placements {tuple(value.placements)}" if is_dtensor(value) else "a plain tensor"
+    want = tuple(cast("DTensor", param).placements)
+    placements = tuple(cast("DTensor", value).placements) if is_dtensor(value) else None
+    if placements != want:
+        got = "a plain tensor" if placements is None else f"placements {placements}"
         raise StateDictError(
-            f"entry {key!r} is {got}; its parameter is sharded ({tuple(param.placements)}): pass "
+            f"entry {key!r} is {got}; its parameter is sharded ({want}): pass "
             "the DTensors get_fp32_model_state_dict returns for the sharded model"
         )
-    return value.to_local()
+    return cast("DTensor", value).to_local()
 
 
 def set_fp32_model_state_dict(

@@ -42,10 +42,10 @@ import reprlib
 import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -98,6 +98,11 @@ from memopt_core.state_dict_hooks import (
 )
 from memopt_core.state_dict_meta import META_KEY, add_group_meta, saved_meta, without_meta
 from memopt_core.tracked_state import ParamState, TrackedState, WriteCounter
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "RULES",
@@ -241,19 +246,19 @@ def _group_beta2(groups: Any, gi: int) -> float:
     return beta2 if 0.0 <= beta2 < 1.0 else 0.0
 
 
-def _on_a_gpu(value: Any) -> bool:
+def _on_a_gpu(value: Any) -> TypeGuard[Tensor]:
     """Whether ``value`` is a tensor outside host memory (reading it synchronises)."""
     return isinstance(value, Tensor) and value.device.type != "cpu"
 
 
-def real_as_float(value: numbers.Real) -> float:
+def real_as_float(value: float | numbers.Real) -> float:
     """``float(value)``, but +-inf for an int beyond float's range (where ``float`` and
     ``math.isfinite`` raise ``OverflowError``), so that a range check refuses it with its own
     message."""
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return -math.inf if value < 0 else math.inf  # numbers.Real types <, not >
 
 
 def _as_float(value: Any, what: str, where: str) -> float:
@@ -351,7 +356,7 @@ def _run_works(
             )
             i = j
         else:
-            _run_then(lambda i=i: launch(i), lambda i=i: ran(i))
+            _run_then(functools.partial(launch, i), functools.partial(ran, i))
             i += 1
 
 
@@ -450,7 +455,7 @@ def _caller_stacklevel() -> int:
     torch and memopt's optimizer packages (step() runs under torch's hook wrapper,
     ``GradScaler.step``, LR schedulers' wrappers, :func:`memopt_core.eager.run_eagerly`'s, and
     subclasses' methods), i.e. the user's line."""
-    frame = sys._getframe(1)  # the function calling warnings.warn
+    frame: FrameType | None = sys._getframe(1)  # the function calling warnings.warn
     level = 1
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
@@ -741,7 +746,7 @@ class MemOptimizer(Optimizer):
                     f"decouple_lr=True {where} divides by the initial lr, which is {initial}: "
                     "it must be > 0"
                 )
-        return b  # type: ignore[return-value]
+        return b
 
     def _spec(self, group: Mapping[str, Any], dtype: torch.dtype) -> StateSpec:
         return StateSpec(
@@ -813,7 +818,7 @@ class MemOptimizer(Optimizer):
                 raise ConfigError(
                     f"parameter {label} {where} is a {type(p).__name__}, not a tensor"
                 )
-            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            if torch.nn.parameter.is_lazy(p):
                 raise ConfigError(
                     f"parameter {label} {where} is not initialized yet (a lazy module's): run "
                     "one forward pass before creating the optimizer"
@@ -1116,7 +1121,7 @@ class MemOptimizer(Optimizer):
             # plans hold what the kernels update: a sharded parameter's local shard
             plans[gi] = make_plans(
                 [local_shard(p) for p in members],
-                lambda dt, group=group: self._spec(group, dt),
+                functools.partial(self._spec, group),
                 group_index=gi,
             )
         kin: dict[tuple, list[GroupPlan]] = defaultdict(list)
@@ -1129,13 +1134,12 @@ class MemOptimizer(Optimizer):
                 codecs = {n: self._codec_of(n, spec) for n in names}
                 family = family_arenas(members, codecs, spec.master_for(dtype))
                 arenas.update(zip(map(id, members), family, strict=True))
-        for args in builds:
-            gi = args[0]
+        for gi, group, members, names, formats, signature in builds:
             ids = None
             if gi in kept:
                 ids = {id(p): e.tensor_ids[si] for e in self._plans[gi].entries
                        for si, p in enumerate(e.owners)}  # fmt: skip
-            self._build_group(*args, plans[gi], arenas, ids)
+            self._build_group(gi, group, members, names, formats, signature, plans[gi], arenas, ids)
 
     def _merges_groups(self, plan: GroupPlan) -> bool:
         """Whether the backend that will step ``plan`` runs several param groups in one launch
@@ -1167,7 +1171,7 @@ class MemOptimizer(Optimizer):
         index = self._tensor_index() if ids is None else ids
         self._drop_plan(gi)
         entries: list[_Entry] = []
-        new_states: dict[Tensor, dict[str, Any]] = {}
+        new_states: dict[Tensor, ParamState] = {}
         owner_of = {id(local_shard(p)): p for p in members}
         for plan in plans:
             master = plan.spec.master_for(plan.param_dtype)
@@ -1274,7 +1278,11 @@ class MemOptimizer(Optimizer):
 
     # ------------------------------------------------------------------------------- stepping
     def _scalars(
-        self, group: Mapping[str, Any], step: int, device_lr: bool = False, device_wd: bool = False
+        self,
+        group: MutableMapping[str, Any],
+        step: int,
+        device_lr: bool = False,
+        device_wd: bool = False,
     ):
         """The host scalars of ``group`` at ``step``. ``device_lr``: the step reads lr on the
         device (:meth:`_device_work`), so neither lr nor initial_lr is read here (1.0 stands for
@@ -1282,7 +1290,8 @@ class MemOptimizer(Optimizer):
         terms stay in the launch). Only the words that do not depend on them count."""
         kind, decoupled = RULES[self.rule]
         lr = 1.0 if device_lr else float(group["lr"])
-        betas = tuple(float(b) for b in self._group_betas(group))
+        # a pair: _check_group checked every group's betas
+        betas = cast("tuple[float, float]", tuple(float(b) for b in self._group_betas(group)))
         wd = 1.0 if device_wd else float(group["weight_decay"])
         initial_lr = None
         if group["decouple_lr"] and decoupled and not device_lr:
@@ -1390,9 +1399,12 @@ class MemOptimizer(Optimizer):
 
     def _check_grad(self, p: Tensor, g: Tensor, plan: GroupPlan, si: int) -> None:
         if is_dtensor(p) or is_dtensor(g):
-            if not (is_dtensor(p) and is_dtensor(g)) or tuple(g.placements) != tuple(p.placements):
-                got = f"placements {tuple(g.placements)}" if is_dtensor(g) else "a plain tensor"
-                want = f"placements {tuple(p.placements)}" if is_dtensor(p) else "a plain tensor"
+            # each one's placements, None for a plain tensor
+            p_pl = tuple(cast("DTensor", p).placements) if is_dtensor(p) else None
+            g_pl = tuple(cast("DTensor", g).placements) if is_dtensor(g) else None
+            if p_pl is None or g_pl != p_pl:
+                got = "a plain tensor" if g_pl is None else f"placements {g_pl}"
+                want = "a plain tensor" if p_pl is None else f"placements {p_pl}"
                 raise ConfigError(
                     f"{self._param_label(p)} has a gradient with {got}; it must be sharded like "
                     f"the parameter ({want})"
@@ -1402,7 +1414,8 @@ class MemOptimizer(Optimizer):
                     f"{self._param_label(p)} has a gradient of shape {tuple(g.shape)}; it must "
                     "match the parameter"
                 )
-            label, p, g = self._param_label(p), p._local_tensor, g._local_tensor
+            label = self._param_label(p)
+            p, g = cast("DTensor", p)._local_tensor, cast("DTensor", g)._local_tensor
         else:
             label = None
         self._check_local_grad(label, p, g, plan, si)
@@ -1592,7 +1605,9 @@ class MemOptimizer(Optimizer):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
             if work.device_step is None:  # a device step advanced its counters itself
-                self._count_step(counters[i], work)
+                counted = counters[i]
+                assert counted is not None  # None only for a device step's work
+                self._count_step(counted, work)
 
         _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
         self._check_step_limit(w for _, w in works if w.device_step is None)
@@ -1620,13 +1635,17 @@ class MemOptimizer(Optimizer):
     @staticmethod
     def _count_step(entry: _Entry, work: backends.GroupStep) -> None:
         """Advance the host step counters of ``work``'s parameters (views of ``entry.steps``)."""
+        steps, views = entry.steps, entry.step_views
+        # the work's counts were read through _entry_steps, which holds both
+        assert steps is not None
+        assert views is not None
         if work.full:
-            entry.steps.add_(1)
+            steps.add_(1)
         elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
             for si in work.slots:
-                entry.step_views[si].add_(1)
+                views[si].add_(1)
         else:
-            entry.steps[torch.tensor(work.slots, device="cpu")] += 1
+            steps[torch.tensor(work.slots, device="cpu")] += 1
 
     def _check_before_update(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -1659,7 +1678,8 @@ class MemOptimizer(Optimizer):
         of ``entry``'s ``slots`` in param group ``gi`` (its counters moved to the device).
         ``slots`` None: the entry's counters are on the device and held (a cached step's)."""
         group = self.param_groups[gi]
-        betas = tuple(float(b) for b in self._group_betas(group))
+        # a pair: _check_group checked every group's betas
+        betas = cast("tuple[float, float]", tuple(float(b) for b in self._group_betas(group)))
         if self._kind == "adam":
             try:  # before any group steps: the table is cached, this costs once per betas
                 reference.adam_bias_table(*betas)
@@ -1728,19 +1748,20 @@ class MemOptimizer(Optimizer):
         (gradient release) thus costs O(1) here. Counters held on the other device move in one
         copy (one synchronisation from a GPU), once per change of place."""
         dev = entry.plan.device if self._capturable or on_device else _CPU
-        views = entry.step_views
+        views, steps = entry.step_views, entry.steps
         if views is not None:
+            assert steps is not None  # _hold_steps sets both
             state = self.state
             owners = entry.owners
-            if entry.steps.device == dev:
+            if steps.device == dev:
                 if slots is None:
                     ok = all(state[p]["step"] is v for p, v in zip(owners, views, strict=True))
                 else:
                     ok = all(state[owners[si]]["step"] is views[si] for si in slots)
                 if ok:
-                    return entry.steps
+                    return steps
             elif all(state[p]["step"] is v for p, v in zip(owners, views, strict=True)):
-                return self._hold_steps(entry, entry.steps.to(dev))
+                return self._hold_steps(entry, steps.to(dev))
         return self._hold_steps(
             entry,
             torch.stack(
@@ -1779,8 +1800,8 @@ class MemOptimizer(Optimizer):
                     for _, g in pairs
                 ]
             ).reshape(-1, 1)
-            flags = max_over_shards([p for p, _ in pairs], flags).flatten().tolist()
-            bad.extend(p for (p, _), f in zip(pairs, flags, strict=True) if f)
+            maxed = max_over_shards([p for p, _ in pairs], flags).flatten().tolist()
+            bad.extend(p for (p, _), f in zip(pairs, maxed, strict=True) if f)
         for pairs in by_device.values():
             # a min-max reduction keeps NaN and inf (isfinite().all() took 20-50x as long on
             # the CPU); the small gradients of a dtype go through one: per-tensor calls cost
@@ -1797,8 +1818,8 @@ class MemOptimizer(Optimizer):
             )
             if bool(torch.isfinite(torch.cat(ends)).all()):
                 continue
-            flags = [bool(torch.isfinite(torch.stack(torch.aminmax(g))).all()) for _, g in pairs]
-            bad.extend(p for (p, _), ok in zip(pairs, flags, strict=True) if not ok)
+            oks = [bool(torch.isfinite(torch.stack(torch.aminmax(g))).all()) for _, g in pairs]
+            bad.extend(p for (p, _), ok in zip(pairs, oks, strict=True) if not ok)
         if bad:
             listed = "; ".join(self._param_label(p) for p in bad[:8])
             more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
@@ -1896,7 +1917,7 @@ class MemOptimizer(Optimizer):
 
     @run_eagerly  # under torch.compile too (memopt_core.eager says why)
     @forgets_scaler_flags_on_error
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every parameter with a gradient; returns the closure's loss.
 
         Outside a CUDA graph capture, the works of an earlier step are replayed while every
@@ -2102,8 +2123,10 @@ class MemOptimizer(Optimizer):
             return False
         if self._state_written():  # the ordinary step adopts what was written (and drops these)
             return False
+        # a device step is cached only where every work has a DeviceStep (_device_counted_step)
         if amp is not None and any(
-            e.counters.steps is not e.work.device_step.steps for e in cached.entries
+            e.counters.steps is not cast(backends.DeviceStep, e.work.device_step).steps
+            for e in cached.entries
         ):
             del self._cached_steps[key]
             return False
@@ -2424,10 +2447,10 @@ class MemOptimizer(Optimizer):
             raise StateDictError(
                 f"expected a state dict (a mapping), got {type(state_dict).__name__}"
             )
-        state_dict = run_load_pre_hooks(self, dict(state_dict))
-        _check_saved_param_lists(state_dict)
-        self._check_param_shapes(state_dict)  # first: before any layout conversion complains
-        state_dict = self._prepare_loaded(self._localized(state_dict))
+        loaded = run_load_pre_hooks(self, dict(state_dict))
+        _check_saved_param_lists(loaded)
+        self._check_param_shapes(loaded)  # first: before any layout conversion complains
+        state_dict = self._prepare_loaded(self._localized(loaded))
         for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise StateDictError(
@@ -2750,7 +2773,7 @@ class MemOptimizer(Optimizer):
     # ------------------------------------------------------------------------ pickle, deepcopy
     def __getstate__(self) -> dict[str, Any]:
         # compact copies of the state (views would pickle whole arenas once per view)
-        state = defaultdict(dict)
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for p, s in self.state.items():
             state[p] = {k: (_Picklable(v) if isinstance(v, Tensor) else v) for k, v in s.items()}
         return {

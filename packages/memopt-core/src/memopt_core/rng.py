@@ -111,7 +111,7 @@ def philox4x32(
             p0 & _U32,
         )
     out = torch.broadcast_tensors(x0, x1, x2, x3)
-    return tuple(t.contiguous() for t in out)  # type: ignore[return-value]
+    return tuple(t.contiguous() for t in out)
 
 
 def step_keys(

@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -55,6 +55,9 @@ from torch import Tensor
 from memopt_core.errors import ConfigError, StateDictError
 from memopt_core.formats import MomentCodec
 from memopt_core.plan import round_up, state_key
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "block_aligned",
@@ -76,6 +79,11 @@ def is_dtensor(t: object) -> bool:
     return dtensor is not None and isinstance(t, dtensor)
 
 
+def _dtensor(p: Tensor) -> DTensor:
+    """``p``, which the caller knows to be a DTensor (a sharded parameter), typed as one."""
+    return cast("DTensor", p)
+
+
 def _placement_ok(pl) -> bool:
     if pl.is_replicate():
         return True
@@ -85,15 +93,16 @@ def _placement_ok(pl) -> bool:
 
 def check_sharded(p: Tensor, desc: str) -> None:
     """Raise :class:`ConfigError` unless the DTensor ``p`` is sharded in a way memopt steps."""
-    bad = [pl for pl in p.placements if not _placement_ok(pl)]
+    dp = _dtensor(p)
+    bad = [pl for pl in dp.placements if not _placement_ok(pl)]
     if bad:
         raise ConfigError(
-            f"{desc} is a DTensor with placements {tuple(p.placements)}: memopt optimizers step "
+            f"{desc} is a DTensor with placements {tuple(dp.placements)}: memopt optimizers step "
             "parameters sharded on dim 0 (FSDP2's default fully_shard) or replicated; "
             f"{bad[0]} is not supported (use fully_shard without shard_placement_fn, or "
             "torch.optim for this parameter)"
         )
-    local = p._local_tensor
+    local = dp._local_tensor
     if not local.is_contiguous():
         raise ConfigError(
             f"{desc}: its local shard (shape {tuple(local.shape)}) is not contiguous; memopt "
@@ -103,7 +112,7 @@ def check_sharded(p: Tensor, desc: str) -> None:
 
 def local_shard(t: Tensor) -> Tensor:
     """The tensor an optimizer updates for ``t``: its local shard for a DTensor, else ``t``."""
-    return t._local_tensor if is_dtensor(t) else t
+    return _dtensor(t)._local_tensor if is_dtensor(t) else t
 
 
 def max_over_shards(owners: Sequence[Tensor], rows: Tensor) -> Tensor:
@@ -124,7 +133,7 @@ def max_over_shards(owners: Sequence[Tensor], rows: Tensor) -> Tensor:
 
     by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for i in sharded:
-        mesh = owners[i].device_mesh
+        mesh = _dtensor(owners[i]).device_mesh
         by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
     out = rows.clone()
     for mesh, idx in by_mesh.values():
@@ -144,16 +153,17 @@ def index_base(p: Tensor) -> int:
         return 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    dp = _dtensor(p)
     local_shape, offset = compute_local_shape_and_global_offset(
-        p.shape, p.device_mesh, p.placements
+        p.shape, dp.device_mesh, dp.placements
     )
-    if tuple(local_shape) != tuple(p._local_tensor.shape):
+    if tuple(local_shape) != tuple(dp._local_tensor.shape):
         raise ConfigError(
-            f"a DTensor of shape {tuple(p.shape)} with placements {tuple(p.placements)} holds a "
-            f"local shard of shape {tuple(p._local_tensor.shape)}, but its mesh gives this rank "
+            f"a DTensor of shape {tuple(p.shape)} with placements {tuple(dp.placements)} holds a "
+            f"local shard of shape {tuple(dp._local_tensor.shape)}, but its mesh gives this rank "
             f"{tuple(local_shape)}: uneven custom sharding is not supported"
         )
-    if not p._local_tensor.numel():
+    if not dp._local_tensor.numel():
         return 0
     return offset[0] * math.prod(p.shape[1:]) if p.dim() else 0
 
@@ -165,7 +175,7 @@ def block_aligned(p: Tensor, block: int = 32) -> bool:
     if not is_dtensor(p):
         return True
     start = index_base(p)
-    end = start + p._local_tensor.numel()
+    end = start + _dtensor(p)._local_tensor.numel()
     return start % block == 0 and (end % block == 0 or end == p.numel())
 
 
@@ -205,10 +215,11 @@ def _like_param(p: Tensor, local: Tensor, shape: tuple[int, ...]) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    dp = _dtensor(p)
     return DTensor.from_local(
         _own_storage(local),
-        p.device_mesh,
-        p.placements,
+        dp.device_mesh,
+        dp.placements,
         run_check=False,
         shape=torch.Size(shape),
         stride=stride,
@@ -228,7 +239,7 @@ def global_state(
     as DTensors sharded like ``p`` (see the module doc). ``blocked`` maps each key of a blocked
     field to its codec and field suffix; other tensors shaped like the local shard are
     per-element; anything else (``step``) is kept."""
-    local = p._local_tensor
+    local = _dtensor(p)._local_tensor
     n = local.numel()
     out: dict[str, Any] = {}
     for key, v in entry.items():
@@ -267,16 +278,17 @@ def local_state(
     name to its codec. Plain tensors are taken as already local."""
     from torch.distributed.tensor import DTensor
 
-    local = p._local_tensor
+    dp = _dtensor(p)
+    local = dp._local_tensor
     n = local.numel()
     out = dict(entry)
     for key, v in entry.items():
         if not isinstance(v, DTensor):
             continue
-        if tuple(v.placements) != tuple(p.placements) or v.device_mesh != p.device_mesh:
+        if tuple(v.placements) != tuple(dp.placements) or v.device_mesh != dp.device_mesh:
             raise StateDictError(
                 f"state {key!r} of {label} is a DTensor with placements {tuple(v.placements)}; "
-                f"it must be sharded like the parameter ({tuple(p.placements)}): load a "
+                f"it must be sharded like the parameter ({tuple(dp.placements)}): load a "
                 "torch.distributed.checkpoint into the optimizer's own state_dict()"
             )
         out[key] = v.to_local()

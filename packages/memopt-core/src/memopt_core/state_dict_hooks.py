@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast, overload
 
 from torch.optim import Optimizer
 
@@ -43,11 +43,21 @@ def finished_state_dict(opt: Optimizer, build: Callable[[], dict[str, Any]]) -> 
     return sd
 
 
+@overload
+def run_load_pre_hooks(opt: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@overload
+def run_load_pre_hooks(opt: Optimizer, state_dict: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+
 def run_load_pre_hooks(opt: Optimizer, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """``state_dict`` after ``opt``'s load pre-hooks (each may return a replacement): what
     ``load_state_dict`` must validate and load. Run before anything changes."""
     for hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        result = hook(opt, state_dict)
+        # torch types the hooks for the dict its load_state_dict takes; they get the mapping
+        # the caller passed, as they would from torch
+        result = hook(opt, cast("dict[str, Any]", state_dict))
         if result is not None:
             state_dict = result
     return state_dict

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ from memopt_core import reference
 from memopt_core.backends import GroupStep
 from memopt_core.formats import StateSpec
 from memopt_core.plan import GroupPlan, StateArena
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "MASTERS",
@@ -428,12 +431,16 @@ def diff_report(a: Group, b: Group, *, nan_equal: bool = False) -> list[str]:
 
 def _float_view(group: Group, key: str) -> Tensor | None:
     if key == "master_code":  # NaN masters: the code holds payload bits
+        codes, master = group.arena.master_code, group.arena.master
+        # group_state names a master_code only for an arena that keeps one: an ECC master's
+        assert codes is not None
+        assert master is not None
         parts = []
         for slot, p in zip(group.plan.slots, group.params, strict=True):
-            code = group.arena.master_code[slot.offset : slot.offset + slot.padded]
+            code = codes[slot.offset : slot.offset + slot.padded]
             low = torch.zeros(slot.padded, dtype=p.dtype, device=p.device)
             low[: slot.numel] = p.detach().reshape(-1)
-            parts.append(group.arena.master.decode(low, code).cpu())
+            parts.append(master.decode(low, code).cpu())
         return torch.cat(parts) if parts else None
     if key.startswith("param"):
         p = group.params[int(key[5:])]
@@ -456,7 +463,8 @@ def set_mean_gradients(model: torch.nn.Module, losses: Sequence[Callable[[], Ten
     for loss in losses:
         model.zero_grad()
         loss().backward()
-        per_rank.append([p.grad.clone() for p in model.parameters()])
+        # every parameter takes part in every rank's loss (as DDP requires by default)
+        per_rank.append([cast(Tensor, p.grad).clone() for p in model.parameters()])
     for p, *grads in zip(model.parameters(), *per_rank, strict=True):
         total = grads[0] / world
         for g in grads[1:]:
@@ -572,7 +580,8 @@ def fsdp2_worker(
                 if not job.step_in_backward:
                     opt.step()
                     opt.zero_grad()
-            full = {n: p.full_tensor().cpu() for n, p in model.named_parameters()}
+            # fully_shard made every parameter a DTensor
+            full = {n: cast("DTensor", p).full_tensor().cpu() for n, p in model.named_parameters()}
             torch.save(full, f"{out}/{job.name}-rank{rank}.pt")
     except BaseException:
         dist.destroy_process_group()

@@ -320,6 +320,7 @@ def _step_piece(work: GroupStep, piece: _Piece, mcodec: MasterCodec) -> None:
         for suffix, value in fields.items():
             _write(arena.fields[name][suffix], piece.runs, _field_unit(codec, suffix), value)
     if arena.master_code is not None:
+        assert code_new is not None  # refused above where the arena keeps a code
         _write(arena.master_code, piece.runs, 1, code_new)
     _scatter(work.params, piece, p_new)
 

@@ -73,7 +73,7 @@ class TrackedState(defaultdict):
     def __init__(self, counter: WriteCounter, *args: Any) -> None:
         super().__init__(None, *args)
         self._counter = counter
-        self.default_factory = self._new_state  # type: ignore[assignment]
+        self.default_factory = self._new_state
 
     def _new_state(self) -> ParamState:
         return ParamState(self._counter)

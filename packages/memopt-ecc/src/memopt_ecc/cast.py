@@ -106,14 +106,14 @@ def _map_floats(obj: Any, fn) -> Any:
         items = [_map_floats(o, fn) for o in obj]
         if type(obj) is list:
             return items
-        out = copy.copy(obj)  # a subclass keeps its type and attributes
-        out[:] = items
-        return out
+        seq = copy.copy(obj)  # a subclass keeps its type and attributes
+        seq[:] = items
+        return seq
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
+        inst = copy.copy(obj)
         for f in dataclasses.fields(obj):  # object's setattr: a frozen one's copy is ours
-            object.__setattr__(out, f.name, _map_floats(getattr(obj, f.name), fn))
-        return out
+            object.__setattr__(inst, f.name, _map_floats(getattr(obj, f.name), fn))
+        return inst
     if type(obj) is dict:
         return {k: _map_floats(v, fn) for k, v in obj.items()}
     if isinstance(obj, dict):
@@ -294,14 +294,14 @@ def cast_model(
     _remove_hooks(model)
     hooked: set[int] = set()
     for _, matched in named:
-        mode = modes.get(id(matched))
-        if mode is None:
+        matched_mode = modes.get(id(matched))
+        if matched_mode is None:
             continue
         for m in _called_modules(matched):
             if id(m) in hooked or (m is not matched and id(m) in modes):
                 continue  # hooked once, under its own mode where it has one
             hooked.add(id(m))
-            _hook(m, mode, dtype)
+            _hook(m, matched_mode, dtype)
     return model
 
 

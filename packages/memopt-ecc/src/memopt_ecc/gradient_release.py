@@ -415,8 +415,11 @@ def enable_gradient_release(
         if scaler is None:
             opt.step_parameters(params, grads=held)
             return
+        scale = scaler._scale
+        # hook() raised before bucketing any gradient while the scaler had no scale
+        assert scale is not None
         with torch.no_grad():
-            inv = scaler._scale.double().reciprocal().float().to(device)
+            inv = scale.double().reciprocal().float().to(device)
             found = torch.zeros((), dtype=torch.float32, device=device)
             _unscale_(grads, inv, found)
             _scaler_record(scaler, opt, found)

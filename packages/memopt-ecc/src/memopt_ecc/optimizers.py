@@ -305,14 +305,15 @@ class FlashOptimizer(MemOptimizer):
 
         groups = {id(p): g for g in self.param_groups for p in g["params"]}
         names = {}
-        for g in self.param_groups:
-            if g.get("param_names"):
-                names.update({id(p): n for p, n in zip(g["params"], g["param_names"], strict=True)})
+        for group in self.param_groups:
+            if group.get("param_names"):
+                pairs = zip(group["params"], group["param_names"], strict=True)
+                names.update({id(p): n for p, n in pairs})
         kind = RULES[self.rule][0]
         items: list[tuple[Tensor, Mapping[str, Any], Tensor]] = []
         seen: set[int] = set()
         for p in params:
-            g = groups.get(id(p)) if isinstance(p, Tensor) else None
+            g: Mapping[str, Any] | None = groups.get(id(p)) if isinstance(p, Tensor) else None
             if g is None or id(p) in seen or p.numel() == 0:
                 continue
             grad = grads.get(p)
@@ -341,8 +342,8 @@ class FlashOptimizer(MemOptimizer):
                 xlo, xhi = torch.aminmax(x.nan_to_num(0.0, 0.0, 0.0))
                 glo, ghi = (v.float() for v in torch.aminmax(grad))
                 finite = torch.isfinite(glo) & torch.isfinite(ghi)
-                gmax = torch.where(finite, torch.maximum(ghi, -glo), 0.0)
-                stats = torch.stack([torch.maximum(xhi, -xlo).float(), gmax, (~finite).float()])
+                gpeak = torch.where(finite, torch.maximum(ghi, -glo), 0.0)
+                stats = torch.stack([torch.maximum(xhi, -xlo).float(), gpeak, (~finite).float()])
             by_device.setdefault(p.device, []).append((p, g, stats))
         bad: list[str] = []
         for entries in by_device.values():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import numbers
 import os
 import struct
@@ -37,17 +38,17 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from memopt_core.aliasing import Label, check_aliasing, has_memory
-from memopt_core.backends import RULES, GroupStep, kernel_master_id, kernel_moment_id
+from memopt_core.backends import RULES, DeviceStep, GroupStep, kernel_master_id, kernel_moment_id
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
-from memopt_core.plan import ceil_div, overlaps_itself, round_up
+from memopt_core.plan import StateArena, ceil_div, overlaps_itself, round_up
 from memopt_core.reference import (
     adam_bias_last,
     bias_correction_table,
@@ -173,7 +174,7 @@ def _launch(
     maxnreg: int | None = None,
     **constexprs,
 ) -> None:
-    opts = {"enable_fp_fusion": False}
+    opts: dict[str, bool | int] = {"enable_fp_fusion": False}
     if not interpreting():
         if num_warps is not None:
             opts["num_warps"] = num_warps
@@ -508,7 +509,7 @@ def stream_words(
         )
     # masked in place: ``& 0xFFFFFFFF`` would allocate the 8 bytes per word a second time
     words = out.to(torch.int64).bitwise_and_(0xFFFFFFFF)
-    return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
+    return tuple(w.view(index.shape) for w in words)
 
 
 # ----------------------------------------------------------------------------------- fused step
@@ -887,12 +888,12 @@ def _validate(work: GroupStep, plan) -> None:
     # the kernel's programs write parameters and state while others read gradients: shared
     # memory would race (a gradient that is exactly its own parameter is read first, allowed)
     written: list[tuple[Tensor, Label]] = [
-        (p, lambda k=k, si=si: f"parameter {k} (plan slot {si})")
+        (p, functools.partial("parameter {} (plan slot {})".format, k, si))
         for k, (si, p) in enumerate(zip(work.slots, work.params, strict=True))
     ]
     written += [(t, "a state tensor of the group") for t in work.arena.tensors()]
     read: list[tuple[Tensor, Label]] = [
-        (g, lambda k=k, si=si: f"the gradient of parameter {k} (plan slot {si})")
+        (g, functools.partial("the gradient of parameter {} (plan slot {})".format, k, si))
         for k, (si, g) in enumerate(zip(work.slots, work.grads, strict=True))
     ]
     check_aliasing(written, read, list(zip(work.params, work.grads, strict=True)))
@@ -1153,7 +1154,7 @@ class PreparedStep:
         seed_, step_ = _i32(seed, "seed"), _i32(step, "step")
         no_hyper = _dummy(self.device, torch.int32)
         if self.rule == "adam":
-            args = (
+            args: tuple[float, ...] = (
                 round_to_float32(s.one_minus_beta1),
                 round_to_float32(s.beta2),
                 round_to_float32(s.one_minus_beta2),
@@ -1347,7 +1348,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
     if total == 0:
         return empty
     cs = _chunk_size(cfg, plan, total)
-    bases = work.index_bases
+    bases: Sequence[int] | None = work.index_bases
     if bases is not None:
         # 5.0 or True would equal a cached key's 5, 1
         if not isinstance(bases, Sequence) or not all(type(b) is int for b in bases):
@@ -1367,15 +1368,15 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         tables = _Tables(chunks, slot_tab, rows)
         if not strided:
             lru[key] = tables
-            entries, rows = _table_cache_limits(len(plan.slots))
+            max_entries, max_rows = _table_cache_limits(len(plan.slots))
             kept = plan.cache("triton_table_rows", lambda: [0])  # rows held by ``lru``
             kept[0] += tables.rows
-            while len(lru) > 1 and (len(lru) > entries or kept[0] > rows):
+            while len(lru) > 1 and (len(lru) > max_entries or kept[0] > max_rows):
                 kept[0] -= lru.popitem(last=False)[1].rows
     else:
         lru.move_to_end(key)
     code = arena.master_code if arena.master_code is not None else _dummy(dev, torch.uint8)
-    chunks, n_chunks, slots = tables.chunks, tables.n_chunks, tables.slots
+    chunks, n_chunks, slot_table = tables.chunks, tables.n_chunks, tables.slots
     if n_chunks == 0:
         return empty
     programs = cfg.programs or _sm_count(dev) * cfg.waves
@@ -1396,7 +1397,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         num_stages=cfg.num_stages,
         maxnreg=cfg.maxnreg,
     )
-    head: tuple = (chunks, n_chunks, slots, _kernel_view(code))
+    head: tuple = (chunks, n_chunks, slot_table, _kernel_view(code))
     if work.rule == "adam":
         f1, m, ms = _moment_args(arena, "exp_avg", dev)
         f2, v, vs = _moment_args(arena, "exp_avg_sq", dev)
@@ -1531,10 +1532,13 @@ def _host_launches(
             continue
         for i in run:
             w, p = works[i], ready[i]
-            launches.append(
-                ([i], lambda w=w, p=p: p.launch(w.scalars, w.step, w.seed, w.first_step))
-            )
+            launches.append(([i], _host_launch(w, p)))
     return launches
+
+
+def _host_launch(w: GroupStep, p: PreparedStep) -> Callable[[], None]:
+    """``p``'s launch with ``w``'s scalars, step and seed as they are when it runs."""
+    return lambda: p.launch(w.scalars, w.step, w.seed, w.first_step)
 
 
 def _device_launches(
@@ -1551,7 +1555,7 @@ def _device_launches(
         if p is None:  # no tensor: nothing to launch
             key: tuple = ("empty", i)
         else:  # the same AMP values (each group holds its own view of the scaler's tensors)
-            ds = w.device_step
+            ds = _device_step_of(w)
             amp = tuple(None if t is None else t.data_ptr() for t in (ds.grad_scale, ds.found_inf))
             key = (*_merge_key(w, p, i), amp)
         runs.setdefault(key, []).append(i)
@@ -1560,14 +1564,16 @@ def _device_launches(
         if key[0] == "empty":
             launches.append((run, lambda: None))
             continue
+        # not keyed "empty": every work of the run has a prepared step
+        run_ready = cast(list[PreparedStep], [ready[i] for i in run])
         if len(run) >= 2:
             # built (and its tables cached) at an eager step too: a capture copies nothing
-            merged = _merged_device_launch([works[i] for i in run], [ready[i] for i in run], config)
+            merged = _merged_device_launch([works[i] for i in run], run_ready, config)
             if MERGE_DEVICE_STEPS_EAGERLY or _capturing():
                 launches.append((run, merged))
                 continue
-        for i in run:
-            launches.append(([i], lambda w=works[i], p=ready[i]: _device_launch(w, p)))
+        for i, p in zip(run, run_ready, strict=True):
+            launches.append(([i], functools.partial(_device_launch, works[i], p)))
     return launches
 
 
@@ -1579,7 +1585,7 @@ def _merged_device_launch(
     merged = _merged_step(works, ready, config)
     width = len(HYPER_FIELDS[works[0].rule])
     table = _merged_cached(
-        works[0].arena.family.plan,
+        _family_of(works[0]).plan,
         "device_words",
         (merged,),
         lambda: torch.zeros((merged.n_slots, width), dtype=torch.int32, device=merged.device),
@@ -1652,6 +1658,12 @@ def _merge_key(work: GroupStep, prepared: PreparedStep, i: int) -> tuple:
     else:
         flags = (bool(s.maximize), s.l2 != 0.0, bool(s.nesterov))
     return (id(fam), work.rule, flags, _variant(prepared))
+
+
+def _family_of(work: GroupStep) -> StateArena:
+    """The family arena of a work that merges with others (:func:`_merge_key` keeps works
+    without one alone)."""
+    return cast(StateArena, work.arena.family)
 
 
 def _variant(prepared: PreparedStep) -> tuple:
@@ -1741,7 +1753,7 @@ def _merged_step(
     slot tables it merges (cached themselves while the gradients stay put), the offsets and
     the variant."""
     head0, dev, rule = works[0], ready[0].device, works[0].rule
-    fam = head0.arena.family
+    fam = _family_of(head0)
     offsets = [w.arena.family_offset for w in works]
 
     def build() -> PreparedStep:
@@ -1967,7 +1979,7 @@ def _prepare_device_step(
 ) -> PreparedStep | None:
     """The prepared launch of a capturable step (``prepared`` where given), its
     ``device_step`` validated first (None for a step over no tensor)."""
-    ds = work.device_step
+    ds = _device_step_of(work)
     plan = work.plan
     dev = plan.device
     if not work.slots:
@@ -1998,7 +2010,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
     """Launch the device-words kernel of a capturable step: row i of ``words`` (a contiguous
     ``[len(work.slots), width]`` int32 view) receives the words of the step's i-th tensor, from
     its step counter, which the kernel advances."""
-    ds = work.device_step
+    ds = _device_step_of(work)
     plan = work.plan
     dev = plan.device
     n = len(work.slots)
@@ -2071,8 +2083,16 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
     )
 
 
-def _double_bits(value: float) -> int:
-    """The 64 bits of ``value`` as a double (the words kernel takes them as two int32 halves)."""
+def _device_step_of(work: GroupStep) -> DeviceStep:
+    """``work.device_step``, which every work these helpers see has: :func:`device_step` is for
+    capturable steps only (``fused_step`` tests it), and :func:`fused_steps` takes all host or all
+    capturable steps."""
+    return cast(DeviceStep, work.device_step)
+
+
+def _double_bits(value: float | Tensor) -> int:
+    """The 64 bits of ``value`` (a float, or a one-element CPU tensor) as a double (the words
+    kernel takes them as two int32 halves)."""
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
@@ -2103,7 +2123,7 @@ def _device_flags(works: list[GroupStep]) -> dict:
     flags: dict = {
         "maximize": bool(s.maximize),
         "has_decay": any(w.scalars.decay != 1.0 for w in works),
-        "unscale": works[0].device_step.grad_scale is not None,
+        "unscale": _device_step_of(works[0]).grad_scale is not None,
     }
     if works[0].rule in ("adam", "sgd"):
         flags["has_l2"] = s.l2 != 0.0

@@ -418,7 +418,7 @@ class AutoTuneConfig:
             ops.set_num_threads(threads_before)
             ops.set_chunk_size(chunk_before)
         host = _host_gbs(threads, quick)
-        link: tuple[float | None, ...] = (None, None, None)
+        link: tuple[float | None, float | None, float | None] = (None, None, None)
         if torch.cuda.is_available():
             link = _link_gbs(quick)
         return cls(threads, chunk, host, *link, machine=machine_key())

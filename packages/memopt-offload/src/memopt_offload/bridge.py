@@ -114,7 +114,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -271,6 +271,39 @@ class _Slot:
     # update="host": the parameter's (version counter, address) when its master last matched
     # it (built from it, or uploaded to it); another value means the weight was written since
     seen: tuple[int, int] = (-1, -1)
+
+    # update="host" builds every slot with its master, gradient buffer and upload (and
+    # update="device" none): its code reads them through these
+    @property
+    def host_master(self) -> Tensor:
+        assert self.master is not None
+        return self.master
+
+    @property
+    def host_grad(self) -> Tensor:
+        assert self.grad is not None
+        return self.grad
+
+    @property
+    def host_upload(self) -> Tensor:
+        assert self.upload is not None
+        return self.upload
+
+
+class _HostArgs(TypedDict):
+    """AdamBridge's keyword arguments of its host optimizer (:class:`_HostAdamW`)."""
+
+    seed: int
+    backend: str
+
+
+class _DeviceArgs(TypedDict):
+    """AdamBridge's keyword arguments of its :class:`DeviceUpdater`."""
+
+    seed: int
+    bucket_bytes: int
+    prefetch_bytes: int
+    backend: str | None
 
 
 class _Dispatcher:
@@ -489,7 +522,7 @@ class _ReadGuard(TorchFunctionMode):
         super().__init__()
         self._bridge = bridge
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inflight = self._bridge._inflight
         if inflight and not _reads_metadata_only(func):
@@ -588,6 +621,10 @@ class AdamBridge(Optimizer):
     the same pass; ``update="device"`` one Triton launch per bucket on the state copied in.
     """
 
+    # set by _reset_pipeline (below the methods that use them)
+    _read_guard: _ReadGuard | None
+    _callback_queued: bool
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -673,9 +710,9 @@ class AdamBridge(Optimizer):
         self._slots: dict[int, _Slot] = {}
         self._slabs: list[HostSlab] = []
         self._host: _HostAdamW | None = None
-        self._host_args = dict(seed=seed, backend="cpu" if backend is None else backend)
+        self._host_args = _HostArgs(seed=seed, backend="cpu" if backend is None else backend)
         self._dev: DeviceUpdater | None = None
-        self._dev_args = dict(
+        self._dev_args = _DeviceArgs(
             seed=seed,
             bucket_bytes=self.bucket_bytes,
             prefetch_bytes=int(prefetch_mb * 2**20),
@@ -751,7 +788,7 @@ class AdamBridge(Optimizer):
         for i, p in enumerate(params):
             if not isinstance(p, Tensor):
                 raise ConfigError(f"parameter #{i} of param group {gi} is a {type(p).__name__}")
-            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            if torch.nn.parameter.is_lazy(p):
                 raise ConfigError(
                     f"parameter #{i} of param group {gi} is not initialized yet (a lazy "
                     "module's): run one forward pass before creating the optimizer"
@@ -852,8 +889,8 @@ class AdamBridge(Optimizer):
             else:
                 m = plain.add(p.shape, torch.float32)
                 g = pinned.add(p.shape, p.dtype)
-                s = pinned.add(p.shape, torch.bfloat16)
-                layout.append((m, g, s, s))
+                st = pinned.add(p.shape, torch.bfloat16)
+                layout.append((m, g, st, st))
         # the state arena from the formats' own byte counts, plus block padding per tensor
         first, second = MOMENT_PRESETS[moments]
         per = moment_codec(first).bytes_per_element() + moment_codec(second).bytes_per_element()
@@ -959,7 +996,9 @@ class AdamBridge(Optimizer):
         if self._dev is not None:
             return self._dev.state_bytes()
         assert self._host is not None
-        masters = sum(s.master.numel() * s.master.element_size() for s in self._slots.values())
+        masters = sum(
+            s.host_master.numel() * s.host_master.element_size() for s in self._slots.values()
+        )
         return masters + self._host.state_bytes()
 
     def pinned_bytes(self) -> int:
@@ -981,11 +1020,13 @@ class AdamBridge(Optimizer):
                 if code is None:  # a float32 parameter is its own master
                     return slot.param.detach().to("cpu", torch.float32, copy=True)
                 return cpu_ops.decode_master("ecc24", slot.param.detach().to("cpu"), code)
+        assert self._host is not None  # update="host"
+        master = slot.host_master
         with torch.no_grad():
             if self._ecc_master(slot.param):
-                code = self._host.state[slot.master]["master_code"]
-                return cpu_ops.decode_master("ecc24", slot.master.detach(), code)
-            return slot.master.detach().clone()
+                code = self._host.state[master]["master_code"]
+                return cpu_ops.decode_master("ecc24", master.detach(), code)
+            return master.detach().clone()
 
     def _ecc_master(self, p: Tensor) -> bool:
         """Whether ``p``'s host master is its bf16 weight plus an ECC-24 code."""
@@ -1203,7 +1244,7 @@ class AdamBridge(Optimizer):
         self._inflight: dict[int, _Bucket] = {}
         self._overlap = False
         self._guard_next_forward = False
-        self._read_guard: _ReadGuard | None = None
+        self._read_guard = None
         self._bucket = _Bucket()
         self._held: list[Any] = []  # buckets of either update waiting for the step's norm
         self._norms: dict[int, Tensor] = {}
@@ -1265,6 +1306,7 @@ class AdamBridge(Optimizer):
                 "or attach the hooks without overlap_forward"
             )
         g = p.grad
+        assert g is not None  # its callers offload parameters that hold a gradient
         self._check_grad(slot, g)
         if not self._pending:  # the step opens: every group's hyperparameters, checked once
             self._check_group_params()
@@ -1286,8 +1328,8 @@ class AdamBridge(Optimizer):
             self._pending[id(p)] = None
             if free:
                 p.grad = None
-            for bucket in done:
-                self._dispatch(bucket)
+            for b in done:
+                self._dispatch(b)
             return
         self._taken[id(p)] = weakref.ref(g)
         if free:
@@ -1310,16 +1352,16 @@ class AdamBridge(Optimizer):
     def _reread_master(slot: _Slot) -> None:
         """Start the update of a weight written since its last upload from the written value
         (update="host"; see the module doc)."""
-        p = slot.param
+        p, master = slot.param, slot.host_master
         with torch.no_grad():
             w = p.detach()
-            if slot.master.dtype == torch.float32 and w.dtype != torch.float32:
+            if master.dtype == torch.float32 and w.dtype != torch.float32:
                 # an element still equal to its master rounded as the upload rounds it (RNE)
                 # was not written: keep its master bits. A weight moved with its values
                 # (model.to(memory_format=torch.channels_last), a copy) lost them all
-                w = w.to(slot.master.device)
-                w = torch.where(slot.master.to(w.dtype) == w, slot.master, w.float())
-            slot.master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
+                w = w.to(master.device)
+                w = torch.where(master.to(w.dtype) == w, master, w.float())
+            master.copy_(w)  # an ECC-24 master: its bf16 half; the code stays
         slot.seen = _written(p)
 
     def _check_group_params(self) -> None:
@@ -1427,7 +1469,7 @@ class AdamBridge(Optimizer):
         in a norm): the bucket keeps its gradients until they are copied and freed, and stays
         open (see :meth:`_close_bucket`), so the next close copies them again."""
         grads = [g.detach() for g in bucket.grads]  # backward(create_graph)
-        hosts = [s.grad for s in bucket.slots]
+        hosts = [s.host_grad for s in bucket.slots]
         clip = self.max_grad_norm is not None
         if self._cuda:
             d2h = self._stream_pair()[0]
@@ -1486,20 +1528,21 @@ class AdamBridge(Optimizer):
         if bucket.event is not None:
             bucket.event.synchronize()  # the gradients are in host memory
         host = self._host
+        assert host is not None  # update="host"
         for gi, hyper in bucket.hyper.items():
             host.param_groups[gi].update(hyper)
         with torch.no_grad():
             if coef is not None and coef < 1.0:
                 for s in bucket.slots:
-                    s.grad.mul_(coef)
+                    s.host_grad.mul_(coef)
             host.step_parameters(
-                [s.master for s in bucket.slots],
-                grads={s.master: s.grad for s in bucket.slots},
-                staging={s.master: s.staging for s in bucket.slots if s.staging is not None},
+                [s.host_master for s in bucket.slots],
+                grads={s.host_master: s.host_grad for s in bucket.slots},
+                staging={s.host_master: s.staging for s in bucket.slots if s.staging is not None},
             )
             # one copy call per bucket (a copy_ per tensor cost about 25 µs of Python each)
             weights = [s.param for s in bucket.slots]
-            uploads = [s.upload for s in bucket.slots]
+            uploads = [s.host_upload for s in bucket.slots]
             if self._cuda:
                 h2d = self._stream_pair()[1]
                 with torch.cuda.stream(h2d):
@@ -1581,7 +1624,7 @@ class AdamBridge(Optimizer):
     # --------------------------------------------------------------------------- stepping
     @run_eagerly  # under torch.compile too: its hooks, threads and host buffers are no graph
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step. With hooks attached: collect the updates the hooks started (this is what
         :meth:`step_sync` calls). Any parameter holding a gradient the hooks did not take (no
         hooks, a backward inside :meth:`no_update`, or a parameter outside the hooked model)
@@ -1630,14 +1673,16 @@ class AdamBridge(Optimizer):
                         "step_sync() then completes the step of the first one"
                     )
                 continue
-            todo.append(slot)
-        for slot in todo:  # every gradient valid before any leaves: a refused step changes nothing
-            self._check_grad(slot, slot.param.grad)
-        for slot in todo:
+            todo.append((slot, g))
+        # every gradient valid before any leaves: a refused step changes nothing
+        for slot, g in todo:
+            self._check_grad(slot, g)
+        for slot, _ in todo:
             self._offload(slot, free=free)
         if self._overlap:
             self._close_step()
-            self._inflight.update(self._pending)
+            # update="host" (overlap_forward's): every pending gradient is in a bucket
+            self._inflight.update((i, b) for i, b in self._pending.items() if b is not None)
             self._clear_pending()
         else:
             self._finish()
@@ -1752,23 +1797,25 @@ class AdamBridge(Optimizer):
             }
             sd[META_KEY] = self._state_dict_meta(self._dev.seed)
             return add_group_meta(sd)
-        host_sd = self._host.state_dict()
+        host = self._host
+        assert host is not None  # update="host"
+        host_sd = host.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         host_index = {
-            id(m): i for i, m in enumerate(m for g in self._host.param_groups for m in g["params"])
+            id(m): i for i, m in enumerate(m for g in host.param_groups for m in g["params"])
         }
         state: dict[int, dict[str, Any]] = {}
         for slot in self._slots.values():
-            entry = dict(host_sd["state"].get(host_index[id(slot.master)], {}))
+            entry = dict(host_sd["state"].get(host_index[id(slot.host_master)], {}))
             # core's shape record is not part of this format (update="device" has none): the
             # "master" entry, shaped like the parameter, already ties the state to it
             entry.pop("param_shape", None)
             # a compact copy: the master is a view of a slab that also holds gradient buffers,
             # which torch.save would write whole (+2 B per parameter and more)
-            entry["master"] = own_storage(slot.master.detach())
+            entry["master"] = own_storage(slot.host_master.detach())
             state[index[id(slot.param)]] = entry
         sd["state"] = state
-        sd[META_KEY] = self._state_dict_meta(self._host.seed)
+        sd[META_KEY] = self._state_dict_meta(host.seed)
         # the host optimizer's record of what its 8-bit second moments are divided by
         # (memopt-core's decay normalization): without it they would load as v itself
         sd[META_KEY][_NORM_KEY] = host_sd[META_KEY][_NORM_KEY]
@@ -1820,11 +1867,13 @@ class AdamBridge(Optimizer):
         meta: Mapping[str, Any],
     ) -> None:
         """:meth:`load_state_dict` of the host update (validated before anything changes)."""
-        host_params = [m for g in self._host.param_groups for m in g["params"]]
+        host = self._host
+        assert host is not None  # update="host"
+        host_params = [m for g in host.param_groups for m in g["params"]]
         host_index = {id(m): i for i, m in enumerate(host_params)}
         host_state: dict[int, Any] = {}
         masters: list[tuple[_Slot, Tensor]] = []
-        pos = {}
+        pos: dict[Any, int] = {}  # saved parameter index -> position
         for g in saved_groups:
             for k in g["params"]:
                 pos[k] = len(pos)
@@ -1839,32 +1888,26 @@ class AdamBridge(Optimizer):
                 )
             if not isinstance(entry, Mapping) or "master" not in entry:
                 raise StateDictError(f"the state of parameter index {key!r} lacks 'master'")
-            m = entry["master"]
-            if (
-                not isinstance(m, Tensor)
-                or m.dtype != slot.master.dtype
-                or m.shape != (slot.master.shape)
-            ):
+            m, master = entry["master"], slot.host_master
+            if not isinstance(m, Tensor) or m.dtype != master.dtype or m.shape != (master.shape):
                 raise StateDictError(
-                    f"'master' of parameter index {key!r} must be {slot.master.dtype} of shape "
-                    f"{tuple(slot.master.shape)}"
+                    f"'master' of parameter index {key!r} must be {master.dtype} of shape "
+                    f"{tuple(master.shape)}"
                 )
             masters.append((slot, m))
-            host_state[host_index[id(slot.master)]] = {
-                k: v for k, v in entry.items() if k != "master"
-            }
+            host_state[host_index[id(master)]] = {k: v for k, v in entry.items() if k != "master"}
         host_groups = []
-        for hg, saved in zip(self._host.state_dict()["param_groups"], saved_groups, strict=True):
+        for hg, saved in zip(host.state_dict()["param_groups"], saved_groups, strict=True):
             merged = dict(hg)
             merged.update({k: deepcopy(saved[k]) for k in _HYPER})
             host_groups.append(merged)
-        self._host.load_state_dict(
+        host.load_state_dict(
             {
                 "state": host_state,
                 "param_groups": host_groups,
                 "memopt": {
                     "rule": "adamw",
-                    "seed": meta.get("seed", self._host.seed),
+                    "seed": meta.get("seed", host.seed),
                     _NORM_KEY: meta.get(_NORM_KEY),
                     # absent from dicts saved before the decay normalization, which hold v
                     # itself: the host optimizer's version 1 says so
@@ -1875,10 +1918,10 @@ class AdamBridge(Optimizer):
         self._load_groups(saved_groups)
         with torch.no_grad():
             for slot, m in masters:
-                slot.master.copy_(m)
+                slot.host_master.copy_(m)
                 if slot.staging is not None:
-                    slot.staging.copy_(slot.master)
-                slot.param.copy_(slot.upload)
+                    slot.staging.copy_(slot.host_master)
+                slot.param.copy_(slot.host_upload)
                 slot.seen = _written(slot.param)
         self._load_clipping(meta)
 
@@ -1987,7 +2030,7 @@ class AdamBridge(Optimizer):
             raise StateDictError(
                 f"the state dict's seed must be an int in [0, 2**64), got {seed!r}"
             )
-        pos = {}
+        pos: dict[Any, int] = {}  # saved parameter index -> position
         for g in saved_groups:
             for k in g["params"]:
                 pos[k] = len(pos)

@@ -291,8 +291,9 @@ class DeviceUpdater:
     # ------------------------------------------------------------------------- stepping
     def _stream_triple(self) -> tuple[Any, Any, Any]:
         if self._streams is None:
-            self._streams = tuple(torch.cuda.Stream(self.device) for _ in range(3))  # type: ignore[assignment]
-        return self._streams  # type: ignore[return-value]
+            h2d, comp, d2h = (torch.cuda.Stream(self.device) for _ in range(3))
+            self._streams = (h2d, comp, d2h)
+        return self._streams
 
     def _open(self) -> None:
         """Start a step at its first gradient: reset the buckets and order this step's copies
@@ -346,13 +347,13 @@ class DeviceUpdater:
             ]
         )
 
-    def _stage(self, b: _Bucket) -> None:
-        """Start copying ``b``'s state to the device."""
+    def _stage(self, b: _Bucket) -> StateArena:
+        """Start copying ``b``'s state to the device; returns the device arena (``b.staged``)."""
         region = b.region
         cuda = self.device.type == "cuda"
         h2d = self._stream_triple()[0] if cuda else None
         written = self._in_flight.get(b)
-        if cuda and written is not None:
+        if h2d is not None and written is not None:  # h2d: on CUDA
             # a write-back of this step (_open orders only the last step's): read after it
             h2d.wait_event(written)
         with torch.cuda.stream(h2d) if cuda else nullcontext():
@@ -369,6 +370,7 @@ class DeviceUpdater:
                 b.staged_event.record(h2d)
         b.staged = staged
         self._in_flight[b] = None
+        return staged
 
     def _prefetch(self) -> None:
         # prefetch_mb=0: none (a positive budget below one bucket still stages one)
@@ -400,9 +402,7 @@ class DeviceUpdater:
         group = groups[b.plan.group_index]
         arrived = self._step.arrived
         cuda = self.device.type == "cuda"
-        if b.staged is None:
-            self._stage(b)
-        staged = b.staged
+        staged = self._stage(b) if b.staged is None else b.staged
         b.staged, b.ran = None, True
         self._step.ran.append(b)
         if cuda:
@@ -579,11 +579,12 @@ class DeviceUpdater:
         code of their current weights."""
         for pos in positions:
             self.steps[pos] = 0
-            region = self.homes[pos][0]
+            master = self.homes[pos][0].arena.master
             for k, view in self.views(pos).items():
                 if k == "master_code":
+                    assert master is not None  # an arena holds a code only for a master codec
                     conversions.encode_master_into(
-                        region.arena.master, self.params[pos].detach().cpu(), None, view
+                        master, self.params[pos].detach().cpu(), None, view
                     )
                 else:
                     view.zero_()
@@ -617,5 +618,7 @@ def _field_pairs(
         for suffix in staged.fields[name]
     ]
     if staged.master_code is not None:
+        # both arenas have the region's master codec, so the host one holds a code too
+        assert host.master_code is not None
         pairs.append((staged.master_code, host.master_code[h0:h1]))
     return pairs

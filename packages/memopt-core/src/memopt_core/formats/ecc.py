@@ -111,6 +111,7 @@ class Ecc32Master(MasterCodec):
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
+        assert code is not None  # check_decode refuses None: this format has a code
         # shaped like the parameter: a (n,) code beside a (n, 1) parameter broadcast to (n, n)
         p, c = bits.int16_to_bits(param), bits.int16_to_bits(code.reshape(param.shape))
         c = _without_stale_carry(p, c, 0x8000)
@@ -147,6 +148,7 @@ class Ecc24Master(MasterCodec):
 
     def decode(self, param: Tensor, code: Tensor | None) -> Tensor:
         self.check_decode(param, code)
+        assert code is not None  # check_decode refuses None: this format has a code
         p = bits.int16_to_bits(param)
         c = _without_stale_carry(p, code.reshape(param.shape).to(torch.int64), 0x80)
         top = p - (c >= 0x80).to(torch.int64)
