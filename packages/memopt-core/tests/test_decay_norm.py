@@ -146,6 +146,47 @@ def test_a_dict_without_its_record_reads_its_groups_beta2(moments):
     _continue_equal(a, p, fresh, q)
 
 
+@pytest.mark.parametrize("other", ["q8 beta2 0.9", "fp32 moments"])
+def test_param_groups_handed_back_in_another_order_keep_their_normalization(other):
+    """torch's set_state_dict matches saved param groups to live ones by parameter names and
+    hands them back in the live order, each with a copy of the ``memopt`` entry, whose
+    ``decay_norm_beta2`` list is by the saved order. Read by position, a q8 group took the
+    other group's beta2 (v off 2.08x) or its None (v read as v itself: 20x)."""
+    torch.manual_seed(0)
+    moments, beta2 = ("q8", 0.9) if other.startswith("q8") else ("fp32", 0.999)
+
+    def build(params, reverse):
+        groups = [
+            {"params": params[:1], "betas": (0.9, 0.999), "moments": "q8"},
+            {"params": params[1:], "betas": (0.9, beta2), "moments": moments},
+        ]
+        return MemOptimizer(groups[::-1] if reverse else groups, lr=1e-2, stochastic_rounding=False)
+
+    ps = [torch.nn.Parameter(torch.randn(N)) for _ in range(2)]
+    a = build(ps, reverse=False)
+    for g in _grads(3000, 0):
+        for p in ps:
+            p.grad = g.clone()
+        a.step()
+    sd = copy.deepcopy(a.state_dict())
+    # what set_state_dict hands load_state_dict: the live order, the entry only in the groups
+    del sd["memopt"]
+    sd["param_groups"] = sd["param_groups"][::-1]
+    sd["state"] = {1 - k: v for k, v in sd["state"].items()}
+    sd["param_groups"][0]["params"], sd["param_groups"][1]["params"] = [0], [1]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    b = build(qs, reverse=True)
+    b.load_state_dict(sd)
+    assert b.decay_norm(1, 3000) == a.decay_norm(0, 3000) == reference.decay_norm(0.999, 3000)
+    for g in _grads(5, 1):
+        for p, q in zip(ps, qs, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ps, qs, strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("moments", ["fp8", "q8"])
 def test_states_written_from_outside_follow_their_groups_beta2(moments):
     """ZeroRedundancyOptimizer's load writes ``optim.state`` and the param groups directly:

@@ -2616,7 +2616,21 @@ class MemOptimizer(Optimizer):
                     f"beta2 in [0, 1), got {b!r}"
                 )
             out[gi] = float(b)
-        return out
+        # The list is by the saved groups' order, and torch's set_state_dict hands the groups
+        # back in the live optimizer's (matched by parameter names), each with a copy of the
+        # whole list. state_dict() records each group's own beta2 (converting first where it
+        # changed), so a list that holds exactly the values the groups say, in another order,
+        # is such a reordering: each group's own value is the right one. A list that does not
+        # (a group the last state_dict() could not convert) is read by position.
+        own = {
+            gi: _group_beta2(saved_groups, gi)
+            if self._kind == "adam"
+            and isinstance(saved_groups[gi], Mapping)
+            and self._decay_normalized(saved_groups[gi])
+            else 0.0
+            for gi in out
+        }
+        return own if sorted(own.values()) == sorted(out.values()) else out
 
     def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
         """Check every entry's ``param_shape`` against its parameter before anything converts
