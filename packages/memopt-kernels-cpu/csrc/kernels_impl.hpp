@@ -53,18 +53,22 @@ inline T vmax(T a, T b) {
 
 // IEEE arithmetic for the duration of a kernel call: the caller's thread may have flush-to-zero
 // or denormals-are-zero set (torch.set_flush_denormal(True) does: MXCSR's FTZ/DAZ on x86, FPCR's
-// FZ on AArch64), which would change subnormal results and make them depend on which thread ran
-// a part. Restored on exit. Declared [[maybe_unused]]: on other targets the class is empty.
+// FZ on AArch64), which would change subnormal results, or another rounding direction
+// (fesetround; MXCSR's RC, FPCR's RMode), which would change every rounded result; either would
+// also make them depend on which thread ran a part (pool threads keep the default). Round to
+// nearest even, no flushing; restored on exit. [[maybe_unused]]: elsewhere the class is empty.
 class IeeeMode {
  public:
 #if defined(__x86_64__) || defined(_M_X64)
-  IeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(0x8000u | 0x0040u)); }  // FTZ, DAZ
+  // FTZ (0x8000), DAZ (0x0040), RC (0x6000; 0 is round to nearest even)
+  IeeeMode() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(0x8000u | 0x0040u | 0x6000u)); }
   ~IeeeMode() { _mm_setcsr(saved_); }
 
  private:
   unsigned saved_;
 #elif defined(__aarch64__)
-  IeeeMode() : saved_(read_fpcr()) { write_fpcr(saved_ & ~(uint64_t{1} << 24)); }  // FZ
+  // FZ (bit 24), RMode (bits 22-23; 0 is round to nearest even)
+  IeeeMode() : saved_(read_fpcr()) { write_fpcr(saved_ & ~(uint64_t{7} << 22)); }
   ~IeeeMode() { write_fpcr(saved_); }
 
  private:

@@ -9,7 +9,9 @@ rule x format x gradient dtype runs at 1, 2 and 3 threads too. One reference run
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import platform
 from collections.abc import Sequence
 
 import pytest
@@ -227,6 +229,35 @@ def test_callers_flush_to_zero_mode_does_not_change_bits():
         finally:
             torch.set_flush_denormal(False)
     assert not diff_report(ref, group)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="fesetround through glibc's libm")
+def test_callers_rounding_direction_does_not_change_bits():
+    """A caller's rounding direction (C's fesetround) applied to the part of a step run in its
+    thread, and not to the pool threads' parts: the bits depended on the chunk size (2823 of
+    4096 differed from a split run, rounding upward). Python's own float arithmetic (the step's
+    scalars) rounds upward too here, the same in both runs."""
+    libm = ctypes.CDLL("libm.so.6")
+    fe_upward = {"x86_64": 0x800, "aarch64": 0x400000}.get(platform.machine())
+    if fe_upward is None:
+        pytest.skip(f"no FE_UPWARD value known for {platform.machine()}")
+    spec = StateSpec(master="fp32", moments="fp32", stochastic_rounding=False)
+    base = make_group("adamw", spec, torch.float32, [4096], "cpu", lr=1e-2, weight_decay=0.1)
+    grads = make_grads(base, 1)
+    set_num_threads(2)
+    set_chunk_size(64)
+    step_group(BACKEND, base.clone(), grads, 1)  # the pool starts now: its threads round to nearest
+    runs = []
+    for chunk in (1 << 20, 64):  # one part, in the calling thread; parts on the pool's threads
+        set_chunk_size(chunk)
+        group = base.clone()
+        assert libm.fesetround(fe_upward) == 0
+        try:
+            step_group(BACKEND, group, grads, 1)
+        finally:
+            libm.fesetround(0)
+        runs.append(group)
+    assert not diff_report(runs[0], runs[1])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -64,6 +64,18 @@ def test_unknown_isa(name):
         _core.set_isa(name)
 
 
+@pytest.mark.parametrize("name", ["", "   ", "a v x 2", "sca\tlar", "scalar\x00junk"])
+def test_set_isa_refuses_what_names_no_set(name):
+    """C++ drops every blank (so "a v x 2" was avx2) and takes "" as auto; a NUL cut its
+    message short. Surrounding blanks and case are still ignored."""
+    before = _core.get_isa()
+    with pytest.raises(ValueError, match=r"is not an instruction set name; choose one of auto"):
+        memopt_kernels_cpu.set_isa(name)
+    assert _core.get_isa() == before
+    assert memopt_kernels_cpu.set_isa(" Scalar\t") == "scalar"
+    memopt_kernels_cpu.set_isa(before)
+
+
 @pytest.mark.parametrize("name", [None, 5, b"avx2"])
 def test_set_isa_takes_only_a_str(name):
     """pybind11's own message ("incompatible function arguments") named no argument."""

@@ -72,6 +72,23 @@ def test_bad_input_is_refused_as_fused_step_refuses_it():
         ops.prepare_step(work)
 
 
+def test_a_launch_whose_momentum_turned_zero_or_non_zero_is_refused():
+    """SGD's momentum buffer is part of the prepared arguments: scalars with the other kind
+    of momentum failed in C++ with "fmt1 must be FMT_NONE", naming nothing."""
+    from memopt_core.reference import sgd_scalars
+
+    spec = StateSpec(master="fp32", moments="fp32")
+    for prepared, launched in ((0.9, 0.0), (0.0, 0.9)):
+        group = make_group("sgd", spec, torch.float32, [64], "cpu", lr=0.1, momentum=prepared)
+        prep = ops.prepare_step(group_step(group, make_grads(group, 1), 1))
+        scalars = sgd_scalars(
+            lr=0.1, momentum=launched, dampening=0.0, nesterov=False, weight_decay=0.0,
+            decoupled=False,
+        )  # fmt: skip
+        with pytest.raises(ConfigError, match=r"prepared for SGD with(out)? momentum, and its "):
+            prep.launch(scalars, 2, 0, False)
+
+
 def test_the_cached_step_replays_the_prepared_launch(monkeypatch):
     """MemOptimizer on the cpu backend: the first step validates through fused_step, the
     replays launch the prepared step (fused_step runs no more), with the same bits as an

@@ -211,6 +211,11 @@ def test_stream_words_errors_and_shape(ops):
     assert all(torch.equal(w, v) for w, v in zip(words, want, strict=True))
     assert all(w.numel() == 0 for w in ops.stream_words(0, 0, torch.empty(0, dtype=torch.int64), 0))
 
+    # a negated view's memory holds the opposite values: the words are those of its values
+    neg = torch._neg_view(-torch.arange(5, dtype=torch.int64))
+    want = rng.stream_words(3, 4, torch.arange(5), 6)
+    assert all(torch.equal(w, v) for w, v in zip(ops.stream_words(3, 4, neg, 6), want, strict=True))
+
 
 def test_stream_words_take_any_integral_id(ops):
     """numpy integers are accepted as ints (as by the steps and by memopt-kernels-triton)."""
@@ -745,6 +750,32 @@ def test_cached_tables_do_not_stand_in_for_smaller_tensors(ops, make_work, recor
     # it as if packed)
     with pytest.raises(ConfigError, match=r"staging of parameter 0 .*contiguous"):
         ops.fused_step(work, staging=[big[::2]])
+
+
+def test_negated_views_and_reshaped_gradients_are_refused_at_a_cached_address(
+    ops, make_work, recorder
+):
+    """A negated view (torch's negative bit) shares its tensor's address, dtype and size, and
+    its memory holds the opposite values: the kernel stepped with -g, or updated -p, with no
+    error, found in the table cache or not. A gradient viewed to another shape at a cached
+    address was likewise run where the first call refused it."""
+    work = make_work("sgd", "fp32", "fp32", torch.float32, sizes=(64, 64))
+    ops.fused_step(work)  # cached
+    p, g = list(work.params), list(work.grads)
+    stage = torch.zeros(64, dtype=torch.bfloat16)
+    ops.fused_step(work, staging=[stage, None])  # cached with staging
+    cases = [
+        ("params", [torch._neg_view(p[0]), p[1]], None, r"parameter 0 \(slot 0.* negated view"),
+        ("grads", [g[0], torch._neg_view(g[1])], None, r"gradient of parameter 1 .* negated view"),
+        ("grads", [g[0], g[1].view(4, 16)], None, r"gradient of parameter 1 .* has shape \(4, 16\)"),
+        ("grads", g, [torch._neg_view(stage), None], r"staging of parameter 0 .* negated view"),
+    ]  # fmt: skip
+    for field, value, staging, pattern in cases:
+        setattr(work, field, value)
+        with pytest.raises(ConfigError, match=pattern):
+            ops.fused_step(work, staging=staging)
+        work.params, work.grads = p, g
+    assert len(recorder) == 2  # the refused calls ran nothing
 
 
 def test_strided_parameters_are_written_back(ops, make_work, monkeypatch):

@@ -85,6 +85,22 @@ def test_cache_hit_does_not_skip_validation(ops):
     assert torch.equal(group.params[0], before)
 
 
+def test_negated_views_are_refused_also_at_a_cached_address(ops):
+    """A negated view (torch's negative bit) shares its tensor's address, dtype and size, and
+    its memory holds the opposite values: the kernel would step with -g or update -p."""
+    group = _group((64,))
+    g = make_grads(group, 1)[0]
+    ops.fused_step(group_step(group, [g], 1))  # cached
+    before = group.params[0].clone()
+    with pytest.raises(ConfigError, match=r"the gradient of parameter 0 .* is a negated view"):
+        ops.fused_step(group_step(group, [torch._neg_view(g)], 2))
+    work = group_step(group, [g], 2)
+    work.params = [torch._neg_view(group.params[0])]
+    with pytest.raises(ConfigError, match=r"parameter 0 \(plan slot 0\) is a negated view"):
+        ops.fused_step(work)
+    assert torch.equal(group.params[0], before)
+
+
 def test_arena_of_another_plan(ops):
     group, other = _group(), _group((8,))
     work = group_step(group, make_grads(group, 1), 1)

@@ -109,7 +109,15 @@ def set_isa(name: str) -> str:
     TypeError for anything but a str."""
     if not isinstance(name, str):  # pybind11's own message names no argument
         raise TypeError(f"set_isa: name must be a str, got {type(name).__name__} {name!r}")
-    return _core.set_isa(name)
+    stripped = name.strip()
+    # C++ drops every blank and takes "" as auto: only the surrounding blanks go here, and a
+    # name must name a set (a NUL would also cut C++'s message short)
+    if not stripped or "\x00" in name or any(c.isspace() for c in stripped):
+        raise ValueError(
+            f"set_isa: {name!r} is not an instruction set name; choose one of auto, "
+            f"{', '.join(supported_isas())}"
+        )
+    return _core.set_isa(stripped)
 
 
 def set_num_threads(n: int) -> None:
@@ -380,12 +388,12 @@ def stream_words(
     index = _check_tensor(index, "index")
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         raise FormatError(f"index must be an integer tensor, got {index.dtype}")
-    idx = index.reshape(-1).to(torch.int64).contiguous()
+    idx = index.resolve_neg().reshape(-1).to(torch.int64).contiguous()
     n = idx.numel()
     out = torch.empty((3, n), dtype=torch.int32, device="cpu")
     _core.stream_words(seed, tensor_id, step, _ptr(idx), n, _ptr(out))
     words = out.to(torch.int64) & _U32
-    return tuple(w.view(index.shape) for w in words)  # type: ignore[return-value]
+    return tuple(w.view(index.shape) for w in words)
 
 
 def first_touch(t: Tensor) -> Tensor:
@@ -545,6 +553,7 @@ def _is_cpu_dense(t: object) -> bool:
         isinstance(t, Tensor)
         and t.device.type == "cpu"
         and t.layout == torch.strided
+        and not t.is_neg()
         and has_memory(t)
         and _aligned(t)
     )
@@ -599,12 +608,24 @@ class _SlotLabel:
         return f"staging of {self()}"
 
 
+def _check_not_negated(t: Tensor, what: str) -> None:
+    """ConfigError for a tensor with torch's negative bit (``torch._neg_view``, a one-element
+    ``x.conj().imag``): its memory holds the opposite values, and the kernel reads and writes
+    memory."""
+    if t.is_neg():
+        raise ConfigError(
+            f"{what} is a negated view (torch's negative bit: its memory holds the opposite "
+            "values, which the kernel would read or update as they are); pass .resolve_neg()"
+        )
+
+
 def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
     """ConfigError naming the first problem of one slot's parameter, gradient, staging tensor,
     tensor id or index base."""
     what = f"parameter {k} (slot {si}"
     _check_tensor(p0, f"{what})")
     what += f", {_label(p0)})"
+    _check_not_negated(p0, what)
     if p0.dtype != plan.param_dtype:
         raise ConfigError(f"{what}: the group holds {plan.param_dtype} parameters")
     if p0.numel() != slot.numel:
@@ -613,6 +634,7 @@ def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
             f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
         )
     _check_tensor(g, f"the gradient of {what}")
+    _check_not_negated(g, f"the gradient of {what}")
     if g.dtype not in GRAD_IDS or not (
         g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
     ):
@@ -641,6 +663,7 @@ def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
         )
     if st is not None:
         _check_tensor(st, f"staging of {what}")
+        _check_not_negated(st, f"staging of {what}")
         if plan.param_dtype == torch.float16:
             raise ConfigError(
                 f"staging of {what}: bf16 staging copies are for float32 and bfloat16 "
@@ -756,6 +779,7 @@ def _check_group(work: GroupStep) -> None:
 
 
 _DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
 
 # validated slot tables kept per plan: memopt-offload steps each plan in a few dozen buckets
 # (different slot subsets) per optimizer step; a table is 72 B per tensor
@@ -765,8 +789,9 @@ _CACHE_SIZE = 128
 def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
     """Everything validation checked and the kernel call depends on, so that a hit stands in
     for validation: the tensors' addresses, dtypes and sizes (a smaller tensor at a cached
-    address must not get the cached bounds), the ids and index bases (with their types: a bool
-    or float base equal to a valid int is refused by validation, so it must not find that
+    address must not get the cached bounds), the gradients' shapes, the negative bits (a
+    negated view shares its tensor's address), the ids and index bases (with their types: a
+    bool or float base equal to a valid int is refused by validation, so it must not find that
     int's table), the formats and rounding (``work.spec``), the rule."""
     bases = work.index_bases
     return (
@@ -776,11 +801,16 @@ def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
         tuple(map(Tensor.numel, params)),
         tuple(map(Tensor.data_ptr, grads)),
         tuple(map(_DTYPE, grads)),
-        tuple(map(Tensor.numel, grads)),
+        tuple(map(_SHAPE, grads)),
+        tuple(map(Tensor.is_neg, params)),
+        tuple(map(Tensor.is_neg, grads)),
         tuple(work.tensor_ids),
         None if bases is None else tuple((type(b), b) for b in bases),
         tuple(map(_ptr, stage)),
-        tuple(None if st is None else (st.dtype, st.numel(), st.is_contiguous()) for st in stage),
+        tuple(
+            None if st is None else (st.dtype, st.numel(), st.is_contiguous(), st.is_neg())
+            for st in stage
+        ),
         tuple(map(Tensor.data_ptr, work.arena.tensors())),
         work.spec,
         work.rule,
@@ -900,16 +930,25 @@ class PreparedStep:
     optimizer's state. For ``n`` tensors this saves the per-tensor key of :func:`fused_step`'s
     table cache (about 0.5 us per tensor)."""
 
-    __slots__ = ("_prepared", "rule")
+    __slots__ = ("_momentum", "_prepared", "rule")
     reusable = True
 
     def __init__(self, rule: str, prepared: _Prepared) -> None:
         self.rule, self._prepared = rule, prepared
+        # SGD's momentum buffer (its format and address) is part of the prepared arguments
+        self._momentum = rule == "sgd" and prepared.static["fmt1"] != NONE_ID
 
     def launch(self, scalars, step: int, seed: int, first_step: bool) -> None:
         """Run the step with ``scalars`` (core's ``adam_scalars`` / ``sgd_scalars`` /
-        ``lion_scalars``) for 1-based ``step``; the same bits as :func:`fused_step`."""
+        ``lion_scalars``) for 1-based ``step``; the same bits as :func:`fused_step`.
+        ConfigError when SGD's momentum turned zero or non-zero since :func:`prepare_step`."""
         config = _scalar_config(self.rule, scalars, first_step, seed, step)
+        if config["has_momentum"] != self._momentum:
+            raise ConfigError(
+                f"this step was prepared for SGD {'with' if self._momentum else 'without'} "
+                f"momentum, and its scalars have momentum {scalars.momentum}: the momentum "
+                "buffer is part of what prepare_step() validated; call it again"
+            )
         p = self._prepared
         _core.fused_step(p.table.data_ptr(), p.n, **p.static, **config)
 

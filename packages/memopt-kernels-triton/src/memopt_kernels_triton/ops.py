@@ -865,6 +865,13 @@ def _validate(work: GroupStep, plan) -> None:
     for k, (si, p, g) in enumerate(zip(work.slots, work.params, work.grads, strict=True)):
         what = f"parameter {k} (plan slot {si})"
         _check_device(p, what)
+        for t, whose in ((p, what), (g, f"the gradient of {what}")):
+            if isinstance(t, Tensor) and t.is_neg():
+                raise ConfigError(
+                    f"{whose} is a negated view (torch's negative bit: its memory holds the "
+                    "opposite values, which the kernel would read or update as they are); pass "
+                    ".resolve_neg()"
+                )
         if p.dtype != plan.param_dtype:
             raise ConfigError(f"the group holds {plan.param_dtype} parameters, got {p.dtype}")
         slot = plan.slots[si]
@@ -1342,6 +1349,7 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         gp = tuple(map(Tensor.data_ptr, grads))
         gd = tuple(map(_DTYPE, grads))
         gn = tuple(map(Tensor.numel, grads))
+        negs = (*map(Tensor.is_neg, params), *map(Tensor.is_neg, grads))
     except (TypeError, AttributeError, RuntimeError):  # not tensors: validation says why
         _validate(work, plan)
         raise
@@ -1356,8 +1364,9 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
         bases = tuple(bases)
     lru: OrderedDict = plan.cache("triton_tables", OrderedDict)
     # what validation checks, so that a hit stands in for it: addresses (they imply devices),
-    # dtypes and sizes (not the gradients' shapes: a hit still stays within every tensor)
-    key = (None if full else slots, cs, pp, pd, pn, gp, gd, gn, tuple(work.tensor_ids), bases)
+    # dtypes, sizes and negative bits (a negated view shares its tensor's address; not the
+    # gradients' shapes: a hit still stays within every tensor)
+    key = (None if full else slots, cs, pp, pd, pn, gp, gd, gn, negs, tuple(work.tensor_ids), bases)
     tables = None if strided else lru.get(key)
     if tables is None:
         _validate(work, plan)
