@@ -728,6 +728,26 @@ def test_a_compiled_step_gives_the_eager_bits():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # dynamo's imports
+def test_a_fullgraph_compile_of_the_step_says_why_it_cannot():
+    """The step runs eagerly, a graph break that fullgraph=True refuses: dynamo's message was
+    "Attempted to call function marked as skipped ... Please file an issue to PyTorch"."""
+    import torch._dynamo
+
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = MemOptimizer([p], rule="adamw", lr=1e-2, backend="torch")
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(lr):
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+
+    torch._dynamo.reset()
+    p.grad = torch.ones(8)
+    with pytest.raises(Exception, match=r"memopt runs optimizer steps eagerly \(a graph break\)"):
+        step(1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # dynamo's imports
 def test_a_compiled_training_step_gives_the_eager_bits(device):
     """A compiled training step (forward, backward and opt.step() in one torch.compile): the
     step graph-breaks into the eager step, with the eager bits. On the H200 (torch 2.11)

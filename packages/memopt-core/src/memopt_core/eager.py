@@ -34,4 +34,16 @@ def run_eagerly(fn: F) -> F:
             disabled = torch.compiler.disable(fn)
         return disabled(*args, **kwargs)
 
+    # what torch.compiler.disable marks its wrappers with (without importing dynamo here): a
+    # compiled caller then breaks its graph before the wrapper, not at the disable() call
+    # inside it, and a fullgraph=True compile fails with this reason instead of dynamo's
+    # "Attempted to call function marked as skipped ... file an issue to PyTorch"
+    wrapper._torchdynamo_disable = True  # type: ignore[attr-defined]
+    wrapper._torchdynamo_disable_msg = _REASON  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+_REASON = (
+    "memopt runs optimizer steps eagerly (a graph break): compile the model or the forward and "
+    "backward, and call step() outside the compiled function (or compile without fullgraph=True)"
+)
