@@ -667,6 +667,28 @@ def test_uncompressed_moment_that_does_not_fit_is_named():
         FlashAdamW([p]).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("saved", ["bf16", "fp32"])
+def test_a_state_saved_for_a_parameter_of_the_other_dtype_says_so(saved):
+    """A bf16 model's state (cast_model) loaded into an fp32 one, or the reverse: the message
+    listed entries against a format ``master='fp32'`` the user never chose."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(6, 5))
+    b = torch.nn.Parameter(a.detach().clone())
+    (a if saved == "bf16" else b).data = (a if saved == "bf16" else b).data.bfloat16()
+    opt = FlashAdamW([a])
+    a.grad = torch.randn(6, 5).to(a.dtype)
+    opt.step()
+    match = (
+        r"holds a 'master_code' \(a bf16/fp16 parameter's ECC code\), but this parameter is "
+        r"torch.float32 with master 'fp32'.*cast_model"
+        if saved == "bf16"
+        else r"lacks 'master_code', the ecc24 code of this torch.bfloat16 parameter: it was saved "
+        r"for a parameter that keeps none.*set_fp32_model_state_dict"
+    )
+    with pytest.raises(StateDictError, match=match):
+        FlashAdamW([b]).load_state_dict(opt.state_dict())
+
+
 @pytest.mark.parametrize("compress", [True, False], ids=["compressed", "decoded"])
 @pytest.mark.parametrize(
     ("dtype", "bits"), [(torch.float32, 24), (torch.bfloat16, None)], ids=["fp32", "bf16-none"]

@@ -153,11 +153,13 @@ _STATE_NAMES: dict[str, tuple[str, ...]] = {
     "lion": ("exp_avg",),
     "sgd": ("momentum_buffer",),
 }
+#: the state key of a parameter's ECC code (an ECC master's low bits)
+_CODE_KEY = "master_code"
 #: every per-parameter state key a memopt format or rule can store; any other key of
 #: ``state[p]`` is the caller's (timm's Lookahead keeps ``lookahead_slow_buff`` there) and is
 #: kept through rebuilds and state dicts as torch keeps it
 _MEMOPT_KEYS = frozenset(
-    {"step", "master_code", _PARAM_SHAPE}
+    {"step", _CODE_KEY, _PARAM_SHAPE}
     | {
         state_key(name, sfx)
         for names in _STATE_NAMES.values()
@@ -2632,6 +2634,26 @@ class MemOptimizer(Optimizer):
         }
         return own if sorted(own.values()) == sorted(out.values()) else out
 
+    @staticmethod
+    def _master_code_mismatch(label: str, p: Tensor, master: str, missing: list[str]) -> str:
+        """The message for a state whose ECC code is missing or unexpected: saved for a
+        parameter of another dtype (a model cast with memopt-ecc's ``cast_model`` on one side
+        only) or another master, which the generic lists of entries did not say."""
+        if missing:
+            return (
+                f"the state of {label} lacks {_CODE_KEY!r}, the {master} code of this {p.dtype} "
+                "parameter: it was saved for a parameter that keeps none (a float32 one, its "
+                "own master, or master_weight_bits=None). For a model cast to bf16 since "
+                "(memopt_ecc.cast_model), carry the weights over with set_fp32_model_state_dict "
+                "and start the optimizer afresh; otherwise build it as the saved one was"
+            )
+        return (
+            f"the state of {label} holds a {_CODE_KEY!r} (a bf16/fp16 parameter's ECC code), "
+            f"but this parameter is {p.dtype} with master {master!r}, which keeps none: was the "
+            "saved model cast (memopt_ecc.cast_model) and this one not, or built with another "
+            "master_weight_bits? Prepare the model and optimizer as the saved ones were"
+        )
+
     def _check_param_shapes(self, state_dict: Mapping[str, Any]) -> None:
         """Check every entry's ``param_shape`` against its parameter before anything converts
         the entries (malformed dicts pass: the other checks explain them)."""
@@ -2709,6 +2731,9 @@ class MemOptimizer(Optimizer):
         expected.update(expected_layout({}, master, p.shape, padded))
         required = set(expected) | {"step"}
         missing = sorted(required - set(entry))
+        unexpected_code = _CODE_KEY in entry and _CODE_KEY not in required
+        if missing == [_CODE_KEY] or (unexpected_code and not missing):
+            raise StateDictError(self._master_code_mismatch(label, p, master.name, missing))
         if missing:
             raise StateDictError(
                 f"the state of {label} lacks {missing} (the format master={spec.master!r}, "
