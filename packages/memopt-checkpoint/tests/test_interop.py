@@ -464,6 +464,31 @@ def test_memopt_decouple_lr_exports_an_equivalent_weight_decay():
     assert_close_to_torch(mine, ref, path)
 
 
+def test_decouple_lr_switched_on_by_hand_exports_before_its_first_step():
+    """A group's ``decouple_lr`` switched on by hand has no ``initial_lr`` until the next step
+    records its lr; the export raised a bare ``KeyError: 'initial_lr'`` (adversarial testing,
+    2026-12-06). It divides by that lr, as the step will, and changes nothing in the group."""
+    torch.manual_seed(4)
+    model = Net()
+    opt = MemOptimizer(model.parameters(), rule="adamw", lr=1e-2, weight_decay=0.1)
+    opt.param_groups[0]["decouple_lr"] = True
+    before = to_torch_state_dict(opt)["param_groups"][0]
+    assert before["weight_decay"] == 0.1 / 1e-2
+    assert "initial_lr" not in before
+    assert "initial_lr" not in opt.param_groups[0]  # the export records nothing
+    train(model, opt, 1)
+    assert opt.param_groups[0]["initial_lr"] == 1e-2
+    after = to_torch_state_dict(opt)["param_groups"][0]
+    assert after.pop("initial_lr") == 1e-2
+    assert after == before
+
+    # an lr the step would refuse to record: a ConfigError saying so, not a ZeroDivisionError
+    opt = MemOptimizer(Net().parameters(), rule="adamw", lr=0.0, weight_decay=0.1)
+    opt.param_groups[0]["decouple_lr"] = True
+    with pytest.raises(ConfigError, match=r"group 0 has decouple_lr=True.*initial lr .* is 0\.0"):
+        to_torch_state_dict(opt)
+
+
 # ------------------------------------------------------------------------ mixed bf16 / fp32
 def _mixed_optimizer(kind: str, model: nn.Module) -> MemOptimizer:
     if kind == "flash":

@@ -845,3 +845,90 @@ def test_tuple_hyperparameters_load_back_as_tuples(tmp_path):
     assert twin.param_groups[0]["etas"] == (0.4, 1.3)
     assert twin.param_groups[0]["step_sizes"] == opt.param_groups[0]["step_sizes"]
     assert isinstance(twin.param_groups[0]["step_sizes"], tuple)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_adambridge_inf_or_nan_grad_norm_round_trips(bad, tmp_path):
+    """A clipping AdamBridge keeps ``last_grad_norm`` inf or NaN after a step whose gradients
+    overflowed; save refused it ("JSON has no inf/nan"), so no checkpoint could be written
+    (adversarial testing, 2026-12-06). The meta marks it and load gives it back."""
+    offload = pytest.importorskip("memopt_offload")
+    from memopt_checkpoint.container import read_meta
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = Net().to(torch.bfloat16)
+        return model, offload.AdamBridge(
+            model.parameters(), lr=1e-2, precision="bf16", max_grad_norm=1.0
+        )
+
+    model, opt = make(0)
+    train(model, opt, 1)
+    ids = batch(1)
+    model(ids).float().sum().backward()
+    model.mid.bias.grad[0] = bad
+    opt.step()
+    opt.zero_grad()
+    assert str(opt.last_grad_norm) == str(bad)
+    save(tmp_path / "ck.mopt", model=model, optimizer=opt)
+    marked = read_meta(tmp_path / "ck.mopt")["optimizer"]["memopt"]["last_grad_norm"]
+    assert marked == {"$float": str(bad)}
+    twin, topt = make(9)
+    load(tmp_path / "ck.mopt", model=twin, optimizer=topt)
+    assert str(topt.last_grad_norm) == str(bad)  # NaN stays NaN (NaN != NaN)
+    train(model, opt, 2, start=2)
+    train(twin, topt, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+
+
+def test_non_finite_floats_in_optimizer_state_and_their_marker(tmp_path):
+    """Any optimizer's inf / -inf / NaN (in groups, state, nested) round-trips; a value that
+    would read as the marker is refused on save, an edited marker on load."""
+    from memopt_checkpoint.container import read_meta, write_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.param_groups[0]["bounds"] = (float("-inf"), [1.5, float("inf")], {"x": float("nan")})
+    save(tmp_path / "ck.mopt", optimizer=opt)
+    twin = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    load(tmp_path / "ck.mopt", optimizer=twin)
+    lo, hi, nested = twin.param_groups[0]["bounds"]
+    assert (lo, hi) == (float("-inf"), [1.5, float("inf")])
+    assert list(nested) == ["x"]
+    assert nested["x"] != nested["x"]  # NaN
+
+    meta = read_meta(tmp_path / "ck.mopt")
+    meta["optimizer"]["param_groups"][0]["bounds"][0] = {"$float": "1.5"}
+    write_checkpoint(tmp_path / "edited.mopt", {}, meta=meta)
+    with pytest.raises(CheckpointError, match=r"\{'\$float': \.\.\.\} in its 'optimizer' entry"):
+        load(tmp_path / "edited.mopt", optimizer=twin)
+
+    for marker_like in ({"$float": "inf"}, [{"$float": 1, "y": 2}]):
+        opt.param_groups[0]["bounds"] = marker_like
+        with pytest.raises(ConfigError, match=r"key '\$float', which marks inf and nan"):
+            save(tmp_path / "bad.mopt", optimizer=opt)
+    assert not (tmp_path / "bad.mopt").exists()
+
+
+@pytest.mark.parametrize("optimizer", [None, "torch", "memopt", "bridge"])
+def test_fp32_state_dict_keeps_float64_entries(optimizer):
+    """float64 entries stay float64 (fp32 would round them) whatever the optimizer; only
+    narrower floating ones are widened. Without a memopt optimizer they were rounded to fp32
+    (adversarial testing, 2026-12-06)."""
+    model = torch.nn.Linear(3, 2).to(torch.bfloat16)
+    model.register_buffer("scale", torch.tensor([1 / 3], dtype=torch.float64))
+    if optimizer == "torch":
+        opt = torch.optim.AdamW(model.parameters())
+    elif optimizer == "memopt":
+        opt = MemOptimizer(model.parameters(), rule="adamw")
+    elif optimizer == "bridge":
+        offload = pytest.importorskip("memopt_offload")
+        opt = offload.AdamBridge(model.parameters(), lr=1e-2, precision="bf16")
+    else:
+        opt = None
+    sd = fp32_model_state_dict(model, opt)
+    assert sd["scale"].dtype == torch.float64
+    assert sd["scale"].item() == 1 / 3
+    assert sd["weight"].dtype == torch.float32
+    assert torch.equal(sd["weight"], model.weight.float())

@@ -19,8 +19,9 @@ one tensor at a time):
   2 + 1 + 2 x (1 + 1/32) = 5.06 B per parameter.
 - The index's JSON ``meta``: format versions, the optimizer's class and its state dict's non-tensor
   parts (param groups with parameter *names* instead of positions, the ``memopt`` entry; a
-  tensor's place marked ``{"$tensor": key}``), each optimizer parameter's shape, the model's keys
-  and aliases, and ``extra`` (values JSON gives back as they are: no tuples, inf or nan;
+  tensor's place marked ``{"$tensor": key}``, an inf or NaN, which JSON has not, marked
+  ``{"$float": "inf"}``, ``"-inf"`` or ``"nan"``), each optimizer parameter's shape, the model's
+  keys and aliases, and ``extra`` (values JSON gives back as they are: no tuples, inf or nan;
   tensors at its top level are stored as ``extra/<key>``).
 
 Parameters are matched by name (``model.named_parameters()``), not by position, so a model whose
@@ -65,10 +66,16 @@ __all__ = ["CHECKPOINT_SCHEMA", "load", "save"]
 #: Version of the key/meta layout below (the container has its own format version). 2: tensors
 #: in the optimizer's state and param groups are marked ``{TENSOR_REF: key}`` (1 marked state
 #: tensors with None, so a None state value could not be stored), and ``shapes`` holds each
-#: optimizer parameter's shape. Files of schema 1 still load.
-CHECKPOINT_SCHEMA = 2
+#: optimizer parameter's shape. 3: an inf or NaN in the optimizer's state dict is marked
+#: ``{FLOAT_REF: "inf" | "-inf" | "nan"}`` (schema 2 refused to save it). Files of schemas 1
+#: and 2 still load; a reader of schema 2 refuses a file of 3 rather than hand the marker on.
+CHECKPOINT_SCHEMA = 3
 #: The marker of a value stored as a tensor under the container key it names.
 TENSOR_REF = "$tensor"
+#: The marker of a float JSON cannot hold, by the name ``float()`` reads back: an
+#: AdamBridge's ``last_grad_norm`` after a step whose gradients overflowed is inf or NaN.
+FLOAT_REF = "$float"
+_NON_FINITE = ("inf", "-inf", "nan")
 #: The ``state_dict()`` key suffix of a module's ``get_extra_state()`` (torch's own constant).
 _EXTRA_STATE = "_extra_state"
 
@@ -115,22 +122,58 @@ def _stored(v: Any, key: str, tensors: list[tuple[str, Tensor]], where: str) -> 
     return _json_value(v, where)
 
 
-def _restored(v: Any, reader: CheckpointReader) -> Any:
-    """The inverse of :func:`_stored`: marked tensors read back (lists stay lists)."""
+def _restored(v: Any, reader: CheckpointReader, schema: int = CHECKPOINT_SCHEMA) -> Any:
+    """The inverse of :func:`_stored`: marked tensors read back (lists stay lists), marked
+    floats decoded (from schema 3 on; :func:`_checked_meta` has checked the markers)."""
     if isinstance(v, Mapping) and set(v) == {TENSOR_REF}:
         return reader.load(v[TENSOR_REF])
     if isinstance(v, list):
-        return [_restored(x, reader) for x in v]
-    return v
+        return [_restored(x, reader, schema) for x in v]
+    return _floats_decoded(v) if schema >= 3 else v
 
 
 def _json_value(v: Any, where: str) -> Any:
+    """``v`` for the meta, each inf or NaN in it (at any depth) marked ``{FLOAT_REF: name}``:
+    optimizers keep them (AdamBridge's ``last_grad_norm``) and JSON has none. A dict that
+    holds ``FLOAT_REF`` itself is refused, as it would load back as a float."""
     if isinstance(v, float) and not math.isfinite(v):
-        raise ConfigError(f"{where} is {v}, which JSON cannot hold")
+        return {FLOAT_REF: "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, (list, tuple)):
+        v = [_json_value(x, f"{where}[{i}]") for i, x in enumerate(v)]
+    elif isinstance(v, Mapping):
+        if FLOAT_REF in v:
+            raise ConfigError(
+                f"{where} is a dict with the key {FLOAT_REF!r}, which marks inf and nan here"
+            )
+        v = {k: _json_value(x, f"{where}[{k!r}]") for k, x in v.items()}
     try:
-        json.dumps(v)
-    except TypeError:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
         raise ConfigError(f"{where} ({type(v).__name__}) is not JSON-serializable") from None
+    return v
+
+
+def _float_refs_ok(v: Any) -> bool:
+    """Whether every ``FLOAT_REF`` in the meta value ``v`` is a marker :func:`_json_value`
+    writes (an edited one must not reach the optimizer as a dict)."""
+    if isinstance(v, list):
+        return all(_float_refs_ok(x) for x in v)
+    if isinstance(v, dict):
+        if FLOAT_REF in v:
+            return set(v) == {FLOAT_REF} and v[FLOAT_REF] in _NON_FINITE
+        return all(_float_refs_ok(x) for x in v.values())
+    return True
+
+
+def _floats_decoded(v: Any) -> Any:
+    """The inverse of :func:`_json_value`'s marking (tuples, which it wrote as lists, stay
+    lists)."""
+    if isinstance(v, list):
+        return [_floats_decoded(x) for x in v]
+    if isinstance(v, dict):
+        if set(v) == {FLOAT_REF}:
+            return float(v[FLOAT_REF])
+        return {k: _floats_decoded(x) for k, x in v.items()}
     return v
 
 
@@ -401,6 +444,11 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
             "its 'optimizer' entry lacks the class, keying, param groups, state or shapes "
             "save writes",
         )
+        if schema >= 3:
+            require(
+                _float_refs_ok([groups, state, info.get("memopt")]),
+                f"a {{{FLOAT_REF!r}: ...}} in its 'optimizer' entry is not one of {_NON_FINITE}",
+            )
         refs += [r for g in groups for v in g.values() for r in _tensor_refs(v)]
         refs += [r for e in state.values() for v in e.values() for r in _tensor_refs(v)]
         if schema < 2:  # None marked a tensor
@@ -530,7 +578,7 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
                 f"param group {gi} differs: the checkpoint lacks {missing[:8]} and has "
                 f"{extra[:8]} that the optimizer's group does not"
             )
-        g = {k: _restored(v, reader) for k, v in saved.items() if k != "params"}
+        g = {k: _restored(v, reader, schema) for k, v in saved.items() if k != "params"}
         for k, v in g.items():  # JSON has no tuples: betas, Rprop's etas, Adafactor's eps
             if isinstance(v, list) and (k == "betas" or isinstance(group.get(k), tuple)):
                 g[k] = tuple(v)
@@ -545,10 +593,10 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
                 k: reader.load(f"optim/{name}/{k}") if v is None else v for k, v in values.items()
             }
         else:
-            entry = {k: _restored(v, reader) for k, v in values.items()}
+            entry = {k: _restored(v, reader, schema) for k, v in values.items()}
         state[index[name]] = entry
     sd: dict[str, Any] = {"state": state, "param_groups": groups}
     if info.get("memopt") is not None:
         memo = dict(info["memopt"])
-        sd["memopt"] = memo
+        sd["memopt"] = _floats_decoded(memo) if schema >= 3 else memo
     return sd

@@ -1,13 +1,16 @@
 """fp32 export: the full-precision weights as an ordinary torch state dict (no memopt to load it).
 
 ``fp32_model_state_dict(model, optimizer)`` is ``model.state_dict()`` with every floating entry
-in fp32 and the true master weight where the optimizer keeps one beyond the parameter:
+in (at least) fp32 and the true master weight where the optimizer keeps one beyond the parameter:
 
 - memopt optimizers (``MemOptimizer`` and its subclasses: the ``memopt_ecc`` Flash* family,
   ApexW): an ECC master's bf16 parameter + code decoded (exactly fp32 for ECC-32), through
   :func:`memopt_core.fp32_state.get_fp32_model_state_dict` (memopt-core only);
 - ``memopt_offload.AdamBridge``: its host fp32 masters (:meth:`AdamBridge.master_weight`);
 - anything else (or no optimizer): the parameters widened to fp32.
+
+Floating entries narrower than fp32 (bf16, fp16, fp8) are widened; float64 ones stay float64,
+which fp32 would round, whatever the optimizer (as memopt-core's export does).
 
 Non-tensor entries (a module's ``get_extra_state()``) pass through as they are. A model wrapped
 in ``DistributedDataParallel`` / ``DataParallel`` is unwrapped, whatever the optimizer, as
@@ -40,8 +43,9 @@ _WRAPPERS = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
 def fp32_model_state_dict(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """``model.state_dict()`` (of the model inside a DDP/DataParallel wrapper) in fp32 with
-    master weights where ``optimizer`` keeps them (see the module doc); new CPU tensors."""
+    """``model.state_dict()`` (of the model inside a DDP/DataParallel wrapper) in (at least)
+    fp32 with master weights where ``optimizer`` keeps them (see the module doc); new CPU
+    tensors."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     while isinstance(model, _WRAPPERS):  # keys without "module.", as memopt_ecc's
@@ -70,7 +74,7 @@ def fp32_model_state_dict(
                 out[name] = t
             elif p is not None and id(p) in masters:
                 out[name] = masters[id(p)].detach().cpu().reshape(t.shape).clone()
-            elif t.is_floating_point():
+            elif t.is_floating_point() and t.dtype.itemsize < 4:
                 out[name] = t.detach().to("cpu", torch.float32).clone()
             else:
                 out[name] = t.detach().cpu().clone()

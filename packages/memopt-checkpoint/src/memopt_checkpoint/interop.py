@@ -172,7 +172,9 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     ``state_dict()`` puts at the top level and in every group, and torch's ``load_state_dict``
     would copy into the torch optimizer's live groups) are left out. ``decouple_lr=True`` decays by
     ``lr / initial_lr * weight_decay``; torch decays by ``lr * weight_decay``, so the exported
-    ``weight_decay`` is ``weight_decay / initial_lr`` (the same factor up to one rounding).
+    ``weight_decay`` is ``weight_decay / initial_lr`` (the same factor up to one rounding); a
+    group whose ``decouple_lr`` was switched on by hand has no ``initial_lr`` until its next step
+    records its ``lr`` as it, so that ``lr`` stands for it (it is not written in the group).
     """
     cls = torch_optimizer_class(optimizer)
     _refuse_sharded(optimizer, "to_torch_state_dict")
@@ -228,7 +230,16 @@ def _torch_group(
             "'sgd'"
         )
     if rule in ("adamw", "sgdw") and group.get("decouple_lr") and wd != 0.0:
-        wd = wd / float(_plain(group["initial_lr"]))  # torch: lr * wd' == lr / initial_lr * wd
+        # decouple_lr switched on in the group by hand has no initial_lr until the next step
+        # records the group's lr as it: divide by that lr, as the step will
+        initial = float(_plain(group["initial_lr"] if "initial_lr" in group else group["lr"]))
+        if initial <= 0:  # the step refuses it too (ConfigError): no torch decay matches
+            raise ConfigError(
+                f"param group {gi} has decouple_lr=True, which scales weight decay by "
+                f"lr / initial_lr, and its initial lr (the lr until a step records it) is "
+                f"{initial}: set the group's initial_lr (> 0)"
+            )
+        wd = wd / initial  # torch: lr * wd' == lr / initial_lr * wd
     if kind == "adam":
         out.update(
             lr=_plain(group["lr"]),
