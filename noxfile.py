@@ -94,7 +94,8 @@ def typecheck(session: nox.Session) -> None:
     memopt packages resolve from their source trees (``MYPYPATH``), so nothing is built; torch
     is installed for its types (triton ships none: memopt-kernels-triton's settings say so)."""
     _install_torch(session)
-    session.install("mypy==2.4.1")  # pinned as ruff is: a new release must not turn CI red
+    # pinned as ruff is: a new release must not turn CI red; pytest for core's device fixture
+    session.install("mypy==2.4.1", "pytest")
     mypy_path = os.pathsep.join(str(d / "src") for d in _package_dirs())
     for package in _package_dirs():
         with session.chdir(package):
