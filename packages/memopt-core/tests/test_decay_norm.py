@@ -247,3 +247,29 @@ def test_saved_step_count_takes_only_whole_counts(step, count):
     """The count a conversion denormalizes a saved second moment with: None, which leaves the
     entry to the load's checks, for anything that is not a whole number >= 0."""
     assert conversions.saved_step_count(step) == count
+
+
+@pytest.mark.parametrize("moments", ["fp8", "q8"])
+def test_a_beta2_schedule_keeps_v_tracking(moments):
+    """beta2 ramped from 0.95 to 0.999, changed at every step: each change rescales the stored
+    moments by well under a code step, and rounded to nearest every rescale was lost, always
+    the same way (v/v64 reached 2e10 by the ramp's end and the weights stopped moving). The
+    re-encoding rounds stochastically: the weights keep moving about as fp64 Adam's do."""
+    torch.manual_seed(0)
+    ramp, tail = 1500, 300
+    p = torch.nn.Parameter(torch.zeros(N))
+    opt = MemOptimizer([p], lr=1e-4, betas=(0.9, 0.95), moments=moments, weight_decay=0.0)
+    m64, v64, p64 = (torch.zeros(N, dtype=torch.float64) for _ in range(3))
+    for t in range(1, ramp + tail + 1):
+        b2 = 0.95 + 0.049 * min(1.0, (t - 1) / ramp)
+        g = 0.1 + torch.randn(N)
+        m64.mul_(0.9).add_(0.1 * g.double())
+        v64.mul_(b2).add_((1 - b2) * g.double() ** 2)
+        p64 -= 1e-4 / (1 - 0.9**t) * m64 / ((v64 / (1 - b2**t)).sqrt() + 1e-8)
+        opt.param_groups[0]["betas"] = (0.9, b2)
+        p.grad = g
+        opt.step()
+        if t == ramp:
+            start, start64 = p.detach().double().clone(), p64.clone()
+    moved = (p.detach().double() - start).sum() / (p64 - start64).sum()
+    assert 0.8 < moved < 1.3, moved

@@ -88,13 +88,15 @@ def decode_moment(codec: MomentCodec, fields: Mapping[str, Tensor]) -> Tensor:
     return kernels.decode_moment(codec.name, dict(fields)).reshape(-1)
 
 
-def encode_moment(codec: MomentCodec, x: Tensor) -> dict[str, Tensor]:
+def encode_moment(
+    codec: MomentCodec, x: Tensor, *, rand: Tensor | None = None
+) -> dict[str, Tensor]:
     """The fields of flat fp32 ``x``, rounded to nearest (:meth:`MomentCodec.encode_sliced`'s
-    bits)."""
-    kernels = _kernels_for(x)
+    bits), or stochastically with ``rand`` (int64 words, one per element: ``encode``'s)."""
+    kernels = _kernels_for(x, rand)
     if kernels is None:
-        return codec.encode_sliced(x)
-    return {k: v.reshape(-1) for k, v in kernels.encode_moment(codec.name, x).items()}
+        return codec.encode_sliced(x) if rand is None else codec.encode(x, rand=rand)
+    return {k: v.reshape(-1) for k, v in kernels.encode_moment(codec.name, x, rand=rand).items()}
 
 
 def decode_master(codec: MasterCodec, param: Tensor, code: Tensor | None) -> Tensor:

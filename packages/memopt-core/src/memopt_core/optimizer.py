@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from memopt_core import backends, conversions, reference
+from memopt_core import backends, conversions, reference, rng
 from memopt_core.aliasing import check_parameters_apart, has_memory, labelled_parameters
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
@@ -1382,6 +1382,8 @@ class MemOptimizer(Optimizer):
                     "capturing"
                 )
             codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+            sr = bool(group["stochastic_rounding"])
+            tensor_ids = self._tensor_index()
             with torch.no_grad():
                 for p in group["params"]:
                     st = self.state.get(p)
@@ -1395,9 +1397,21 @@ class MemOptimizer(Optimizer):
                     )
                     v = conversions.denormalize_second_moment(u, reference.decay_norm(old, k))
                     u = conversions.normalize_second_moment(v, reference.decay_norm(new, k))
-                    for sfx, x in conversions.encode_moment(codec, u).items():
+                    rand = self._conversion_words(p, tensor_ids[id(p)], u, k) if sr else None
+                    for sfx, x in conversions.encode_moment(codec, u, rand=rand).items():
                         fields[sfx].copy_(x.reshape(fields[sfx].shape))
         self._norm_beta2[gi] = new
+
+    def _conversion_words(self, p: Tensor, tensor_id: int, u: Tensor, step: int) -> Tensor:
+        """Stochastic-rounding words of a re-encoding of ``p``'s second moments ``u`` at step
+        count ``step``. A beta2 schedule changes beta2 a little at every step, which rescales
+        ``u`` by well under a code step: rounded to nearest, the change was lost every time,
+        and over a ramp from 0.95 to 0.999 ``v`` grew 2e10-fold; rounded stochastically it is
+        kept in expectation. The words are those of ``p``'s tensor id and elements (global
+        ones for a shard: any sharding gives the same bits), at a step with the top bit set,
+        which no step of a kernel draws (counts stop at 2**24 + 1)."""
+        index = index_base(p) + torch.arange(u.numel(), device=u.device)
+        return rng.uniform_bits(self.seed, tensor_id, index, step | 1 << 31, rng.STREAM_SECOND)
 
     def _check_grad(self, p: Tensor, g: Tensor, plan: GroupPlan, si: int) -> None:
         if is_dtensor(p) or is_dtensor(g):
