@@ -96,7 +96,13 @@ def encode_moment(
     kernels = _kernels_for(x, rand)
     if kernels is None:
         return codec.encode_sliced(x) if rand is None else codec.encode(x, rand=rand)
-    return {k: v.reshape(-1) for k, v in kernels.encode_moment(codec.name, x, rand=rand).items()}
+    # rand only where given: codec kernels of KERNEL_API 8 need not take it for nearest
+    fields = (
+        kernels.encode_moment(codec.name, x)
+        if rand is None
+        else kernels.encode_moment(codec.name, x, rand=rand)
+    )
+    return {k: v.reshape(-1) for k, v in fields.items()}
 
 
 def decode_master(codec: MasterCodec, param: Tensor, code: Tensor | None) -> Tensor:
