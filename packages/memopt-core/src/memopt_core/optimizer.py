@@ -1632,7 +1632,8 @@ class MemOptimizer(Optimizer):
     def _check_step_limit(self, works: Iterable[backends.GroupStep]) -> None:
         """Warn once when a step count reaches 2**24, where float32 counters stop (torch's too).
         Stochastic rounding draws its words from the count, so from there on every step would
-        round each element with the same word: state rounded with it could stall."""
+        round each element with the same word: state rounded with it could stall; and the
+        decay normalization's phase ``step % P`` stops, so q8/fp8 second moments stop decaying."""
         if self._warned_step_limit:
             return
         if any(w.step >= _STEP_LIMIT and w.spec.stochastic_rounding for w in works):
@@ -1642,8 +1643,11 @@ class MemOptimizer(Optimizer):
                 "as torch does, and they stop advancing there. Bias corrections are 1 long "
                 "before, but stochastic rounding draws its words from the count: from now on "
                 "each element rounds with the same word at every step, and state rounded with "
-                "it (bf16/fp8/q8 moments, ECC-24 codes) can stall. To go on, set every "
-                "state['step'] in the state dict to a smaller count (e.g. 2**23) and load it",
+                "it (bf16/fp8/q8 moments, ECC-24 codes) can stall, and q8/fp8 second moments, "
+                "stored as v / beta2**(step % P), stop decaying. To go on, lower every "
+                "state['step'] in the state dict keeping its remainder modulo its group's "
+                "P = memopt_core.reference.decay_norm_period(beta2) (another remainder rescales "
+                "those moments), e.g. to step - P * ((step - 2**23) // P), and load it",
                 RuntimeWarning,
                 stacklevel=_caller_stacklevel(),
             )
