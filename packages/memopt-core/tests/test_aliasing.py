@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memopt_core.aliasing import check_aliasing, check_parameters_apart, clear_of, sorted_extents
+from memopt_core.aliasing import (
+    check_aliasing,
+    check_parameters_apart,
+    clear_of,
+    refuse_negated,
+    sorted_extents,
+)
 from memopt_core.errors import ConfigError
 from memopt_core.plan import overlaps_itself
 
@@ -102,3 +108,24 @@ def test_clear_of_finds_every_overlap_with_sorted_extents():
     assert sorted_extents([buf[::2]]) is None  # strided: no exact extent
     assert not clear_of(None, [buf.data_ptr()], [1])
     assert clear_of(sorted_extents([buf[:8]]), [], [])
+
+
+def test_refuse_negated_names_the_tensor_and_the_fix():
+    """A negated view's memory holds the opposite of its values, which kernels read as they are:
+    refused with the caller's name (a str, or a callable made only for the error)."""
+    x = torch.tensor([1.0, -2.0])
+    for neg in (torch._neg_view(x), torch.tensor([1 + 3j]).conj().imag):
+        assert neg.is_neg()
+        with pytest.raises(
+            ConfigError,
+            match=r"^the gradient of parameter 0 is a negated view \(torch's negative bit.*"
+            r"opposite values.*; pass its \.resolve_neg\(\) instead$",
+        ):
+            refuse_negated("the gradient of parameter 0", neg)
+    with pytest.raises(ConfigError, match=r"^staging of p is a negated view"):
+        refuse_negated(lambda: "staging of p", torch._neg_view(x))
+    made = []
+    refuse_negated(lambda: made.append(1) or "x", x)  # not negated: nothing raised, no label
+    refuse_negated("x", torch._neg_view(x).resolve_neg())
+    refuse_negated("x", -x)  # a real negation has its values in memory
+    assert made == []

@@ -8,6 +8,9 @@ parameter's memory (the same address, dtype, shape and strides), as after ``p.gr
 p.detach()``: every backend reads each element's gradient before it writes that element, so
 the step computes with ``g = p`` as the reference does. Used by the cpu and Triton backends'
 validation (the uncached path), not at every replay.
+
+A tensor with torch's negative bit is refused too (:func:`refuse_negated`): its memory holds
+the opposite of its values, and the kernels read memory.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = [
     "clear_of",
     "has_memory",
     "labelled_parameters",
+    "refuse_negated",
     "same_view",
     "share_memory",
     "sorted_extents",
@@ -179,6 +183,20 @@ def has_memory(t: Tensor) -> bool:
         return t.data_ptr() != 0 or t.numel() == 0
     except RuntimeError:
         return False
+
+
+def refuse_negated(name: Label, t: Tensor) -> None:
+    """ConfigError naming ``name`` when ``t`` has torch's negative bit (``t.is_neg()``: a lazily
+    negated view such as ``x.conj().imag`` of a complex ``x``, or ``torch._neg_view(x)``). Such
+    a view shares ``x``'s memory, which holds the opposite of its values, and the kernels read
+    and write raw memory: they would step with ``-g`` or update ``-p``. One message for every
+    check that refuses one."""
+    if t.is_neg():
+        raise ConfigError(
+            f"{_name(name)} is a negated view (torch's negative bit, as from x.conj().imag: its "
+            "memory holds the opposite values, which the kernels would read or update as they "
+            "are); pass its .resolve_neg() instead"
+        )
 
 
 def labelled_parameters(param_groups: Sequence[Mapping[str, Any]]) -> list[tuple[Tensor, Label]]:

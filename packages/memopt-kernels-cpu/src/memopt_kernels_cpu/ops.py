@@ -39,7 +39,7 @@ from operator import attrgetter
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing, has_memory
+from memopt_core.aliasing import Label, check_aliasing, has_memory, refuse_negated
 from memopt_core.backends import (
     PARAM_DTYPES,
     RULES,
@@ -608,24 +608,13 @@ class _SlotLabel:
         return f"staging of {self()}"
 
 
-def _check_not_negated(t: Tensor, what: str) -> None:
-    """ConfigError for a tensor with torch's negative bit (``torch._neg_view``, a one-element
-    ``x.conj().imag``): its memory holds the opposite values, and the kernel reads and writes
-    memory."""
-    if t.is_neg():
-        raise ConfigError(
-            f"{what} is a negated view (torch's negative bit: its memory holds the opposite "
-            "values, which the kernel would read or update as they are); pass .resolve_neg()"
-        )
-
-
 def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
     """ConfigError naming the first problem of one slot's parameter, gradient, staging tensor,
     tensor id or index base."""
     what = f"parameter {k} (slot {si}"
     _check_tensor(p0, f"{what})")
     what += f", {_label(p0)})"
-    _check_not_negated(p0, what)
+    refuse_negated(what, p0)
     if p0.dtype != plan.param_dtype:
         raise ConfigError(f"{what}: the group holds {plan.param_dtype} parameters")
     if p0.numel() != slot.numel:
@@ -634,7 +623,7 @@ def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
             f"(shape {tuple(slot.shape)}); rebuild the plan after resizing a parameter"
         )
     _check_tensor(g, f"the gradient of {what}")
-    _check_not_negated(g, f"the gradient of {what}")
+    refuse_negated(f"the gradient of {what}", g)
     if g.dtype not in GRAD_IDS or not (
         g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
     ):
@@ -663,7 +652,7 @@ def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
         )
     if st is not None:
         _check_tensor(st, f"staging of {what}")
-        _check_not_negated(st, f"staging of {what}")
+        refuse_negated(f"staging of {what}", st)
         if plan.param_dtype == torch.float16:
             raise ConfigError(
                 f"staging of {what}: bf16 staging copies are for float32 and bfloat16 "

@@ -43,7 +43,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing, has_memory
+from memopt_core.aliasing import Label, check_aliasing, has_memory, refuse_negated
 from memopt_core.backends import RULES, DeviceStep, GroupStep, kernel_master_id, kernel_moment_id
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
@@ -865,13 +865,9 @@ def _validate(work: GroupStep, plan) -> None:
     for k, (si, p, g) in enumerate(zip(work.slots, work.params, work.grads, strict=True)):
         what = f"parameter {k} (plan slot {si})"
         _check_device(p, what)
-        for t, whose in ((p, what), (g, f"the gradient of {what}")):
-            if isinstance(t, Tensor) and t.is_neg():
-                raise ConfigError(
-                    f"{whose} is a negated view (torch's negative bit: its memory holds the "
-                    "opposite values, which the kernel would read or update as they are); pass "
-                    ".resolve_neg()"
-                )
+        refuse_negated(what, p)
+        if isinstance(g, Tensor):  # anything else is named by _check_device(g) below
+            refuse_negated(f"the gradient of {what}", g)
         if p.dtype != plan.param_dtype:
             raise ConfigError(f"the group holds {plan.param_dtype} parameters, got {p.dtype}")
         slot = plan.slots[si]
