@@ -51,7 +51,9 @@ def forget_compiled(kernel) -> None:
     it again, from Triton's disk cache), so that a test counts the variants it compiles itself
     whatever ran before it in this process."""
     compiled_variants(kernel)  # fails clearly on an unknown layout
-    caches = getattr(kernel, "device_caches", None) or kernel.cache
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:  # not `or`: an empty device_caches (nothing compiled yet) is falsy
+        caches = kernel.cache
     for entry in caches.values():
         for part in entry if isinstance(entry, (tuple, list)) else (entry,):
             if isinstance(part, dict):
