@@ -164,6 +164,17 @@ class Tagged(list):
     tag = "?"
 
 
+class Row(tuple):
+    """A tuple subclass built from its items, as tuple is."""
+
+
+class Span(tuple):
+    """A tuple subclass whose constructor takes other arguments."""
+
+    def __new__(cls, start, stop):
+        return super().__new__(cls, (start, stop))
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     y: torch.Tensor
@@ -186,6 +197,12 @@ def pack(kind, y):
         return out
     if kind == "dataclass":
         return Result(y, 3)
+    if kind == "size":
+        return y, y.shape
+    if kind == "tuple-subclass":
+        return Row((y, torch.arange(2)))
+    if kind == "tuple-subclass-args":
+        return Span(y, y)
     return Pair(y, [y, {"z": y}])
 
 
@@ -208,7 +225,18 @@ class NormOutputs(nn.BatchNorm1d):
 
 
 @pytest.mark.parametrize(
-    "kind", ["max", "ordered", "model-output", "namedtuple", "list-subclass", "dataclass"]
+    "kind",
+    [
+        "max",
+        "ordered",
+        "model-output",
+        "namedtuple",
+        "list-subclass",
+        "dataclass",
+        "size",
+        "tuple-subclass",
+        "tuple-subclass-args",
+    ],
 )
 @pytest.mark.parametrize("layer", ["recast", "norm"])
 def test_hooks_keep_output_container_types(kind, layer):
@@ -238,10 +266,44 @@ def test_hooks_keep_output_container_types(kind, layer):
     elif kind == "dataclass":
         assert type(out) is Result
         assert (out.y.dtype, out.n) == (torch.bfloat16, 3)
+    elif kind == "size":
+        # the torch.Size came back a plain tuple, without numel() (audit 2026-12-06)
+        assert type(out) is tuple
+        assert out[0].dtype == torch.bfloat16
+        assert type(out[1]) is torch.Size
+        assert out[1].numel() == 8
+    elif kind == "tuple-subclass":
+        assert type(out) is Row
+        assert [t.dtype for t in out] == [torch.bfloat16, torch.int64]
+    elif kind == "tuple-subclass-args":
+        assert type(out) is tuple  # Span cannot be rebuilt from its items
+        assert [t.dtype for t in out] == [torch.bfloat16, torch.bfloat16]
     else:
         assert type(out) is Pair
         assert out.a.dtype == torch.bfloat16
         assert out.b[1]["z"].dtype == torch.bfloat16
+
+
+def test_widened_inputs_keep_tuple_subclasses():
+    """The input pre-hook rebuilt a torch.Size argument, or a tuple subclass holding tensors, as
+    a plain tuple (audit 2026-12-06)."""
+    seen = {}
+
+    class Takes(nn.Linear):
+        def forward(self, x, shape, row):
+            seen["shape"], seen["row"] = shape, row
+            return super().forward(x).reshape(shape)
+
+    model = cast_model(nn.Sequential(Takes(4, 4)), full_precision_layers=["0"])
+    x = torch.randn(2, 4).bfloat16()
+    shape = torch.Size((4, 2))
+    out = model[0](x, shape, row=Row((x, torch.arange(2))))
+    assert seen["shape"] is shape
+    assert type(seen["row"]) is Row
+    assert [t.dtype for t in seen["row"]] == [torch.float32, torch.int64]
+    assert torch.equal(seen["row"][0], x.float())
+    assert out.shape == (4, 2)
+    assert out.dtype == torch.float32
 
 
 def test_tied_weight_conflict_is_refused():

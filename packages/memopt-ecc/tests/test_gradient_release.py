@@ -646,6 +646,82 @@ def test_a_pre_step_that_returns_no_bool_is_refused():
     handle.remove()
 
 
+def _clamp(p, group):
+    p.grad = p.grad.clamp(-1e-3, 1e-3)
+    return True
+
+
+def _none_for_mix_bias(p, group):
+    if p is group["params"][3]:  # mix.bias (params: embed/out, mix.weight, mix.bias, ...)
+        p.grad = None  # a skip, as it is before step() in the ordinary loop
+    return True
+
+
+def _float32(p, group):
+    # torch refuses a float32 .grad on a bf16 parameter unless its grad_dtype allows any
+    p.grad_dtype = None
+    p.grad = p.grad.float() * 0.5
+    return True
+
+
+@pytest.mark.parametrize("bucket", list(BUCKETS))
+@pytest.mark.parametrize("pre_step", [_clamp, _none_for_mix_bias, _float32])
+def test_a_pre_step_that_assigns_the_gradient_equals_the_step_loop(pre_step, bucket):
+    """The hook bucketed the gradient it had before pre_step: an assigned .grad (a per-parameter
+    clip written p.grad = p.grad.clamp(...), or None meant as a skip) was ignored, and released
+    SGD moved a weight by -100 where the ordinary loop moved it by -1 (audit 2026-12-06). The
+    update now takes what .grad holds after pre_step, as step() after the same pre_step does."""
+    ref_model = make_model("cpu")
+    rel_model = copy.deepcopy(ref_model)
+    ref_opt = FlashAdamW(ref_model.parameters(), lr=1e-2)
+    rel_opt = FlashAdamW(rel_model.parameters(), lr=1e-2)
+    assert rel_opt.param_groups[0]["params"][3] is rel_model.mix.bias
+    bias_before = rel_model.mix.bias.detach().clone()
+    handle = release(rel_model, rel_opt, bucket, pre_step=pre_step)
+    for idx in batches("cpu"):
+        ref_opt.zero_grad()
+        loss_fn(ref_model, idx).backward()
+        for group in ref_opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    assert pre_step(p, group)
+        ref_opt.step()
+        loss_fn(rel_model, idx).backward()
+        assert all(p.grad is None for p in rel_model.parameters())
+    assert_same_state(ref_opt, params_of(ref_model), rel_opt, params_of(rel_model))
+    if pre_step is _none_for_mix_bias:
+        assert torch.equal(rel_model.mix.bias.detach(), bias_before)
+        bias_state = rel_opt.state.get(rel_model.mix.bias, {})
+        assert "step" not in bias_state or int(bias_state["step"]) == 0
+        assert int(rel_opt.state[rel_model.mix.weight]["step"]) == 4
+    handle.remove()
+
+
+def test_a_pre_step_that_assigns_a_gradient_the_update_cannot_take_is_refused():
+    """An assigned gradient is checked in its parameter's hook (the first one: norm.weight's),
+    with the parameter's name."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.named_parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def pre_step(p, group):
+        p.grad_dtype = None  # else torch's .grad setter refuses the float64 tensor itself
+        p.grad = p.grad.double()
+        return True
+
+    handle = enable_gradient_release(model, opt, pre_step=pre_step, bucket_mb=0)
+    with pytest.raises(
+        ConfigError,
+        match=r"pre_step set the \.grad of parameter 'norm\.weight' .* to a tensor of shape "
+        r"\(12,\), torch\.float64, on cpu; the update takes gradients of the parameter's "
+        r"shape and device, in its dtype or float32 .* or None to skip the update",
+    ):
+        loss_fn(model, batches("cpu")[0]).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    handle.remove()
+
+
 def test_remove_inside_a_backward_is_refused():
     """remove() from a hook dropped the gradients the running backward held: the parameters
     released before it missed that batch's update."""

@@ -97,10 +97,17 @@ def _map_floats(obj: Any, fn) -> Any:
         return fn(obj) if obj.is_floating_point() else obj
     if isinstance(obj, tuple):
         items = [_map_floats(o, fn) for o in obj]
+        if all(new is old for new, old in zip(items, obj, strict=True)):
+            return obj  # as it was, whatever its type (torch.Size, which holds no tensor)
         if hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
         if hasattr(type(obj), "n_sequence_fields"):  # structseq: torch.return_types
             return type(obj)(items)
+        if type(obj) is not tuple:
+            try:  # another subclass built from its items, as tuple is
+                return type(obj)(items)
+            except TypeError:  # its constructor takes other arguments: a plain tuple
+                pass
         return tuple(items)
     if isinstance(obj, list):
         items = [_map_floats(o, fn) for o in obj]

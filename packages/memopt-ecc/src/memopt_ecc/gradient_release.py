@@ -64,6 +64,7 @@ from memopt_core.hook_wrappers import (
     reject_unsynchronized,
     remove_hooks,
 )
+from memopt_core.optimizer import _grad_dtype_ok
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
@@ -303,6 +304,22 @@ def _scaler_record(scaler: Any, optimizer: MemOptimizer, found: Tensor) -> None:
         record[found.device] = found.clone()
 
 
+def _check_assigned(optimizer: MemOptimizer | None, p: Tensor, grad: Tensor) -> None:
+    """ConfigError unless ``grad``, which a ``pre_step`` assigned to ``p.grad``, is a gradient
+    that the update of ``p`` takes. Checked in the parameter's hook: in a bucket, the error
+    would come later, and the bucket's other updates would be lost with it. (torch's ``.grad``
+    setter checks the same unless ``p.grad_dtype`` was changed; the update checks the rest.)"""
+    if grad.shape == p.shape and grad.device == p.device and _grad_dtype_ok(p.dtype, grad.dtype):
+        return
+    label = optimizer._param_label(p) if optimizer is not None else "a parameter"
+    raise ConfigError(
+        f"gradient release: pre_step set the .grad of {label} to a tensor of shape "
+        f"{tuple(grad.shape)}, {grad.dtype}, on {grad.device}; the update takes gradients of "
+        "the parameter's shape and device, in its dtype or float32 (a float32 parameter also "
+        "bfloat16 or float16): assign such a gradient, or None to skip the update"
+    )
+
+
 def enable_gradient_release(
     model: nn.Module,
     optimizer: MemOptimizer,
@@ -321,7 +338,10 @@ def enable_gradient_release(
         grad_scaler: an enabled ``torch.amp.GradScaler`` whose scale the updates undo and whose
             inf record they fill (module doc); None or a disabled scaler: no unscaling.
         pre_step: ``(param, group) -> bool`` called in the parameter's hook, with ``p.grad``
-            still set (scaled, with a GradScaler; edits in place reach the update); False skips
+            still set (scaled, with a GradScaler). The update takes what ``p.grad`` holds when
+            it returns, as the ordinary ``step()`` after it would: the gradient edited in place
+            or a tensor assigned to ``p.grad`` (of the parameter's shape, device and a dtype the
+            optimizer takes, else ``ConfigError``); ``p.grad = None`` or returning False skips
             its update (the gradient is freed either way, and ``.grad`` is None again after
             the call, also when it raises).
         bucket_mb: MiB of gradients held before they are updated in one fused step (the rest
@@ -494,17 +514,24 @@ def enable_gradient_release(
             )
         take = True
         if pre_step is not None:
-            p.grad = grad  # pre_step reads (and may edit in place) the gradient there
+            p.grad = grad  # pre_step reads the gradient there, edits it or assigns another
             try:
                 take = pre_step(p, rel.groups[id(p)])
+                # the gradient is what .grad holds now, as step() would read it after a
+                # pre_step of the ordinary loop: an assigned one (p.grad = p.grad.clamp(-1, 1))
+                # replaces it, None skips the update (the old one was used: audit 2026-12-06)
+                new = p.grad
             finally:
                 p.grad = None  # out again, also when pre_step raised
+            if new is not grad and new is not None:
+                _check_assigned(opt_ref(), p, new)
+            grad = new
         if not isinstance(take, bool):  # a logging callback without `return True`
             raise TypeError(
                 f"gradient release: pre_step must return True (update) or False (skip), "
                 f"got {take!r}"
             )
-        if take and hold(rel.buckets, p, grad):
+        if take and grad is not None and hold(rel.buckets, p, grad):
             update(grad.device)
 
     hooked = [
