@@ -468,3 +468,37 @@ def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
             graph.replay()
         torch.cuda.synchronize()
         _same([mine, opts[1]], [ps, models[1]])
+
+
+def test_a_merged_launch_takes_numpy_coefficients(ops, device, monkeypatch):
+    """Works whose scalars hold a numpy L2 coefficient (core's ``adam_scalars`` keeps the
+    weight decay it is given) merge into one launch with the bits of float scalars: the
+    launch's ``has_l2`` flag is a bool (``launch_hyper`` takes only bools), as is a capturable
+    launch's."""
+    import dataclasses
+
+    import numpy as np
+
+    after = []
+    for as_numpy in (False, True):
+        settings = [{"weight_decay": 0.01}, {"weight_decay": 0.02}]
+        opts, models = _pair(device, "adam", torch.float32, "none", "fp32", settings)
+        _grads(models, 0, torch.float32, move=False)
+        opts[0].step()
+        works = [e.work for e in opts[0]._cached_steps[None].entries]
+        for w, group in zip(works, opts[0].param_groups, strict=True):
+            w.grads = [p.grad for p in group["params"]]
+            if as_numpy:
+                w.scalars = dataclasses.replace(w.scalars, l2=np.float64(w.scalars.l2))
+        assert type(works[1].scalars.l2) is (np.float64 if as_numpy else float)
+        launches = _Launches(monkeypatch, ops)
+        ops.fused_steps(works)
+        assert launches.take() == [("launch_hyper", 6)]
+        after.append([p.detach().clone() for p in models[0]])
+    assert all(map(torch.equal, *after))
+    from memopt_core.backends import DeviceStep  # a capturable launch's flags, likewise
+
+    capturable = dataclasses.replace(
+        works[0], device_step=DeviceStep(torch.zeros(1), 1e-3, (0.9, 0.999))
+    )
+    assert ops._device_flags([capturable])["has_l2"] is True

@@ -4,6 +4,10 @@ from the host or from a device tensor (the CUDA-graph path), gives the bits of a
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import numpy as np
 import pytest
 import torch
 
@@ -617,3 +621,127 @@ def test_a_captured_step_of_a_strided_gradient_is_refused_naming_it(ops, device,
     monkeypatch.setattr(ops, "_capturing", lambda: True)
     with pytest.raises(ConfigError, match=r"gradient of tensor 0 .* strides \(2,\)\) is not"):
         ops.prepare_step(group_step(group, [strided], 2))
+
+
+def _adamw_update(ops, device, keep_grads: bool) -> tuple[torch.Tensor, bool]:
+    """One prepared AdamW step whose caller drops its work and, unless ``keep_grads``, its
+    gradients before launching, with new tensors of the gradients' size allocated in between
+    (the allocator hands them the freed memory): the update, and whether the gradient object
+    was still alive at the launch."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="fp32", moments="fp32", stochastic_rounding=True)
+    g = make_group(rule, spec, torch.float32, [33], device, seed=7, **hyper)
+    before = g.params[0].detach().clone()
+    grads = make_grads(g, 1)
+    work = group_step(g, grads, 1)
+    prepared = ops.prepare_step(work)
+    scalars, seed = work.scalars, work.seed
+    alive = weakref.ref(grads[0])
+    kept = grads if keep_grads else None
+    del work, grads
+    gc.collect()
+    junk = [torch.full((33,), 1e30, device=device) for _ in range(16)]
+    held = alive() is not None
+    prepared.launch(scalars, 1, seed, True)
+    del junk, kept
+    return g.params[0].detach() - before, held
+
+
+def test_prepared_step_holds_the_tensors_it_points_at(ops, device):
+    """``prepare_step`` keeps the gradients' addresses in its tables: it holds the gradients
+    too, so a caller that drops them (``prepare_step(group_step(g, make_grads(g, 1), 1))``)
+    still gets the update of kept gradients, not one read from freed memory (which other
+    tensors reused: different numbers from run to run)."""
+    kept, _ = _adamw_update(ops, device, keep_grads=True)
+    dropped, held = _adamw_update(ops, device, keep_grads=False)
+    assert torch.equal(dropped, kept), (dropped - kept).abs().max()
+    assert kept.abs().max() > 0
+    assert held
+
+
+def test_prepared_step_holds_references_only(ops, device):
+    """What a prepared step holds is the tensors themselves (no copies), ``with_grads`` lets the
+    old gradients go and holds the new ones, and ``hold=False`` (the backend's ``prepare``:
+    core's cached step checks addresses itself) holds nothing, so freed gradients are freed."""
+    from memopt_kernels_triton.backend import BACKEND
+
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="fp32", moments="bf16", stochastic_rounding=True)
+    group = make_group(rule, spec, torch.float32, [33, 65], device, **hyper)
+    grads = make_grads(group, 1)
+    prepared = ops.prepare_step(group_step(group, grads, 1))
+    assert all(h is t for h, t in zip(prepared._held, [*group.params, *grads], strict=True))
+    old = [weakref.ref(x) for x in grads]
+    moved = [x.clone() for x in grads]
+    follow = prepared.with_grads(moved)
+    assert follow is not None
+    assert all(h is t for h, t in zip(follow._held, [*group.params, *moved], strict=True))
+    del prepared, grads
+    gc.collect()
+    assert [r() for r in old] == [None, None]
+    unheld = BACKEND.prepare(group_step(group, moved, 1))
+    assert unheld._held == ()
+    assert unheld.with_grads([x.clone() for x in moved])._held == ()
+    with pytest.raises(ConfigError, match="hold must be True or False, got 1"):
+        ops.prepare_step(group_step(group, moved, 1), hold=1)
+
+
+_NOT_BOOLS = ["False", [False], 0, 1.0, np.bool_(False)]
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("flag", ["maximize", "has_decay", "has_l2", "unscale"])
+def test_launch_hyper_takes_only_bool_flags(ops, device, flag, value):
+    """A flag that is not a bool is refused naming it: ``maximize="False"`` was truthy and
+    compiled the maximizing variant (an update of the opposite sign), ``unscale=[False]`` one
+    that multiplies by the ``inv_scale`` word. Nothing is launched."""
+    adam = _prepared(ops, device, "adamw")
+    flags = {"maximize": False, "has_l2": False, "has_decay": True, flag: value}
+    words = torch.zeros(12, dtype=torch.int32, device=device)
+    with pytest.raises(ConfigError, match=rf"^{flag} must be True or False, got "):
+        adam.launch_hyper(words, **flags)
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+def test_flags_a_rule_lacks_take_only_bool_or_none(ops, device, value):
+    """A flag the rule has no term for is left out (None) or False, not a falsy or truthy
+    stand-in, and SGD's ``nesterov`` is a bool like the others."""
+    words10 = torch.zeros(10, dtype=torch.int32, device=device)
+    lion = _prepared(ops, device, "lion")
+    with pytest.raises(ConfigError, match=r"^has_l2 must be True or False"):
+        lion.launch_hyper(words10, maximize=False, has_decay=True, has_l2=value)
+    sgd = _prepared(ops, device, "sgd-nesterov")
+    with pytest.raises(ConfigError, match=r"^nesterov must be True or False"):
+        sgd.launch_hyper(words10, maximize=False, has_l2=False, has_decay=False, nesterov=value)
+
+
+@pytest.mark.parametrize("value", _NOT_BOOLS, ids=repr)
+def test_sgd_first_step_word_takes_only_bool_or_none(ops, value):
+    """``first_step`` writes SGD's first-step word: "False" was truthy (the momentum buffer
+    restarted from the gradient at every step). None means ``step == 1``."""
+    from memopt_core.reference import sgd_scalars
+
+    s = sgd_scalars(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)
+    first = ops.SGD_HYPER_FIELDS.index("first_step")
+    assert ops.sgd_hyper_words(s, 0, 1)[first] == 1
+    assert ops.hyper_words("sgd", s, 0, 1, first_step=None)[first] == 1
+    assert ops.hyper_words("sgd", s, 0, 1, first_step=False)[first] == 0
+    assert ops.sgd_hyper_words(s, 0, 2, True)[first] == 1
+    with pytest.raises(ConfigError, match=r"^first_step must be True or False, got "):
+        ops.sgd_hyper_words(s, 0, 2, value)
+    with pytest.raises(ConfigError, match=r"^first_step must be True or False, got "):
+        ops.hyper_words("sgd", s, 0, 2, first_step=value)
+
+
+def test_with_grads_refuses_negated_gradients(ops, device):
+    """A gradient with torch's negative bit shares its tensor's address, dtype and size:
+    ``with_grads`` read its raw memory (the opposite values) where ``prepare_step`` refuses
+    it; now it refuses it too, naming it."""
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="fp32", moments="fp32", stochastic_rounding=True)
+    group = make_group(rule, spec, torch.float32, [33, 65], device, **hyper)
+    grads = make_grads(group, 1)
+    prepared = ops.prepare_step(group_step(group, grads, 1))
+    moved = [grads[0].clone(), torch._neg_view(grads[1].clone())]
+    with pytest.raises(ConfigError, match=r"^gradient 1 of the prepared step is a negated view"):
+        prepared.with_grads(moved)

@@ -93,10 +93,13 @@ class TritonBackend:
 
     def prepare(self, work: GroupStep):
         """``work`` resolved for repeated launches (:func:`memopt_kernels_triton.ops.prepare_step`);
-        memopt_core's cached step (every MemOptimizer's eager step) uses it."""
+        memopt_core's cached step (every MemOptimizer's eager step) uses it. It holds no
+        references to the tensors (``hold=False``): the cached step checks every address
+        before each launch, and keeps the step between iterations, where held gradients would
+        stay alive after ``zero_grad(set_to_none=True)``."""
         from memopt_kernels_triton import ops
 
-        return ops.prepare_step(work)
+        return ops.prepare_step(work, hold=False)
 
     def codecs(self, device: torch.device):
         """:mod:`memopt_kernels_triton.ops` (its standalone codecs) for CUDA tensors, else None

@@ -48,6 +48,7 @@ from memopt_core.backends import RULES, DeviceStep, GroupStep, kernel_master_id,
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
+from memopt_core.optimizer import check_bool
 from memopt_core.plan import StateArena, ceil_div, overlaps_itself, round_up
 from memopt_core.reference import (
     adam_bias_last,
@@ -991,7 +992,9 @@ def sgd_hyper_words(scalars, seed: int, step: int, first_step: bool | None = Non
     """The :data:`SGD_HYPER_FIELDS` words of one SGD step (``scalars``: core's ``sgd_scalars``),
     rounded as :func:`adam_hyper_words` rounds; ``first_step`` defaults to ``step == 1``, core's
     ``GroupStep.first_step``."""
-    first = step == 1 if first_step is None else bool(first_step)
+    if first_step is not None:  # "False" or [False] would be truthy: a first step every time
+        check_bool("first_step", first_step)
+    first = step == 1 if first_step is None else first_step
     return [*_scalar_words(SGD_HYPER_FIELDS, scalars, seed, step), int(first), _ONE_BITS, 0]
 
 
@@ -1027,15 +1030,19 @@ _HYPER_FLAGS = {
 
 def _flag(value, rule: str, name: str, *, needed: bool) -> bool:
     """A compile-time flag of :meth:`PreparedStep.launch_hyper`: ``needed`` flags must be given
-    (True or False); the others must be left out (None) or False, as the rule has no such term."""
+    (True or False); the others must be left out (None) or False, as the rule has no such term.
+    Only bools: ``maximize="False"`` would be truthy and compile the ascending variant."""
     if needed:
         if value is None:
             raise ConfigError(
                 f"launch_hyper of a {rule} step needs {name}=True/False (it chooses the compiled "
                 "kernel variant)"
             )
-        return bool(value)
-    if value is not None and bool(value):
+        check_bool(name, value)
+        return value
+    if value is not None:
+        check_bool(name, value)
+    if value:
         raise ConfigError(
             f"{name}=True does not apply to the {rule} rule (its flags: "
             f"{', '.join(_HYPER_FLAGS[rule])})"
@@ -1054,6 +1061,11 @@ class PreparedStep:
     :meth:`with_grads`. The tensor ids and index bases are those of the prepared
     ``GroupStep``. ``reusable`` is False when strided parameters or gradients ran through
     contiguous copies: such a step must be prepared again each time.
+
+    A step prepared with ``hold=True`` (:func:`prepare_step`'s default) holds references to the
+    parameters and gradients whose addresses its tables hold (no copies), so a launch never
+    reads memory the caller let go; :meth:`with_grads` holds the new gradients instead of the
+    old ones.
     """
 
     __slots__ = (
@@ -1085,11 +1097,14 @@ class PreparedStep:
         gdtypes=(),
         gnumels=(),
         held=(),
+        reusable=True,
     ) -> None:
         self.rule, self._grid, self._head, self._kw = rule, grid, head, kw
         self._copies = copies
-        self._held = held  # the gradients a step through copies reads: they live as long as it
-        self.reusable = not (copies or held)
+        # the parameters, then the gradients (or their contiguous copies), at the addresses of
+        # the slot table: a launch after the caller let them go would read freed memory
+        self._held = held
+        self.reusable = reusable and not copies
         self.device = device
         self.n_slots = n_slots  # rows of a per-tensor word table: the step's tensors
         self._rows = rows  # the slot table on the host (the device copy is head[2])
@@ -1126,6 +1141,9 @@ class PreparedStep:
                 f"(tensors on {self.device}), in the step's order; prepare the step again for "
                 "other gradients"
             )
+        if any(map(Tensor.is_neg, grads)):  # the kernel would read the opposite values
+            k = next(k for k, g in enumerate(grads) if g.is_neg())
+            refuse_negated(f"gradient {k} of the prepared step", grads[k])
         if not all(map(Tensor.is_contiguous, grads)):
             return None
         addresses = tuple(map(Tensor.data_ptr, grads))
@@ -1134,9 +1152,11 @@ class PreparedStep:
         rows = self._rows.clone()
         rows[:, 1] = torch.tensor(addresses, dtype=torch.int64, device="cpu")
         head = (*self._head[:2], _to_device(rows, self.device), *self._head[3:])
+        # the old gradients are let go: holding them would keep freed gradients alive
+        held = (*self._held[: self.n_slots], *grads) if self._held else ()
         return PreparedStep(
             self.rule, self._grid, head, self._kw, [], self.device, self.n_slots, rows,
-            self._gdtypes, self._gnumels,
+            self._gdtypes, self._gnumels, held,
         )  # fmt: skip
 
     @property
@@ -1238,6 +1258,7 @@ class PreparedStep:
         has_decay = _flag(has_decay, rule, "has_decay", needed=True)
         l2 = _flag(has_l2, rule, "has_l2", needed="has_l2" in needs)
         nest = _flag(nesterov, rule, "nesterov", needed="nesterov" in needs)
+        check_bool("unscale", unscale)
         fields = HYPER_FIELDS[rule]
         w = len(fields)
         if not isinstance(hyper, Tensor):
@@ -1258,7 +1279,7 @@ class PreparedStep:
         if self._grid is None:
             return
         kw = dict(self._kw)
-        kw.update(MAXIMIZE=maximize, HAS_DECAY=has_decay, HYPER=True, UNSCALE=bool(unscale))
+        kw.update(MAXIMIZE=maximize, HAS_DECAY=has_decay, HYPER=True, UNSCALE=unscale)
         # an L2 coefficient read from the device may be 0 (a weight decay tensor): the kernel
         # then adds the term only where it is not, as the host step decides it (HAS_L2 == 2)
         l2_mode = 2 if l2 else False
@@ -1283,15 +1304,24 @@ class PreparedStep:
         self._finish()
 
 
-def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> PreparedStep:
+def prepare_step(
+    work: GroupStep, config: KernelConfig | None = None, *, hold: bool = True
+) -> PreparedStep:
     """Resolve ``work`` (every tensor of its group) into a :class:`PreparedStep`: validation,
     the chunk and slot tables (cached on the tensors' addresses, dtypes and sizes, tensor ids
     and index bases; not for strided tensors, which run through copies), state pointers,
     geometry. The index bases (``work.index_bases``) are part of the slot table,
     so :meth:`PreparedStep.launch` and :meth:`PreparedStep.launch_hyper` honour them.
 
+    ``hold`` (default True): the step holds references to ``work``'s parameters and gradients,
+    whose addresses its tables hold, so it stays valid after the caller drops them. False for a
+    caller that checks every address before each launch itself (memopt_core's cached step, which
+    keeps the step between iterations: holding would keep a model's freed gradients alive until
+    the next backward).
+
     Host work is a few C-level passes over the tensors (addresses, dtypes, sizes, contiguity);
     launching a prepared step is O(1)."""
+    check_bool("hold", hold)
     plan, arena, spec = work.plan, work.arena, work.spec
     if work.rule not in RULES:
         raise ConfigError(f"the triton backend runs rules {RULES}, got {work.rule!r}")
@@ -1429,8 +1459,10 @@ def prepare_step(work: GroupStep, config: KernelConfig | None = None) -> Prepare
             _HAS_MOMENTUM=has_momentum,
         )
     if strided:  # the slot table holds the copies' addresses: no with_grads either
-        return PreparedStep(work.rule, grid, head, kw, copies, dev, n, held=grads)
-    return PreparedStep(work.rule, grid, head, kw, copies, dev, n, tables.host_slots, gd, gn)
+        held = (*params, *grads)
+        return PreparedStep(work.rule, grid, head, kw, copies, dev, n, held=held, reusable=False)
+    held = (*params, *grads) if hold else ()
+    return PreparedStep(work.rule, grid, head, kw, copies, dev, n, tables.host_slots, gd, gn, held)
 
 
 def check_step(work: GroupStep) -> None:
@@ -1808,6 +1840,8 @@ def _merged_step(
             name = "momentum_buffer" if kw["_HAS_MOMENTUM"] else None
             head += _moment_args(fam, name, dev)[1:]
         programs = cfg.programs or _sm_count(dev) * cfg.waves
+        # holds no tensors: launched at once while the works hold them, then kept in the plan's
+        # cache, where held gradients would outlive the step
         return PreparedStep(rule, (min(n_chunks, programs),), head, kw, [], dev, sum(counts))
 
     # keyed on what the merged launch is built from (a capturable step prepares new
@@ -1831,7 +1865,7 @@ def _merged_launch(
         "has_decay": any(w.scalars.decay != 1.0 for w in works),
     }
     if rule in ("adam", "sgd"):
-        flags["has_l2"] = s.l2 != 0.0
+        flags["has_l2"] = bool(s.l2 != 0.0)  # a numpy coefficient gives a numpy bool
     if rule == "sgd":
         flags["nesterov"] = bool(s.nesterov)
     return lambda: merged.launch_hyper(words, **flags)
@@ -2131,7 +2165,7 @@ def _device_flags(works: list[GroupStep]) -> dict:
         "unscale": _device_step_of(works[0]).grad_scale is not None,
     }
     if works[0].rule in ("adam", "sgd"):
-        flags["has_l2"] = s.l2 != 0.0
+        flags["has_l2"] = bool(s.l2 != 0.0)  # a numpy coefficient gives a numpy bool
     if works[0].rule == "sgd":
         flags["nesterov"] = bool(s.nesterov)
     return flags
