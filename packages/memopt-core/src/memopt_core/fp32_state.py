@@ -28,7 +28,7 @@ from memopt_core.aliasing import has_memory, same_view, share_memory
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
 from memopt_core.optimizer import check_bool, require_memopt_optimizer
-from memopt_core.sharding import is_dtensor, local_shard, sharded_like
+from memopt_core.sharding import is_dtensor, local_shard, sharded_like, sharding_mismatch
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -142,19 +142,44 @@ def _check_value_dtype(key: str, target: Tensor, value: Tensor) -> None:
         raise StateDictError(f"entry {key!r} is {value.dtype}; it loads from {want}")
 
 
-def _local_value(key: str, param: Tensor, value: Tensor) -> Tensor:
-    """The part of ``value`` that ``param``'s local shard holds (``value`` itself unsharded)."""
-    if not is_dtensor(param):
+_HOW_TO_RESHARD = (
+    "load it into the model sharded as it was saved (the same processes), or load the "
+    "checkpoint through torch.distributed.checkpoint (dcp.save of the dict "
+    "get_fp32_model_state_dict returns; dcp.load into this model's, which reshards it)"
+)
+
+
+def _local_value(key: str, target: Tensor, value: Tensor) -> Tensor:
+    """The part of ``value`` that ``target``'s local shard holds (``value`` itself unsharded),
+    once its sharding is checked (StateDictError): the copies would fail inside torch, after
+    the entries before it were written."""
+    if not is_dtensor(target):
+        if is_dtensor(value):
+            raise StateDictError(
+                f"entry {key!r} is a DTensor (a sharded model's, as get_fp32_model_state_dict "
+                "returns it under FSDP2); this model's parameter is not sharded: pass the whole "
+                "tensor (value.full_tensor(), called on every process of the saving mesh), or "
+                + _HOW_TO_RESHARD
+            )
         return value
-    want = tuple(cast("DTensor", param).placements)
-    placements = tuple(cast("DTensor", value).placements) if is_dtensor(value) else None
-    if placements != want:
-        got = "a plain tensor" if placements is None else f"placements {placements}"
+    want = tuple(cast("DTensor", target).placements)
+    if not is_dtensor(value):
         raise StateDictError(
-            f"entry {key!r} is {got}; its parameter is sharded ({want}): pass "
+            f"entry {key!r} is a plain tensor; its parameter is sharded ({want}): pass "
             "the DTensors get_fp32_model_state_dict returns for the sharded model"
         )
-    return cast("DTensor", value).to_local()
+    why = sharding_mismatch(target, value)
+    if why is not None:
+        raise StateDictError(f"entry {key!r} {why}: {_HOW_TO_RESHARD}")
+    local = cast("DTensor", value).to_local()
+    own = local_shard(target)
+    if local.shape != own.shape:
+        raise StateDictError(
+            f"entry {key!r} holds a local shard of shape {tuple(local.shape)}; this process's "
+            f"shard of the parameter has shape {tuple(own.shape)} (a file of another rank?): "
+            + _HOW_TO_RESHARD
+        )
+    return local
 
 
 def set_fp32_model_state_dict(
@@ -176,7 +201,10 @@ def set_fp32_model_state_dict(
     tensors with data (not meta, not sparse) of the model's shapes; floating parameters load
     from float32 values (a float64 parameter also from float64), tensors of other dtypes from
     their own dtype, floating buffers from floating values; tied parameters must get equal
-    values. Everything is checked before anything changes (:class:`memopt_core.StateDictError`).
+    values. A sharded (FSDP2) parameter loads from a DTensor on its device mesh with its
+    placements and local shard shape (another number of processes reshards through
+    ``torch.distributed.checkpoint``), a plain parameter from a plain tensor. Everything is
+    checked before anything changes (:class:`memopt_core.StateDictError`).
     """
     require_memopt_optimizer(optimizer)
     check_bool("strict", strict)

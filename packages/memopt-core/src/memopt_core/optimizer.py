@@ -637,6 +637,9 @@ class MemOptimizer(Optimizer):
         # wait for the last one: run per group, they made construction quadratic (33 s for
         # 2000 one-parameter groups, where torch.optim takes 0.8 s)
         self._initial_ids: set[int] | None = set()
+        #: id(group) -> (the group, its (master, moments) as added or loaded): a format edit
+        #: that comes with states written from outside is refused (_check_outside_formats)
+        self._group_formats: dict[int, tuple[dict[str, Any], tuple[str, str]]] = {}
         super().__init__(params, defaults)
         self._initial_ids = None
         check_parameters_apart(labelled_parameters(self.param_groups), [])
@@ -880,6 +883,7 @@ class MemOptimizer(Optimizer):
                 )
             param_group["initial_lr"] = _initial_lr(merged["lr"])
         super().add_param_group(param_group)
+        self._record_formats(param_group)
         if self._initial_ids is not None:
             self._initial_ids.update(map(id, tensors))
         self._index = None
@@ -1000,6 +1004,7 @@ class MemOptimizer(Optimizer):
         they are now (a missing one starts fresh, a replaced tensor is copied in)."""
         if not self._state_written():
             return
+        self._check_outside_formats()
         # states written from outside (ZeroRedundancyOptimizer's load writes them) hold this
         # version's format, normalized with their group's beta2 now, as a dict without the
         # record does (_checked_norm_meta), not with the one recorded for the states they
@@ -1013,6 +1018,38 @@ class MemOptimizer(Optimizer):
                 if adopt_norms:
                     self._norm_beta2[gi] = _group_beta2(self.param_groups, gi)
         self._drop_cached_steps()
+
+    def _record_formats(self, group: dict[str, Any]) -> None:
+        """Remember ``group``'s formats as the optimizer took them (added, or loaded with
+        their states by :meth:`load_state_dict`)."""
+        self._group_formats[id(group)] = (group, (group["master"], group["moments"]))
+
+    def _check_outside_formats(self) -> None:
+        """StateDictError when states were written from outside while a group's ``master`` or
+        ``moments`` changed from the format it was built with (its plan's, else the one
+        recorded when it was added or loaded). ZeroRedundancyOptimizer's load does both: it
+        copies every key of the saved groups into the live ones and writes their states, so a
+        checkpoint of another format switched the optimizer to it silently. A format edit alone,
+        before the first step, is taken: the first step builds the states in it."""
+        for gi, group in enumerate(self.param_groups):
+            rec = self._group_formats.get(id(group))
+            if rec is None or rec[0] is not group:
+                continue  # a group dict put into param_groups by hand: nothing to compare
+            cur = self._plans.get(gi)
+            built = cur.formats if cur is not None else rec[1]
+            now = (group["master"], group["moments"])
+            # float32 parameters keep an fp32 master whatever the group says (load_state_dict)
+            master_unused = all(local_shard(p).dtype == torch.float32 for p in group["params"])
+            if now[1] != built[1] or (now[0] != built[0] and not master_unused):
+                raise StateDictError(
+                    f"param group {gi} holds states written from outside the optimizer and "
+                    f"now says master={now[0]!r}, moments={now[1]!r}, but it was built with "
+                    f"master={built[0]!r}, moments={built[1]!r} (torch's "
+                    "ZeroRedundancyOptimizer.load_state_dict copies the saved groups' keys into "
+                    "the live ones and writes optimizer.state: the checkpoint holds another "
+                    "format). Build the optimizer with the checkpoint's format (master/moments; "
+                    "memopt_ecc: master_weight_bits/quantize) and load it again"
+                )
 
     def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
         """(Re)build the plans and arenas of every group whose parameters or formats changed,
@@ -2432,7 +2469,8 @@ class MemOptimizer(Optimizer):
 
     def _localized(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with the DTensor states of sharded parameters in local layout (the
-        inverse of :meth:`_sharded_state_dict`; malformed dicts pass through for the checks)."""
+        inverse of :meth:`_sharded_state_dict`; malformed dicts pass through for the checks).
+        StateDictError for a DTensor state of a plain parameter."""
         saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
         if (
             not isinstance(saved_groups, (list, tuple))
@@ -2449,9 +2487,23 @@ class MemOptimizer(Optimizer):
             codecs = {n: self._codec_of(n, spec) for n in self._allowed_names()}
             for p, key in zip(group["params"], keys, strict=True):
                 entry = state.get(key)
-                if is_dtensor(p) and isinstance(entry, Mapping):
-                    label = f"parameter index {key!r} (param group {gi})"
+                if not isinstance(entry, Mapping):
+                    continue
+                label = f"parameter index {key!r} (param group {gi})"
+                if is_dtensor(p):
                     state[key] = local_state(p, entry, codecs, label)
+                    continue
+                sharded = next((k for k, v in entry.items() if is_dtensor(v)), None)
+                if sharded is not None:
+                    # its global shape may fit the plain parameter: the copies would then fail
+                    # inside torch, after the states before it were written
+                    raise StateDictError(
+                        f"state {sharded!r} of {label} is a DTensor: the dict was saved by a "
+                        "sharded optimizer (FSDP2), and this parameter is not sharded. Load the "
+                        "checkpoint through torch.distributed.checkpoint (dcp.load into this "
+                        "optimizer's own state_dict(), then load_state_dict), which gathers the "
+                        "shards, or into the sharding it was saved from"
+                    )
         return dict(state_dict, state=state)
 
     def _prepare_loaded(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -2587,6 +2639,7 @@ class MemOptimizer(Optimizer):
         for group, merged in zip(self.param_groups, merged_groups, strict=True):
             group.clear()
             group.update(merged)
+            self._record_formats(group)  # the states loaded are checked in its format
         self.state = TrackedState(self._writes)
         for p, entry in new_state.items():
             self.state[p] = entry
@@ -2898,6 +2951,9 @@ class MemOptimizer(Optimizer):
         self._initial_ids = None
         self.state = TrackedState(self._writes, self.state)
         self._reset_plans()
+        self._group_formats = {}  # the groups' own: what they hold was saved with them
+        for group in self.param_groups:
+            self._record_formats(group)
 
 
 def require_memopt_optimizer(optimizer: object) -> MemOptimizer:

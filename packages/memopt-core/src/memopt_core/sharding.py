@@ -69,6 +69,7 @@ __all__ = [
     "local_state",
     "max_over_shards",
     "sharded_like",
+    "sharding_mismatch",
 ]
 
 
@@ -232,6 +233,31 @@ def sharded_like(p: Tensor, local: Tensor) -> Tensor:
     return _like_param(p, local, tuple(p.shape)) if is_dtensor(p) else local
 
 
+def sharding_mismatch(p: Tensor, v: Tensor) -> str | None:
+    """How the DTensor ``v`` (a saved value) is not sharded like the DTensor parameter ``p``, as
+    the end of a sentence naming ``v`` ("... was saved on a device mesh of shape (2,); ..."); None
+    when its mesh and placements are ``p``'s. A mesh of another shape is another world size:
+    only ``torch.distributed.checkpoint`` reshards a state saved there."""
+    dp, dv = _dtensor(p), _dtensor(v)
+    if dv.device_mesh != dp.device_mesh:
+        got, want = tuple(dv.device_mesh.shape), tuple(dp.device_mesh.shape)
+        if got != want:
+            return (
+                f"was saved on a device mesh of shape {got}; this parameter's mesh has shape "
+                f"{want} (another number of processes)"
+            )
+        return (
+            f"was saved on another device mesh ({dv.device_mesh}; this parameter's: "
+            f"{dp.device_mesh})"
+        )
+    if tuple(dv.placements) != tuple(dp.placements):
+        return (
+            f"is a DTensor with placements {tuple(dv.placements)}; the parameter's are "
+            f"{tuple(dp.placements)}"
+        )
+    return None
+
+
 def global_state(
     p: Tensor, entry: Mapping[str, Any], blocked: Mapping[str, tuple[MomentCodec, str]]
 ) -> dict[str, Any]:
@@ -285,11 +311,12 @@ def local_state(
     for key, v in entry.items():
         if not isinstance(v, DTensor):
             continue
-        if tuple(v.placements) != tuple(dp.placements) or v.device_mesh != dp.device_mesh:
+        why = sharding_mismatch(p, v)
+        if why is not None:
             raise StateDictError(
-                f"state {key!r} of {label} is a DTensor with placements {tuple(v.placements)}; "
-                f"it must be sharded like the parameter ({tuple(dp.placements)}): load a "
-                "torch.distributed.checkpoint into the optimizer's own state_dict()"
+                f"state {key!r} of {label} {why}: it must be sharded like the parameter; load "
+                "it through torch.distributed.checkpoint (dcp.load into this optimizer's own "
+                "state_dict(), then load_state_dict), which reshards it"
             )
         out[key] = v.to_local()
     for name, codec in codecs.items():
