@@ -52,7 +52,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference, rng
-from memopt_core.aliasing import check_parameters_apart, has_memory, labelled_parameters
+from memopt_core.aliasing import (
+    check_parameters_apart,
+    has_memory,
+    labelled_parameters,
+    refuse_negated,
+)
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import (
@@ -110,6 +115,7 @@ __all__ = [
     "adam_hyperparameters",
     "check_bool",
     "forgets_scaler_flags_on_error",
+    "grad_dtype_ok",
     "real_as_float",
     "require_memopt_optimizer",
 ]
@@ -303,7 +309,7 @@ def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[s
     return out
 
 
-def _grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
+def grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
     """Gradients have the parameter's dtype or float32; a float32 parameter (its own master)
     also takes a bfloat16/float16 gradient, widened exactly (unscaled first in its own dtype,
     as ``GradScaler.unscale_`` does), on every backend."""
@@ -836,11 +842,7 @@ class MemOptimizer(Optimizer):
                     f"{desc} was created under torch.inference_mode(): it cannot be updated in "
                     "place outside it (clone it outside inference mode)"
                 )
-            if p.is_neg():
-                raise ConfigError(
-                    f"{desc} is a negated view (torch's negative bit: its memory holds the "
-                    "opposite values, which the kernels would update); pass p.resolve_neg()"
-                )
+            refuse_negated(desc, p)
             if not p.is_leaf:
                 raise ConfigError(
                     f"{desc} is not a leaf tensor (it was computed from other tensors); optimize "
@@ -1512,7 +1514,7 @@ class MemOptimizer(Optimizer):
             and _not_freed(p)
             and g.shape == p.shape
             and g.device == p.device
-            and _grad_dtype_ok(p.dtype, g.dtype)
+            and grad_dtype_ok(p.dtype, g.dtype)
             and _fits_plan(p, plan, si)
         ):
             return
@@ -1524,12 +1526,7 @@ class MemOptimizer(Optimizer):
             )
         if g.is_complex():
             raise ConfigError(f"{label} has a complex gradient ({g.dtype})")
-        if g.is_neg():
-            raise ConfigError(
-                f"{label} has a negated view as its gradient (torch's negative bit, e.g. from "
-                "x.conj().imag: its memory holds the opposite values, which the kernels would "
-                "read); pass g.resolve_neg()"
-            )
+        refuse_negated(f"the gradient of {label}", g)
         for t, what in ((p, "it"), (g, "its gradient")):
             if not _not_freed(t):
                 if t.device.type == "meta":  # address 0 too; checked only here, off the hot path
@@ -1547,7 +1544,7 @@ class MemOptimizer(Optimizer):
                 f"{label} has a gradient of shape {tuple(g.shape)} on {g.device}; "
                 "it must match the parameter"
             )
-        if not _grad_dtype_ok(p.dtype, g.dtype):
+        if not grad_dtype_ok(p.dtype, g.dtype):
             raise ConfigError(
                 f"{label} has a {g.dtype} gradient; memopt takes gradients in the "
                 "parameter's dtype or float32 (float32 parameters also bfloat16 or float16)"

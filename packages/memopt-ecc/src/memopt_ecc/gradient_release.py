@@ -64,7 +64,7 @@ from memopt_core.hook_wrappers import (
     reject_unsynchronized,
     remove_hooks,
 )
-from memopt_core.optimizer import _grad_dtype_ok
+from memopt_core.optimizer import grad_dtype_ok
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
@@ -309,7 +309,7 @@ def _check_assigned(optimizer: MemOptimizer | None, p: Tensor, grad: Tensor) -> 
     that the update of ``p`` takes. Checked in the parameter's hook: in a bucket, the error
     would come later, and the bucket's other updates would be lost with it. (torch's ``.grad``
     setter checks the same unless ``p.grad_dtype`` was changed; the update checks the rest.)"""
-    if grad.shape == p.shape and grad.device == p.device and _grad_dtype_ok(p.dtype, grad.dtype):
+    if grad.shape == p.shape and grad.device == p.device and grad_dtype_ok(p.dtype, grad.dtype):
         return
     label = optimizer._param_label(p) if optimizer is not None else "a parameter"
     raise ConfigError(
