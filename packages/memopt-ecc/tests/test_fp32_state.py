@@ -306,3 +306,44 @@ def test_the_fp32_copy_docs_ecc_md_names_computes_as_a_fresh_fp32_model():
     stale = copy.deepcopy(model).float()  # what the docs warn against: it still casts to bf16
     stale.load_state_dict(sd)
     assert stale[1](x).dtype == torch.bfloat16
+
+
+def test_a_model_cast_in_place_after_training_is_refused_by_name():
+    """Widened in place after training (``cast_model(model, dtype=torch.float32)``), a
+    parameter's ECC code no longer belongs to it: the export failed with "master format 'fp32'
+    has no code", and the widening had dropped the code's low bits. It says what happened and
+    what to do."""
+    model, opt = trained("cpu")
+    before = get_fp32_model_state_dict(model, opt)
+    cast_model(model, dtype=torch.float32)
+    with pytest.raises(StateDictError, match=r"created for torch\.bfloat16.*before casting"):
+        get_fp32_model_state_dict(model, opt)
+    with pytest.raises(StateDictError, match=r"created for torch\.bfloat16"):
+        fp32_master(opt, model.lin.weight)
+    # the dict taken before the cast carries the weights over
+    fresh = cast_model(copy.deepcopy(model), dtype=torch.float32)
+    fresh.load_state_dict(before)
+    assert torch.equal(fresh.lin.weight, before["lin.weight"])
+
+
+def test_one_buffer_under_two_names_takes_one_value():
+    """A buffer registered under two names is one tensor: differing values for it are refused
+    (the last one was written), equal ones load, NaNs compare by their bits."""
+    model = nn.Module()
+    shared = torch.zeros(3)
+    model.register_buffer("a", shared)
+    model.sub = nn.Module()
+    model.sub.register_buffer("a", shared)
+    model.lin = nn.Linear(2, 2)
+    opt = FlashAdamW(model.parameters())
+    sd = get_fp32_model_state_dict(model, opt)
+    sd["a"], sd["sub.a"] = torch.ones(3), torch.full((3,), 2.0)
+    weight = model.lin.weight.detach().clone()
+    with pytest.raises(StateDictError, match=r"'a' and 'sub.a' name one tensor but differ"):
+        set_fp32_model_state_dict(model, opt, sd)
+    assert torch.equal(shared, torch.zeros(3))
+    assert torch.equal(model.lin.weight, weight)
+    sd["a"] = sd["sub.a"] = torch.tensor([float("nan"), 1.0, 2.0])
+    set_fp32_model_state_dict(model, opt, sd)
+    assert torch.equal(shared[1:], torch.tensor([1.0, 2.0]))
+    assert shared[0].isnan()

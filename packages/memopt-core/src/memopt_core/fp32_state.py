@@ -27,7 +27,7 @@ from memopt_core import MemOptimizer, conversions
 from memopt_core.aliasing import has_memory, same_view, share_memory
 from memopt_core.errors import StateDictError
 from memopt_core.formats import master_codec
-from memopt_core.optimizer import check_bool, require_memopt_optimizer
+from memopt_core.optimizer import _fits_plan, check_bool, require_memopt_optimizer
 from memopt_core.sharding import is_dtensor, local_shard, sharded_like, sharding_mismatch
 
 if TYPE_CHECKING:
@@ -55,8 +55,32 @@ def _master_name(p: Tensor, group: Mapping[str, Any]) -> str:
     return "fp32" if p.dtype == torch.float32 else group["master"]
 
 
+def _check_code_fits(optimizer: MemOptimizer, param: Tensor) -> None:
+    """StateDictError for ``param`` (holding a master code) cast, moved or reshaped since its
+    optimizer state was created: the code belongs to the tensor it was created for, so it
+    cannot be decoded with this one (an fp32 parameter has no code at all)."""
+    p = local_shard(param)
+    loc = optimizer._where.get(id(param))
+    plan = optimizer._plans[loc[0]].entries[loc[1]].plan if loc is not None else None
+    if plan is not None and loc is not None and not _fits_plan(p, plan, loc[2]):
+        was = f"{plan.param_dtype} of shape {tuple(plan.slots[loc[2]].shape)} on {plan.device}"
+    elif p.dtype == torch.float32:  # its own master: no plan records what the code was for
+        was = "a low-precision parameter"
+    else:
+        return
+    raise StateDictError(
+        f"{optimizer._param_label(param)} is {p.dtype} of shape {tuple(p.shape)} on {p.device}, "
+        f"but its optimizer state (and ECC master code) was created for {was}: the code "
+        "belongs to that tensor, and casting in place (cast_model(model, dtype=torch.float32)) "
+        "dropped its low bits. Take get_fp32_model_state_dict(model, optimizer) before "
+        "casting the model, and load that dict into the cast one"
+    )
+
+
 def _decode(optimizer: MemOptimizer, param: Tensor, group: Mapping[str, Any] | None) -> Tensor:
     code = optimizer.state.get(param, {}).get("master_code") if group is not None else None
+    if code is not None:
+        _check_code_fits(optimizer, param)
     p = local_shard(param.detach())  # a sharded parameter: decode its shard, hand out a DTensor
     if code is None or group is None:
         out = p.float().clone() if p.dtype != torch.float32 else p.clone()
@@ -125,6 +149,11 @@ def get_fp32_model_state_dict(model: nn.Module, optimizer: MemOptimizer) -> dict
             else:
                 out[key] = value.detach().clone()
     return out
+
+
+def _written_bytes(target: Tensor, value: Tensor) -> Tensor:
+    """The bytes that loading ``value`` writes into ``target`` (NaNs compare by their bits)."""
+    return value.detach().to(device="cpu", dtype=target.dtype).reshape(-1).view(torch.uint8)
 
 
 def _check_value_dtype(key: str, target: Tensor, value: Tensor) -> None:
@@ -222,7 +251,7 @@ def set_fp32_model_state_dict(
             )
     held = _groups(optimizer)
     chosen: dict[int, tuple[str, Tensor, Tensor]] = {}
-    buffers: list[tuple[Tensor, Tensor]] = []
+    buffers: dict[int, tuple[str, Tensor, Tensor]] = {}
     for key, target in targets.items():
         if key not in state_dict or not isinstance(target, Tensor):
             continue
@@ -252,7 +281,15 @@ def set_fp32_model_state_dict(
                 continue
             chosen[id(target)] = (key, target, value)
         else:
-            buffers.append((target, value))
+            prev = buffers.get(id(target))
+            if prev is not None:  # one tensor under two names (a shared buffer): one value
+                a, b = (_written_bytes(target, t) for t in (prev[2], value))
+                if not torch.equal(a, b):
+                    raise StateDictError(
+                        f"entries {prev[0]!r} and {key!r} name one tensor but differ"
+                    )
+                continue
+            buffers[id(target)] = (key, target, value)
     if any(id(t) in held for _, t, _ in chosen.values()):
         # the codes live in the optimizer's state: create it as the first step would
         optimizer.init_state()
@@ -276,5 +313,5 @@ def set_fp32_model_state_dict(
                 p.detach().copy_(low.view(p.shape))
                 if slot is not None and code is not None:
                     slot.copy_(code.view(slot.shape))
-        for b, value in buffers:
+        for _, b, value in buffers.values():
             b.detach().copy_(value.detach())
