@@ -294,20 +294,40 @@ def test_scalars_normalized_with_another_beta2_step_v(norm_beta2, step):
     is Adam's step with the group's beta2: in double, ``u' * N'(k)`` is ``beta2 * u * N'(k-1) +
     (1 - beta2) g^2``, and the square root it divides by is ``v``'s over its bias correction."""
     beta2, u, g2 = 0.97, 0.37, 1.9
-
-    def scalars(**norm):
-        return reference.adam_scalars(
-            lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, step=step, decoupled=True,
-            normalized=True, **norm,
-        )  # fmt: skip
-
-    s = scalars(norm_beta2=norm_beta2)
+    s = reference.adam_scalars(
+        lr=1e-3,
+        betas=(0.9, beta2),
+        eps=1e-8,
+        weight_decay=0.0,
+        step=step,
+        decoupled=True,
+        normalized=True,
+        norm_beta2=norm_beta2,
+    )
     n_prev, n_now = (reference.decay_norm(norm_beta2, k) for k in (step - 1, step))
     u_next = s.beta2 * u + s.one_minus_beta2 * g2
     v_next = beta2 * (u * n_prev) + (1 - beta2) * g2
     assert u_next * n_now == pytest.approx(v_next, rel=1e-14)
     assert (u_next**0.5 / s.bc2_sqrt) == pytest.approx((v_next / (1 - beta2**step)) ** 0.5)
-    assert scalars(norm_beta2=beta2) == scalars()  # its own beta2: the ordinary words
+    same = reference.adam_scalars(
+        lr=1e-3,
+        betas=(0.9, beta2),
+        eps=1e-8,
+        weight_decay=0.0,
+        step=step,
+        decoupled=True,
+        normalized=True,
+        norm_beta2=beta2,
+    )
+    assert same == reference.adam_scalars(
+        lr=1e-3,
+        betas=(0.9, beta2),
+        eps=1e-8,
+        weight_decay=0.0,
+        step=step,
+        decoupled=True,
+        normalized=True,
+    )
 
 
 @pytest.mark.parametrize("moments", ["q8", "fp8"])
