@@ -249,27 +249,16 @@ def test_saved_step_count_takes_only_whole_counts(step, count):
     assert conversions.saved_step_count(step) == count
 
 
-@pytest.mark.parametrize("sr", [True, False], ids=["sr", "nearest"])
 @pytest.mark.parametrize("moments", ["fp8", "q8"])
-def test_a_beta2_schedule_keeps_v_tracking(moments, sr):
-    """beta2 ramped from 0.95 to 0.999, changed at every step. Re-encoded for each new beta2,
-    the stored moments were rescaled by well under a code step, and rounded to nearest every
-    rescale was lost, always the same way (v/v64 reached 2e10 by the ramp's end and the
-    weights stopped moving). While beta2 changes, the steps carry both normalizations in their
-    scalars instead: stochastically rounded, the weights move about as fp64 Adam's do; to
-    nearest, with that format's own bias (q8 and fp8 moments rounded to nearest lose the
-    increments under half a code step at any beta2), but they move."""
+def test_a_beta2_schedule_keeps_v_tracking(moments):
+    """beta2 ramped from 0.95 to 0.999, changed at every step: each change rescales the stored
+    moments by well under a code step, and rounded to nearest every rescale was lost, always
+    the same way (v/v64 reached 2e10 by the ramp's end and the weights stopped moving). The
+    re-encoding rounds stochastically: the weights keep moving about as fp64 Adam's do."""
     torch.manual_seed(0)
     ramp, tail = 1500, 300
     p = torch.nn.Parameter(torch.zeros(N))
-    opt = MemOptimizer(
-        [p],
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        moments=moments,
-        weight_decay=0.0,
-        stochastic_rounding=sr,
-    )
+    opt = MemOptimizer([p], lr=1e-4, betas=(0.9, 0.95), moments=moments, weight_decay=0.0)
     m64, v64, p64 = (torch.zeros(N, dtype=torch.float64) for _ in range(3))
     for t in range(1, ramp + tail + 1):
         b2 = 0.95 + 0.049 * min(1.0, (t - 1) / ramp)
@@ -283,72 +272,7 @@ def test_a_beta2_schedule_keeps_v_tracking(moments, sr):
         if t == ramp:
             start, start64 = p.detach().double().clone(), p64.clone()
     moved = (p.detach().double() - start).sum() / (p64 - start64).sum()
-    # to nearest, measured 1.79 (q8) and 4.0 (fp8); at a constant beta2 0.999, 2.3 and 3.1
-    assert (0.8 < moved < 1.3) if sr else (0.5 < moved < 6), moved
-
-
-@pytest.mark.parametrize("norm_beta2", [0.9, 0.95, 0.999, 0.0])
-@pytest.mark.parametrize("step", [1, 2, 51, 52, 53, 107, 108, 1000])
-def test_scalars_normalized_with_another_beta2_step_v(norm_beta2, step):
-    """A step whose moments are normalized with ``norm_beta2`` (a beta2 schedule in progress)
-    is Adam's step with the group's beta2: in double, ``u' * N'(k)`` is ``beta2 * u * N'(k-1) +
-    (1 - beta2) g^2``, and the square root it divides by is ``v``'s over its bias correction."""
-    beta2, u, g2 = 0.97, 0.37, 1.9
-    s = reference.adam_scalars(
-        lr=1e-3,
-        betas=(0.9, beta2),
-        eps=1e-8,
-        weight_decay=0.0,
-        step=step,
-        decoupled=True,
-        normalized=True,
-        norm_beta2=norm_beta2,
-    )
-    n_prev, n_now = (reference.decay_norm(norm_beta2, k) for k in (step - 1, step))
-    u_next = s.beta2 * u + s.one_minus_beta2 * g2
-    v_next = beta2 * (u * n_prev) + (1 - beta2) * g2
-    assert u_next * n_now == pytest.approx(v_next, rel=1e-14)
-    assert (u_next**0.5 / s.bc2_sqrt) == pytest.approx((v_next / (1 - beta2**step)) ** 0.5)
-    same = reference.adam_scalars(
-        lr=1e-3,
-        betas=(0.9, beta2),
-        eps=1e-8,
-        weight_decay=0.0,
-        step=step,
-        decoupled=True,
-        normalized=True,
-        norm_beta2=beta2,
-    )
-    assert same == reference.adam_scalars(
-        lr=1e-3,
-        betas=(0.9, beta2),
-        eps=1e-8,
-        weight_decay=0.0,
-        step=step,
-        decoupled=True,
-        normalized=True,
-    )
-
-
-@pytest.mark.parametrize("moments", ["q8", "fp8"])
-def test_a_beta2_schedule_gives_the_torch_backends_bits(moments, device):
-    """Under a schedule the steps carry two normalizations (a ``beta2`` word above 1 within a
-    period): the cpu kernels (the Triton ones on CUDA) take the same scalars and give the
-    torch backend's bits, also once beta2 holds still and the moments are re-encoded."""
-    kernels = "cpu" if torch.device(device).type == "cpu" else "triton"
-    pytest.importorskip(f"memopt_kernels_{kernels}")
-    runs = []
-    for backend in ("torch", kernels):
-        gen = torch.Generator().manual_seed(3)
-        p = torch.nn.Parameter(torch.randn(N, generator=gen).to(device))
-        opt = MemOptimizer([p], lr=1e-3, betas=(0.9, 0.9), moments=moments, backend=backend)
-        for t in range(120):
-            opt.param_groups[0]["betas"] = (0.9, 0.9 + 0.09 * min(1.0, t / 100))
-            p.grad = torch.randn(N, generator=gen).to(device)
-            opt.step()
-        runs.append((p.detach().clone(), _v(opt, p)))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert torch.equal(runs[0][1], runs[1][1])
+    assert 0.8 < moved < 1.3, moved
 
 
 @pytest.mark.parametrize("moments", ["q8", "fp8"])

@@ -599,8 +599,6 @@ class MemOptimizer(Optimizer):
         #: group index -> the beta2 its stored second moments are normalized with (absent:
         #: the group's current one; 0.0: not normalized, as a version-1 state dict's)
         self._norm_beta2: dict[int, float] = {}
-        #: group index -> its beta2 at its last step (_sync_decay_norm: a schedule in progress)
-        self._beta2_seen: dict[int, float] = {}
         self._norm_writes_seen: int | None = None  # the write count _adopt_state_writes saw
         self._reset_plans()
         self._reset_release()
@@ -1326,14 +1324,11 @@ class MemOptimizer(Optimizer):
         step: int,
         device_lr: bool = False,
         device_wd: bool = False,
-        norm_beta2: float | None = None,
     ):
         """The host scalars of ``group`` at ``step``. ``device_lr``: the step reads lr on the
         device (:meth:`_device_work`), so neither lr nor initial_lr is read here (1.0 stands for
         both); ``device_wd``: likewise weight_decay (1.0 stands for it, so the decay and L2
-        terms stay in the launch). Only the words that do not depend on them count.
-        ``norm_beta2``: the beta2 the group's second moments are normalized with where it is
-        not the group's (:meth:`_mixing_beta2`)."""
+        terms stay in the launch). Only the words that do not depend on them count."""
         kind, decoupled = RULES[self.rule]
         lr = 1.0 if device_lr else float(group["lr"])
         # a pair: _check_group checked every group's betas
@@ -1360,7 +1355,6 @@ class MemOptimizer(Optimizer):
                 maximize=group["maximize"],
                 initial_lr=initial_lr,
                 normalized=self._decay_normalized(group),
-                norm_beta2=norm_beta2,
             )
         if kind == "lion":
             return reference.lion_scalars(
@@ -1407,26 +1401,16 @@ class MemOptimizer(Optimizer):
         beta2 = self._normalizing_beta2(group_index)
         return 1.0 if beta2 is None else reference.decay_norm(beta2, int(step))
 
-    def _sync_decay_norm(self, gi: int, mix: bool = False) -> None:
+    def _sync_decay_norm(self, gi: int) -> None:
         """Before group ``gi`` steps: where its beta2 changed since its normalized second
         moments were written (a scheduler, a loaded version-1 state dict), re-encode them with
         the current beta2's normalization (``v = u * N_old`` rounded to fp32, ``v / N_new``
-        rounded toward zero, then the format's encode, stochastic where the group's rounding
-        is). ``mix``: a step with host scalars follows; while the beta2 differs from the one
-        of the group's last step too (a schedule in progress), the moments stay as they are
-        and the step's scalars carry both (:meth:`_mixing_beta2`): a schedule changes beta2
-        at every step, and a re-encoding at every step added a second rounding per step (fp8
-        steps up to 17% long at a ramp's end) or, to nearest, lost each change. The
-        re-encoding runs once beta2 holds still for a step."""
+        rounded toward zero, then the format's encode to nearest)."""
         old = self._normalizing_beta2(gi)
         if old is None:
             return
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
-        seen, self._beta2_seen[gi] = self._beta2_seen.get(gi), new
-        if mix and new != seen:
-            self._norm_beta2[gi] = old  # recorded: an absent entry means the group's beta2
-            return
         if old != new:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 # captured, the re-encoding would run again at every replay
@@ -1456,15 +1440,6 @@ class MemOptimizer(Optimizer):
                     for sfx, x in conversions.encode_moment(codec, u, rand=rand).items():
                         fields[sfx].copy_(x.reshape(fields[sfx].shape))
         self._norm_beta2[gi] = new
-
-    def _mixing_beta2(self, gi: int) -> float | None:
-        """The beta2 that group ``gi``'s second moments are normalized with where a step must
-        carry it in its scalars (it is not the group's beta2: :meth:`_sync_decay_norm` left
-        them), else None."""
-        old = self._normalizing_beta2(gi)
-        if old is None or old == float(self._group_betas(self.param_groups[gi])[1]):
-            return None
-        return old
 
     def _conversion_words(self, p: Tensor, tensor_id: int, u: Tensor, step: int) -> Tensor:
         """Stochastic-rounding words of a re-encoding of ``p``'s second moments ``u`` at step
@@ -1608,6 +1583,7 @@ class MemOptimizer(Optimizer):
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
+            self._sync_decay_norm(gi)
             entry = self._plans[gi].entries[ei]
             plan = entry.plan
             if entry.sharded:
@@ -1644,9 +1620,6 @@ class MemOptimizer(Optimizer):
                 if not _unscale_on_host(amp, [g for r in resolved for _, _, g in r[4]]):
                     return []
                 amp = None
-        for gi in dict.fromkeys(r[0] for r in resolved):
-            # a device step computes its scalars from the group's beta2 alone: convert first
-            self._sync_decay_norm(gi, mix=not on_device)
         works: list[tuple[Any, backends.GroupStep]] = []
         counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
         # after it ran; None for a device step, which advances its own)
@@ -1666,8 +1639,7 @@ class MemOptimizer(Optimizer):
             for done in sorted(by_step):
                 items = by_step[done]
                 step = done + 1
-                scalars = self._scalars(group, step, norm_beta2=self._mixing_beta2(gi))
-                work = self._group_step(entry, spec, items, staging, scalars)
+                work = self._group_step(entry, spec, items, staging, self._scalars(group, step))
                 work.step, work.first_step = step, step == 1
                 works.append((backend, work))
                 counters.append(entry)
@@ -2232,14 +2204,13 @@ class MemOptimizer(Optimizer):
                 group = self.param_groups[e.group_index]
                 if e.group_index not in checked:
                     self._check_group(group, f"(param group {e.group_index})")
-                    self._sync_decay_norm(e.group_index, mix=amp is None)
+                    self._sync_decay_norm(e.group_index)
                     checked.add(e.group_index)
                 work = e.work
                 if amp is None:
                     work.step = e.last_step + 1
                     work.first_step = work.step == 1
-                    mixing = self._mixing_beta2(e.group_index)
-                    work.scalars = self._scalars(group, work.step, norm_beta2=mixing)
+                    work.scalars = self._scalars(group, work.step)
                 else:  # counters unchanged (checked above, no state written): no view check
                     work.scalars, work.device_step = self._device_step(
                         e.group_index, e.counters, None, amp
@@ -2942,7 +2913,6 @@ class MemOptimizer(Optimizer):
         self._writes = WriteCounter()
         self._writes_seen = 0
         self._norm_writes_seen = None
-        self._beta2_seen = {}
         self._warned_step_limit = False
         self._warned_rne = False
         self._initial_ids = None

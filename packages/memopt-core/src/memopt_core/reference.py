@@ -131,7 +131,6 @@ def adam_scalars(
     maximize: bool = False,
     initial_lr: float | None = None,
     normalized: bool = False,
-    norm_beta2: float | None = None,
 ) -> AdamScalars:
     """Scalars of Adam (``decoupled=False``, L2 decay) or AdamW (``decoupled=True``) at ``step``
     (1-based). ``normalized``: the second moment is stored divided by :func:`decay_norm`
@@ -141,24 +140,15 @@ def adam_scalars(
     ``N`` returns to 1), ``one_minus_beta2 = (1 - beta2) / N`` and ``bc2_sqrt =
     sqrt(1 - beta2**step) / sqrt(N)``, each in double. A step with a zero gradient then leaves
     ``u`` exactly as it was on ``P - 1`` of every ``P`` steps: no re-rounding, so a decaying
-    ``v`` does not random-walk (docs/formats.md, "Decay-normalized second moments").
-    ``norm_beta2``: ``u`` is normalized with this beta2's ``N`` (``N'``, period ``P'``) while
-    the rule's is ``beta2`` (a beta2 schedule in progress): ``beta2`` is ``beta2 * N'[(step -
-    1) % P'] / N'[step % P']``, ``one_minus_beta2 = (1 - beta2) / N'[step % P']`` and
-    ``bc2_sqrt = sqrt(1 - beta2**step) / sqrt(N'[step % P'])``, so the step is Adam's with
-    ``beta2`` and ``u`` stays ``v / N'``; None or ``beta2`` itself: the form above."""
+    ``v`` does not random-walk (docs/formats.md, "Decay-normalized second moments")."""
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     beta1, beta2 = betas
     b2, omb2, bc2 = beta2, 1.0 - beta2, math.sqrt(1.0 - beta2**step)
     if normalized:
-        nb = beta2 if norm_beta2 is None else norm_beta2
-        period, norms, roots = decay_norm_table(nb)
+        period, norms, roots = decay_norm_table(beta2)
         j = step % period
-        if nb == beta2:
-            b2 = 1.0 if j else beta2**period
-        else:
-            b2 = beta2 * norms[(step - 1) % period] / norms[j]
+        b2 = 1.0 if j else beta2**period
         omb2, bc2 = omb2 / norms[j], bc2 / roots[j]
     return AdamScalars(
         one_minus_beta1=1.0 - beta1,
