@@ -303,3 +303,24 @@ def test_the_step_limit_advice_keeps_v(moments):
     sd["state"][0]["step"] = torch.tensor(float(2**23))
     opt.load_state_dict(sd)
     assert (_v(opt, p) / v_before).mean().item() < 0.5
+
+
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_a_beta2_schedule_gives_the_torch_backends_bits(moments, device):
+    """Under a schedule every step re-encodes the stored moments for its beta2 (stochastically,
+    through the backend's codec kernels where it has them): the cpu kernels (the Triton ones on
+    CUDA) give the torch backend's bits, during the ramp and after it."""
+    kernels = "cpu" if torch.device(device).type == "cpu" else "triton"
+    pytest.importorskip(f"memopt_kernels_{kernels}")
+    runs = []
+    for backend in ("torch", kernels):
+        gen = torch.Generator().manual_seed(3)
+        p = torch.nn.Parameter(torch.randn(N, generator=gen).to(device))
+        opt = MemOptimizer([p], lr=1e-3, betas=(0.9, 0.9), moments=moments, backend=backend)
+        for t in range(120):
+            opt.param_groups[0]["betas"] = (0.9, 0.9 + 0.09 * min(1.0, t / 100))
+            p.grad = torch.randn(N, generator=gen).to(device)
+            opt.step()
+        runs.append((p.detach().clone(), _v(opt, p)))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
