@@ -345,7 +345,8 @@ def local_state(
         if any(f.numel() != n for f in fields.values()):
             raise StateDictError(
                 f"state {name!r} of {label} holds {[f.numel() for f in fields.values()]} "
-                f"elements; its parameter's shard has {n}"
+                f"elements; its parameter's shard has {n} (the file of another rank? load each "
+                "rank's own, or reshard through torch.distributed.checkpoint)"
             )
         codes = torch.zeros(padded, dtype=fields[elem_sfx].dtype, device=local.device)
         codes[:n] = fields[elem_sfx]
