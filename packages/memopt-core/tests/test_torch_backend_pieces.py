@@ -234,3 +234,37 @@ def test_cuda_peak_memory_follows_the_piece(piece_size):
     # about 280 bytes per piece element (module doc); a whole-group step needs that per tensor
     # element, 16x more here
     assert extra <= 384 * piece
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda g: torch.zeros(34, dtype=g.dtype), r"34 elements on cpu; its parameter has 33"),
+        (lambda g: torch.zeros(32, dtype=g.dtype), r"32 elements on cpu; its parameter has 33"),
+        (lambda g: g.double(), r"is torch\.float64: gradients must have"),
+        (lambda g: torch.zeros(g.shape, dtype=torch.int32), r"is torch\.int32"),
+        (lambda g: g.float().to(torch.complex64), r"is torch\.complex64"),
+        (lambda g: g.to_sparse(), r"torch\.sparse_coo tensor"),
+        (lambda g: g.to("meta"), r"on meta"),
+        (lambda g: torch._neg_view(g.float()), r"is a negated view"),
+        (lambda g: None, r"must be a torch\.Tensor, got NoneType"),
+    ],
+    ids=["bigger", "smaller", "float64", "int32", "complex", "sparse", "meta", "negated", "none"],
+)
+def test_a_direct_step_refuses_gradients_it_cannot_take(bad, message):
+    """Called directly (MemOptimizer checks gradients before it calls a backend), the torch
+    backend refuses a gradient of another size or dtype as the kernels do: it updated part of
+    the group, or ran with the values converted, or failed deep inside torch."""
+    from memopt_core.testing import VARIANTS, group_step, make_grads, make_group
+
+    rule, hyper = VARIANTS["adamw"]
+    spec = StateSpec(master="ecc24", moments="q8", stochastic_rounding=True)
+    group = make_group(rule, spec, torch.bfloat16, [33, 40], "cpu", **hyper)
+    grads = make_grads(group, 1)
+    before = [p.clone() for p in group.params]
+    work = group_step(group, [bad(grads[0]), grads[1]], 1)
+    with pytest.raises(
+        ConfigError, match=r"the gradient of parameter 0 \(plan slot 0\).*" + message
+    ):
+        TorchBackend().step(work)
+    assert all(torch.equal(a, b) for a, b in zip(before, group.params, strict=True))

@@ -63,6 +63,7 @@ __all__ = [
     "default_order",
     "forced_backend",
     "get_backend",
+    "grad_dtype_ok",
     "kernel_master_id",
     "kernel_moment_id",
     "mark_written",
@@ -96,6 +97,17 @@ ENV_VAR = "MEMOPT_BACKEND"
 RULES = ("sgd", "adam", "lion")
 #: Parameter dtypes every rule and format is defined for.
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
+    """Gradients have the parameter's dtype or float32; a float32 parameter (its own master)
+    also takes a bfloat16/float16 gradient, widened exactly (unscaled first in its own dtype,
+    as ``GradScaler.unscale_`` does), on every backend."""
+    return grad in (param, torch.float32) or (
+        param == torch.float32 and grad in (torch.bfloat16, torch.float16)
+    )
+
+
 _INSTALL_HINT = {
     "cpu": "from a checkout: pip install packages/memopt-kernels-cpu",
     "triton": "from a checkout: pip install packages/memopt-kernels-triton, on a CUDA machine",

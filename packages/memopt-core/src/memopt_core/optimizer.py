@@ -58,6 +58,7 @@ from memopt_core.aliasing import (
     labelled_parameters,
     refuse_negated,
 )
+from memopt_core.backends import grad_dtype_ok
 from memopt_core.cached_step import CachedEntry, CachedStep
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import (
@@ -307,15 +308,6 @@ def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[s
         if not 0.0 <= x < 1.0:
             raise ConfigError(f"invalid beta{i + 1} {x} {where}: betas must lie in [0, 1)")
     return out
-
-
-def grad_dtype_ok(param: torch.dtype, grad: torch.dtype) -> bool:
-    """Gradients have the parameter's dtype or float32; a float32 parameter (its own master)
-    also takes a bfloat16/float16 gradient, widened exactly (unscaled first in its own dtype,
-    as ``GradScaler.unscale_`` does), on every backend."""
-    return grad in (param, torch.float32) or (
-        param == torch.float32 and grad in (torch.bfloat16, torch.float16)
-    )
 
 
 def _run_then(launch: Callable[[], None], ran: Callable[[], None]) -> None:

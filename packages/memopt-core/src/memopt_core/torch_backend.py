@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from memopt_core import reference
-from memopt_core.backends import KERNEL_API, RULES, GroupStep, supports_formats
+from memopt_core.aliasing import refuse_negated
+from memopt_core.backends import KERNEL_API, RULES, GroupStep, grad_dtype_ok, supports_formats
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MasterCodec, MomentCodec, StateSpec
 from memopt_core.plan import Slot
@@ -344,10 +345,40 @@ class TorchBackend:
     def __repr__(self) -> str:
         return "TorchBackend()"
 
+    def check(self, work: GroupStep) -> None:
+        """ConfigError naming the first gradient of ``work`` the step cannot take: not a dense
+        tensor of its parameter's device and element count, of a dtype
+        :func:`~memopt_core.backends.grad_dtype_ok` refuses, or negated. MemOptimizer checks
+        them before it calls a backend; a direct caller of :meth:`step` gets the same
+        refusals as from the cpu and Triton kernels (a gradient of another size or dtype
+        updated part of the group or ran with its values converted)."""
+        n = len(work.slots)
+        if len(work.params) != n or len(work.grads) != n:
+            raise ConfigError(
+                f"a step over {n} slots got {len(work.params)} parameters and "
+                f"{len(work.grads)} gradients"
+            )
+        for k, (si, p, g) in enumerate(zip(work.slots, work.params, work.grads, strict=True)):
+            what = f"the gradient of parameter {k} (plan slot {si})"
+            if not isinstance(g, Tensor):
+                raise ConfigError(f"{what} must be a torch.Tensor, got {type(g).__name__}")
+            if g.layout != torch.strided or g.device != p.device or g.numel() != p.numel():
+                raise ConfigError(
+                    f"{what} is a {g.layout} tensor of {g.numel()} elements on {g.device}; its "
+                    f"parameter has {p.numel()} on {p.device} (a dense gradient of its size)"
+                )
+            if not grad_dtype_ok(p.dtype, g.dtype):
+                raise ConfigError(
+                    f"{what} is {g.dtype}: gradients must have the parameter's dtype "
+                    f"({p.dtype}) or float32 (float32 parameters also bfloat16 or float16)"
+                )
+            refuse_negated(what, g)
+
     def step(self, work: GroupStep) -> None:
         """See :meth:`memopt_core.backends.Backend.step`."""
         if work.rule not in RULES:
             raise ConfigError(f"the torch backend runs rules {RULES}, got {work.rule!r}")
+        self.check(work)
         # checked before the first piece: a missing state must not leave the group half updated
         missing = [name for name in _states(work) if name not in work.arena.codecs]
         if missing:
