@@ -345,13 +345,15 @@ class TorchBackend:
     def __repr__(self) -> str:
         return "TorchBackend()"
 
-    def check(self, work: GroupStep) -> None:
+    def _check_grads(self, work: GroupStep) -> None:
         """ConfigError naming the first gradient of ``work`` the step cannot take: not a dense
         tensor of its parameter's device and element count, of a dtype
         :func:`~memopt_core.backends.grad_dtype_ok` refuses, or negated. MemOptimizer checks
         them before it calls a backend; a direct caller of :meth:`step` gets the same
         refusals as from the cpu and Triton kernels (a gradient of another size or dtype
-        updated part of the group or ran with its values converted)."""
+        updated part of the group or ran with its values converted). Not the optional
+        ``check`` of the backend protocol: ``backends.check_works`` would run it a second
+        time before each step that already runs it."""
         n = len(work.slots)
         if len(work.params) != n or len(work.grads) != n:
             raise ConfigError(
@@ -378,7 +380,7 @@ class TorchBackend:
         """See :meth:`memopt_core.backends.Backend.step`."""
         if work.rule not in RULES:
             raise ConfigError(f"the torch backend runs rules {RULES}, got {work.rule!r}")
-        self.check(work)
+        self._check_grads(work)
         # checked before the first piece: a missing state must not leave the group half updated
         missing = [name for name in _states(work) if name not in work.arena.codecs]
         if missing:
