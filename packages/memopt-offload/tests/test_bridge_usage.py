@@ -339,6 +339,30 @@ def test_failed_update_surfaces_in_step_sync(device, precision, update, monkeypa
 
 
 @both_updates()
+def test_a_step_after_a_failed_update_reports_its_own_norm(device, precision, update, monkeypatch):
+    """A step_sync() without gradients after a failed update returned the failed step's norm
+    (its end, which resets the norm of a step that no gradient opened, never ran)."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), precision=precision, update=update, max_grad_norm=1.0)
+    opt.attach_hooks(model)
+
+    def fail(*args):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(*((opt._dev, "run") if update == "device" else (opt, "_update")), fail)
+        loss_of(model, batch(0, device)).backward()
+        with pytest.raises(OffloadError, match="an update failed"):
+            opt.step_sync()
+    failed_norm = opt.last_grad_norm  # the failed step's
+    assert failed_norm is not None
+    assert failed_norm > 0
+    assert opt.step_sync() == 0.0  # no gradient since
+    loss_of(model, batch(1, device)).backward()
+    assert opt.step_sync() > 0
+
+
+@both_updates()
 def test_short_host_memory_is_refused_before_allocating(device, monkeypatch, precision, update):
     model = make_model(device)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)

@@ -1559,6 +1559,8 @@ class AdamBridge(Optimizer):
         if err is not None:
             if self._dev is not None:
                 self._dev.abandon()
+            # the failed step is over: a later step without gradients reports 0, not its norm
+            self._step_had_grads = False
             self._clear_pending()
             self._inflight.clear()
             self._held.clear()
