@@ -24,7 +24,7 @@ from offload_testutil import (
 )
 
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
-from memopt_offload import AdamBridge
+from memopt_offload import PRECISIONS, AdamBridge
 
 
 def test_a_step_refused_for_one_gradient_takes_none(device):
@@ -43,6 +43,22 @@ def test_a_step_refused_for_one_gradient_takes_none(device):
     opt.step()
     # Adam's first step is lr * g / (|g| + eps): about +lr (the stale gradient gave -lr)
     assert torch.allclose(a.detach().cpu(), torch.full((4,), 0.1))
+
+
+@pytest.mark.parametrize("kind", [torch.nn.Embedding, torch.nn.EmbeddingBag])
+def test_attach_hooks_refuses_a_sparse_embedding(device, kind):
+    """With hooks, a sparse gradient was refused only in its own hook, after the layers whose
+    gradients came first had been updated (and every step_sync() refused it again until
+    zero_grad()). attach_hooks refuses the embedding, changing nothing; frozen, it is taken."""
+    emb = kind(20, 8, sparse=True).to(device)
+    model = torch.nn.Sequential(emb, torch.nn.Linear(8, 4).to(device))
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    with pytest.raises(ConfigError, match=rf"{kind.__name__} '0' has sparse=True"):
+        opt.attach_hooks(model)
+    assert not opt.hooks_attached
+    emb.weight.requires_grad_(False)
+    opt.attach_hooks(model)
+    opt.detach_hooks()
 
 
 def test_master_weight_waits_for_updates_started_by_the_hooks():
@@ -284,6 +300,58 @@ def test_weights_written_after_the_optimizer_was_built_are_trained(device, preci
         ref.step()
         ref_model.zero_grad()
         assert_same_params(model, ref_model, f"step {t}")
+
+
+@pytest.mark.parametrize(
+    ("precision", "update"),
+    [(p, "host") for p in ("fp32", "bf16", "compact", "bf16-ecc24")] + [("bf16-ecc24", "device")],
+)
+@pytest.mark.parametrize("how", ["copy_", "data"])
+def test_a_checkpoint_after_a_weight_write_holds_the_written_weight(device, precision, update, how):
+    """update="host" read a written weight into its master only when the weight's next gradient
+    arrived: a state_dict() or master_weight() before it held the weight before the write, and a
+    resume (or a load of that dict) put the old weight back: pretrained weights loaded and
+    saved at once came back as the random init, a pruning mask was undone. They read written
+    weights now: the resumed run holds the written weights and continues as the one saved."""
+    model = make_model(device)
+    opt = AdamBridge(
+        model.parameters(), lr=1e-2, precision=precision, update=update, **BOTH[update]
+    )
+    for t in range(2):
+        loss_of(model, batch(t, device)).backward()
+        opt.step()
+        opt.zero_grad()
+    written = {
+        n: torch.randn(p.shape, generator=torch.Generator().manual_seed(5)).to(p)
+        for n, p in model.named_parameters()
+    }
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if how == "copy_":
+                p.copy_(written[n])
+            else:
+                p.data = written[n].clone()
+    w = model[0].weight
+    if PRECISIONS[precision][1] != "ecc24":  # an ECC-24 master keeps its code (test above)
+        assert torch.equal(opt.master_weight(w), written["0.weight"].cpu().float())
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    resumed = make_model(device, seed=9)
+    resumed_opt = AdamBridge(
+        resumed.parameters(), lr=1e-2, precision=precision, update=update, **BOTH[update]
+    )
+    resumed.load_state_dict(saved_model)
+    resumed_opt.load_state_dict(saved_opt)
+    for n, p in resumed.named_parameters():
+        assert torch.equal(p, written[n]), n
+    for t in range(2, 4):
+        for m, o in ((model, opt), (resumed, resumed_opt)):
+            loss_of(m, batch(t, device)).backward()
+            o.step()
+            o.zero_grad()
+        assert_same_params(model, resumed, f"step {t}")
+    opt.load_state_dict(saved_opt)  # a rollback to the dict in the same process
+    for n, p in model.named_parameters():
+        assert torch.equal(p, written[n]), n
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "compact"])

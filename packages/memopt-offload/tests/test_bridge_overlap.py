@@ -8,6 +8,7 @@ different loss, and the losses are compared bit for bit with the reference's at 
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -217,6 +218,46 @@ def test_a_failed_update_surfaces_in_the_next_forward(device, monkeypatch):
     with pytest.raises(OffloadError, match=r"an update failed \(RuntimeError: injected\)"):
         loss_of(model, batch(1, device))
     loss_of(model, batch(2, device)).backward()
+    opt.step_sync()
+    opt.synchronize()
+
+
+@pytest.mark.parametrize("how", ["copy_", "data"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_weight_written_while_its_update_is_in_flight_is_refused(
+    device, monkeypatch, overlap, how
+):
+    """A weight written while its update was in flight (with overlap_forward after step_sync(),
+    a clamp or pruning mask applied after each step; without it between backward and
+    step_sync()) was overwritten by the update's upload, silently. The update refuses it now
+    when the write came before the upload (held here until the write is done)."""
+    model = make_model(device)
+    opt = AdamBridge(model.parameters(), lr=1e-3, precision="bf16")
+    opt.attach_hooks(model, overlap_forward=overlap)
+    gate = threading.Event()
+    update = AdamBridge._update
+
+    def gated(self, bucket, coef):
+        assert gate.wait(30)
+        update(self, bucket, coef)
+
+    monkeypatch.setattr(AdamBridge, "_update", gated)
+    loss_of(model, batch(0, device)).backward()
+    if overlap:
+        opt.step_sync()  # returns with the update queued
+    w = model[0].weight
+    with torch.no_grad():
+        if how == "copy_":
+            w.zero_()
+        else:
+            w.data = torch.zeros_like(w)
+    gate.set()
+    with pytest.raises(
+        OffloadError, match=r"#0 of param group 0 \(shape \(48, 33\)\) was written wh"
+    ):
+        opt.synchronize() if overlap else opt.step_sync()
+    assert torch.equal(w, torch.zeros_like(w))  # not overwritten
+    loss_of(model, batch(1, device)).backward()  # usable again (after a reload, in practice)
     opt.step_sync()
     opt.synchronize()
 

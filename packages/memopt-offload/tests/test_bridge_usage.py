@@ -459,6 +459,22 @@ def test_bad_state_dict_is_refused_before_anything_changes(device, precision, up
         cases.append(
             (lambda sd, step=step: sd["state"][0].update(step=step), "'step' of parameter index 0")
         )
+    last = max(saved["state"])  # the entries before it would be loaded first
+    for key in ("master", "exp_avg"):  # meta: torch.load(map_location="meta"); the copies failed
+        cases.append(
+            (
+                lambda sd, key=key: sd["state"][last].update(
+                    {key: torch.empty_like(sd["state"][last][key], device="meta")}
+                ),
+                f"'{key}' of parameter index {last} .*on the meta device",
+            )
+        )
+    cases.append(
+        (
+            lambda sd: sd["state"][last].update(master=sd["state"][last]["master"].to_sparse()),
+            r"a torch.sparse_coo tensor; the state is dense",
+        )
+    )
     for edit, match in cases:
         bad = copy.deepcopy(saved)
         edit(bad)

@@ -51,9 +51,11 @@ instead of using a changed value where it can.
 Weights written by the caller (``model.load_state_dict`` after the optimizer was built, an
 ``nn.init`` call, ``p.copy_`` under ``no_grad``, ``p.data = t``) are what the next update
 starts from, as with a torch optimizer: ``update="host"`` compares each parameter's version
-counter and address with those of its last upload when its gradient arrives, and reads a
-changed weight into its master first (an ECC-24 master keeps its code, as a weight written in
-place under memopt-ecc does). Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version
+counter and address with those of its last upload when its gradient arrives (and in
+``state_dict()`` and ``master_weight()``), and reads a changed weight into its master first (an
+ECC-24 master keeps its code, as a weight written in place under memopt-ecc does). Weights are
+written between steps: a write that an update finds before its upload raises
+:class:`OffloadError` (with ``overlap_forward``, call :meth:`synchronize` first). Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version
 counter, so they are not seen: write the parameter itself under ``torch.no_grad()``.
 ``update="device"`` updates the device weight itself, so it sees every write.
 
@@ -1021,6 +1023,7 @@ class AdamBridge(Optimizer):
                     return slot.param.detach().to("cpu", torch.float32, copy=True)
                 return cpu_ops.decode_master("ecc24", slot.param.detach().to("cpu"), code)
         assert self._host is not None  # update="host"
+        self._reread_written([slot])
         master = slot.host_master
         with torch.no_grad():
             if self._ecc_master(slot.param):
@@ -1075,11 +1078,29 @@ class AdamBridge(Optimizer):
             {id(s.param) for s in self._slots.values() if s.param.requires_grad},
             "AdamBridge.attach_hooks()",
         )
+        self._reject_sparse_modules(model)
         try:
             self._attach(model, overlap_forward)
         except BaseException:
             self.detach_hooks()  # nothing half-attached
             raise
+
+    def _reject_sparse_modules(self, model: torch.nn.Module) -> None:
+        """ConfigError for an embedding of this optimizer's with ``sparse=True``: its sparse
+        gradient is refused, and with hooks only in its own hook, after the layers whose
+        gradients came first were updated."""
+        for name, module in model.named_modules():
+            if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+                continue
+            slot = self._slots.get(id(module.weight))
+            w = module.weight
+            if module.sparse and w.requires_grad and slot is not None and slot.param is w:
+                raise ConfigError(
+                    f"{type(module).__name__} {name or 'model'!r} has sparse=True: AdamBridge "
+                    "takes dense gradients (as torch's AdamW), and with hooks a sparse one is "
+                    "only refused in its own hook, after other layers were updated. Build the "
+                    "embedding with sparse=False"
+                )
 
     def _attach(self, model: torch.nn.Module, overlap_forward: bool) -> None:
         hooked = 0
@@ -1348,6 +1369,16 @@ class AdamBridge(Optimizer):
         if bucket.nbytes >= self.bucket_bytes:
             self._close_bucket()
 
+    @classmethod
+    def _reread_written(cls, slots: Iterable[_Slot]) -> None:
+        """Read into its master each weight written since its last upload (update="host"),
+        as its next gradient would: a checkpoint or a master read before that gradient must
+        hold the written weight, or a resume restores the one before the write."""
+        for slot in slots:
+            if _written(slot.param) != slot.seen:
+                cls._check_param(slot)
+                cls._reread_master(slot)
+
     @staticmethod
     def _reread_master(slot: _Slot) -> None:
         """Start the update of a weight written since its last upload from the written value
@@ -1540,6 +1571,17 @@ class AdamBridge(Optimizer):
                 grads={s.host_master: s.host_grad for s in bucket.slots},
                 staging={s.host_master: s.staging for s in bucket.slots if s.staging is not None},
             )
+            # a weight written after its gradient arrived (with overlap_forward, after
+            # step_sync() and before synchronize()): the upload would overwrite the write
+            written = [s.label for s in bucket.slots if _written(s.param) != s.seen]
+            if written:
+                raise OffloadError(
+                    f"{written[0]}{f' (and {len(written) - 1} more)' if len(written) > 1 else ''}"
+                    " was written while its update was in flight, and the update's upload "
+                    "would overwrite the write. Write weights between steps: after "
+                    "step_sync(), and with attach_hooks(overlap_forward=True) after "
+                    "optimizer.synchronize() (a write that races the upload unseen is lost)"
+                )
             # one copy call per bucket (a copy_ per tensor cost about 25 µs of Python each)
             weights = [s.param for s in bucket.slots]
             uploads = [s.host_upload for s in bucket.slots]
@@ -1801,6 +1843,7 @@ class AdamBridge(Optimizer):
             return add_group_meta(sd)
         host = self._host
         assert host is not None  # update="host"
+        self._reread_written(self._slots.values())
         host_sd = host.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         host_index = {
@@ -1895,6 +1938,16 @@ class AdamBridge(Optimizer):
                 raise StateDictError(
                     f"'master' of parameter index {key!r} must be {master.dtype} of shape "
                     f"{tuple(master.shape)}"
+                )
+            if m.is_meta or m.layout != torch.strided:
+                raise StateDictError(
+                    f"'master' of parameter index {key!r} is "
+                    + (
+                        "on the meta device and holds no values (torch.load with "
+                        "map_location='meta'?)"
+                        if m.is_meta
+                        else f"a {m.layout} tensor; the state is dense"
+                    )
                 )
             masters.append((slot, m))
             host_state[host_index[id(master)]] = {k: v for k, v in entry.items() if k != "master"}

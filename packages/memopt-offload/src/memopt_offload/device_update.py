@@ -563,6 +563,16 @@ class DeviceUpdater:
                     f"{k!r} of parameter index {key!r} must be {dtype} of shape {tuple(shape)}, "
                     f"got {got}"
                 )
+            if t.is_meta or t.layout != torch.strided:
+                raise StateDictError(
+                    f"{k!r} of parameter index {key!r} is "
+                    + (
+                        "on the meta device and holds no values (torch.load with "
+                        "map_location='meta'?)"
+                        if t.is_meta
+                        else f"a {t.layout} tensor; the state is dense"
+                    )
+                )
         # the host update's check, so that a state dict moves between the two updates
         MemOptimizer._validated_step(entry["step"], f"parameter index {key!r}")
 
