@@ -10,7 +10,8 @@ bfloat16 (ECC-24)  5 (+1 B master code)           3.0625
 bfloat16 (ECC-32)  6 (+2 B, an exact fp32 master) 4.0625
 ================== ============================== ===================================
 
-torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half. Moments round
+torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half (of every parameter
+that requires a gradient, from its first step: torch's only of those that got one). Moments round
 stochastically (core's counter-based generator), so a bf16 second moment decays like fp32's
 instead of stalling. Semantics are core's ``reference.adam`` (AdamW scalars) bit for bit
 (torch's AdamW within a few ulps per step, DESIGN "Exactness in practice"), on every backend and
@@ -60,10 +61,26 @@ _DEFAULT_CACHE = "default"
 _TAKES = "ApexW takes float32 or bfloat16 parameters"
 #: mode="auto" decisions that hold for one model signature (not "fixed" or "forced")
 _DECIDED_FOR_A_MODEL = ("measured", "cache", "only candidate")
+#: core's group keys of its other rules, with their defaults: an ApexW group keeps them there
+_NOT_ADAMW: dict[str, Any] = {
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "nesterov": False,
+    "decouple_lr": False,
+}
 _NO_AMSGRAD = (
     "ApexW does not implement amsgrad=True (it would need a compact running maximum of the second "
     "moment); use torch.optim.AdamW(amsgrad=True)"
 )
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """Whether a group key holds other than ``default`` (compared by value: a one-element
+    tensor or numpy number too; what cannot be compared differs)."""
+    try:
+        return bool(value != default)
+    except (RuntimeError, TypeError, ValueError):  # a tensor of several elements, ...
+        return True
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -223,6 +240,15 @@ class ApexW(MemOptimizer):
         self._graph = None  # it replays a dropped cached step
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
+        # core's keys of other rules, in every group: a value other than its default was taken
+        # silently (decouple_lr=True decayed by weight_decay instead of lr * weight_decay)
+        odd = [f"{k}={g[k]!r}" for k, off in _NOT_ADAMW.items() if k in g and _differs(g[k], off)]
+        if odd:
+            raise ConfigError(
+                f"{where} sets {', '.join(odd)}: ApexW is torch's AdamW (weight decay by "
+                "lr * weight_decay, no momentum or nesterov setting); leave these keys at "
+                f"their defaults ({', '.join(f'{k}={v!r}' for k, v in _NOT_ADAMW.items())})"
+            )
         betas = super()._check_group(g, where)  # refuses amsgrad=True in a group too
         if "capturable" in g and g["capturable"] != self.capturable:
             # core ignores the key; here it would read as a CUDA graph for one group
