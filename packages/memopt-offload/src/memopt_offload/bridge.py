@@ -55,8 +55,9 @@ counter and address with those of its last upload when its gradient arrives (and
 ``state_dict()`` and ``master_weight()``), and reads a changed weight into its master first (an
 ECC-24 master keeps its code, as a weight written in place under memopt-ecc does). Weights are
 written between steps: a write that an update finds before its upload raises
-:class:`OffloadError` (with ``overlap_forward``, call :meth:`synchronize` first). Writes through ``p.data`` (``p.data.copy_(t)``) bypass the version
-counter, so they are not seen: write the parameter itself under ``torch.no_grad()``.
+:class:`OffloadError` (with ``overlap_forward``, call :meth:`synchronize` first). Writes
+through ``p.data`` (``p.data.copy_(t)``) bypass the version counter, so they are not seen:
+write the parameter itself under ``torch.no_grad()``.
 ``update="device"`` updates the device weight itself, so it sees every write.
 
 Overlapping the next forward (``attach_hooks(model, overlap_forward=True)``): the host is
@@ -151,7 +152,7 @@ from memopt_core.state_dict_hooks import (
 from memopt_core.state_dict_meta import META_KEY, add_group_meta, saved_meta, without_meta
 from memopt_kernels_cpu import ops as cpu_ops
 from memopt_offload.autotune import AutoTuneConfig, machine_key
-from memopt_offload.device_update import DeviceUpdater
+from memopt_offload.device_update import DeviceUpdater, refuse_valueless
 from memopt_offload.host_memory import HostSlab, SlabLayout, check_host_memory
 
 #: the ``memopt`` entry's list of the host optimizer's normalizing beta2 per group (core's)
@@ -1092,8 +1093,8 @@ class AdamBridge(Optimizer):
         for name, module in model.named_modules():
             if not isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
                 continue
-            slot = self._slots.get(id(module.weight))
             w = module.weight
+            slot = self._slots.get(id(w))
             if module.sparse and w.requires_grad and slot is not None and slot.param is w:
                 raise ConfigError(
                     f"{type(module).__name__} {name or 'model'!r} has sparse=True: AdamBridge "
@@ -1939,16 +1940,7 @@ class AdamBridge(Optimizer):
                     f"'master' of parameter index {key!r} must be {master.dtype} of shape "
                     f"{tuple(master.shape)}"
                 )
-            if m.is_meta or m.layout != torch.strided:
-                raise StateDictError(
-                    f"'master' of parameter index {key!r} is "
-                    + (
-                        "on the meta device and holds no values (torch.load with "
-                        "map_location='meta'?)"
-                        if m.is_meta
-                        else f"a {m.layout} tensor; the state is dense"
-                    )
-                )
+            refuse_valueless(f"'master' of parameter index {key!r}", m)
             masters.append((slot, m))
             host_state[host_index[id(master)]] = {k: v for k, v in entry.items() if k != "master"}
         host_groups = []

@@ -107,6 +107,19 @@ class _StepState:
     prefetch_at: int = 0  # next index into DeviceUpdater.order
 
 
+def refuse_valueless(what: str, t: Tensor) -> None:
+    """StateDictError naming ``what`` when state dict tensor ``t`` has no values to copy in (on
+    the meta device, or sparse): checked before a load changes anything, since the copy itself
+    failed inside torch after the entries before it were loaded."""
+    if t.is_meta or t.layout != torch.strided:
+        detail = (
+            "on the meta device and holds no values (torch.load with map_location='meta'?)"
+            if t.is_meta
+            else f"a {t.layout} tensor; the state is dense"
+        )
+        raise StateDictError(f"{what} is {detail}")
+
+
 class DeviceUpdater:
     """The device half of ``AdamBridge(update="device")`` (see the module doc): host state,
     buckets, staging copies and the fused launches. AdamBridge owns hooks, clipping and the
@@ -563,16 +576,7 @@ class DeviceUpdater:
                     f"{k!r} of parameter index {key!r} must be {dtype} of shape {tuple(shape)}, "
                     f"got {got}"
                 )
-            if t.is_meta or t.layout != torch.strided:
-                raise StateDictError(
-                    f"{k!r} of parameter index {key!r} is "
-                    + (
-                        "on the meta device and holds no values (torch.load with "
-                        "map_location='meta'?)"
-                        if t.is_meta
-                        else f"a {t.layout} tensor; the state is dense"
-                    )
-                )
+            refuse_valueless(f"{k!r} of parameter index {key!r}", t)
         # the host update's check, so that a state dict moves between the two updates
         MemOptimizer._validated_step(entry["step"], f"parameter index {key!r}")
 
