@@ -1778,6 +1778,7 @@ class MemOptimizer(Optimizer):
                 None if entry.index_bases is None else [entry.index_bases[si] for si, _, _ in items]
             ),
             owners=[p for _, p, _ in items],
+            grads_checked=True,  # _check_before_update / the cached step's checks
         )
 
     def _entry_steps(

@@ -353,7 +353,8 @@ class TorchBackend:
         refusals as from the cpu and Triton kernels (a gradient of another size or dtype
         updated part of the group or ran with its values converted). Not the optional
         ``check`` of the backend protocol: ``backends.check_works`` would run it a second
-        time before each step that already runs it."""
+        time before each step that already runs it; skipped for work whose
+        ``grads_checked`` says its caller checked them."""
         n = len(work.slots)
         if len(work.params) != n or len(work.grads) != n:
             raise ConfigError(
@@ -380,7 +381,8 @@ class TorchBackend:
         """See :meth:`memopt_core.backends.Backend.step`."""
         if work.rule not in RULES:
             raise ConfigError(f"the torch backend runs rules {RULES}, got {work.rule!r}")
-        self._check_grads(work)
+        if not work.grads_checked:  # a direct caller; MemOptimizer checked them already
+            self._check_grads(work)
         # checked before the first piece: a missing state must not leave the group half updated
         missing = [name for name in _states(work) if name not in work.arena.codecs]
         if missing:
