@@ -570,6 +570,46 @@ def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
         assert torch.equal(p, q)
 
 
+@pytest.mark.usefixtures("process_group")
+def test_a_parameter_without_a_gradient_when_saved(tmp_path):
+    """An unused head (requires_grad, never a gradient) has no state in the checkpoint, as
+    under torch (a step creates only the state of parameters with a gradient); init_state()
+    creates one in the target. check_dcp_load names it, and its way out resumes bit for bit."""
+
+    def build_run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        head = torch.nn.Linear(16, 3)  # not in the forward
+        opt = MemOptimizer([*model.parameters(), *head.parameters()], rule="adamw", lr=1e-2)
+        return model, head, opt
+
+    model, head, opt = build_run()
+    train(model, opt, 2)
+    assert len(opt.state) == 4
+    assert all(p not in opt.state for p in head.parameters())
+    dcp.save(
+        {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
+    )
+    train(model, opt, 2, start=2)
+
+    twin, _, topt = build_run()
+    topt.init_state()
+    with pytest.raises(
+        ConfigError,
+        match=r"holds no optimizer state for parameter index 4 .*without a gradient until "
+        r"then.*del sd\['optim'\]\['state'\]\[4\]",
+    ):
+        check_dcp_load(topt, tmp_path / "ck")
+    sd = {"model": twin.state_dict(), "optim": topt.state_dict()}
+    del sd["optim"]["state"][4], sd["optim"]["state"][5]
+    dcp.load(sd, checkpoint_id=tmp_path / "ck")
+    twin.load_state_dict(sd["model"])
+    topt.load_state_dict(sd["optim"])
+    train(twin, topt, 2, start=2)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def _grouped(order, seed=5, moments=("q8", "bf16"), shard=False):
     """Weights (decayed) and biases (not) of an MLP whose up (64, 16) and down (16, 64) weights
     have q8 states of the same sizes, in two groups with ``moments`` (the formats differ, so
@@ -838,9 +878,8 @@ def test_check_dcp_load_by_name_and_frozen_parameters(tmp_path):
     ):
         check_dcp_load(topt, tmp_path / "frozen", model=twin)
     _load_by_name(twin, topt, tmp_path / "frozen", drop=["0.weight"], strict=False)
-    fresh = topt.state[twin[0].weight]  # init_state's, kept: as its first step makes it
-    assert fresh["step"].item() == 0
-    assert not fresh["exp_avg"].any()
+    # without state after the load, as under torch: its next step with a gradient creates it
+    assert twin[0].weight not in topt.state
     for name, q in twin.named_parameters():
         if name != "0.weight":
             p = dict(frozen.named_parameters())[name]

@@ -98,9 +98,58 @@ def test_a_step_after_init_state_equals_one_without_it(name):
         opt_b.step()
         if t == 1:
             opt_a.init_state()  # after steps: changes nothing
+        if t == 0:
+            # a step creates state only for parameters with a gradient; init_state for all
+            assert pb[0] not in opt_b.state
+            assert int(opt_a.state[pa[0]]["step"]) == 0
+            assert all(torch.equal(bits(p), bits(q)) for p, q in zip(pa, pb, strict=True))
+            continue
         assert_same_optimizers(pa, pb, opt_a, opt_b)
     assert opt_a.state_bytes() == opt_b.state_bytes()
     assert int(opt_a.state[pa[0]]["step"]) == 3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_parameter_without_a_gradient_gets_no_state_until_it_has_one(name):
+    # torch's optimizers create state only for parameters that got a gradient: an unused head
+    # or an expert no token reached costs nothing until it trains (here: a (64, 64) one beside
+    # the used parameters, over steps that the cached step replays)
+    cfg = CONFIGS[name]
+
+    def model():
+        gen = torch.Generator().manual_seed(7)
+        unused = torch.randn(64, 64, generator=gen).to(cfg["dtype"]).requires_grad_()
+        return [*make_params(cfg["dtype"]), unused]
+
+    params, ref_params, alone_params = model(), model(), make_params(cfg["dtype"])
+    unused = params[-1]
+    opt, ref, alone = make_opt(params, cfg), make_opt(ref_params, cfg), make_opt(alone_params, cfg)
+    ref.init_state()  # the state of every trainable parameter from the start
+    for t in range(8):
+        for ps in (params, ref_params, alone_params):
+            set_grads(ps, t, skip={len(SHAPES)})
+        opt.step()
+        ref.step()
+        alone.step()
+    assert unused not in opt.state
+    assert len(opt.state) == len(SHAPES)
+    assert opt.state_bytes() == alone.state_bytes()
+    assert sorted(opt.state_dict()["state"]) == list(range(len(SHAPES)))
+    assert_same_optimizers(params[:-1], alone_params, opt, alone)
+    # its first gradient: a first step from fresh state, the bits of an optimizer that held
+    # its state all along
+    before = unused.detach().clone()
+    for t in (8, 9):
+        set_grads(params, t)
+        set_grads(ref_params, t)
+        opt.step()
+        ref.step()
+        if t == 8:
+            assert int(opt.state[unused]["step"]) == 1
+            assert not torch.equal(bits(unused), bits(before))
+    assert_same_optimizers(params, ref_params, opt, ref)
+    assert opt.state_bytes() == ref.state_bytes()
+    assert opt.state_bytes() > alone.state_bytes() or name == "fp32-sgd-no-momentum"
 
 
 def test_init_state_picks_up_parameters_added_or_unfrozen_later():

@@ -10,8 +10,8 @@ bfloat16 (ECC-24)  5 (+1 B master code)           3.0625
 bfloat16 (ECC-32)  6 (+2 B, an exact fp32 master) 4.0625
 ================== ============================== ===================================
 
-torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half (of every parameter
-that requires a gradient, from its first step: torch's only of those that got one). Moments round
+torch's AdamW holds 8 B per float32 parameter: ApexW holds at most half (as torch, of the
+parameters that got a gradient: state is created at a parameter's first step with one). Moments round
 stochastically (core's counter-based generator), so a bf16 second moment decays like fp32's
 instead of stalling. Semantics are core's ``reference.adam`` (AdamW scalars) bit for bit
 (torch's AdamW within a few ulps per step, DESIGN "Exactness in practice"), on every backend and

@@ -170,7 +170,8 @@ def check_dcp_load(
     ``ConfigError`` when a trainable parameter has no state yet (call
     ``optimizer.init_state()`` first), when the checkpoint holds state for a parameter index
     that has none here (a parameter frozen after training: create its state first), or none for
-    one that has state here (frozen when saved: the message says how to start it fresh);
+    one that has state here (frozen when saved, or without a gradient until then: the message
+    says how to start it fresh);
     :class:`~memopt_core.errors.StateDictError` when a parameter's saved state keys differ from
     its live ones (an SGD saved with momentum and built without, or the reverse), when the
     checkpoint holds no memopt state under ``key``, or state of another rule, state-dict
@@ -440,12 +441,14 @@ def check_dcp_load(
             )
             raise ConfigError(
                 f"the checkpoint holds no optimizer state for {label} (frozen when it was "
-                "saved, or saved before the optimizer's first step: memopt optimizers create "
-                "their state at it, and init_state() creates it before): dcp.load would fail "
+                "saved, or without a gradient until then: memopt optimizers, as torch's, create "
+                "a parameter's state at its first step with one, and init_state() creates it "
+                "before): dcp.load would fail "
                 "on its missing keys. To start it from fresh "
                 f"state, delete its entry from the state dict given to dcp.load (del "
                 f"sd[{key!r}]['state'][{saved_key.get(index, index)!r}]){strict}: "
-                "load_state_dict then keeps the fresh state it has here"
+                "load_state_dict then leaves it without state, and its next step with a "
+                "gradient starts it fresh"
             )
         if by_name and not params[index].requires_grad:
             raise ConfigError(

@@ -223,8 +223,9 @@ def set_fp32_model_state_dict(
     parameter gets the bf16 half, ``optimizer.state[p]["master_code"]`` the code, so the next step
     starts from exactly these weights (ECC-32: bit for bit). Other parameters and buffers are
     copied with a cast. Moments and step counters are untouched. Optimizer state is created for
-    trainable parameters that have none yet (as the first step would create it); a frozen
-    parameter without state only gets the rounded bf16 value.
+    trainable parameters that have none yet (``init_state()``: also for those that have had no
+    gradient, so that their codes keep the loaded weights); a frozen parameter without state
+    only gets the rounded bf16 value.
 
     ``strict`` (default): the keys must equal ``model.state_dict()``'s. Values must be dense
     tensors with data (not meta, not sparse) of the model's shapes; floating parameters load
@@ -291,7 +292,7 @@ def set_fp32_model_state_dict(
                 continue
             buffers[id(target)] = (key, target, value)
     if any(id(t) in held for _, t, _ in chosen.values()):
-        # the codes live in the optimizer's state: create it as the first step would
+        # the codes live in the optimizer's state: create it for every trainable parameter
         optimizer.init_state()
     with torch.no_grad():
         for _, param, value in chosen.values():

@@ -934,11 +934,20 @@ class MemOptimizer(Optimizer):
             }
         return self._index
 
-    def _members(self, group: Mapping[str, Any]) -> list[Tensor]:
-        # frozen parameters without state or gradient get no arena space until they train
-        return [
-            p for p in group["params"] if p.requires_grad or p.grad is not None or p in self.state
-        ]
+    def _members(self, group: Mapping[str, Any], trainable: bool) -> list[Tensor]:
+        """The parameters of ``group`` that get arena space: those with state or a gradient, as
+        torch's optimizers create state only for a parameter that got a gradient (an unused
+        head, an expert no token reached cost nothing until they train). ``trainable``: every
+        parameter that requires one too, for :meth:`init_state` (state to write into before
+        training) and :meth:`step_parameters`, whose callers step parameters one bucket at a
+        time (each new member would rebuild its group's arenas)."""
+        if trainable:
+            return [
+                p
+                for p in group["params"]
+                if p.requires_grad or p.grad is not None or p in self.state
+            ]
+        return [p for p in group["params"] if p.grad is not None or p in self.state]
 
     def _group_names(self, gi: int, group: Mapping[str, Any], members: list[Tensor]) -> tuple:
         names = set(self._needed_names(group))
@@ -1043,17 +1052,19 @@ class MemOptimizer(Optimizer):
                     "memopt_ecc: master_weight_bits/quantize) and load it again"
                 )
 
-    def _ensure_plans(self, only: list[Tensor] | None = None) -> None:
+    def _ensure_plans(self, only: list[Tensor] | None = None, trainable: bool = False) -> None:
         """(Re)build the plans and arenas of every group whose parameters or formats changed,
-        or whose states were written from outside."""
+        or whose states were written from outside. ``only`` (:meth:`step_parameters`'s
+        parameters) or ``trainable``: every parameter that requires a gradient is a member
+        (:meth:`_members`)."""
         self._adopt_state_writes()
         if only is not None and self._plans_current_for(only):
             self._writes_seen = self._writes.n
             return
-        self._ensure_all_plans()
+        self._ensure_all_plans(trainable or only is not None)
         self._writes_seen = self._writes.n
 
-    def _ensure_all_plans(self) -> None:
+    def _ensure_all_plans(self, trainable: bool) -> None:
         reindexed = False
         # a rebuilt group leaves its family arena (memopt_core.plan.family_arenas): the family's
         # other groups are rebuilt with it, so that no dead region of the old storage stays
@@ -1069,7 +1080,7 @@ class MemOptimizer(Optimizer):
         builds: dict[int, tuple] = {}
         current: dict[int, tuple] = {}
         for gi, group in enumerate(self.param_groups):
-            members = self._members(group)
+            members = self._members(group, trainable)
             names = self._group_names(gi, group, members)
             formats = (group["master"], group["moments"])
             signature = (
@@ -1286,20 +1297,24 @@ class MemOptimizer(Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held now (arenas: moments, scales, master codes; not the
-        parameters, not the per-tensor step counters). State is created by the first step, or
-        by :meth:`init_state`."""
+        parameters, not the per-tensor step counters). A parameter's state is created by its
+        first step with a gradient (as torch's optimizers create it), or by :meth:`init_state`
+        (for every trainable parameter) or :meth:`step_parameters` (every trainable parameter of
+        the optimizer at its first call)."""
         return sum(e.arena.nbytes() for gp in self._plans.values() for e in gp.entries)
 
     def init_state(self) -> None:
         """Create the optimizer state now instead of at the first :meth:`step` (advanced).
 
         Allocates every param group's plans and arenas and fills ``self.state[p]`` of each
-        trainable parameter (``requires_grad``, holding a gradient, or already with state), as
-        the first step would: ``step`` 0, zero moments, master codes that encode the current
-        weights. Frozen parameters without state get none, as in a step. Parameters and gradients
-        are not touched, and a following :meth:`step` gives exactly the bits it gives without
-        this call. Idempotent: existing state is kept (states of parameters added or unfrozen
-        since are created). Returns None.
+        trainable parameter (``requires_grad``, holding a gradient, or already with state):
+        ``step`` 0, zero moments, master codes that encode the current weights, as the first
+        step does for the parameters it updates (a step creates state only for parameters with
+        a gradient, as torch's optimizers do; this call also for those without one). Frozen
+        parameters without state get none. Parameters and gradients are not touched, and a
+        following :meth:`step` gives exactly the bits it gives without this call. Idempotent:
+        existing state is kept (states of parameters added or unfrozen since are created).
+        Returns None.
 
         Uses: write master codes before training (``memopt_ecc.set_fp32_model_state_dict``),
         measure :meth:`state_bytes` up front, or hand state views to other code. Cast and move the
@@ -1307,7 +1322,7 @@ class MemOptimizer(Optimizer):
         """
         self._refuse_inference_mode("init_state")
         with torch.no_grad():
-            self._ensure_plans()
+            self._ensure_plans(trainable=True)
 
     # ------------------------------------------------------------------------------- stepping
     def _scalars(
