@@ -44,6 +44,7 @@ from memopt_core.backends import (
     PARAM_DTYPES,
     RULES,
     GroupStep,
+    grad_dtype_ok,
     kernel_master_id,
     kernel_moment_id,
 )
@@ -566,14 +567,12 @@ def _is_int(v: object) -> bool:
 
 def _slot_ok(plan, slot, p0, g, st, tid, base) -> bool:
     """Whether one slot's tensors pass every check of :func:`_check_slot`."""
-    f32 = torch.float32
     return (
         _is_cpu_dense(p0)
         and p0.dtype == plan.param_dtype
         and p0.numel() == slot.numel
         and _is_cpu_dense(g)
-        and g.dtype in GRAD_IDS
-        and (g.dtype in (p0.dtype, f32) or p0.dtype == f32)
+        and grad_dtype_ok(p0.dtype, g.dtype)
         and g.shape == p0.shape
         and _is_int(tid)
         and _is_int(base)
@@ -624,9 +623,7 @@ def _check_slot(plan, slot, k, si, p0, g, st, tid, base) -> None:
         )
     _check_tensor(g, f"the gradient of {what}")
     refuse_negated(f"the gradient of {what}", g)
-    if g.dtype not in GRAD_IDS or not (
-        g.dtype in (p0.dtype, torch.float32) or p0.dtype == torch.float32
-    ):
+    if not grad_dtype_ok(p0.dtype, g.dtype):
         raise ConfigError(
             f"the gradient of {what} is {g.dtype}; gradients have the parameter's dtype or "
             "float32 (float32 parameters also bfloat16 or float16)"

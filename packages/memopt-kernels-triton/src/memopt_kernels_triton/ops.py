@@ -44,7 +44,14 @@ import torch
 from torch import Tensor
 
 from memopt_core.aliasing import Label, check_aliasing, has_memory, refuse_negated
-from memopt_core.backends import RULES, DeviceStep, GroupStep, kernel_master_id, kernel_moment_id
+from memopt_core.backends import (
+    RULES,
+    DeviceStep,
+    GroupStep,
+    grad_dtype_ok,
+    kernel_master_id,
+    kernel_moment_id,
+)
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
 from memopt_core.formats.registry import MASTER_FORMATS, master_codec
@@ -878,8 +885,7 @@ def _validate(work: GroupStep, plan) -> None:
                 f"{tuple(slot.shape)}); rebuild the plan after resizing a parameter"
             )
         _check_device(g, f"the gradient of {what}")
-        sixteen = (torch.bfloat16, torch.float16) if p.dtype == torch.float32 else ()
-        if g.dtype not in (p.dtype, torch.float32, *sixteen):
+        if not grad_dtype_ok(p.dtype, g.dtype):
             raise ConfigError(
                 f"the gradient of {what} is {g.dtype}: gradients must have the parameter's dtype "
                 f"({p.dtype}) or float32 (float32 parameters also bfloat16 or float16)"
