@@ -45,7 +45,7 @@ def make_opt(params, cfg, **kw):
 def set_grads(params, step, skip=()):
     gen = torch.Generator().manual_seed(100 + step)
     for i, p in enumerate(params):
-        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        g = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
         p.grad = None if i in skip else g
 
 
@@ -109,44 +109,60 @@ def test_a_step_after_init_state_equals_one_without_it(name):
     assert int(opt_a.state[pa[0]]["step"]) == 3
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_a_parameter_without_a_gradient_gets_no_state_until_it_has_one(name):
+def test_a_parameter_without_a_gradient_gets_no_state_until_it_has_one(name, backend, device):
     # torch's optimizers create state only for parameters that got a gradient: an unused head
-    # or an expert no token reached costs nothing until it trains (here: a (64, 64) one beside
-    # the used parameters, over steps that the cached step replays)
+    # or an expert no token reached costs nothing until it trains (here: a (64, 64) and a (9,)
+    # one beside the used parameters, last of two param groups, which the Triton backend steps
+    # as one family arena; over steps that the cached step replays)
     cfg = CONFIGS[name]
+    n = len(SHAPES)
 
-    def model():
+    def model(late=True):
         gen = torch.Generator().manual_seed(7)
-        unused = torch.randn(64, 64, generator=gen).to(cfg["dtype"]).requires_grad_()
-        return [*make_params(cfg["dtype"]), unused]
+        extra = [torch.randn(s, generator=gen).to(cfg["dtype"]) for s in ((64, 64), (9,))]
+        ps = [*make_params(cfg["dtype"]), *(extra if late else [])]
+        return [p.detach().to(device).requires_grad_() for p in ps]
 
-    params, ref_params, alone_params = model(), model(), make_params(cfg["dtype"])
-    unused = params[-1]
-    opt, ref, alone = make_opt(params, cfg), make_opt(ref_params, cfg), make_opt(alone_params, cfg)
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 5e-3}]
+
+    params, ref_params, alone_params = model(), model(), model(late=False)
+    opt, ref, alone = (
+        make_opt(groups(ps), cfg, backend=backend) for ps in (params, ref_params, alone_params)
+    )
     ref.init_state()  # the state of every trainable parameter from the start
     for t in range(8):
         for ps in (params, ref_params, alone_params):
-            set_grads(ps, t, skip={len(SHAPES)})
+            set_grads(ps, t, skip={n, n + 1})
         opt.step()
         ref.step()
         alone.step()
-    assert unused not in opt.state
-    assert len(opt.state) == len(SHAPES)
+    assert all(p not in opt.state for p in params[n:])
+    assert len(opt.state) == n
     assert opt.state_bytes() == alone.state_bytes()
-    assert sorted(opt.state_dict()["state"]) == list(range(len(SHAPES)))
-    assert_same_optimizers(params[:-1], alone_params, opt, alone)
-    # its first gradient: a first step from fresh state, the bits of an optimizer that held
-    # its state all along
-    before = unused.detach().clone()
-    for t in (8, 9):
-        set_grads(params, t)
-        set_grads(ref_params, t)
+    assert sorted(opt.state_dict()["state"]) == list(range(n))
+    assert_same_optimizers(params[:n], alone_params, opt, alone)
+    # their first gradients (the (64, 64) one at step 8, the other at 9): first steps from
+    # fresh state, the bits of an optimizer that held their state all along. The others keep
+    # their state tensors: no rebuild, which would hold the group's state twice while it
+    # copies it; the parameters gained since the group was built share one set of entries
+    # (one launch), not one each
+    held = [dict(opt.state[p]) for p in params[:n]]
+    for t in (8, 9, 10):
+        before = [p.detach().clone() for p in params[n:]]
+        for ps in (params, ref_params):
+            set_grads(ps, t, skip={n + 1} if t == 8 else ())
         opt.step()
         ref.step()
-        if t == 8:
-            assert int(opt.state[unused]["step"]) == 1
-            assert not torch.equal(bits(unused), bits(before))
+        if t < 10:
+            assert int(opt.state[params[n + t - 8]]["step"]) == 1
+            assert not torch.equal(bits(params[n + t - 8]), bits(before[t - 8]))
+            for p, was in zip(params, held, strict=False):
+                assert all(opt.state[p][k] is v for k, v in was.items())
+            gp = opt._plans[1]
+            assert len(gp.entries) == gp.built + 1
     assert_same_optimizers(params, ref_params, opt, ref)
     assert opt.state_bytes() == ref.state_bytes()
     assert opt.state_bytes() > alone.state_bytes() or name == "fp32-sgd-no-momentum"

@@ -215,6 +215,9 @@ class _GroupPlans:
     #: the group dict, its params list and the list's length when the plan was last checked:
     #: step_parameters' fast check sees a group reordered, removed or edited by identity
     source: tuple[dict[str, Any], list[Any], int] | None = None
+    #: the entries of the group's last build; those after them hold the members it gained
+    #: since (MemOptimizer._extend_group)
+    built: int = 0
 
     def describes(self, group: Mapping[str, Any]) -> bool:
         src = self.source
@@ -1079,6 +1082,7 @@ class MemOptimizer(Optimizer):
             reindexed = True
         builds: dict[int, tuple] = {}
         current: dict[int, tuple] = {}
+        extends: dict[int, tuple] = {}
         for gi, group in enumerate(self.param_groups):
             members = self._members(group, trainable)
             names = self._group_names(gi, group, members)
@@ -1096,6 +1100,11 @@ class MemOptimizer(Optimizer):
                 current[gi] = (gi, group, members, names, formats, signature)
                 continue
             self._check_dtypes(gi, group, members)
+            if cur is not None and self._only_gained_stateless(cur, signature, members):
+                # add_param_group's check, for a tensor appended by hand (below)
+                check_parameters_apart(labelled_parameters(self.param_groups), [])
+                extends[gi] = (gi, group, members, names, formats, signature)
+                continue
             if cur is not None:
                 self._check_unchanged(members)
             if cur is not None and cur.formats != formats:
@@ -1122,6 +1131,11 @@ class MemOptimizer(Optimizer):
             builds[gi] = (gi, group, members, names, formats, signature)
         for gi in builds:
             left |= self._families_of(gi)
+        for gi, args in extends.items():
+            if self._families_of(gi) & left:
+                builds[gi] = args  # its family is rebuilt: rebuilt with it, whole
+            else:
+                self._extend_group(gi, args[1], args[2], args[5])
         kept: set[int] = set()
         for gi, args in current.items():
             if self._families_of(gi) & left:
@@ -1129,6 +1143,26 @@ class MemOptimizer(Optimizer):
                 kept.add(gi)
         if builds:
             self._build_groups([builds[gi] for gi in sorted(builds)], kept)
+
+    def _only_gained_stateless(
+        self, cur: _GroupPlans, signature: tuple, members: list[Tensor]
+    ) -> bool:
+        """Whether a group planned as ``cur`` now differs only by members without state
+        (parameters with their first gradient), every old member still one, of its device,
+        dtype and shape (:meth:`_extend_group` then adds them without a rebuild)."""
+        old = cur.signature
+        if old is None or old[:3] != signature[:3] or len(signature[3]) <= len(old[3]):
+            return False
+        was = dict(zip(old[3], old[4], strict=True))
+        seen = 0
+        for pid, meta, p in zip(signature[3], signature[4], members, strict=True):
+            if pid in was:
+                if was[pid] != meta:
+                    return False
+                seen += 1
+            elif p in self.state:
+                return False
+        return seen == len(was)
 
     @staticmethod
     def _check_dtypes(gi: int, group: Mapping[str, Any], members: list[Tensor]) -> None:
@@ -1214,6 +1248,54 @@ class MemOptimizer(Optimizer):
     ) -> None:
         index = self._tensor_index() if ids is None else ids
         self._drop_plan(gi)
+        entries = self._make_entries(plans, members, names, arenas, index)
+        self._plans[gi] = _GroupPlans(
+            signature,
+            formats,
+            names,
+            entries,
+            (group, group["params"], len(group["params"])),
+            built=len(entries),
+        )
+        self._place(gi, entries, 0)
+
+    def _extend_group(self, gi, group, members, signature) -> None:
+        """Plan the members that group ``gi`` gained without state (parameters with their
+        first gradient) beside its built entries, with the members it gained before them: a
+        rebuild would copy the whole group's state into new arenas, holding both at once (twice
+        its state, which a model that fits can run out of memory at, whenever a parameter first
+        gets a gradient); this copies only the state of the members gained since the last build
+        and keeps them in one set of entries (one launch each, not one per gain). Same bits."""
+        cur = self._plans[gi]
+        self._drop_cached_steps()  # they hold the old entries
+        self._index = None  # members changed (the group's params list may have been edited)
+        built = {id(p) for e in cur.entries[: cur.built] for p in e.owners}
+        for entry in cur.entries[cur.built :]:
+            for p in entry.owners:
+                self._where.pop(id(p), None)
+        gained = [p for p in members if id(p) not in built]
+        plans = make_plans(
+            [local_shard(p) for p in gained],
+            functools.partial(self._spec, group),
+            group_index=gi,
+        )
+        entries = self._make_entries(plans, gained, cur.names, {}, self._tensor_index())
+        cur.entries[cur.built :] = entries
+        cur.signature = signature
+        cur.source = (group, group["params"], len(group["params"]))
+        self._place(gi, entries, cur.built)
+
+    def _place(self, gi: int, entries: list[_Entry], first: int) -> None:
+        """Record where ``entries`` (group ``gi``'s, from entry index ``first`` on) put each
+        parameter."""
+        for ei, entry in enumerate(entries, start=first):
+            for si, p in enumerate(entry.owners):
+                self._where[id(p)] = (gi, ei, si)
+
+    def _make_entries(self, plans, members, names, arenas, index) -> list[_Entry]:
+        """The entries of ``plans`` (of ``members``), with their arenas (from ``arenas``, by the
+        plan's id, else new) and each member's new state in ``self.state``: the values of its
+        previous state copied in, a new master code encoding its current weight."""
         entries: list[_Entry] = []
         new_states: dict[Tensor, ParamState] = {}
         owner_of = {id(local_shard(p)): p for p in members}
@@ -1267,14 +1349,10 @@ class MemOptimizer(Optimizer):
             )
         for p, state in new_states.items():
             self.state[p] = state
-        for ei, entry in enumerate(entries):
+        for entry in entries:
             entry.states = [new_states[p] for p in entry.owners]
             entry.held = [dict(s) for s in entry.states]
-            for si, p in enumerate(entry.owners):
-                self._where[id(p)] = (gi, ei, si)
-        self._plans[gi] = _GroupPlans(
-            signature, formats, names, entries, (group, group["params"], len(group["params"]))
-        )
+        return entries
 
     def _drop_plan(self, gi: int) -> None:
         """Forget group ``gi``'s plan and where its parameters were in it (not where a rebuild
