@@ -646,6 +646,35 @@ def test_a_pre_step_that_returns_no_bool_is_refused():
     handle.remove()
 
 
+def test_a_load_under_release_creates_every_trainable_state_up_front():
+    """Release creates the state up front (not in the first backward). A checkpoint of a run in
+    which a parameter had no gradient yet holds no state for it (memopt creates it at the first
+    gradient, as torch): loaded while release is active, its state is still created by the load
+    (a review of 2026-12-06: the first backward's hook created it)."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    for idx in batches("cpu", n=2):
+        opt.zero_grad()
+        loss_fn(model, idx).backward()
+        model.mix.bias.grad = None
+        opt.step()
+    sd = opt.state_dict()
+    assert model.mix.bias not in opt.state
+    twin = copy.deepcopy(model)
+    topt = FlashAdamW(twin.parameters(), lr=1e-2)
+    handle = enable_gradient_release(twin, topt)
+    topt.load_state_dict(sd)
+    trainable = [p for p in twin.parameters() if p.requires_grad]
+    assert all(p in topt.state for p in trainable)
+    assert int(topt.state[twin.mix.bias]["step"]) == 0
+    nbytes = topt.state_bytes()
+    loss_fn(twin, batches("cpu", n=3)[2]).backward()
+    assert topt.state_bytes() == nbytes
+    assert int(topt.state[twin.mix.bias]["step"]) == 1
+    assert int(topt.state[twin.mix.weight]["step"]) == 3
+    handle.remove()
+
+
 def _clamp(p, group):
     p.grad = p.grad.clamp(-1e-3, 1e-3)
     return True

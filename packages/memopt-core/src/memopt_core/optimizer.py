@@ -215,9 +215,6 @@ class _GroupPlans:
     #: the group dict, its params list and the list's length when the plan was last checked:
     #: step_parameters' fast check sees a group reordered, removed or edited by identity
     source: tuple[dict[str, Any], list[Any], int] | None = None
-    #: the entries of the group's last build; those after them hold the members it gained
-    #: since (MemOptimizer._extend_group)
-    built: int = 0
 
     def describes(self, group: Mapping[str, Any]) -> bool:
         src = self.source
@@ -1101,8 +1098,11 @@ class MemOptimizer(Optimizer):
                 continue
             self._check_dtypes(gi, group, members)
             if cur is not None and self._only_gained_stateless(cur, signature, members):
-                # add_param_group's check, for a tensor appended by hand (below)
-                check_parameters_apart(labelled_parameters(self.param_groups), [])
+                if not cur.describes(group):
+                    # add_param_group's check, for a tensor appended by hand (below); a gain
+                    # alone (the same list, as long) needs none, and it costs a pass over
+                    # every parameter
+                    check_parameters_apart(labelled_parameters(self.param_groups), [])
                 extends[gi] = (gi, group, members, names, formats, signature)
                 continue
             if cur is not None:
@@ -1250,40 +1250,33 @@ class MemOptimizer(Optimizer):
         self._drop_plan(gi)
         entries = self._make_entries(plans, members, names, arenas, index)
         self._plans[gi] = _GroupPlans(
-            signature,
-            formats,
-            names,
-            entries,
-            (group, group["params"], len(group["params"])),
-            built=len(entries),
+            signature, formats, names, entries, (group, group["params"], len(group["params"]))
         )
         self._place(gi, entries, 0)
 
     def _extend_group(self, gi, group, members, signature) -> None:
-        """Plan the members that group ``gi`` gained without state (parameters with their
-        first gradient) beside its built entries, with the members it gained before them: a
-        rebuild would copy the whole group's state into new arenas, holding both at once (twice
-        its state, which a model that fits can run out of memory at, whenever a parameter first
-        gets a gradient); this copies only the state of the members gained since the last build
-        and keeps them in one set of entries (one launch each, not one per gain). Same bits."""
+        """Give the members that group ``gi`` gained without state (parameters with their first
+        gradient) entries and arenas of their own, after the group's. A rebuild would copy the
+        group's whole state into new arenas, holding it twice (a spike a model that fits can
+        run out of memory at, whenever a parameter first gets a gradient), and replace every
+        state tensor that code may hold (``state_dict()``'s live views, a moment being
+        monitored). Here no state moves; each gain adds its own launch to the group's step
+        until a rebuild plans them all together. Same bits."""
         cur = self._plans[gi]
         self._drop_cached_steps()  # they hold the old entries
         self._index = None  # members changed (the group's params list may have been edited)
-        built = {id(p) for e in cur.entries[: cur.built] for p in e.owners}
-        for entry in cur.entries[cur.built :]:
-            for p in entry.owners:
-                self._where.pop(id(p), None)
-        gained = [p for p in members if id(p) not in built]
+        had = set(cur.signature[3]) if cur.signature is not None else set()
+        gained = [p for p in members if id(p) not in had]
         plans = make_plans(
             [local_shard(p) for p in gained],
             functools.partial(self._spec, group),
             group_index=gi,
         )
         entries = self._make_entries(plans, gained, cur.names, {}, self._tensor_index())
-        cur.entries[cur.built :] = entries
+        cur.entries.extend(entries)
         cur.signature = signature
         cur.source = (group, group["params"], len(group["params"]))
-        self._place(gi, entries, cur.built)
+        self._place(gi, entries, len(cur.entries) - len(entries))
 
     def _place(self, gi: int, entries: list[_Entry], first: int) -> None:
         """Record where ``entries`` (group ``gi``'s, from entry index ``first`` on) put each
@@ -2701,7 +2694,9 @@ class MemOptimizer(Optimizer):
         self._norm_beta2 = norm_beta2
         self._reset_plans()
         if new_state:
-            self._ensure_plans()
+            # under gradient release every trainable parameter's state, as enabling it made
+            # (else the first backward's hooks would allocate it)
+            self._ensure_plans(trainable=self.gradient_release_active)
         run_load_post_hooks(self)
         if getattr(self, "_captured", False):  # absent in an optimizer pickled before
             self._captured = False
