@@ -539,69 +539,48 @@ def test_check_dcp_load_compares_the_state_keys_of_each_parameter(tmp_path):
         check_dcp_load(heavy, tmp_path / "plain")
 
 
+def _unused_head():
+    """An MLP and a head that the forward never uses (requires_grad, never a gradient)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    head = torch.nn.Linear(16, 3)
+    return model, MemOptimizer([*model.parameters(), *head.parameters()], rule="adamw", lr=1e-2)
+
+
 @pytest.mark.usefixtures("process_group")
-def test_a_parameter_frozen_when_saved_and_trainable_now(tmp_path):
-    """Gradual unfreezing: the checkpoint has no state for a parameter that is trainable now.
-    check_dcp_load names it (dcp.load failed with a bare "Missing key"), and the way out its
-    message gives resumes as an uninterrupted run that unfreezes it at that point."""
-    model, opt = _sgd(0.9, frozen_first=True)
+@pytest.mark.parametrize("case", ["frozen", "unused"])
+def test_a_parameter_without_state_when_saved(tmp_path, case):
+    """The checkpoint has no state for a parameter that has state in the target: one frozen
+    when saved and trainable now (gradual unfreezing), or an unused head (no gradient yet: as
+    under torch, a step creates only the state of parameters with one), which init_state()
+    gives state in the target. check_dcp_load names it (dcp.load failed with a bare "Missing
+    key"), and the way out its message gives resumes as the uninterrupted run."""
+    build, why, missing = {
+        "frozen": (lambda: _sgd(0.9, frozen_first=True), "frozen when it was saved", [0]),
+        "unused": (_unused_head, "without a gradient until then", [4, 5]),
+    }[case]
+    model, opt = build()
     train(model, opt, 2)
+    assert sorted(i for i, p in enumerate(opt.param_groups[0]["params"]) if p not in opt.state) == (
+        missing
+    )
     dcp.save(
         {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
     )
     model[0].weight.requires_grad_(True)
     train(model, opt, 2, start=2)
 
-    twin, topt = _sgd(0.9)
+    twin, topt = _sgd(0.9) if case == "frozen" else _unused_head()
     topt.init_state()
     with pytest.raises(
         ConfigError,
-        match=r"holds no optimizer state for parameter index 0 .*frozen when it was saved.*"
-        r"del sd\['optim'\]\['state'\]\[0\]",
+        match=rf"holds no optimizer state for parameter index {missing[0]} .*{why}.*"
+        rf"del sd\['optim'\]\['state'\]\[{missing[0]}\]",
     ):
         check_dcp_load(topt, tmp_path / "ck")
     sd = {"model": twin.state_dict(), "optim": topt.state_dict()}
-    del sd["optim"]["state"][0]
-    dcp.load(sd, checkpoint_id=tmp_path / "ck")
-    twin.load_state_dict(sd["model"])
-    topt.load_state_dict(sd["optim"])
-    train(twin, topt, 2, start=2)
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
-
-
-@pytest.mark.usefixtures("process_group")
-def test_a_parameter_without_a_gradient_when_saved(tmp_path):
-    """An unused head (requires_grad, never a gradient) has no state in the checkpoint, as
-    under torch (a step creates only the state of parameters with a gradient); init_state()
-    creates one in the target. check_dcp_load names it, and its way out resumes bit for bit."""
-
-    def build_run():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        head = torch.nn.Linear(16, 3)  # not in the forward
-        opt = MemOptimizer([*model.parameters(), *head.parameters()], rule="adamw", lr=1e-2)
-        return model, head, opt
-
-    model, head, opt = build_run()
-    train(model, opt, 2)
-    assert len(opt.state) == 4
-    assert all(p not in opt.state for p in head.parameters())
-    dcp.save(
-        {"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=tmp_path / "ck"
-    )
-    train(model, opt, 2, start=2)
-
-    twin, _, topt = build_run()
-    topt.init_state()
-    with pytest.raises(
-        ConfigError,
-        match=r"holds no optimizer state for parameter index 4 .*without a gradient until "
-        r"then.*del sd\['optim'\]\['state'\]\[4\]",
-    ):
-        check_dcp_load(topt, tmp_path / "ck")
-    sd = {"model": twin.state_dict(), "optim": topt.state_dict()}
-    del sd["optim"]["state"][4], sd["optim"]["state"][5]
+    for index in missing:
+        del sd["optim"]["state"][index]
     dcp.load(sd, checkpoint_id=tmp_path / "ck")
     twin.load_state_dict(sd["model"])
     topt.load_state_dict(sd["optim"])
