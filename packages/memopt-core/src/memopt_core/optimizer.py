@@ -940,7 +940,8 @@ class MemOptimizer(Optimizer):
         head, an expert no token reached cost nothing until they train). ``trainable``: every
         parameter that requires one too, for :meth:`init_state` (state to write into before
         training) and :meth:`step_parameters`, whose callers step parameters one bucket at a
-        time (each new member would rebuild its group's arenas)."""
+        time (each bucket's first call would add entries and a launch of its own to the group:
+        :meth:`_extend_group`)."""
         if trainable:
             return [
                 p
