@@ -166,6 +166,21 @@ def test_a_parameter_without_a_gradient_gets_no_state_until_it_has_one(name, bac
     assert opt.state_bytes() > alone.state_bytes() or name == "fp32-sgd-no-momentum"
 
 
+def test_a_tensor_put_in_place_of_one_without_state_is_checked():
+    # a parameter without state yet, replaced in its list by a tensor with a gradient: the
+    # list was edited (not a first gradient), so the group is rebuilt and its parameters
+    # checked as add_param_group checks them (this one shares the first one's memory)
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    opt = MemOptimizer([a, b], rule="adamw", lr=1e-2)
+    a.grad = torch.ones(8)
+    opt.step()
+    q = torch.nn.Parameter(a.data)
+    opt.param_groups[0]["params"][1] = q
+    a.grad, q.grad = torch.ones(8), torch.ones(8)
+    with pytest.raises(ConfigError, match="parameter #0 of param group 0 and parameter #1 of "):
+        opt.step()
+
+
 def test_init_state_picks_up_parameters_added_or_unfrozen_later():
     a = torch.randn(4, requires_grad=True)
     frozen = torch.randn(3)

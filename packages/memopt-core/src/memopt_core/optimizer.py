@@ -1098,12 +1098,13 @@ class MemOptimizer(Optimizer):
                 current[gi] = (gi, group, members, names, formats, signature)
                 continue
             self._check_dtypes(gi, group, members)
-            if cur is not None and self._only_gained_stateless(cur, signature, members):
-                if not cur.describes(group):
-                    # add_param_group's check, for a tensor appended by hand (below); a gain
-                    # alone (the same list, as long) needs none, and it costs a pass over
-                    # every parameter
-                    check_parameters_apart(labelled_parameters(self.param_groups), [])
+            if (
+                cur is not None
+                and cur.describes(group)
+                and self._only_gained_stateless(cur, signature, members)
+            ):
+                # first gradients, in the same params list: no rebuild (a list edited by hand,
+                # in place too, is rebuilt, checked and merged into its family, below)
                 extends[gi] = (gi, group, members, names, formats, signature)
                 continue
             if cur is not None:
@@ -1154,6 +1155,9 @@ class MemOptimizer(Optimizer):
         old = cur.signature
         if old is None or old[:3] != signature[:3] or len(signature[3]) <= len(old[3]):
             return False
+        index = self._tensor_index()
+        if any(id(p) not in index for p in members):
+            return False  # a tensor put into the list in place (it has no position yet)
         was = dict(zip(old[3], old[4], strict=True))
         seen = 0
         for pid, meta, p in zip(signature[3], signature[4], members, strict=True):
@@ -1265,7 +1269,6 @@ class MemOptimizer(Optimizer):
         until a rebuild plans them all together. Same bits."""
         cur = self._plans[gi]
         self._drop_cached_steps()  # they hold the old entries
-        self._index = None  # members changed (the group's params list may have been edited)
         had = set(cur.signature[3]) if cur.signature is not None else set()
         gained = [p for p in members if id(p) not in had]
         plans = make_plans(
@@ -1276,7 +1279,6 @@ class MemOptimizer(Optimizer):
         entries = self._make_entries(plans, gained, cur.names, {}, self._tensor_index())
         cur.entries.extend(entries)
         cur.signature = signature
-        cur.source = (group, group["params"], len(group["params"]))
         self._place(gi, entries, len(cur.entries) - len(entries))
 
     def _place(self, gi: int, entries: list[_Entry], first: int) -> None:
