@@ -942,13 +942,11 @@ class MemOptimizer(Optimizer):
         training) and :meth:`step_parameters`, whose callers step parameters one bucket at a
         time (each bucket's first call would add entries and a launch of its own to the group:
         :meth:`_extend_group`)."""
-        if trainable:
-            return [
-                p
-                for p in group["params"]
-                if p.requires_grad or p.grad is not None or p in self.state
-            ]
-        return [p for p in group["params"] if p.grad is not None or p in self.state]
+        return [
+            p
+            for p in group["params"]
+            if (trainable and p.requires_grad) or p.grad is not None or p in self.state
+        ]
 
     def _group_names(self, gi: int, group: Mapping[str, Any], members: list[Tensor]) -> tuple:
         names = set(self._needed_names(group))
@@ -1098,14 +1096,15 @@ class MemOptimizer(Optimizer):
                 current[gi] = (gi, group, members, names, formats, signature)
                 continue
             self._check_dtypes(gi, group, members)
-            if (
-                cur is not None
-                and cur.describes(group)
-                and self._only_gained_stateless(cur, signature, members)
-            ):
+            gained = (
+                self._gained_stateless(cur, signature, members)
+                if cur is not None and cur.describes(group)
+                else None
+            )
+            if gained:
                 # first gradients, in the same params list: no rebuild (a list edited by hand,
                 # in place too, is rebuilt, checked and merged into its family, below)
-                extends[gi] = (gi, group, members, names, formats, signature)
+                extends[gi] = (gi, group, members, names, formats, signature, gained)
                 continue
             if cur is not None:
                 self._check_unchanged(members)
@@ -1135,9 +1134,9 @@ class MemOptimizer(Optimizer):
             left |= self._families_of(gi)
         for gi, args in extends.items():
             if self._families_of(gi) & left:
-                builds[gi] = args  # its family is rebuilt: rebuilt with it, whole
+                builds[gi] = args[:6]  # its family is rebuilt: rebuilt with it, whole
             else:
-                self._extend_group(gi, args[1], args[2], args[5])
+                self._extend_group(gi, args[1], args[6], args[5])
         kept: set[int] = set()
         for gi, args in current.items():
             if self._families_of(gi) & left:
@@ -1146,28 +1145,29 @@ class MemOptimizer(Optimizer):
         if builds:
             self._build_groups([builds[gi] for gi in sorted(builds)], kept)
 
-    def _only_gained_stateless(
+    def _gained_stateless(
         self, cur: _GroupPlans, signature: tuple, members: list[Tensor]
-    ) -> bool:
-        """Whether a group planned as ``cur`` now differs only by members without state
-        (parameters with their first gradient), every old member still one, of its device,
-        dtype and shape (:meth:`_extend_group` then adds them without a rebuild)."""
+    ) -> list[Tensor] | None:
+        """The members a group planned as ``cur`` gained, when that is all that changed: none
+        has state (parameters with their first gradient), and every old member is still one,
+        of its device, dtype and shape (:meth:`_extend_group` then adds them without a
+        rebuild). None otherwise."""
         old = cur.signature
         if old is None or old[:3] != signature[:3] or len(signature[3]) <= len(old[3]):
-            return False
+            return None
         index = self._tensor_index()
         if any(id(p) not in index for p in members):
-            return False  # a tensor put into the list in place (it has no position yet)
+            return None  # a tensor put into the list in place (it has no position yet)
         was = dict(zip(old[3], old[4], strict=True))
-        seen = 0
+        gained = []
         for pid, meta, p in zip(signature[3], signature[4], members, strict=True):
-            if pid in was:
-                if was[pid] != meta:
-                    return False
-                seen += 1
-            elif p in self.state:
-                return False
-        return seen == len(was)
+            if pid not in was:
+                if p in self.state:
+                    return None
+                gained.append(p)
+            elif was[pid] != meta:
+                return None
+        return gained if len(members) - len(gained) == len(was) else None
 
     @staticmethod
     def _check_dtypes(gi: int, group: Mapping[str, Any], members: list[Tensor]) -> None:
@@ -1259,7 +1259,7 @@ class MemOptimizer(Optimizer):
         )
         self._place(gi, entries, 0)
 
-    def _extend_group(self, gi, group, members, signature) -> None:
+    def _extend_group(self, gi, group, gained, signature) -> None:
         """Give the members that group ``gi`` gained without state (parameters with their first
         gradient) entries and arenas of their own, after the group's. A rebuild would copy the
         group's whole state into new arenas, holding it twice (a spike a model that fits can
@@ -1269,8 +1269,6 @@ class MemOptimizer(Optimizer):
         until a rebuild plans them all together. Same bits."""
         cur = self._plans[gi]
         self._drop_cached_steps()  # they hold the old entries
-        had = set(cur.signature[3]) if cur.signature is not None else set()
-        gained = [p for p in members if id(p) not in had]
         plans = make_plans(
             [local_shard(p) for p in gained],
             functools.partial(self._spec, group),
