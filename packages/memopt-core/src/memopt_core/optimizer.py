@@ -1078,7 +1078,7 @@ class MemOptimizer(Optimizer):
             reindexed = True
         builds: dict[int, tuple] = {}
         current: dict[int, tuple] = {}
-        extends: dict[int, tuple] = {}
+        extends: dict[int, tuple[tuple, list[Tensor]]] = {}  # (build args, gained members)
         for gi, group in enumerate(self.param_groups):
             members = self._members(group, trainable)
             names = self._group_names(gi, group, members)
@@ -1104,7 +1104,7 @@ class MemOptimizer(Optimizer):
             if gained:
                 # first gradients, in the same params list: no rebuild (a list edited by hand,
                 # in place too, is rebuilt, checked and merged into its family, below)
-                extends[gi] = (gi, group, members, names, formats, signature, gained)
+                extends[gi] = ((gi, group, members, names, formats, signature), gained)
                 continue
             if cur is not None:
                 self._check_unchanged(members)
@@ -1132,11 +1132,11 @@ class MemOptimizer(Optimizer):
             builds[gi] = (gi, group, members, names, formats, signature)
         for gi in builds:
             left |= self._families_of(gi)
-        for gi, args in extends.items():
+        for gi, (args, gained) in extends.items():
             if self._families_of(gi) & left:
-                builds[gi] = args[:6]  # its family is rebuilt: rebuilt with it, whole
+                builds[gi] = args  # its family is rebuilt: rebuilt with it, whole
             else:
-                self._extend_group(gi, args[1], args[6], args[5])
+                self._extend_group(gi, args[1], gained, args[5])
         kept: set[int] = set()
         for gi, args in current.items():
             if self._families_of(gi) & left:
