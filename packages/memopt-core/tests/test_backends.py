@@ -9,7 +9,7 @@ import torch
 from fake_backends import FakeEntryPoint, OldBackend, RecordingBackend, install
 
 from memopt_core import MemOptimizer, backends
-from memopt_core.backends import KERNEL_API
+from memopt_core.backends import KERNEL_API, GroupStep
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
 from memopt_core.reference import AdamScalars, SGDScalars
@@ -285,3 +285,58 @@ def test_backend_receives_a_group_step(monkeypatch, fresh_backends):
     opt.step()
     assert isinstance(cpu.calls[0].scalars, AdamScalars)
     assert cpu.calls[0].rule == "adam"
+
+
+class CountMergingBackend(RecordingBackend):
+    """A backend with ``merges_step_counts``: records each ``step_all`` call's works (run by
+    the torch backend) and every ``check``."""
+
+    merges_step_counts = True
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.runs: list[list[int]] = []
+        self.checked: list[GroupStep] = []
+
+    def check(self, work):
+        self.checked.append(work)
+
+    def step_all(self, works, prepared=None, done=None):
+        self.runs.append([w.step for w in works])
+        for i, w in enumerate(works):
+            TorchBackend().step(w)
+            done(i)
+
+
+@pytest.mark.parametrize("merges", [True, False])
+def test_step_counts_of_one_group_reach_step_all_together(monkeypatch, fresh_backends, merges):
+    """A group whose parameters skipped steps is stepped as one work per count: a backend with
+    ``merges_step_counts`` gets them in one ``step_all`` call (which validates them itself, so
+    core checks none of them first); another gets one ``step`` per count, the later ones
+    checked before the first runs. Both give the torch backend's values and counts."""
+    backend = CountMergingBackend()
+    if not merges:
+        monkeypatch.setattr(CountMergingBackend, "merges_step_counts", False)
+    install(monkeypatch, FakeEntryPoint("cpu", backend))
+    ps = [torch.nn.Parameter(torch.full((3,), float(k))) for k in range(3)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, ref = MemOptimizer(ps, backend="cpu"), MemOptimizer(qs, backend="torch")
+    for skip in [(), (0,), (0, 1), ()]:  # counts then 2, 3, 4
+        for k, (p, q) in enumerate(zip(ps, qs, strict=True)):
+            p.grad = None if k in skip else torch.full((3,), 0.5 + k)
+            q.grad = None if k in skip else torch.full((3,), 0.5 + k)
+        opt.step()
+        ref.step()
+    assert [opt.state[p]["step"].item() for p in ps] == [2, 3, 4]
+    for p, q in zip(ps, qs, strict=True):
+        assert torch.equal(p, q)
+    # the first three steps take one count each (steps 1, 2, 3), the last the three counts
+    # 1, 2 and 3 (steps 2, 3 and 4)
+    if merges:
+        assert backend.runs == [[2, 3, 4]]
+        assert backend.checked == []
+        assert [w.step for w in backend.calls] == [1, 2, 3]  # a single work: step()
+    else:
+        assert backend.runs == []
+        assert [w.step for w in backend.calls] == [1, 2, 3, 2, 3, 4]
+        assert [w.step for w in backend.checked] == [3, 4]

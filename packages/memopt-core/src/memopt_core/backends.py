@@ -18,7 +18,8 @@ cached step's replays, ``codecs(device)`` for :mod:`memopt_core.conversions`, ``
 raising what ``step(work)`` would raise without changing anything: :func:`check_works` runs it
 on every group of a step before the first one runs, so a step either updates every group or
 none; ``merges_groups = True`` with ``step_all(works, prepared, done)``, see
-:func:`merges_groups`). A backend that
+:func:`merges_groups`, and ``merges_step_counts = True``, see :func:`merges_step_counts`).
+A backend that
 fails to import, has another ``KERNEL_API`` or reports itself unavailable is listed with its
 reason (:func:`available_backends`) and never breaks ``import memopt_core``.
 
@@ -68,6 +69,7 @@ __all__ = [
     "kernel_moment_id",
     "mark_written",
     "merges_groups",
+    "merges_step_counts",
     "refresh_backends",
     "runs_device_steps",
     "select_backend",
@@ -269,6 +271,16 @@ def merges_groups(backend: object) -> bool:
     KeyboardInterrupt comes out of it). memopt's optimizers give such backends family arenas
     for the param groups that can share one."""
     return bool(getattr(backend, "merges_groups", False))
+
+
+def merges_step_counts(backend: object) -> bool:
+    """Whether ``backend.step_all`` (see :func:`merges_groups`) runs together the works that
+    share one arena (its optional ``merges_step_counts`` attribute). A state group whose
+    parameters are at several step counts (a MoE's experts that skipped steps, their
+    ``.grad`` None) is stepped as one work per count; such a backend steps them in one launch
+    or call, each tensor with its own work's step and scalars, with the same bits as one each.
+    Without ``merges_groups`` core builds no family arenas for the backend."""
+    return bool(getattr(backend, "merges_step_counts", False))
 
 
 def writes_staging(backend: object) -> bool:

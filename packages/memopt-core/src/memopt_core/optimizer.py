@@ -331,24 +331,15 @@ def _run_works(
     ran: Callable[[int], None],
 ) -> None:
     """Run ``works`` (``(backend, work)`` pairs) in order, ``ran(i)`` after work ``i``: each
-    run of consecutive works of one backend that merges param groups
-    (:func:`memopt_core.backends.merges_groups`), all host steps or all capturable ones and
-    none with staging, through its ``step_all`` (one launch per family of arenas), every
-    other work alone through ``launch(i)``. ``prepared``: None, or the works' prepared
-    launches (a cached step's)."""
+    run of consecutive works of one backend that merges param groups or step counts
+    (:func:`memopt_core.backends.merges_groups`, :func:`~memopt_core.backends.merges_step_counts`),
+    all host steps or all capturable ones and none with staging, through its ``step_all`` (one
+    launch per family of arenas, or per arena), every other work alone through ``launch(i)``.
+    ``prepared``: None, or the works' prepared launches (a cached step's)."""
     i, n = 0, len(works)
     while i < n:
         backend = works[i][0]
-        on_device = works[i][1].device_step is not None
-        j = i
-        if backends.merges_groups(backend):
-            while (
-                j < n
-                and works[j][0] is backend
-                and (works[j][1].device_step is not None) == on_device
-                and works[j][1].staging is None
-            ):
-                j += 1
+        j = _run_end(works, i)
         if j - i > 1:
             part = [w for _, w in works[i:j]]
             backend.step_all(
@@ -358,6 +349,24 @@ def _run_works(
         else:
             _run_then(functools.partial(launch, i), functools.partial(ran, i))
             i += 1
+
+
+def _run_end(works: list[tuple[Any, backends.GroupStep]], i: int) -> int:
+    """The end of the run of works that :func:`_run_works` hands one ``step_all`` call from
+    work ``i`` on (``i + 1``: work ``i`` runs alone)."""
+    backend, n = works[i][0], len(works)
+    if not (backends.merges_groups(backend) or backends.merges_step_counts(backend)):
+        return i + 1
+    on_device = works[i][1].device_step is not None
+    j = i
+    while (
+        j < n
+        and works[j][0] is backend
+        and (works[j][1].device_step is not None) == on_device
+        and works[j][1].staging is None
+    ):
+        j += 1
+    return max(j, i + 1)
 
 
 def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tensor]) -> bool:
@@ -1724,7 +1733,9 @@ class MemOptimizer(Optimizer):
                 counters.append(entry)
         if self.check_numerics:
             self._check_finite(works)
-        backends.check_works(works[1:])
+        # the first run validates its own works before writing anything (one backend.step, or
+        # a step_all that validates all of its run): the others are checked before it runs
+        backends.check_works(works[_run_end(works, 0) :] if works else [])
 
         def ran(i: int) -> None:
             backend, work = works[i]
