@@ -219,7 +219,8 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
                 int32_t fmt2, int32_t block, bool sr, bool maximize, bool has_l2, bool has_decay,
                 bool nesterov, bool first_step, bool has_momentum,
                 const std::vector<double>& scalars, uint32_t seed, uint32_t step, int64_t code,
-                int64_t m, int64_t ms, int64_t v, int64_t vs, int64_t arena_elements) {
+                int64_t m, int64_t ms, int64_t v, int64_t vs, int64_t arena_elements,
+                const std::vector<double>& variants, int64_t row_variant) {
   check_range("rule", rule, RULE_SGD, RULE_LION);
   check_range("master", master, MASTER_FP32, MASTER_ECC32);
   check_range("fmt1", fmt1, FMT_FP32, FMT_NONE);
@@ -246,6 +247,28 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
   check_addr("code (ECC master code)", code, ecc && work);
   const int32_t want_param_kind =
       master == MASTER_FP32 ? GRAD_FP32 : (master == MASTER_FP16 ? GRAD_FP16 : GRAD_BF16);
+
+  // Parameters at several step counts in one call (a MoE's experts that skipped steps): each
+  // variant overrides what depends on the count, kVariantWords doubles each; row_variant is an
+  // int32 per row naming its variant.
+  constexpr std::size_t kVariantWords = 10;  // first_step, step, the 8 scalars
+  if (variants.size() % kVariantWords)
+    bad("variants must hold 10 numbers per variant (first_step, step, 8 scalars), got " +
+        std::to_string(variants.size()));
+  const int64_t n_variants = static_cast<int64_t>(variants.size() / kVariantWords);
+  const std::string bad_rv = addr_problem("row_variant", row_variant, n_variants && n_slots, 4);
+  if (!bad_rv.empty()) bad(bad_rv);
+  if (n_variants == 0 && row_variant) bad("row_variant is given without variants");
+  const int32_t* row_cfg = n_variants ? ptr<const int32_t>(row_variant) : nullptr;
+  for (int64_t i = 0; row_cfg && i < n_slots; ++i)
+    if (row_cfg[i] < 0 || row_cfg[i] >= n_variants)
+      bad("row_variant[" + std::to_string(i) + "] is " + std::to_string(row_cfg[i]) +
+          ", not the index of one of the " + std::to_string(n_variants) + " variants");
+  for (std::size_t i = 0; i < variants.size(); i += kVariantWords) {
+    const double st = variants[i + 1];
+    if (!(st >= 0.0 && st <= 4294967295.0) || st != static_cast<double>(static_cast<uint32_t>(st)))
+      bad("a variant's step must be an integer in [0, 2**32), got " + std::to_string(st));
+  }
 
   const SlotRow* rows = ptr<const SlotRow>(slot_table);
   for (int64_t i = 0; i < n_slots; ++i) {
@@ -277,7 +300,15 @@ void fused_step(int64_t slot_table, int64_t n_slots, int32_t rule, int32_t maste
   cfg.ms = ms;
   cfg.v = v;
   cfg.vs = vs;
-  run_step(kernels(), cfg, rows, n_slots);
+  std::vector<StepConfig> cfgs(n_variants ? static_cast<std::size_t>(n_variants) : 1, cfg);
+  for (int64_t k = 0; k < n_variants; ++k) {
+    const double* w = variants.data() + k * static_cast<int64_t>(kVariantWords);
+    StepConfig& c = cfgs[static_cast<std::size_t>(k)];
+    c.first_step = w[0] != 0.0;
+    c.step = static_cast<uint32_t>(w[1]);
+    for (int i = 0; i < 8; ++i) c.s[i] = static_cast<float>(w[2 + i]);
+  }
+  run_step(kernels(), cfgs.data(), row_cfg, rows, n_slots);
 }
 
 // ------------------------------------------------------------------------------ standalone codecs
@@ -475,8 +506,11 @@ PYBIND11_MODULE(_core, mod) {
           py::arg("sr"), py::arg("maximize"), py::arg("has_l2"), py::arg("has_decay"),
           py::arg("nesterov"), py::arg("first_step"), py::arg("has_momentum"),
           py::arg("scalars"), py::arg("seed"), py::arg("step"), py::arg("code"), py::arg("m"),
-          py::arg("ms"), py::arg("v"), py::arg("vs"), py::arg("arena_elements"), release(),
-          "One fused optimizer step over n_slots rows of an int64 slot table (SlotRow).");
+          py::arg("ms"), py::arg("v"), py::arg("vs"), py::arg("arena_elements"),
+          py::arg("variants") = std::vector<double>{}, py::arg("row_variant") = 0, release(),
+          "One fused optimizer step over n_slots rows of an int64 slot table (SlotRow). "
+          "variants (10 numbers each: first_step, step, the 8 scalars) with row_variant (the "
+          "address of an int32 variant index per row) give rows their own step count.");
   mod.def("encode_moment", &encode_moment, py::arg("fmt"), py::arg("x"), py::arg("n"),
           py::arg("codes"), py::arg("scales"), py::arg("rand"), release());
   mod.def("decode_moment", &decode_moment, py::arg("fmt"), py::arg("codes"), py::arg("scales"),

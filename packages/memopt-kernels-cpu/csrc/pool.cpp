@@ -300,8 +300,8 @@ StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chun
   return out;
 }
 
-void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
-              int64_t n_rows) {
+void run_step(const IsaKernels& kernels, const StepConfig* cfgs, const int32_t* row_cfg,
+              const SlotRow* rows, int64_t n_rows) {
   State& s = state();
   std::unique_lock<std::mutex> lk(s.run_mu, std::defer_lock);
   if (!t_in_worker) lk.lock();
@@ -312,9 +312,13 @@ void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* r
   const std::vector<StepChunk>& chunks = sp.chunks;
   const std::vector<std::size_t>& first = sp.first;
   if (chunks.empty()) return;
+  auto cfg_of = [&](int64_t row) -> const StepConfig& {
+    return row_cfg ? cfgs[row_cfg[row]] : cfgs[0];
+  };
   const int parts = static_cast<int>(first.size()) - 1;
   if (parts == 1) {  // in the calling thread
-    for (const StepChunk& ch : chunks) kernels.step_range(cfg, rows[ch.row], ch.begin, ch.end);
+    for (const StepChunk& ch : chunks)
+      kernels.step_range(cfg_of(ch.row), rows[ch.row], ch.begin, ch.end);
     return;
   }
   // Part p's chunks are handed out from its own counter: pool thread p takes them in order, and
@@ -330,7 +334,8 @@ void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* r
     for (;;) {
       const std::size_t i = next[q].v.fetch_add(1, std::memory_order_relaxed);
       if (i >= first[q + 1]) return;
-      kernels.step_range(cfg, rows[chunks[i].row], chunks[i].begin, chunks[i].end);
+      const int64_t row = chunks[i].row;
+      kernels.step_range(cfg_of(row), rows[row], chunks[i].begin, chunks[i].end);
     }
   };
   run_locked(s, parts, [&](int p) {

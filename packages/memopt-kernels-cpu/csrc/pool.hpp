@@ -59,9 +59,10 @@ StepPartition partition_step(const int64_t* padded, int64_t n_rows, int64_t chun
 // runs in the calling thread; partition_step gives the split). Thread p calls
 // kernels.step_range on part p's chunks in order, then helps with the untaken chunks of the
 // parts still running (work stealing: a preempted thread does not hold up the step). The
-// results do not depend on which thread runs a chunk.
-void run_step(const IsaKernels& kernels, const StepConfig& cfg, const SlotRow* rows,
-              int64_t n_rows);
+// results do not depend on which thread runs a chunk. Row r runs with cfgs[row_cfg[r]], or with
+// cfgs[0] when row_cfg is null (rows of parameters at several step counts share a call).
+void run_step(const IsaKernels& kernels, const StepConfig* cfgs, const int32_t* row_cfg,
+              const SlotRow* rows, int64_t n_rows);
 
 // Zero-fills [addr, addr + nbytes) with the same static partition: nbytes split evenly over the
 // threads at page (4096-byte) boundaries, part p written by pool thread p.

@@ -5,6 +5,7 @@ instruction set and the thread count. ``supports()`` covers CPU tensors for ever
 adam, lion) x master (fp32, none, ecc24, ecc32) x moment preset (fp32, bf16, fp8, q8) for
 fp32/bf16/fp16 parameters, with or without stochastic rounding. ``step()`` runs one group in one
 call into C++ (:func:`memopt_kernels_cpu.ops.fused_step`), bf16 staging copies included;
+``step_all()`` runs a group's parameters at several step counts (one work per count) in one call;
 ``check()`` validates a group without running it (core checks every group of a step first);
 ``prepare()`` validates a group once for core's cached step, whose replays then skip the
 per-tensor checks of ``step()``. ``codecs()`` hands core's conversions (state dicts, fp32 export)
@@ -32,6 +33,10 @@ class CpuBackend:
     KERNEL_API = 8
     #: ``step`` writes ``work.staging`` (the bf16 copies) in the update's own pass
     fused_staging = True
+    #: :meth:`step_all` steps the works of one arena (a group's parameters at several step
+    #: counts, one work per count) in one call; core builds no family arenas for this backend
+    #: (no ``merges_groups``): memopt-offload allocates each arena itself, first-touched
+    merges_step_counts = True
 
     def available(self) -> tuple[bool, str]:
         """See :meth:`memopt_core.backends.Backend.available`."""
@@ -54,6 +59,13 @@ class CpuBackend:
         from memopt_kernels_cpu import ops
 
         ops.fused_step(work, staging=work.staging)
+
+    def step_all(self, works, prepared=None, done=None) -> None:
+        """Every work of ``works``, one call into C++ per arena
+        (:func:`memopt_kernels_cpu.ops.fused_steps`; core's ``merges_step_counts``)."""
+        from memopt_kernels_cpu import ops
+
+        ops.fused_steps(works, prepared, done)
 
     def check(self, work: GroupStep) -> None:
         """Raise what :meth:`step` would raise for ``work``, changing nothing (core checks

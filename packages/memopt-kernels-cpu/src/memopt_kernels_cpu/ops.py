@@ -30,9 +30,10 @@ Runtime settings of the compiled module, re-exported here: :func:`supported_isas
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -70,6 +71,7 @@ __all__ = [
     "encode_moment",
     "first_touch",
     "fused_step",
+    "fused_steps",
     "get_chunk_size",
     "get_isa",
     "get_num_threads",
@@ -820,6 +822,11 @@ def fused_step(
     if resolved is None:
         return
     prepared, config, copies, _grads = resolved  # _grads: contiguous copies the table points at
+    _call(prepared, config, copies)
+
+
+def _call(prepared: _Prepared, config: dict, copies: list[tuple[Tensor, Tensor]]) -> None:
+    """One validated call into C++, then the write-back of strided parameters' copies."""
     try:
         _core.fused_step(
             prepared.table.data_ptr(),
@@ -928,6 +935,15 @@ class PreparedStep:
         """Run the step with ``scalars`` (core's ``adam_scalars`` / ``sgd_scalars`` /
         ``lion_scalars``) for 1-based ``step``; the same bits as :func:`fused_step`.
         ConfigError when SGD's momentum turned zero or non-zero since :func:`prepare_step`."""
+        p = self._prepared
+        _core.fused_step(
+            p.table.data_ptr(), p.n, **p.static, **self.config(scalars, step, seed, first_step)
+        )
+
+    def config(self, scalars, step: int, seed: int, first_step: bool) -> dict:
+        """The call's scalar keywords for ``scalars`` and ``step`` (what :meth:`launch`
+        passes); ConfigError when SGD's momentum turned zero or non-zero since
+        :func:`prepare_step`."""
         config = _scalar_config(self.rule, scalars, first_step, seed, step)
         if config["has_momentum"] != self._momentum:
             raise ConfigError(
@@ -935,8 +951,105 @@ class PreparedStep:
                 f"momentum, and its scalars have momentum {scalars.momentum}: the momentum "
                 "buffer is part of what prepare_step() validated; call it again"
             )
-        p = self._prepared
-        _core.fused_step(p.table.data_ptr(), p.n, **p.static, **config)
+        return config
+
+
+#: the keywords of a call that depend on the step count: what a merged call takes per work
+_PER_COUNT = ("first_step", "step", "scalars")
+
+
+def fused_steps(
+    works: Sequence[GroupStep],
+    prepared: Sequence[PreparedStep | None] | None = None,
+    done: Callable[[int], None] | None = None,
+) -> None:
+    """Every step of ``works`` (none with staging), the works that share an arena and all
+    but their step count in one call into C++ (the backend's ``step_all``): a state group's
+    parameters at several step counts, which core steps as one work per count (a MoE's experts
+    that skipped steps). Each table row reads its own work's step, first-step flag and scalars
+    (a variant of the call), so the bits are those of one :func:`fused_step` per work; a call
+    per work costs the thread pool's wake-up and its own small parts.
+
+    ``prepared``: None, or aligned with ``works``: each work's :class:`PreparedStep` (core's
+    cached step, for its current gradients) or None (validated here, as :func:`fused_step`
+    does). Every work is validated before the first call. ``done(i)`` is called once work
+    ``i``'s call returned (also when a KeyboardInterrupt comes out of it: the call ran)."""
+    n = len(works)
+    ready = [None] * n if prepared is None else list(prepared)
+    if len(ready) != n:
+        raise ConfigError(f"fused_steps got {len(ready)} prepared steps for {n} works")
+    if any(w.staging is not None for w in works):
+        raise ConfigError("fused_steps runs steps without staging; those go through fused_step")
+    calls: dict[tuple, list[tuple[int, _Prepared, dict]]] = {}
+    # (first work index, the call, the works it runs), every work validated before the first
+    runs: list[tuple[int, Callable[[], None], list[int]]] = []
+    # contiguous copies of strided gradients, which the tables point at: alive until the calls
+    keep: list[list[Tensor]] = []
+    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
+        if p is not None:
+            config = p.config(w.scalars, w.step, w.seed, w.first_step)
+            calls.setdefault(_merge_key(p._prepared, config), []).append((i, p._prepared, config))
+            continue
+        resolved = _resolve(w, None)
+        if resolved is None:  # no tensors
+            runs.append((i, lambda: None, [i]))
+            continue
+        prep, config, copies, grads = resolved
+        keep.append(grads)
+        if copies:  # strided parameters, written back after their own call
+            runs.append((i, functools.partial(_call, prep, config, copies), [i]))
+            continue
+        calls.setdefault(_merge_key(prep, config), []).append((i, prep, config))
+    for members in calls.values():
+        first, prep, config = members[0]
+        if len(members) == 1:
+            runs.append((first, functools.partial(_call, prep, config, []), [first]))
+        else:
+            runs.append((first, functools.partial(_merged_call, members), [m[0] for m in members]))
+    for _, launch, indices in sorted(runs, key=lambda r: r[0]):
+        try:
+            launch()
+        except KeyboardInterrupt:
+            if done is not None:
+                for i in indices:
+                    done(i)
+            raise
+        if done is not None:
+            for i in indices:
+                done(i)
+
+
+def _merge_key(prep: _Prepared, config: dict) -> tuple:
+    """What the works of one merged call share: the arena and formats (the static keywords)
+    and every scalar keyword that does not depend on the step count."""
+    return (
+        *prep.static.items(),
+        *((k, v) for k, v in config.items() if k not in _PER_COUNT),
+    )
+
+
+def _merged_call(members: list[tuple[int, _Prepared, dict]]) -> None:
+    """One call over the rows of every member (index, prepared table, config), each member's
+    rows reading its own variant (its ``_PER_COUNT`` keywords)."""
+    tables = [prep.table for _, prep, _ in members]
+    counts = [prep.n for _, prep, _ in members]
+    table = torch.cat(tables)
+    # from a list: half the time of torch.repeat_interleave at a dozen works of a dozen rows
+    row_variant = torch.tensor(
+        [k for k, n in enumerate(counts) for _ in range(n)], dtype=torch.int32
+    )
+    variants: list[float] = []
+    for _, _, config in members:
+        variants += (float(config["first_step"]), float(config["step"]), *config["scalars"])
+    head = members[0][2]
+    _core.fused_step(
+        table.data_ptr(),
+        sum(counts),
+        **members[0][1].static,
+        **head,
+        variants=variants,
+        row_variant=row_variant.data_ptr(),
+    )
 
 
 def prepare_step(work: GroupStep) -> PreparedStep | None:
