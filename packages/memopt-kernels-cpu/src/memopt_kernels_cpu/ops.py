@@ -554,7 +554,7 @@ def _staging_list(staging: object, work: GroupStep) -> list[Tensor | None]:
 def _is_cpu_dense(t: object) -> bool:
     return (
         isinstance(t, Tensor)
-        and t.device.type == "cpu"
+        and t.is_cpu  # not t.device.type: a device object per call
         and t.layout == torch.strided
         and not t.is_neg()
         and has_memory(t)
@@ -563,8 +563,9 @@ def _is_cpu_dense(t: object) -> bool:
 
 
 def _is_int(v: object) -> bool:
-    # numbers.Integral: numpy integers pass as torch's backend takes them (the rows hold int(v))
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    # numbers.Integral: numpy integers pass as torch's backend takes them (the rows hold int(v));
+    # a plain int first: the ABC check costs a microsecond, twice per tensor of a new table
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
 def _slot_ok(plan, slot, p0, g, st, tid, base) -> bool:
