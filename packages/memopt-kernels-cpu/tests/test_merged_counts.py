@@ -136,6 +136,21 @@ def test_a_bad_work_is_refused_before_any_call(monkeypatch):
         ops.fused_steps(works[:1])
 
 
+def test_a_gradient_sharing_another_works_parameter_is_refused():
+    """Works checked alone run at once in a merged call: a gradient that is another work's
+    parameter (each work passes its own check) is refused before anything is written, as it
+    is within one work."""
+    a, _ = _pair("adam", "fp32", "fp32", torch.float32, {})
+    before = group_state(a)
+    grads = make_grads(a, 1)
+    grads[0] = a.params[4].detach()[:33]  # slot 0's gradient: a view of slot 4's parameter
+    assert grads[0].shape == a.params[0].shape
+    works = [group_step(a, grads, 3, [0, 2]), group_step(a, grads, 5, [1, 4])]
+    with pytest.raises(ConfigError, match="share memory"):
+        ops.fused_steps(works)
+    _same(before, group_state(a))
+
+
 def test_the_core_refuses_bad_variants():
     """The compiled call checks its variants before any row runs (ops.py builds them; these
     are the module's own guards)."""

@@ -1006,6 +1006,7 @@ def fused_steps(
         if len(members) == 1:
             runs.append((first, functools.partial(_call, prep, config, []), [first]))
         else:
+            _check_apart([works[m[0]] for m in members])
             runs.append((first, functools.partial(_merged_call, members), [m[0] for m in members]))
     for _, launch, indices in sorted(runs, key=lambda r: r[0]):
         try:
@@ -1018,6 +1019,22 @@ def fused_steps(
         if done is not None:
             for i in indices:
                 done(i)
+
+
+def _check_apart(works: list[GroupStep]) -> None:
+    """ConfigError when a gradient of one work shares memory with a parameter of another:
+    each work was checked alone, and one call runs them at once (one after the other, such a
+    pair read and wrote in a fixed order)."""
+    written: list[tuple[Tensor, Label]] = []
+    read: list[tuple[Tensor, Label]] = []
+    pairs: list[tuple[Tensor, Tensor]] = []
+    for w in works:
+        for k, (si, p, g) in enumerate(zip(w.slots, w.params, w.grads, strict=True)):
+            label = _SlotLabel(k, si, p)
+            written.append((p, label))
+            read.append((g, label.gradient))
+            pairs.append((p, g))
+    check_aliasing(written, read, pairs)
 
 
 def _merge_key(prep: _Prepared, config: dict) -> tuple:
