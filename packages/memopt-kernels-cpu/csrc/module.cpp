@@ -470,6 +470,8 @@ PYBIND11_MODULE(_core, mod) {
   // the interface level of these kernels' bits (memopt_core.backends.KERNEL_API), so that a
   // stale build of the same package version is caught at import
   mod.attr("KERNEL_API") = 8;
+  // fused_step takes per-row variants (variants, row_variant): ops.py refuses a build without
+  mod.attr("STEP_VARIANTS") = true;
   using release = py::call_guard<py::gil_scoped_release>;
 
   mod.def("supported_isas", &supported_names,

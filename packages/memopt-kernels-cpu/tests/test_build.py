@@ -74,6 +74,13 @@ def test_stale_slot_row_layout_is_refused(run_py):
     assert "rows of 8 words, this ops.py writes 9 (a stale build)" in out
 
 
+def test_a_build_without_step_variants_is_refused(run_py):
+    # a _core of the same version built before fused_step took per-row variants
+    out = _import_ops_after(run_py, "del _core.STEP_VARIANTS")
+    assert "predates fused_step's per-row variants" in out
+    assert "stale build" in out
+
+
 @pytest.mark.parametrize("change", ["del _core.KERNEL_API", "_core.KERNEL_API = 7"])
 def test_a_build_of_another_kernel_api_is_refused(run_py, change):
     # a _core of the same version built for another level (7: Adam's 8-bit second moments

@@ -10,6 +10,7 @@ __version__: str
 #: int64 words per slot-table row (``SlotRow``; ``ops.SLOT_COLUMNS`` names them)
 SLOT_ROW_WORDS: int
 KERNEL_API: int
+STEP_VARIANTS: bool
 
 def supported_isas() -> list[str]: ...
 def built_isas() -> list[str]: ...

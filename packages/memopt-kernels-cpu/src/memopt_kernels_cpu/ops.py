@@ -171,6 +171,12 @@ if getattr(_core, "KERNEL_API", None) != CpuBackend.KERNEL_API:
         f"{CpuBackend.KERNEL_API} (a stale build). Rebuild and reinstall it: "
         "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
     )
+if getattr(_core, "STEP_VARIANTS", None) is not True:
+    raise ImportError(
+        "memopt_kernels_cpu's compiled _core predates fused_step's per-row variants (parameters "
+        "at several step counts in one call; a stale build). Rebuild and reinstall it: "
+        "pip install --force-reinstall --no-deps packages/memopt-kernels-cpu"
+    )
 #: Stochastic-rounding indices (``index_base + padded``) stay below this (far from int64
 #: overflow).
 INDEX_LIMIT = 2**62
