@@ -1060,7 +1060,7 @@ def _merged_call(members: list[tuple[int, _Prepared, dict]]) -> None:
     table = torch.cat(tables)
     # from a list: half the time of torch.repeat_interleave at a dozen works of a dozen rows
     row_variant = torch.tensor(
-        [k for k, n in enumerate(counts) for _ in range(n)], dtype=torch.int32
+        [k for k, n in enumerate(counts) for _ in range(n)], dtype=torch.int32, device="cpu"
     )
     variants: list[float] = []
     for _, _, config in members:
