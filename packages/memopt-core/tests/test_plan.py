@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -202,6 +204,37 @@ def test_chunk_table_boundaries(device):
     assert sum(r[2] for r in rows) == sum(t.numel() for t in ts)
     sub = plan.chunk_table(64, slots=[3, 4]).cpu().tolist()
     assert sub == rows[3:]
+
+
+def _chunk_rows(plan, slots, chunk_size, ids):
+    """A chunk table written out element by element, the definition the tables must meet."""
+    rows = []
+    for i, si in zip(ids, slots, strict=True):
+        s = plan.slots[si]
+        for start in range(0, s.numel, chunk_size):
+            rows.append([i, start, min(chunk_size, s.numel - start), s.offset + start])
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_tables_meet_their_definition(seed):
+    """Random sizes (empty, 1, 2^k +- 1, blocks straddled) and chunk sizes: every table, and a
+    subset's table in any order numbered by position (subset_chunk_table), equals the table
+    written out chunk by chunk."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([0, 1, 31, 32, 33, 63, 64, 65, 127, 1000, 4097]) for _ in range(12)]
+    plan = GroupPlan([torch.zeros(n, dtype=torch.bfloat16) for n in sizes], Q8)
+    cs = 32 * rng.choice([1, 2, 3, 7])
+    every = list(range(len(sizes)))
+    assert plan.chunk_table(cs).tolist() == _chunk_rows(plan, every, cs, every)
+    subset = rng.sample(every, rng.randint(1, len(every)))
+    got = plan.subset_chunk_table(cs, subset)
+    assert got.dtype == torch.int64
+    assert got.device == torch.device("cpu")
+    assert got.tolist() == _chunk_rows(plan, subset, cs, range(len(subset)))
+    assert plan.subset_chunk_table(cs, []).shape == (0, 4)
+    with pytest.raises(ConfigError, match="multiple of the block size 32"):
+        plan.subset_chunk_table(48, subset)
 
 
 def test_chunk_table_is_cached_on_data_ptrs():

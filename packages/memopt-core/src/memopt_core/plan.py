@@ -16,7 +16,8 @@ concatenates theirs), of which each group's arena is a view. A backend can then 
 groups in one launch, addressing every group's state from the family's fields (memopt's
 optimizers do so where the backend offers it, ``merges_groups``).
 
-A *chunk table* (:meth:`GroupPlan.chunk_table`) cuts the work into chunks of at most
+A *chunk table* (:meth:`GroupPlan.chunk_table`; :meth:`GroupPlan.subset_chunk_table` for the
+tensors of one step, numbered by their position in it) cuts the work into chunks of at most
 ``chunk_size`` elements that never cross a tensor: an int64 ``(n_chunks, 4)`` tensor with
 columns ``(slot, start within the tensor, length, arena offset of the chunk's first element)``.
 ``chunk_size`` is a multiple of the block size, so every chunk covers whole blocks; ``length``
@@ -28,7 +29,9 @@ tensors returns the identical tensor object, so kernels can keep device-side poi
 
 from __future__ import annotations
 
+import itertools
 import math
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -206,13 +209,7 @@ class GroupPlan:
 
     def chunk_table(self, chunk_size: int, slots: Sequence[int] | None = None) -> Tensor:
         """The chunk table of ``slots`` (all by default), on the plan's device; cached (see module doc)."""
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        if chunk_size % self.block_size:
-            raise ConfigError(
-                f"chunk_size {chunk_size} must be a multiple of the block size {self.block_size} "
-                f"of {self.spec} so that a chunk covers whole blocks"
-            )
+        _check_chunk_size(chunk_size, self.block_size, self.spec)
         chosen = [self.slots[i] for i in (range(len(self.slots)) if slots is None else slots)]
         key = (
             tuple(self.params[s.index].data_ptr() for s in chosen),
@@ -229,6 +226,18 @@ class GroupPlan:
         else:
             _CHUNK_CACHE.move_to_end(key)
         return table
+
+    def subset_chunk_table(self, chunk_size: int, slots: Sequence[int]) -> Tensor:
+        """The chunk table of plan ``slots`` (any order) whose slot column holds each chunk's
+        position in ``slots``, not its plan slot: the row of its tensor in tables of the step's
+        tensors alone (a backend's per-tensor addresses and words). On the CPU, for the caller
+        to upload with its other tables (a blocking copy would wait for the kernels queued
+        before it). Built at every call, uncached: the set of tensors a step updates changes
+        with the gradients present (a mixture of experts' idle experts), and a cache keyed on
+        it would grow with every new set; the caller keeps, bounded, what it reuses."""
+        _check_chunk_size(chunk_size, self.block_size, self.spec)
+        chosen = [self.slots[i] for i in slots]
+        return _build_chunk_table(chosen, chunk_size, torch.device("cpu"), range(len(chosen)))
 
 
 def padding_unit(spec: StateSpec) -> int:
@@ -247,20 +256,43 @@ def clear_chunk_cache() -> None:
     _CHUNK_CACHE.clear()
 
 
-def _build_chunk_table(slots: Sequence[Slot], chunk_size: int, device: torch.device) -> Tensor:
+def _check_chunk_size(chunk_size: int, block_size: int, spec: StateSpec) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ConfigError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size % block_size:
+        raise ConfigError(
+            f"chunk_size {chunk_size} must be a multiple of the block size {block_size} "
+            f"of {spec} so that a chunk covers whole blocks"
+        )
+
+
+def _build_chunk_table(
+    slots: Sequence[Slot], chunk_size: int, device: torch.device, ids: Iterable[int] | None = None
+) -> Tensor:
+    """The chunk table of ``slots``, with ``ids`` (default: each slot's index) in the slot
+    column. The per-slot numbers go to torch through an ``array`` (converting a Python list
+    cost about 0.4 us per number), and each slot's row is repeated once per chunk and
+    adjusted in place: a few torch calls whatever the number of tensors."""
     if not slots:
         return torch.zeros((0, 4), dtype=torch.int64, device=device)
-    numel = torch.tensor([s.numel for s in slots], dtype=torch.int64, device="cpu")
-    counts = (numel + chunk_size - 1) // chunk_size
-    n = int(counts.sum())
-    slot_ids = torch.repeat_interleave(torch.tensor([s.index for s in slots], device="cpu"), counts)
-    offsets = torch.repeat_interleave(torch.tensor([s.offset for s in slots], device="cpu"), counts)
-    sizes = torch.repeat_interleave(numel, counts)
-    firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    start = (torch.arange(n, dtype=torch.int64, device="cpu") - firsts) * chunk_size
-    length = torch.minimum(sizes - start, torch.tensor(chunk_size, device="cpu"))
-    table = torch.stack([slot_ids, start, length, offsets + start], dim=1)
-    return table.to(device).contiguous()
+    numels = [s.numel for s in slots]
+    counts = [-(-n // chunk_size) for n in numels]
+    n = sum(counts)
+    firsts = itertools.accumulate(counts[:-1], initial=0)  # each slot's first row
+    ids = (s.index for s in slots) if ids is None else ids
+    # per slot: (id, first row x chunk_size, numel, offset); the rows become (slot, start,
+    # length, arena offset) below, with start = row x chunk_size - first row x chunk_size
+    columns = (ids, (f * chunk_size for f in firsts), numels, (s.offset for s in slots))
+    per = array("q", itertools.chain.from_iterable(zip(*columns, strict=True)))
+    repeats = torch.frombuffer(array("q", counts), dtype=torch.int64)
+    rows = torch.frombuffer(per, dtype=torch.int64).view(-1, 4)
+    table = rows.repeat_interleave(repeats, dim=0, output_size=n)
+    start = torch.arange(0, n * chunk_size, chunk_size, dtype=torch.int64, device="cpu")
+    start.sub_(table[:, 1])
+    table[:, 2].sub_(start).clamp_(max=chunk_size)
+    table[:, 3].add_(start)
+    table[:, 1] = start
+    return table.to(device)
 
 
 def make_plans(
