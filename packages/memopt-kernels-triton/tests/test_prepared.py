@@ -318,8 +318,8 @@ def test_table_cache_keeps_one_step_per_tensor(ops, device):
         seen = []
         for si in range(n):
             ops.prepare_step(group_step(group, grads, 1 + round_, slots=[si]))
-            lru = group.plan.cache("triton_tables", None)
-            seen.append(next(reversed(lru.values())))
+            lru = ops._slot_tables(group.plan)
+            seen.append(next(reversed(lru.entries.values()))[0])
         if round_ == 0:
             first = seen
     assert [a is b for a, b in zip(first, seen, strict=True)] == [True] * n
@@ -327,9 +327,13 @@ def test_table_cache_keeps_one_step_per_tensor(ops, device):
     for k in range(3 * n):  # many distinct subsets: the cache evicts, within its bounds
         pair = sorted({k % n, (k + 1 + k // n) % n})
         ops.prepare_step(group_step(group, grads, 1, slots=pair))
-    assert len(lru) <= entries
-    assert sum(t.rows for t in lru.values()) == group.plan.cache("triton_table_rows", None)[0]
-    assert group.plan.cache("triton_table_rows", None)[0] <= rows
+    assert len(lru.entries) <= entries
+    assert sum(t.rows for t, _ in lru.entries.values()) == lru.rows
+    assert lru.rows <= rows
+    # the subsets' chunk tables are bounded too (kept for good, one per new subset stayed)
+    (chunks,) = [v for k, v in group.plan._aux.items() if k[0] == "triton_chunk_tables"]
+    assert len(chunks.entries) <= entries
+    assert sum(int(t.shape[0]) for t, _ in chunks.entries.values()) == chunks.rows
 
 
 def test_default_geometry(monkeypatch):
@@ -551,7 +555,7 @@ def test_strided_gradient_step_is_not_reusable(ops, device):
         prepared = ops.prepare_step(work)
         assert not prepared.reusable
         assert prepared.with_grads([strided.clone()]) is None
-        assert not mine.plan.cache("triton_tables", dict)
+        assert not ops._slot_tables(mine.plan).entries
         prepared.launch(work.scalars, step, work.seed, step == 1)
         TORCH.step(group_step(ref, [strided.clone()], step))
         bad = diff_report(ref, mine)

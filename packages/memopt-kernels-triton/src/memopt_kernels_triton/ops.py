@@ -725,6 +725,39 @@ def _table_cache_limits(n_slots: int) -> tuple[int, int]:
     return 2 * n_slots + 8, 4 * n_slots + 64
 
 
+class _TableCache:
+    """Tables a plan keeps for the sets of tensors its steps update (``entries``: key ->
+    (table, rows), the most recently used last), within ``max_entries`` and ``max_rows`` rows
+    in all (their memory). The least recently used go first; the newest always stays."""
+
+    __slots__ = ("entries", "max_entries", "max_rows", "rows")
+
+    def __init__(self, max_entries: int, max_rows: int) -> None:
+        self.entries: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+        self.max_entries, self.max_rows, self.rows = max_entries, max_rows, 0
+
+    def get(self, key: tuple) -> Any:
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        self.entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: tuple, value: Any, rows: int) -> None:
+        old = self.entries.pop(key, None)
+        self.rows += rows - (old[1] if old is not None else 0)
+        self.entries[key] = (value, rows)
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_entries or self.rows > self.max_rows
+        ):
+            self.rows -= self.entries.popitem(last=False)[1][1]
+
+
+def _slot_tables(plan) -> _TableCache:
+    """``plan``'s cache of :class:`_Tables` (bounded by :func:`_table_cache_limits`)."""
+    return plan.cache("triton_tables", lambda: _TableCache(*_table_cache_limits(len(plan.slots))))
+
+
 #: What CUDA graphs captured by the caller read besides the state arenas, parameters and
 #: gradients: chunk, slot and word tables, and the host sources of tables uploaded during a
 #: capture, whose copy the graph repeats at every replay. Their memory must never go back to an
@@ -755,30 +788,34 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return out
 
 
-def _chunk_table(plan, slots: list[int], full: bool, cs: int) -> Tensor:
-    """Core's chunk table (slot, start, length, arena offset), cached per (slots, chunk size),
-    with the slot column holding each chunk's position in ``slots`` (the row of its tensor in
-    the slot table and in a device step's word table; the plan slot itself when every tensor
-    takes part), so a step over a few tensors (gradient release: one) builds tables of its own
-    size, not the plan's.
+def _chunk_table(plan, slots: Sequence[int], full: bool, cs: int) -> Tensor:
+    """The chunk table (slot, start, length, arena offset) of a step over plan ``slots``, on
+    the plan's device, with the slot column holding each chunk's position in ``slots`` (the row
+    of its tensor in the slot table and in a device step's word table; the plan slot itself
+    when every tensor takes part), so a step over a few tensors (gradient release: one) builds
+    tables of its own size, not the plan's.
 
-    It holds no addresses, so unlike ``GroupPlan.chunk_table`` (keyed on every tensor's
-    ``data_ptr()``) it is looked up without a per-tensor loop."""
-    key = ("triton_chunks", None if full else tuple(slots), cs)
-
-    def build() -> Tensor:
-        table = plan.chunk_table(cs, None if full else slots)
-        if full or table.numel() == 0:
-            return table
-        position = torch.zeros(len(plan.slots), dtype=table.dtype, device="cpu")
-        position[torch.tensor(slots, device="cpu")] = torch.arange(
-            len(slots), dtype=table.dtype, device="cpu"
-        )
-        table = table.clone()
-        table[:, 0] = position.to(table.device)[table[:, 0]]
-        return table
-
-    return plan.cache(key, build)
+    Cached per (slots, chunk size): the whole plan's for good, a subset's in a bounded cache
+    (a mixture of experts' idle experts make a new subset at most steps: kept for good, each
+    step's table stayed in device memory). Neither holds addresses, so unlike
+    ``GroupPlan.chunk_table`` (keyed on every tensor's ``data_ptr()``) they are looked up
+    without a per-tensor loop."""
+    if full:
+        return plan.cache(("triton_chunks", cs), lambda: plan.chunk_table(cs))
+    lru = plan.cache(
+        ("triton_chunk_tables", cs),
+        # as many entries as the slot tables, and a few whole plans' chunks
+        lambda: _TableCache(
+            _table_cache_limits(len(plan.slots))[0],
+            4 * (ceil_div(plan.total, cs) + len(plan.slots)) + 64,
+        ),
+    )
+    key = tuple(slots)
+    table = lru.get(key)
+    if table is None:
+        table = _to_device(plan.subset_chunk_table(cs, slots), plan.device)
+        lru.put(key, table, int(table.shape[0]))
+    return table
 
 
 #: Columns of the slot table (int64 each; see :mod:`memopt_kernels_triton.kernels.tiles`).
@@ -1394,7 +1431,7 @@ def prepare_step(
         if not isinstance(bases, Sequence) or not all(type(b) is int for b in bases):
             _check_bases(work, plan)  # raises, or accepts int subclasses
         bases = tuple(bases)
-    lru: OrderedDict = plan.cache("triton_tables", OrderedDict)
+    lru = _slot_tables(plan)
     # what validation checks, so that a hit stands in for it: addresses (they imply devices),
     # dtypes, sizes and negative bits (a negated view shares its tensor's address; not the
     # gradients' shapes: a hit still stays within every tensor)
@@ -1408,14 +1445,7 @@ def prepare_step(
         slot_tab = _to_device(rows, dev)
         tables = _Tables(chunks, slot_tab, rows)
         if not strided:
-            lru[key] = tables
-            max_entries, max_rows = _table_cache_limits(len(plan.slots))
-            kept = plan.cache("triton_table_rows", lambda: [0])  # rows held by ``lru``
-            kept[0] += tables.rows
-            while len(lru) > 1 and (len(lru) > max_entries or kept[0] > max_rows):
-                kept[0] -= lru.popitem(last=False)[1].rows
-    else:
-        lru.move_to_end(key)
+            lru.put(key, tables, tables.rows)
     code = arena.master_code if arena.master_code is not None else _dummy(dev, torch.uint8)
     chunks, n_chunks, slot_table = tables.chunks, tables.n_chunks, tables.slots
     if n_chunks == 0:
