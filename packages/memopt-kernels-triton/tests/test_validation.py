@@ -72,7 +72,9 @@ def test_cache_hit_does_not_skip_validation(ops):
     group = _group((64,))
     big = make_grads(group, 1)[0].reshape(-1)
     ops.fused_step(group_step(group, [big], 1))
-    with pytest.raises(ConfigError, match=r"gradient of shape \(10,\)"):
+    with pytest.raises(
+        ConfigError, match=r"gradient of parameter 0 \(plan slot 0\) has shape \(10,\)"
+    ):
         ops.fused_step(group_step(group, [big[:10]], 2))
 
     wide = [big.float()]
@@ -216,3 +218,38 @@ def test_shared_memory_is_refused_but_a_gradient_may_be_its_parameter(ops):
     with pytest.raises(ConfigError, match=r"parameter 0 .* and the gradient of parameter 1 .*"):
         ops.fused_step(work)
     assert bool((buf[40:] == 7.0).all())
+
+
+def _misfits(group, grads):
+    """(name, field, index, tensor) of every kind of tensor the per-tensor check refuses."""
+    p0, g1 = group.params[0], grads[1]
+    freed = g1.clone()
+    freed.untyped_storage().resize_(0)
+    return [
+        ("a list", "grads", 1, [1.0]),
+        ("sparse", "grads", 1, g1.reshape(-1).to_sparse()),
+        ("negated parameter", "params", 0, torch._neg_view(p0)),
+        ("negated gradient", "grads", 1, torch._neg_view(g1)),
+        ("another dtype", "params", 0, p0.view(torch.float16)),
+        ("float64 gradient", "grads", 1, g1.double()),
+        ("fewer elements", "params", 0, p0.reshape(-1)[:10]),
+        ("another shape", "grads", 1, g1.reshape(-1)[:7]),
+        ("no memory", "grads", 1, freed),
+        ("meta", "grads", 1, torch.empty_like(g1, device="meta")),
+    ]
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_the_whole_work_check_passes_only_what_the_per_tensor_one_does(ops, case):
+    """``_tensors_fit`` (C-level passes over every tensor, run first) passes a good work, so a
+    step skips the per-tensor loop, and passes none of the misfits: each is refused by the
+    per-tensor check with its message, as before."""
+    group = _group()
+    grads = make_grads(group, 1)
+    assert ops._tensors_fit(group_step(group, grads, 1), group.plan)
+    name, field, k, t = _misfits(group, grads)[case]
+    work = group_step(group, grads, 1)
+    getattr(work, field)[k] = t
+    assert not ops._tensors_fit(work, group.plan), name
+    with pytest.raises(ConfigError):
+        ops._refuse_misfit(work, group.plan)

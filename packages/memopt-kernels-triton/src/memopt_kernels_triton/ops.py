@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import numbers
 import os
 import struct
@@ -703,6 +704,7 @@ def _moment_args(arena, name: str | None, device: torch.device) -> tuple[int, Te
 
 
 _DTYPE = attrgetter("dtype")
+_DATA_PTR = Tensor.data_ptr
 
 
 class _Tables:
@@ -907,6 +909,58 @@ def _partial_total(plan, slots: tuple) -> int:
 
 def _validate(work: GroupStep, plan) -> None:
     """ConfigError naming the first parameter or gradient that does not fit its plan slot."""
+    if not _tensors_fit(work, plan):
+        _refuse_misfit(work, plan)
+    # the kernel's programs write parameters and state while others read gradients: shared
+    # memory would race (a gradient that is exactly its own parameter is read first, allowed)
+    written: list[tuple[Tensor, Label]] = [
+        (p, functools.partial("parameter {} (plan slot {})".format, k, si))
+        for k, (si, p) in enumerate(zip(work.slots, work.params, strict=True))
+    ]
+    written += [(t, "a state tensor of the group") for t in work.arena.tensors()]
+    read: list[tuple[Tensor, Label]] = [
+        (g, functools.partial("the gradient of parameter {} (plan slot {})".format, k, si))
+        for k, (si, g) in enumerate(zip(work.slots, work.grads, strict=True))
+    ]
+    check_aliasing(written, read, list(zip(work.params, work.grads, strict=True)))
+
+
+_LAYOUT = attrgetter("layout")
+_DEVICE = attrgetter("device")
+_SHAPE = attrgetter("shape")
+
+
+def _tensors_fit(work: GroupStep, plan) -> bool:
+    """Whether every parameter and gradient of ``work`` passes :func:`_refuse_misfit`'s checks
+    (False also where unsure: it then looks at each), in C-level passes over all of them: that
+    check's Python loop cost about 15 us per tensor, and a group whose tensors skip steps (a
+    mixture of experts) validates a new set of them at every step."""
+    params, grads = work.params, work.grads
+    if len(params) != len(work.slots) or len(grads) != len(params):
+        return False
+    tensors = [*params, *grads]
+    try:
+        if not all(map(isinstance, tensors, itertools.repeat(Tensor))):
+            return False
+        devices = set(map(_DEVICE, tensors))
+        if devices != {plan.device} or not (plan.device.type == "cuda" or interpreting()):
+            return False
+        numels = plan.cache("triton_numels", lambda: [s.numel for s in plan.slots])
+        return (
+            set(map(_LAYOUT, tensors)) == {torch.strided}
+            and all(map(_DATA_PTR, tensors))  # 0: empty, or no memory (looked at one by one)
+            and not any(map(Tensor.is_neg, tensors))
+            and set(map(_DTYPE, params)) == {plan.param_dtype}
+            and all(grad_dtype_ok(plan.param_dtype, d) for d in set(map(_DTYPE, grads)))
+            and list(map(Tensor.numel, params)) == [numels[si] for si in work.slots]
+            and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
+        )
+    except (RuntimeError, TypeError, IndexError):  # no storage, bad slots: looked at one by one
+        return False
+
+
+def _refuse_misfit(work: GroupStep, plan) -> None:
+    """ConfigError naming the first parameter or gradient that does not fit its plan slot."""
     for k, (si, p, g) in enumerate(zip(work.slots, work.params, work.grads, strict=True)):
         what = f"parameter {k} (plan slot {si})"
         _check_device(p, what)
@@ -929,21 +983,9 @@ def _validate(work: GroupStep, plan) -> None:
             )
         if g.device != p.device or g.shape != p.shape:
             raise ConfigError(
-                f"a gradient of shape {tuple(g.shape)} on {g.device} does not match its parameter "
-                f"of shape {tuple(p.shape)} on {p.device}"
+                f"the gradient of {what} has shape {tuple(g.shape)} on {g.device}; it must match "
+                f"its parameter's shape {tuple(p.shape)} and device {p.device}"
             )
-    # the kernel's programs write parameters and state while others read gradients: shared
-    # memory would race (a gradient that is exactly its own parameter is read first, allowed)
-    written: list[tuple[Tensor, Label]] = [
-        (p, functools.partial("parameter {} (plan slot {})".format, k, si))
-        for k, (si, p) in enumerate(zip(work.slots, work.params, strict=True))
-    ]
-    written += [(t, "a state tensor of the group") for t in work.arena.tensors()]
-    read: list[tuple[Tensor, Label]] = [
-        (g, functools.partial("the gradient of parameter {} (plan slot {})".format, k, si))
-        for k, (si, g) in enumerate(zip(work.slots, work.grads, strict=True))
-    ]
-    check_aliasing(written, read, list(zip(work.params, work.grads, strict=True)))
 
 
 #: Order of the int32 words a ``HYPER`` Adam launch reads (:func:`adam_hyper_words`): eight fp32
