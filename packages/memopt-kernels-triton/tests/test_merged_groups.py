@@ -278,7 +278,7 @@ def test_fused_steps_refuses_device_steps_and_other_counts(ops, device):
 def test_words_table_equals_hyper_words(ops, rule):
     """The merged launch's words, rounded by one array conversion, are hyper_words' bits
     (rounded one Python call at a time), also past the fp32 range and below its normal
-    numbers, one row per tensor."""
+    numbers, one row per work."""
     from memopt_core import reference
     from memopt_core.backends import GroupStep
 
@@ -297,13 +297,10 @@ def test_words_table_equals_hyper_words(ops, rule):
             )
         work = GroupStep(rule, None, None, [], [], [], None, s, k + 1, 2**40 + k, [], k == 0)
         works.append(work)
-    counts = [k % 3 + 1 for k in range(len(works))]  # each work's row once per tensor
     want = [
-        ops.hyper_words(rule, w.scalars, w.seed, w.step, first_step=w.first_step)
-        for w, c in zip(works, counts, strict=True)
-        for _ in range(c)
+        ops.hyper_words(rule, w.scalars, w.seed, w.step, first_step=w.first_step) for w in works
     ]
-    blob = ops._words_rows(rule, works, counts)
+    blob = bytearray(b"".join(ops._work_rows(rule, works)))
     got = ops._upload_words(blob, len(ops.HYPER_FIELDS[rule]), torch.device("cpu"))
     assert got.tolist() == want
 

@@ -7,7 +7,8 @@ preset (fp32, bf16, fp8, q8) for fp32/bf16/fp16 parameters, with or without stoc
 ``step()`` runs one group in one kernel launch (:func:`memopt_kernels_triton.ops.fused_step`;
 a capturable step, ``GroupStep.device_step``, adds one small launch that computes the per-tensor
 scalars from step counts on the device); ``step_all()`` runs the groups of one family arena
-(param groups with the same device, dtype and formats) in one launch;
+(param groups with the same device, dtype and formats) in one launch, and a group whose
+parameters reached different step counts (some skipped steps) in one launch too;
 ``check()`` validates a group without launching (core runs it on every group of a step before
 the first launch); ``prepare()`` resolves a group once for repeated launches, with scalars from the host or from a
 device tensor (CUDA-graph capture); ``codecs()`` hands core's conversions (state dicts, fp32
@@ -44,6 +45,8 @@ class TritonBackend:
     device_steps = True
     #: steps the param groups of one family arena in one launch (:meth:`step_all`)
     merges_groups = True
+    #: and a group's works at several step counts (parameters that skipped steps) as one
+    merges_step_counts = True
 
     def available(self) -> tuple[bool, str]:
         """See :meth:`memopt_core.backends.Backend.available`."""

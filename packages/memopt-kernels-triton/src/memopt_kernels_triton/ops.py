@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import itertools
 import numbers
@@ -1584,7 +1585,9 @@ def fused_steps(
     bits as one launch per work, for one launch's fixed cost. The others run alone.
 
     ``works`` are all host steps or all capturable ones (``device_step``; none with staging).
-    Host steps merge from :data:`MERGE_MIN_WORKS` works on, their rows uploaded from the host.
+    Host works of one arena (a group's step counts, where parameters skipped steps) that update
+    no tensor twice run as one, with one set of tables (:func:`_units`); such units of one
+    family merge from :data:`MERGE_MIN_WORKS` units on, their rows uploaded from the host.
     Capturable steps merge from two on while a CUDA graph is being captured (see
     :data:`MERGE_DEVICE_STEPS_EAGERLY`): each work's device-words kernel writes its rows into
     one table, which the merged launch reads, so the merge costs no host-to-device copy and
@@ -1631,24 +1634,142 @@ def _host_launches(
     prepared: Sequence[PreparedStep | None],
     config: KernelConfig | None,
 ) -> _Launches:
-    """:func:`fused_steps`' launches of host steps: (work indices, launch) pairs."""
-    ready = [
-        p if p is not None else prepare_step(w, config)
-        for w, p in zip(works, prepared, strict=True)
-    ]
-    runs: dict[tuple, list[int]] = {}
-    for i, (w, p) in enumerate(zip(works, ready, strict=True)):
-        runs.setdefault(_merge_key(w, p, i), []).append(i)
+    """:func:`fused_steps`' launches of host steps: (work indices, launch) pairs. The works of
+    one arena at several step counts run as one :class:`_Unit` first (:func:`_units`); units
+    of one family arena and variant merge from :data:`MERGE_MIN_WORKS` on."""
+    units = _units(works, prepared, config)
+    runs: dict[tuple, list[_Unit]] = {}
+    for u in units:
+        runs.setdefault(_merge_key(u.work, u.ready, u.members[0]), []).append(u)
     launches: _Launches = []
     for run in runs.values():
         if len(run) >= MERGE_MIN_WORKS:
-            merged = _merged_launch([works[i] for i in run], [ready[i] for i in run], config)
-            launches.append((run, merged))
+            merged = _merged_step([u.work for u in run], [u.ready for u in run], config)
+            members = [i for u in run for i in u.members]
+            launches.append((members, _words_launch(merged, run, works)))
             continue
-        for i in run:
-            w, p = works[i], ready[i]
-            launches.append(([i], _host_launch(w, p)))
+        for u in run:
+            if u.owners is None:
+                launches.append((u.members, _host_launch(u.work, u.ready)))
+            else:
+                launches.append((u.members, _words_launch(u.ready, [u], works)))
     return launches
+
+
+class _Unit:
+    """What :func:`fused_steps` launches as one work: a work of its ``works`` (``members``
+    holds its index; ``owners`` None), or the works of one arena at different step counts
+    (``members``, ascending), run as one ``work`` over their tensors in slot order, whose
+    ``owners[r]`` is the position in ``members`` of the work that tensor ``r`` comes from:
+    its row of words (its count's scalars, step and seed). ``ready``: ``work`` prepared."""
+
+    __slots__ = ("members", "owners", "ready", "work")
+
+    def __init__(
+        self,
+        members: list[int],
+        work: GroupStep,
+        ready: PreparedStep,
+        owners: list[int] | None = None,
+    ) -> None:
+        self.members, self.work, self.ready, self.owners = members, work, ready, owners
+
+
+def _units(
+    works: Sequence[GroupStep],
+    prepared: Sequence[PreparedStep | None],
+    config: KernelConfig | None,
+) -> list[_Unit]:
+    """``works`` as :class:`_Unit` s, each prepared (and so validated), in the order of their
+    first work. Core hands a param group whose tensors reached different step counts (a
+    parameter without a gradient skips a step: a mixture of experts' idle experts) over as one
+    work per count, and the set of tensors at each count changes from step to step: prepared
+    one by one, each would build and upload new chunk and slot tables, host work that made
+    the step several times torch's fused AdamW's on an H100
+    (docs/benchmarks/2026-12-07-merged-step-counts.md). Run as one, a group builds one table
+    per step (none while the stepping tensors stay the same) and launches once. Works merge
+    where they share an arena and the compiled flags, hold tensors, and no tensor twice."""
+    by_arena: dict[tuple, list[int]] = {}
+    for i, w in enumerate(works):
+        key = (id(w.arena), *_flags_key(w)) if w.slots else ("empty", i)
+        by_arena.setdefault(key, []).append(i)
+    units: list[_Unit] = []
+    for members in by_arena.values():
+        part = [works[i] for i in members]
+        if len(members) > 1:
+            slots = [si for w in part for si in w.slots]
+            if len(set(slots)) == len(slots):
+                units.append(_union_unit(members, part, [prepared[i] for i in members], config))
+                continue
+        for i in members:  # a tensor stepped twice runs its works one after the other
+            p = prepared[i]
+            units.append(
+                _Unit([i], works[i], p if p is not None else prepare_step(works[i], config))
+            )
+    return sorted(units, key=lambda u: u.members[0])
+
+
+def _union_unit(
+    members: list[int],
+    part: list[GroupStep],
+    prepared: list[PreparedStep | None],
+    config: KernelConfig | None,
+) -> _Unit:
+    """The works ``part`` (one arena, distinct slots) as one :class:`_Unit` over their tensors
+    in slot order. Where each comes prepared (a cached step's replay) the union's prepared step
+    is kept with them, holding no tensors (the cached step checks every address before it
+    hands them over), else prepared afresh (its tables cached on the addresses, as any
+    step's)."""
+    rows = sorted((si, k, pos) for k, w in enumerate(part) for pos, si in enumerate(w.slots))
+    pick = [(part[k], pos) for _, k, pos in rows]
+    bases = None
+    if any(w.index_bases is not None for w in part):
+        bases = [w.index_base(pos) for w, pos in pick]
+    union = dataclasses.replace(
+        part[0],
+        slots=[si for si, _, _ in rows],
+        params=[w.params[pos] for w, pos in pick],
+        grads=[w.grads[pos] for w, pos in pick],
+        tensor_ids=[w.tensor_ids[pos] for w, pos in pick],
+        index_bases=bases,
+        owners=None,
+    )
+    if all(p is not None for p in prepared):
+        ready = _merged_cached(
+            union.plan, "union", tuple(prepared), lambda: prepare_step(union, config, hold=False)
+        )
+    else:
+        ready = prepare_step(union, config)
+    return _Unit(members, union, ready, [k for _, k, _ in rows])
+
+
+def _words_launch(
+    launched: PreparedStep, units: list[_Unit], works: Sequence[GroupStep]
+) -> Callable[[], None]:
+    """``launched`` (over the tensors of ``units``, in order) with each tensor reading its own
+    work's scalars from a row of device words (:meth:`PreparedStep.launch_hyper`)."""
+    rule = launched.rule
+    own = [works[i] for u in units for i in u.members]
+    rows = _work_rows(rule, own)
+    parts: list[bytes] = []
+    first = 0
+    for u in units:
+        if u.owners is None:
+            parts.append(rows[first] * u.ready.n_slots)
+        else:
+            parts.extend(rows[first + k] for k in u.owners)
+        first += len(u.members)
+    words = _upload_words(bytearray(b"".join(parts)), len(HYPER_FIELDS[rule]), launched.device)
+    s = own[0].scalars
+    flags: dict = {
+        "maximize": bool(s.maximize),
+        "has_decay": any(w.scalars.decay != 1.0 for w in own),
+    }
+    if rule in ("adam", "sgd"):
+        flags["has_l2"] = bool(s.l2 != 0.0)  # a numpy coefficient gives a numpy bool
+    if rule == "sgd":
+        flags["nesterov"] = bool(s.nesterov)
+    return lambda: launched.launch_hyper(words, **flags)
 
 
 def _host_launch(w: GroupStep, p: PreparedStep) -> Callable[[], None]:
@@ -1765,6 +1886,11 @@ def _merge_key(work: GroupStep, prepared: PreparedStep, i: int) -> tuple:
     fam = work.arena.family
     if fam is None or not prepared.reusable or prepared._grid is None:
         return ("alone", i)
+    return (id(fam), *_flags_key(work), _variant(prepared))
+
+
+def _flags_key(work: GroupStep) -> tuple:
+    """``work``'s rule and the flags of its scalars that choose a compiled variant."""
     s = work.scalars
     if work.rule == "lion":
         flags: tuple = (bool(s.maximize),)
@@ -1772,7 +1898,7 @@ def _merge_key(work: GroupStep, prepared: PreparedStep, i: int) -> tuple:
         flags = (bool(s.maximize), s.l2 != 0.0)
     else:
         flags = (bool(s.maximize), s.l2 != 0.0, bool(s.nesterov))
-    return (id(fam), work.rule, flags, _variant(prepared))
+    return (work.rule, flags)
 
 
 def _family_of(work: GroupStep) -> StateArena:
@@ -1792,12 +1918,11 @@ def _variant(prepared: PreparedStep) -> tuple:
     return kw
 
 
-def _words_rows(rule: str, works: list[GroupStep], counts: list[int]) -> bytearray:
-    """The per-tensor device words of a merged launch, as the bytes of an int32 ``[sum(counts),
-    len(HYPER_FIELDS[rule])]`` table: :func:`hyper_words` of each work, repeated for each of
-    its ``counts`` tensors. The fp32 scalars of all works are rounded in one ``array``
-    conversion (the C double -> float cast that ``round_to_float32`` documents as its own): a
-    step over many param groups costs no torch call per group."""
+def _work_rows(rule: str, works: list[GroupStep]) -> list[bytes]:
+    """Each work's device words (:func:`hyper_words`), as the bytes of one int32 row of
+    ``len(HYPER_FIELDS[rule])`` words. The fp32 scalars of all works are rounded in one
+    ``array`` conversion (the C double -> float cast that ``round_to_float32`` documents as its
+    own): a step over many param groups costs no torch call per group."""
     fields = HYPER_FIELDS[rule]
     n = fields.index("seed")
     try:
@@ -1808,14 +1933,13 @@ def _words_rows(rule: str, works: list[GroupStep], counts: list[int]) -> bytearr
             "(adam_scalars, lion_scalars or sgd_scalars)"
         ) from None
     tail = struct.Struct(f"<{len(fields) - n}i")
-    blob = bytearray()
-    for k, (w, count) in enumerate(zip(works, counts, strict=True)):
+    rows = []
+    for k, w in enumerate(works):
         words = [_i32(w.seed, "seed"), _i32(w.step, "step")]
         if rule == "sgd":
             words.append(int(bool(w.first_step)))
-        row = values[k * n : (k + 1) * n].tobytes() + tail.pack(*words, _ONE_BITS, 0)
-        blob += row * count
-    return blob
+        rows.append(values[k * n : (k + 1) * n].tobytes() + tail.pack(*words, _ONE_BITS, 0))
+    return rows
 
 
 def _upload_words(blob: bytearray, width: int, device: torch.device) -> Tensor:
@@ -1926,27 +2050,6 @@ def _merged_step(
     # PreparedStep objects every step, over the same cached tables)
     parts = (*(p._head[2] for p in ready), *offsets, ready[0]._grid, _variant(ready[0]))
     return _merged_cached(fam.plan, "step", parts, build)
-
-
-def _merged_launch(
-    works: list[GroupStep], ready: list[PreparedStep], config: KernelConfig | None
-) -> Callable[[], None]:
-    """The launch of ``works`` together (:func:`_merged_step`), each tensor reading its own
-    work's scalars from a row of device words."""
-    merged = _merged_step(works, ready, config)
-    rule = works[0].rule
-    blob = _words_rows(rule, works, [p.n_slots for p in ready])
-    words = _upload_words(blob, len(HYPER_FIELDS[rule]), merged.device)
-    s = works[0].scalars
-    flags: dict = {
-        "maximize": bool(s.maximize),
-        "has_decay": any(w.scalars.decay != 1.0 for w in works),
-    }
-    if rule in ("adam", "sgd"):
-        flags["has_l2"] = bool(s.l2 != 0.0)  # a numpy coefficient gives a numpy bool
-    if rule == "sgd":
-        flags["nesterov"] = bool(s.nesterov)
-    return lambda: merged.launch_hyper(words, **flags)
 
 
 _WORDS_BLOCK = 128
