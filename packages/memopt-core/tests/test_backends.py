@@ -340,3 +340,31 @@ def test_step_counts_of_one_group_reach_step_all_together(monkeypatch, fresh_bac
         assert backend.runs == []
         assert [w.step for w in backend.calls] == [1, 2, 3, 2, 3, 4]
         assert [w.step for w in backend.checked] == [3, 4]
+
+
+def test_launch_then_done_reports_works_that_ran():
+    """``launch_then_done`` reports each work after its launch, also when a KeyboardInterrupt
+    comes out of it (the kernel ran), and none when the launch raised anything else (validation
+    refused it before the kernel)."""
+    from memopt_core.backends import launch_then_done
+
+    seen: list[int] = []
+    launch_then_done(lambda: seen.append(-1), [3, 5], seen.append)
+    assert seen == [-1, 3, 5]
+
+    def interrupted() -> None:
+        seen.append(-2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch_then_done(interrupted, (7,), seen.append)
+    assert seen[3:] == [-2, 7]
+
+    def refused() -> None:
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        launch_then_done(refused, (9,), seen.append)
+    assert 9 not in seen
+    launch_then_done(lambda: seen.append(-3), (1,), None)  # no bookkeeping asked for
+    assert seen[-1] == -3

@@ -37,6 +37,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,6 +68,7 @@ __all__ = [
     "grad_dtype_ok",
     "kernel_master_id",
     "kernel_moment_id",
+    "launch_then_done",
     "mark_written",
     "merges_groups",
     "merges_step_counts",
@@ -281,6 +283,28 @@ def merges_step_counts(backend: object) -> bool:
     or call, each tensor with its own work's step and scalars, with the same bits as one each.
     Without ``merges_groups`` core builds no family arenas for the backend."""
     return bool(getattr(backend, "merges_step_counts", False))
+
+
+def launch_then_done(
+    launch: Callable[[], None], works: Iterable[int], done: Callable[[int], None] | None
+) -> None:
+    """``launch()`` (one kernel launch or call into C++ that runs the works ``works``), then
+    ``done(i)`` for each of them (None: nothing), also when a KeyboardInterrupt comes out of
+    ``launch``: Python delivers a Ctrl-C that arrives during a C++ kernel or a GPU launch once
+    the call returns, so the works have run, and without their bookkeeping (step counts) a
+    retried step would repeat their step number (its bias correction and rounding words). An
+    error raised by validation before the kernel skips ``done``. What ``step_all`` promises
+    (:func:`merges_groups`), and what the optimizer does around each work it runs alone."""
+    try:
+        launch()
+    except KeyboardInterrupt:
+        if done is not None:
+            for i in works:
+                done(i)
+        raise
+    if done is not None:
+        for i in works:
+            done(i)
 
 
 def writes_staging(backend: object) -> bool:

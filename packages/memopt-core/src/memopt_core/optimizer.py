@@ -310,20 +310,6 @@ def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[s
     return out
 
 
-def _run_then(launch: Callable[[], None], ran: Callable[[], None]) -> None:
-    """``launch()`` (one work's kernel), then ``ran()`` (its bookkeeping: step counts, autograd
-    versions), also when a KeyboardInterrupt comes out of ``launch``. Python delivers a Ctrl-C
-    that arrives during a C++ kernel or a GPU launch once the call returns, so the work has
-    run: without its counts, a retried step would repeat the step number (its bias correction
-    and rounding words). An error raised by validation before the kernel skips ``ran``."""
-    try:
-        launch()
-    except KeyboardInterrupt:
-        ran()
-        raise
-    ran()
-
-
 def _run_works(
     works: list[tuple[Any, backends.GroupStep]],
     prepared: list[Any] | None,
@@ -347,7 +333,7 @@ def _run_works(
             )
             i = j
         else:
-            _run_then(functools.partial(launch, i), functools.partial(ran, i))
+            backends.launch_then_done(functools.partial(launch, i), (i,), ran)
             i += 1
 
 

@@ -48,6 +48,7 @@ from memopt_core.backends import (
     grad_dtype_ok,
     kernel_master_id,
     kernel_moment_id,
+    launch_then_done,
 )
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
@@ -1015,16 +1016,7 @@ def fused_steps(
             _check_apart([works[m[0]] for m in members])
             runs.append((first, functools.partial(_merged_call, members), [m[0] for m in members]))
     for _, launch, indices in sorted(runs, key=lambda r: r[0]):
-        try:
-            launch()
-        except KeyboardInterrupt:
-            if done is not None:
-                for i in indices:
-                    done(i)
-            raise
-        if done is not None:
-            for i in indices:
-                done(i)
+        launch_then_done(launch, indices, done)
 
 
 def _check_apart(works: list[GroupStep]) -> None:

@@ -53,6 +53,7 @@ from memopt_core.backends import (
     grad_dtype_ok,
     kernel_master_id,
     kernel_moment_id,
+    launch_then_done,
 )
 from memopt_core.errors import ConfigError, FormatError
 from memopt_core.formats import MomentCodec, moment_codec
@@ -1614,16 +1615,7 @@ def fused_steps(
     else:
         launches = _host_launches(works, prepared, config)
     for run, launch in launches:
-        try:
-            launch()
-        except KeyboardInterrupt:
-            if done is not None:
-                for i in run:
-                    done(i)
-            raise
-        if done is not None:
-            for i in run:
-                done(i)
+        launch_then_done(launch, run, done)
 
 
 _Launches = list[tuple[list[int], Callable[[], None]]]
