@@ -11,16 +11,9 @@ import torch
 
 from memopt_core import ConfigError, MemOptimizer
 from memopt_core.formats import StateSpec
-from memopt_core.testing import group_state, group_step, make_grads, make_group
+from memopt_core.testing import RULE_CONFIGS, group_state, group_step, make_grads, make_group
 from memopt_kernels_cpu import _core, ops
 
-CONFIGS = [
-    ("adamw", "ecc24", "q8", torch.bfloat16, {}),
-    ("adam", "fp32", "fp8", torch.float32, {"weight_decay": 0.01}),
-    ("lion", "ecc32", "bf16", torch.bfloat16, {}),
-    ("sgd", "none", "fp32", torch.float16, {"momentum": 0.9, "nesterov": True}),
-    ("sgdw", "fp32", "q8", torch.float32, {"momentum": 0.9}),
-]
 SIZES = [33, 64, 1, 0, 100, 4097, 31]
 # (slots, step) of each work of one call: disjoint slots at different counts, the first step too
 WORKS = [([0, 2, 5], 1), ([1, 4], 7), ([3, 6], 2)]
@@ -55,7 +48,7 @@ def _pair(rule, master, moments, dtype, hyper):
     return [make_group(rule, spec, dtype, SIZES, "cpu", seed=5, **hyper) for _ in range(2)]
 
 
-@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), CONFIGS)
+@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), RULE_CONFIGS)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_one_call_equals_a_call_per_count(
     monkeypatch, rule, master, moments, dtype, hyper, threads
@@ -186,7 +179,7 @@ def test_the_core_refuses_bad_variants():
     _same(before, group_state(a))
 
 
-@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), CONFIGS)
+@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), RULE_CONFIGS)
 def test_skipped_steps_take_one_call_per_step(monkeypatch, rule, master, moments, dtype, hyper):
     """A MemOptimizer whose parameters skip steps (``.grad`` None, as a MoE's experts routed
     no token) steps the counts of its one group in one call, on ordinary steps and on replays

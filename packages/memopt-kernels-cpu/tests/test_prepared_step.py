@@ -10,20 +10,13 @@ import torch
 
 from memopt_core import ConfigError, MemOptimizer
 from memopt_core.formats import StateSpec
-from memopt_core.testing import group_state, group_step, make_grads, make_group
+from memopt_core.testing import RULE_CONFIGS, group_state, group_step, make_grads, make_group
 from memopt_kernels_cpu import ops
 
-CONFIGS = [
-    ("adamw", "ecc24", "q8", torch.bfloat16, {}),
-    ("adam", "fp32", "fp8", torch.float32, {"weight_decay": 0.01}),
-    ("lion", "ecc32", "bf16", torch.bfloat16, {}),
-    ("sgd", "none", "fp32", torch.float16, {"momentum": 0.9, "nesterov": True}),
-    ("sgdw", "fp32", "q8", torch.float32, {"momentum": 0.9}),
-]
 SIZES = [33, 64, 1, 0, 100, 4097]
 
 
-@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), CONFIGS)
+@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), RULE_CONFIGS)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_launch_equals_fused_step_over_steps(rule, master, moments, dtype, hyper, threads):
     ops.set_num_threads(threads)

@@ -68,3 +68,30 @@ def ops():
     from memopt_kernels_triton import ops as module
 
     return module
+
+
+class LaunchCounter:
+    """The fused kernel launches since the last :meth:`take`: ``PreparedStep.launch`` (host
+    scalars, one group) and ``launch_hyper`` (per-tensor device words: a merged launch), each
+    with the number of tensors it covered. The launches still run."""
+
+    def __init__(self, monkeypatch, ops) -> None:
+        self.calls: list[tuple[str, int]] = []
+        for name in ("launch", "launch_hyper"):
+            original = getattr(ops.PreparedStep, name)
+
+            def spy(this, *a, _original=original, _name=name, **k):
+                self.calls.append((_name, this.n_slots))
+                return _original(this, *a, **k)
+
+            monkeypatch.setattr(ops.PreparedStep, name, spy)
+
+    def take(self) -> list[tuple[str, int]]:
+        out, self.calls = self.calls, []
+        return out
+
+
+@pytest.fixture
+def launches(monkeypatch, ops) -> LaunchCounter:
+    """Counts the fused kernel launches of the test (:class:`LaunchCounter`)."""
+    return LaunchCounter(monkeypatch, ops)

@@ -93,32 +93,11 @@ def _same(opts, models) -> None:
             assert torch.equal(sa[key].cpu(), sb[key].cpu()), (key, sa[key], sb[key])
 
 
-class _Launches:
-    """Counts the fused kernel launches: PreparedStep.launch (host scalars, one group) and
-    launch_hyper (device words: a merged launch), with the tensors each covered."""
-
-    def __init__(self, monkeypatch, ops) -> None:
-        self.calls: list[tuple[str, int]] = []
-        for name in ("launch", "launch_hyper"):
-            original = getattr(ops.PreparedStep, name)
-
-            def spy(this, *a, _original=original, _name=name, **k):
-                self.calls.append((_name, this.n_slots))
-                return _original(this, *a, **k)
-
-            monkeypatch.setattr(ops.PreparedStep, name, spy)
-
-    def take(self) -> list[tuple[str, int]]:
-        out, self.calls = self.calls, []
-        return out
-
-
 @pytest.mark.parametrize(("rule", "dtype", "master", "moments", "settings"), CASES)
 def test_groups_of_one_family_run_in_one_launch(
-    ops, device, monkeypatch, rule, dtype, master, moments, settings
+    launches, ops, device, rule, dtype, master, moments, settings
 ):
     opts, models = _pair(device, rule, dtype, master, moments, settings)
-    launches = _Launches(monkeypatch, ops)
     n = len(models[0])
     for step in range(5):
         # steps 0-1: gradients kept in place (a replay reuses the prepared launches); then new
@@ -133,7 +112,7 @@ def test_groups_of_one_family_run_in_one_launch(
     assert entries[0].arena.family is not None
 
 
-def test_groups_of_other_formats_or_variants_launch_apart(ops, device, monkeypatch):
+def test_groups_of_other_formats_or_variants_launch_apart(launches, ops, device):
     """Another master format is another family; a maximize group compiles another variant:
     each runs in a launch of its own. A decay of exactly 1 (weight_decay 0) rides in a launch
     compiled with the decay term, multiplying by 1."""
@@ -155,7 +134,6 @@ def test_groups_of_other_formats_or_variants_launch_apart(ops, device, monkeypat
         MemOptimizer(ga, master="ecc24", moments="q8", backend="triton"),
         MemOptimizer(gb, master="ecc24", moments="q8", backend="torch"),
     ]
-    launches = _Launches(monkeypatch, ops)
     for step in range(3):
         _grads([pa, pb], step, torch.bfloat16, move=False)
         for opt in opts:
@@ -206,7 +184,7 @@ def test_a_merged_launch_sizes_its_chunks_for_all_its_works(ops, device, monkeyp
     assert chunks[:, 1].tolist() == [0] * 6  # every tensor from its start
 
 
-def test_a_rebuilt_group_rebuilds_its_family(ops, device, monkeypatch):
+def test_a_rebuilt_group_rebuilds_its_family(launches, ops, device):
     """A param group whose params list is edited in place gets a new plan; the groups sharing
     its family arena are rebuilt with it, so that no region of the old arena stays held, and
     every state carries over."""
@@ -223,7 +201,7 @@ def test_a_rebuilt_group_rebuilds_its_family(ops, device, monkeypatch):
         p = torch.nn.Parameter(extra.clone().to(device))
         opt.param_groups[1]["params"].append(p)
         ps.append(p)
-    launches = _Launches(monkeypatch, ops)
+    launches.take()  # the steps before the rebuild do not count
     for step in range(2, 4):
         _grads(models, step, torch.bfloat16, move=False)
         for opt in opts:
@@ -322,7 +300,7 @@ def test_back_to_back_steps_read_their_own_words(device):
 
 
 @pytest.mark.default_min
-def test_fewer_works_than_the_minimum_launch_apart(ops, device, monkeypatch):
+def test_fewer_works_than_the_minimum_launch_apart(launches, ops, device):
     """Below ``MERGE_MIN_WORKS`` works the merged launch's word upload costs more than the
     launches it saves (2 groups measured slower): each group launches alone, and at the minimum
     they launch together, the same bits either way."""
@@ -336,7 +314,6 @@ def test_fewer_works_than_the_minimum_launch_apart(ops, device, monkeypatch):
             "bf16",
             [{"lr": 1e-3 * (k + 1)} for k in range(groups)],
         )
-        launches = _Launches(monkeypatch, ops)
         for step in range(2):
             _grads(models, step, torch.float32, move=False)
             for opt in opts:
@@ -358,7 +335,7 @@ def _capturable_twin(opt, **kw):
 
 @pytest.mark.parametrize(("rule", "dtype", "master", "moments", "settings"), CASES)
 def test_capturable_groups_run_in_one_launch(
-    ops, device, monkeypatch, rule, dtype, master, moments, settings
+    launches, ops, device, monkeypatch, rule, dtype, master, moments, settings
 ):
     """Capturable steps (``capturable=True``) of a family merge from two groups on (captured
     in a CUDA graph; here eagerly, as the flag allows): each group's device-words kernel
@@ -369,7 +346,6 @@ def test_capturable_groups_run_in_one_launch(
     monkeypatch.setattr(ops, "MERGE_DEVICE_STEPS_EAGERLY", True)  # as under a graph capture
     opts, models = _pair(device, rule, dtype, master, moments, settings)
     mine, ps = _capturable_twin(opts[0], rule=rule, master=master, moments=moments)
-    launches = _Launches(monkeypatch, ops)
     for step in range(4):
         _grads([models[1], ps], step, dtype, move=True)
         if step == 2:  # two tensors without a gradient: their counts fall behind
@@ -384,14 +360,13 @@ def test_capturable_groups_run_in_one_launch(
         _same([mine, opts[1]], [ps, models[1]])
 
 
-def test_capturable_groups_launch_apart_outside_a_capture(ops, device, monkeypatch):
+def test_capturable_groups_launch_apart_outside_a_capture(launches, ops, device):
     """Eager capturable steps (no capture, ``MERGE_DEVICE_STEPS_EAGERLY`` off) launch per
     group, every group of the family, with the host step's bits."""
     opts, models = _pair(
         device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
     )
     mine, ps = _capturable_twin(opts[0], master="ecc24", moments="q8")
-    launches = _Launches(monkeypatch, ops)
     for step in range(3):
         _grads([models[1], ps], step, torch.bfloat16, move=True)
         opts[1].step()
@@ -400,12 +375,11 @@ def test_capturable_groups_launch_apart_outside_a_capture(ops, device, monkeypat
         _same([mine, opts[1]], [ps, models[1]])
 
 
-def test_capturable_merged_groups_with_a_grad_scaler(ops, device, monkeypatch):
+def test_capturable_merged_groups_with_a_grad_scaler(launches, ops, device, monkeypatch):
     """A GradScaler's scale and found-inf reach every group of a merged capturable launch: a
     power-of-two scale unscales exactly (the bits of the host step on unscaled gradients), and
     a nonzero found-inf leaves every group, its state and its counts unchanged."""
     monkeypatch.setattr(ops, "MERGE_DEVICE_STEPS_EAGERLY", True)
-    launches = _Launches(monkeypatch, ops)
     opts, models = _pair(
         device, "adamw", torch.bfloat16, "ecc24", "q8", [{"lr": 1e-3}, {"lr": 2e-3}, {}]
     )
@@ -428,7 +402,7 @@ def test_capturable_merged_groups_with_a_grad_scaler(ops, device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
+def test_capturable_merged_groups_in_a_cuda_graph(launches, ops):
     """The capturable step of three groups captured in a CUDA graph after one eager step: the
     capture merges their launches (the eager step launches per group), and replays with new
     gradients in the same buffers give the host step's bits."""
@@ -443,7 +417,6 @@ def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
     mine, ps = _capturable_twin(opts[0], master="ecc24", moments="q8")
     for p in ps:
         p.grad = torch.zeros_like(p)
-    launches = _Launches(monkeypatch, ops)
     graph = None
     for step in range(5):
         _grads([models[1], ps], step, torch.bfloat16, move=False)
@@ -467,7 +440,7 @@ def test_capturable_merged_groups_in_a_cuda_graph(ops, monkeypatch):
         _same([mine, opts[1]], [ps, models[1]])
 
 
-def test_a_merged_launch_takes_numpy_coefficients(ops, device, monkeypatch):
+def test_a_merged_launch_takes_numpy_coefficients(launches, ops, device):
     """Works whose scalars hold a numpy L2 coefficient (core's ``adam_scalars`` keeps the
     weight decay it is given) merge into one launch with the bits of float scalars: the
     launch's ``has_l2`` flag is a bool (``launch_hyper`` takes only bools), as is a capturable
@@ -488,7 +461,7 @@ def test_a_merged_launch_takes_numpy_coefficients(ops, device, monkeypatch):
             if as_numpy:
                 w.scalars = dataclasses.replace(w.scalars, l2=np.float64(w.scalars.l2))
         assert type(works[1].scalars.l2) is (np.float64 if as_numpy else float)
-        launches = _Launches(monkeypatch, ops)
+        launches.take()  # the optimizer's step does not count
         ops.fused_steps(works)
         assert launches.take() == [("launch_hyper", 6)]
         after.append([p.detach().clone() for p in models[0]])

@@ -12,19 +12,7 @@ import pytest
 import torch
 
 from memopt_core import MemOptimizer
-
-CASES = [
-    # rule, param dtype, master, moments, hyperparameters
-    pytest.param("adamw", torch.bfloat16, "ecc24", "q8", {"weight_decay": 0.1}, id="adamw-ecc24-q8"),
-    pytest.param("adam", torch.float32, "fp32", "fp8", {"weight_decay": 0.01}, id="adam-l2-fp8"),
-    pytest.param("lion", torch.bfloat16, "ecc32", "bf16", {"lr": 1e-4}, id="lion-ecc32-bf16"),
-    pytest.param(
-        "sgd", torch.float16, "none", "fp32", {"lr": 0.05, "momentum": 0.9, "nesterov": True},
-        id="sgd-nesterov-fp16",
-    ),
-    pytest.param("sgdw", torch.bfloat16, "none", "q8", {"lr": 0.1, "momentum": 0.8},
-                 id="sgdw-q8"),
-]  # fmt: skip
+from memopt_core.testing import RULE_CONFIGS
 
 #: tensors skipped at each step: counts drift apart, a pattern repeats (steps 3-4 replay step
 #: 2's works), every tensor steps again at a count of its own (step 6), two stay behind
@@ -33,26 +21,6 @@ SKIPS = [(), (0,), (1,), (1,), (1,), (4,), (), (2, 3), (0, 2)]
 
 def _sizes(device) -> list[int]:
     return [33, 64, 1, 100, 31] if device.type == "cpu" else [33, 4095, 1, 65537, 31]
-
-
-class _Launches:
-    """Counts the fused kernel launches (host scalars, or per-tensor words) and the tensors
-    each covered."""
-
-    def __init__(self, monkeypatch, ops) -> None:
-        self.calls: list[tuple[str, int]] = []
-        for name in ("launch", "launch_hyper"):
-            original = getattr(ops.PreparedStep, name)
-
-            def spy(this, *a, _original=original, _name=name, **k):
-                self.calls.append((_name, this.n_slots))
-                return _original(this, *a, **k)
-
-            monkeypatch.setattr(ops.PreparedStep, name, spy)
-
-    def take(self) -> list[tuple[str, int]]:
-        out, self.calls = self.calls, []
-        return out
 
 
 def _same(opts, models, step) -> None:
@@ -85,9 +53,9 @@ def _run(models, opts, skips, dtype, *, move: bool, check=None) -> None:
             check(step)
 
 
-@pytest.mark.parametrize(("rule", "dtype", "master", "moments", "hyper"), CASES)
+@pytest.mark.parametrize(("rule", "master", "moments", "dtype", "hyper"), RULE_CONFIGS)
 def test_the_counts_of_a_group_run_in_one_launch(
-    ops, device, monkeypatch, rule, dtype, master, moments, hyper
+    launches, ops, device, rule, dtype, master, moments, hyper
 ):
     """One group at several step counts: one launch per step, on ordinary steps and replays,
     with the torch backend's bits; every tensor ends at its own count."""
@@ -97,7 +65,6 @@ def test_the_counts_of_a_group_run_in_one_launch(
     kw = dict(rule=rule, master=master, moments=moments, **hyper)
     opts = [MemOptimizer(models[0], backend="triton", **kw)]
     opts.append(MemOptimizer(models[1], backend="torch", **kw))
-    launches = _Launches(monkeypatch, ops)
 
     def check(step):
         stepping = len(base) - len(SKIPS[step])
@@ -114,7 +81,7 @@ def test_the_counts_of_a_group_run_in_one_launch(
     assert [int(opts[0].state[p]["step"]) for p in models[0]] == [7, 6, 7, 8, 8]
 
 
-def test_moved_gradients_and_several_groups(ops, device, monkeypatch):
+def test_moved_gradients_and_several_groups(launches, ops, device, monkeypatch):
     """Gradients at new addresses every step, and three param groups of one family: each
     group's counts run as one share of the family's merged launch (one launch per step), with
     each group's own scalars."""
@@ -134,7 +101,6 @@ def test_moved_gradients_and_several_groups(ops, device, monkeypatch):
         MemOptimizer(groups(ps), master="ecc24", moments="q8", backend=b, weight_decay=0.1)
         for ps, b in zip(models, ("triton", "torch"), strict=True)
     ]
-    launches = _Launches(monkeypatch, ops)
     skips = [(), (0, 5), (1, 9), (1,), (4, 5, 6), (), (2, 8)]
 
     def check(step):
@@ -179,7 +145,7 @@ def _works(device, n_counts=3):
     return out
 
 
-def test_works_of_one_arena_equal_their_launches_apart(ops, device, monkeypatch):
+def test_works_of_one_arena_equal_their_launches_apart(launches, ops, device):
     """fused_steps over works of one arena (slots in no particular order across works): one
     launch, the bits of each work stepped alone (fused_step), state included; with index bases
     on one work, the union keeps each tensor's own."""
@@ -187,7 +153,6 @@ def test_works_of_one_arena_equal_their_launches_apart(ops, device, monkeypatch)
     wa[1] = dataclasses.replace(wa[1], index_bases=[5000])
     wb[1] = dataclasses.replace(wb[1], index_bases=[5000])
     wa = [wa[2], wa[0], wa[1]]  # counts handed over in any order
-    launches = _Launches(monkeypatch, ops)
     done: list[int] = []
     ops.fused_steps(wa, done=done.append)
     assert launches.take() == [("launch_hyper", 4)]
@@ -201,7 +166,7 @@ def test_works_of_one_arena_equal_their_launches_apart(ops, device, monkeypatch)
             assert torch.equal(t, ab.fields[name][key]), (name, key)
 
 
-def test_works_stepping_one_tensor_twice_run_one_after_the_other(ops, device, monkeypatch):
+def test_works_stepping_one_tensor_twice_run_one_after_the_other(launches, ops, device):
     """Two works of one arena over the same tensor (two steps of it, queued by a direct
     caller) cannot share a launch: they run apart, in order, as fused_step runs them."""
     outs = []
@@ -212,7 +177,6 @@ def test_works_stepping_one_tensor_twice_run_one_after_the_other(ops, device, mo
         )
         outs.append((params, [first, dataclasses.replace(twice, grads=list(first.grads))]))
     (pa, wa), (pb, wb) = outs
-    launches = _Launches(monkeypatch, ops)
     ops.fused_steps(wa)
     assert [name for name, _ in launches.take()] == ["launch", "launch"]
     for w in wb:
@@ -220,7 +184,7 @@ def test_works_stepping_one_tensor_twice_run_one_after_the_other(ops, device, mo
     assert torch.equal(pa[0], pb[0])
 
 
-def test_a_bad_tensor_in_a_union_is_refused_before_any_launch(ops, device, monkeypatch):
+def test_a_bad_tensor_in_a_union_is_refused_before_any_launch(launches, ops, device):
     """A gradient of another size in the second count's work: ConfigError naming the plan slot
     of the tensor, nothing launched, nothing written."""
     from memopt_core.errors import ConfigError
@@ -228,7 +192,6 @@ def test_a_bad_tensor_in_a_union_is_refused_before_any_launch(ops, device, monke
     (pa, _, wa), _ = _works(device)
     before = [p.clone() for p in pa]
     wa[1].grads[0] = torch.zeros(2, device=device)
-    launches = _Launches(monkeypatch, ops)
     with pytest.raises(ConfigError, match=r"plan slot 1"):
         ops.fused_steps(wa)
     assert launches.take() == []

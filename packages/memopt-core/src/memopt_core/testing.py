@@ -29,6 +29,7 @@ __all__ = [
     "MASTERS",
     "MASTER_IDS",
     "PRESETS",
+    "RULE_CONFIGS",
     "VARIANTS",
     "Fsdp2Job",
     "Group",
@@ -74,6 +75,17 @@ VARIANTS = {
     "sgdw-mom": ("sgdw", dict(lr=0.05, momentum=0.8, weight_decay=0.1, maximize=True)),
     "lion": ("lion", dict(lr=1e-3, weight_decay=0.1, initial_lr=2e-3)),
 }
+
+#: One configuration per optimizer rule, the formats spread across them: (rule, master,
+#: moments, parameter dtype, hyperparameters beyond the rule's defaults). What the tests of a
+#: backend's paths that run several works at once (step counts, prepared steps) run each of.
+RULE_CONFIGS = [
+    ("adamw", "ecc24", "q8", torch.bfloat16, {}),
+    ("adam", "fp32", "fp8", torch.float32, {"weight_decay": 0.01}),
+    ("lion", "ecc32", "bf16", torch.bfloat16, {}),
+    ("sgd", "none", "fp32", torch.float16, {"momentum": 0.9, "nesterov": True}),
+    ("sgdw", "fp32", "q8", torch.float32, {"momentum": 0.9}),
+]
 
 #: optimizer rule -> (backend rule, decoupled)
 RULE_KINDS = {
