@@ -31,7 +31,9 @@ Runtime settings of the compiled module, re-exported here: :func:`supported_isas
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -1050,10 +1052,10 @@ def _merged_call(members: list[tuple[int, _Prepared, dict]]) -> None:
     tables = [prep.table for _, prep, _ in members]
     counts = [prep.n for _, prep, _ in members]
     table = torch.cat(tables)
-    # from a list: half the time of torch.repeat_interleave at a dozen works of a dozen rows
-    row_variant = torch.tensor(
-        [k for k, n in enumerate(counts) for _ in range(n)], dtype=torch.int32, device="cpu"
-    )
+    # through an array (a list converted to a tensor took 48 us at 13 works of 13 rows, this
+    # 28 us; torch.repeat_interleave took longer still at that size)
+    indices = itertools.chain.from_iterable(itertools.repeat(k, n) for k, n in enumerate(counts))
+    row_variant = torch.frombuffer(array("i", indices), dtype=torch.int32)
     variants: list[float] = []
     for _, _, config in members:
         variants += (float(config["first_step"]), float(config["step"]), *config["scalars"])

@@ -36,6 +36,7 @@ import itertools
 import numbers
 import os
 import struct
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -1965,16 +1966,13 @@ _MERGED_CACHE = 8
 def _merged_cached(plan, kind: str, parts: tuple, build: Callable[[], Any]) -> Any:
     """``build()`` for the family ``plan``, cached on the identity of ``parts`` (objects, and
     ints and tuples by value; the cached value holds the objects, so their ids stay theirs)."""
-    lru: OrderedDict = plan.cache(("triton_merged", kind), OrderedDict)
+    lru = plan.cache(("triton_merged", kind), lambda: _TableCache(_MERGED_CACHE, sys.maxsize))
     key = tuple(p if type(p) in (int, tuple) else id(p) for p in parts)
     hit = lru.get(key)
     if hit is not None:
-        lru.move_to_end(key)
         return hit[0]
     value = build()
-    lru[key] = (value, parts)
-    while len(lru) > _MERGED_CACHE:
-        lru.popitem(last=False)
+    lru.put(key, (value, parts), 0)  # bounded in entries only
     return value
 
 
