@@ -129,6 +129,34 @@ def test_capturable_equals_host_step(device, name):
     assert all(mine.state[p]["step"].device.type == torch.device(device).type for p in dev_p)
 
 
+@pytest.mark.parametrize("name", list(NORMALIZED_STEPS))
+def test_an_edited_count_on_the_device_converts_like_the_host_one(device, name):
+    """Counts on the device, advanced there by the kernels, then edited in place
+    (``state[p]["step"].zero_()``) and by assignment: the decay-normalized second moments are
+    converted to the new counts, as for the host counters of core's torch backend, bit for
+    bit, and never converted when nothing was edited (replays of the cached device step)."""
+    dtype = CONFIGS[name][3]
+    n = NORMALIZED_STEPS[name]
+    ref_p = _params(dtype, "cpu")
+    dev_p = _params(dtype, device)
+    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
+    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    for step in range(1, n + 9):
+        skip = (0, 3) if step == 2 else ()
+        _grads(ref_p, step, skip=skip)
+        _grads(dev_p, step, skip=skip)
+        for opt, ps in ((ref, ref_p), (mine, dev_p)):
+            if step == n - 3:
+                opt.state[ps[1]]["step"].zero_()
+                opt.state[ps[4]]["step"].fill_(2)
+            elif step == n + 4:
+                opt.state[ps[2]]["step"] = torch.tensor(1.0, device=ps[2].device)
+            opt.step()
+        _assert_same(ref, ref_p, mine, dev_p, f"{name} step {step}")
+    steps = [float(mine.state[p]["step"]) for p in dev_p]
+    assert steps == [n + 7.0, 12.0, 6.0, n + 7.0, 14.0]
+
+
 def test_state_dict_round_trip_keeps_counting(device):
     """Step counters survive state_dict/load_state_dict (they are rebuilt as device views)."""
     ref_p, dev_p = _params(torch.bfloat16, "cpu"), _params(torch.bfloat16, device)

@@ -196,6 +196,17 @@ class _Entry:
     # views): a state the user deleted, replaced or put other tensors in is seen by comparing
     states: list[ParamState] = field(default_factory=list)
     held: list[dict[str, Tensor]] = field(default_factory=list)
+    # Adam's decay-normalized second moments (q8/fp8: u = v / N, N read from each count): the
+    # counts the stored u were normalized with, row 1 of ``counts`` (row 0 is ``steps``, so a
+    # host step advances both in one operation), and the version of ``steps`` when the two
+    # last agreed. An in-place edit of a count (``state[p]["step"].zero_()``, torch users'
+    # restart of the bias corrections) changes the version, and
+    # :meth:`MemOptimizer._sync_step_edits` then converts u to the new count before the next
+    # step reads it (None: other formats, which store v and take any count)
+    counts: Tensor | None = None
+    norm_steps: Tensor | None = None
+    norm_version: int = -1
+    normalized: bool = False
 
     def holds_its_state(self, state: Mapping[Tensor, Any]) -> bool:
         """Whether every owner's state in ``state`` is still the dict and tensors it was."""
@@ -1009,6 +1020,9 @@ class MemOptimizer(Optimizer):
         self._norm_writes_seen = self._writes.n
         for gi, gp in self._plans.items():
             if not all(e.holds_its_state(self.state) for e in gp.entries):
+                if gi < len(self.param_groups):  # the rebuild copies the moments as they are
+                    for e in gp.entries:
+                        self._sync_step_edits(gi, e, adopting=True)
                 gp.signature = None  # rebuilt by _ensure_all_plans
                 if adopt_norms:
                     self._norm_beta2[gi] = _group_beta2(self.param_groups, gi)
@@ -1059,6 +1073,12 @@ class MemOptimizer(Optimizer):
         self._writes_seen = self._writes.n
 
     def _ensure_all_plans(self, trainable: bool) -> None:
+        # a rebuild below copies each state's count and moments as they are: a count edited
+        # in place converts its moments first
+        for gi, gp in self._plans.items():
+            if gi < len(self.param_groups):
+                for e in gp.entries:
+                    self._sync_step_edits(gi, e)
         reindexed = False
         # a rebuilt group leaves its family arena (memopt_core.plan.family_arenas): the family's
         # other groups are rebuilt with it, so that no dead region of the old storage stays
@@ -1334,6 +1354,7 @@ class MemOptimizer(Optimizer):
                     owners,
                     bases if any(bases) else None,
                     sharded=any(map(is_dtensor, owners)),
+                    normalized=self._kind == "adam" and plan.spec.decay_normalized,
                 )
             )
         for p, state in new_states.items():
@@ -1476,44 +1497,127 @@ class MemOptimizer(Optimizer):
         return 1.0 if beta2 is None else reference.decay_norm(beta2, int(step))
 
     def _sync_decay_norm(self, gi: int) -> None:
-        """Before group ``gi`` steps: where its beta2 changed since its normalized second
-        moments were written (a scheduler, a loaded version-1 state dict), re-encode them with
-        the current beta2's normalization (``v = u * N_old`` rounded to fp32, ``v / N_new``
-        rounded toward zero, then the format's encode to nearest)."""
+        """Before group ``gi`` steps: where a step count was edited (:meth:`_sync_step_edits`)
+        or its beta2 changed since its normalized second moments were written (a scheduler, a
+        loaded version-1 state dict), re-encode them with the normalization of the current
+        count and beta2 (``v = u * N_old`` rounded to fp32, ``v / N_new`` rounded toward zero,
+        then the format's encode: to nearest for an edited count, as a decoded state dict's
+        load does, stochastically for a beta2 change)."""
         old = self._normalizing_beta2(gi)
         if old is None:
             return
+        gp = self._plans.get(gi)
+        if gp is not None:
+            for entry in gp.entries:
+                self._sync_step_edits(gi, entry)
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
         if old != new:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                # captured, the re-encoding would run again at every replay
-                raise ConfigError(
-                    f"param group {gi}'s beta2 changed to {new} since its second moments were "
-                    f"last written (with {old}), and a CUDA graph capture cannot hold their "
-                    "one-time conversion: take one eager step with the new beta2 before "
-                    "capturing"
-                )
-            codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+            self._refuse_conversion_in_capture(
+                f"param group {gi}'s beta2 changed to {new} since its second moments were "
+                f"last written (with {old})",
+                "take one eager step with the new beta2",
+            )
             sr = bool(group["stochastic_rounding"])
             tensor_ids = self._tensor_index()
-            with torch.no_grad():
-                for p in group["params"]:
-                    st = self.state.get(p)
-                    keys = {sfx: state_key("exp_avg_sq", sfx) for sfx in codec.fields}
-                    if not st or "step" not in st or not all(k in st for k in keys.values()):
-                        continue  # no state yet, or states written from outside: _ensure_plans
-                    k = int(float(st["step"]))
-                    fields = {sfx: st[key] for sfx, key in keys.items()}
-                    u = conversions.decode_moment(
-                        codec, {s: f.reshape(-1) for s, f in fields.items()}
-                    )
-                    v = conversions.denormalize_second_moment(u, reference.decay_norm(old, k))
-                    u = conversions.normalize_second_moment(v, reference.decay_norm(new, k))
-                    rand = self._conversion_words(p, tensor_ids[id(p)], u, k) if sr else None
-                    for sfx, x in conversions.encode_moment(codec, u, rand=rand).items():
-                        fields[sfx].copy_(x.reshape(fields[sfx].shape))
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st is None or "step" not in st:
+                    continue  # no state yet: the first step builds it
+                k = int(float(st["step"]))
+                rand = (
+                    functools.partial(self._conversion_words, p, tensor_ids[id(p)], step=k)
+                    if sr
+                    else None
+                )
+                self._renormalize(group, st, (old, k), (new, k), rand)
         self._norm_beta2[gi] = new
+
+    @staticmethod
+    def _refuse_conversion_in_capture(what: str, fix: str) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # captured, the one-time conversion would run again at every replay
+            raise ConfigError(
+                f"{what}, and a CUDA graph capture cannot hold the one-time conversion of "
+                f"the second moments: {fix} before capturing"
+            )
+
+    def _renormalize(
+        self,
+        group: Mapping[str, Any],
+        st: Mapping[str, Any],
+        old: tuple[float, int],
+        new: tuple[float, int],
+        rand: Callable[[Tensor], Tensor] | None,
+    ) -> None:
+        """Re-encode the second moments in ``st`` (a parameter's state in ``group``) stored as
+        ``u = v / N(beta2, count)`` for ``old`` as those for ``new`` (``rand``: the words of a
+        stochastic encode, from the decoded ``u``; None: to nearest). A state without them
+        (written from outside: :meth:`_ensure_plans` adopts it) is left as it is."""
+        codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+        keys = {sfx: state_key("exp_avg_sq", sfx) for sfx in codec.fields}
+        if not all(k in st for k in keys.values()):
+            return
+        fields = {sfx: st[key] for sfx, key in keys.items()}
+        with torch.no_grad():
+            u = conversions.decode_moment(codec, {s: f.reshape(-1) for s, f in fields.items()})
+            v = conversions.denormalize_second_moment(u, reference.decay_norm(*old))
+            u = conversions.normalize_second_moment(v, reference.decay_norm(*new))
+            codes = conversions.encode_moment(codec, u, rand=None if rand is None else rand(u))
+            for sfx, x in codes.items():
+                fields[sfx].copy_(x.reshape(fields[sfx].shape))
+
+    def _sync_step_edits(self, gi: int, entry: _Entry, adopting: bool = False) -> None:
+        """Convert the second moments of ``entry`` (param group ``gi``) whose step count was
+        edited since they were normalized with it: ``state[p]["step"].zero_()`` in place, or
+        (``adopting``: :meth:`_adopt_state_writes`, before the rebuild that takes the states
+        as they are) a new count put in the state. Without this, the stored ``u`` would be read
+        against the new count's ``N``: ``v`` rescaled silently, up to 256-fold. A state whose
+        second moments were replaced too is the writer's, normalized with its count. O(1)
+        while no count was edited: the counters' version is unchanged."""
+        norm, steps = entry.norm_steps, entry.steps
+        if norm is None or steps is None:
+            return
+        if not adopting and steps._version == entry.norm_version:
+            return
+        # (a GPU's counters: one synchronisation, after an edit or a move only)
+        was = norm.tolist()
+        now = steps.tolist()
+        edits = []
+        for si, (p, mine, held) in enumerate(
+            zip(entry.owners, entry.states, entry.held, strict=True)
+        ):
+            if adopting:
+                if self.state.get(p) is not mine:
+                    continue  # a new state: the writer's
+                if any(mine.get(k) is not t for k, t in held.items() if k.startswith("exp_avg_sq")):
+                    continue  # its second moments replaced: normalized with its own count
+                count = conversions.saved_step_count(mine.get("step"))
+                if count is None:
+                    continue  # no count, or not one: the rebuild refuses it
+                now[si] = count
+            if now[si] != was[si]:
+                if not (now[si] >= 0 and float(now[si]).is_integer()):  # NaN fails both
+                    raise ConfigError(
+                        f"state['step'] of {self._param_label(p)} was set to {now[si]}: a step "
+                        "count is a whole number >= 0 (its q8/fp8 second moment is stored for "
+                        "its count, and converted to an edited one)"
+                    )
+                edits.append((si, mine))
+        if edits:
+            self._refuse_conversion_in_capture(
+                f"a step count of param group {gi} was edited since its second moments were "
+                "last written",
+                "take one eager step",
+            )
+            beta2 = self._normalizing_beta2(gi)
+            if beta2 is not None:  # None: the group's moments are another format now (rebuilt)
+                group = self.param_groups[gi]
+                for si, st in edits:
+                    self._renormalize(group, st, (beta2, int(was[si])), (beta2, int(now[si])), None)
+        if not adopting:
+            norm.copy_(steps)
+            entry.norm_version = steps._version
 
     def _conversion_words(self, p: Tensor, tensor_id: int, u: Tensor, step: int) -> Tensor:
         """Stochastic-rounding words of a re-encoding of ``p``'s second moments ``u`` at step
@@ -1695,15 +1799,15 @@ class MemOptimizer(Optimizer):
                     return []
                 amp = None
         works: list[tuple[Any, backends.GroupStep]] = []
-        counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
-        # after it ran; None for a device step, which advances its own)
+        counters: list[_Entry] = []  # each work's entry (a host work's counters advance after
+        # it ran; a device step advances its own)
         for gi, entry, spec, backend, part in resolved:
             group = self.param_groups[gi]
             if on_device:
                 works.append(
                     (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
                 )
-                counters.append(None)
+                counters.append(entry)
                 continue
             steps = self._entry_steps(entry, [si for si, _, _ in part])
             counts = steps.tolist()  # one read for the whole entry
@@ -1730,12 +1834,16 @@ class MemOptimizer(Optimizer):
                 for p, st in zip(work.params, work.staging, strict=True):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
-            if work.device_step is None:  # a device step advanced its counters itself
-                counted = counters[i]
-                assert counted is not None  # None only for a device step's work
-                self._count_step(counted, work)
+            if work.device_step is None:
+                self._count_step(counters[i], work)
+            else:  # a device step advanced its counters itself
+                device_counted.append(counters[i])
 
-        _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
+        device_counted: list[_Entry] = []
+        try:
+            _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
+        finally:
+            self._device_counted(device_counted)
         self._check_step_limit(w for _, w in works if w.device_step is None)
         return works
 
@@ -1765,17 +1873,44 @@ class MemOptimizer(Optimizer):
     @staticmethod
     def _count_step(entry: _Entry, work: backends.GroupStep) -> None:
         """Advance the host step counters of ``work``'s parameters (views of ``entry.steps``)."""
-        steps, views = entry.steps, entry.step_views
+        steps, views, counts = entry.steps, entry.step_views, entry.counts
         # the work's counts were read through _entry_steps, which holds both
         assert steps is not None
         assert views is not None
-        if work.full:
+        if counts is not None:  # the counts of the stored second moments advance with them
+            if work.full:
+                counts.add_(1)
+            elif len(work.slots) <= 8:
+                for si in work.slots:
+                    counts[:, si].add_(1)
+            else:
+                counts[:, torch.tensor(work.slots, device="cpu")] += 1
+            entry.norm_version = steps._version
+        elif work.full:
             steps.add_(1)
         elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
             for si in work.slots:
                 views[si].add_(1)
         else:
             steps[torch.tensor(work.slots, device="cpu")] += 1
+
+    @staticmethod
+    def _device_counted(entries: Iterable[_Entry]) -> None:
+        """After device steps of ``entries`` (their kernels advanced the counters, which no
+        version counter sees): their decay-normalized second moments are normalized with
+        them. Every count was synced before the step (:meth:`_sync_step_edits`), so a copy of
+        all of them is right, whichever subset stepped; one copy call for the step (a launch
+        per param group would cost the host microseconds each)."""
+        held = {id(e): e for e in entries if e.norm_steps is not None}
+        if not held:
+            return
+        pairs = [(cast(Tensor, e.norm_steps), cast(Tensor, e.steps)) for e in held.values()]
+        if len(pairs) == 1:
+            pairs[0][0].copy_(pairs[0][1])
+        else:
+            torch._foreach_copy_([n for n, _ in pairs], [s for _, s in pairs])
+        for e in held.values():
+            e.norm_version = cast(Tensor, e.steps)._version
 
     def _check_before_update(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -1902,6 +2037,17 @@ class MemOptimizer(Optimizer):
 
     def _hold_steps(self, entry: _Entry, steps: Tensor) -> Tensor:
         """Make ``steps`` ``entry``'s counters: each state's ``step`` becomes a view of it."""
+        if entry.normalized:
+            # row 1: the counts the second moments were normalized with. They moved to the
+            # other device (the same counts), or are read from the states for the first time
+            # (a new plan's: its moments were normalized with them); a count edited since is
+            # converted at the next sync, which compares the rows
+            norm = entry.norm_steps
+            counts = torch.empty((2, steps.numel()), dtype=steps.dtype, device=steps.device)
+            counts[0].copy_(steps)
+            counts[1].copy_(steps if norm is None else norm)
+            entry.counts, steps, entry.norm_steps = counts, counts[0], counts[1]
+            entry.norm_version = -1 if norm is not None else steps._version
         entry.steps = steps
         entry.step_views = [steps[i] for i in range(len(entry.owners))]
         for p, v, held in zip(entry.owners, entry.step_views, entry.held, strict=True):
@@ -2334,9 +2480,15 @@ class MemOptimizer(Optimizer):
             backends.mark_written(e.work.param_owners)
             if e.work.device_step is None:
                 self._count_step(e.counters, e.work)
+            else:  # a device step advanced its counters itself
+                device_counted.append(e.counters)
 
+        device_counted: list[_Entry] = []
         works = [(e.backend, e.work) for e in entries]
-        _run_works(works, [e.prepared for e in entries], launch, ran)
+        try:
+            _run_works(works, [e.prepared for e in entries], launch, ran)
+        finally:
+            self._device_counted(device_counted)
         self._check_step_limit(e.work for e in entries if e.work.device_step is None)
 
     @property
