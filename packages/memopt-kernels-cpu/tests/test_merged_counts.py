@@ -214,3 +214,30 @@ def test_skipped_steps_take_one_call_per_step(monkeypatch, rule, master, moments
             sp, sq = opts[0].state[p], opts[1].state[q]
             assert all(torch.equal(sp[k], sq[k]) for k in sq), step
     assert [int(opts[0].state[p]["step"]) for p in models[0]] == [7, 5, 7, 7, 7]
+
+
+def test_prepared_works_are_checked_apart_once_per_set(monkeypatch):
+    """A merged call of prepared works (core's cached step) checks that one work's gradient is
+    no other work's parameter when that set of prepared steps first runs together, not at
+    every replay; a work prepared again (its gradients moved) is checked again, and refused
+    where it now shares memory."""
+    a, _ = _pair("adam", "fp32", "fp32", torch.float32, {})
+    grads = make_grads(a, 1)
+    works = [group_step(a, grads, 3, [0, 2]), group_step(a, grads, 5, [1, 4])]
+    prepared = [ops.prepare_step(w) for w in works]
+    checks = []
+    real = ops._check_apart
+    monkeypatch.setattr(ops, "_check_apart", lambda ws: checks.append(len(ws)) or real(ws))
+    for _ in range(3):
+        ops.fused_steps(works, prepared)
+    assert checks == [2]
+    works[0].grads[0] = a.params[4].detach()[:33]  # now a view of the other work's parameter
+    prepared[0] = ops.prepare_step(works[0])  # alone, it passes its own check
+    before = group_state(a)
+    with pytest.raises(ConfigError, match="share memory"):
+        ops.fused_steps(works, prepared)
+    assert checks == [2, 2]
+    _same(before, group_state(a))
+    with pytest.raises(ConfigError, match="share memory"):
+        ops.fused_steps(works, [None, prepared[1]])  # unprepared: checked at every call
+    assert checks == [2, 2, 2]

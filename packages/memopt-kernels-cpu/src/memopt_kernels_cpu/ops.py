@@ -37,7 +37,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 from torch import Tensor
@@ -1015,10 +1015,35 @@ def fused_steps(
         if len(members) == 1:
             runs.append((first, functools.partial(_call, prep, config, []), [first]))
         else:
-            _check_apart([works[m[0]] for m in members])
+            _check_apart_once([works[m[0]] for m in members], [ready[m[0]] for m in members])
             runs.append((first, functools.partial(_merged_call, members), [m[0] for m in members]))
     for _, launch, indices in sorted(runs, key=lambda r: r[0]):
         launch_then_done(launch, indices, done)
+
+
+#: merged calls of prepared works whose memory was checked apart, per plan (a few)
+_APART_CACHE_SIZE = 4
+
+
+def _check_apart_once(works: list[GroupStep], prepared: list[PreparedStep | None]) -> None:
+    """:func:`_check_apart`, once per set of prepared works: core's cached step replays the
+    same :class:`PreparedStep` objects while every parameter and gradient stays where it was
+    prepared (it prepares a work again for gradients that moved), so their memory is apart as
+    it was (the check took 0.34 ms per replay over 170 tensors). The cache holds the prepared
+    steps themselves, so that an id is not reused by another."""
+    if any(p is None for p in prepared):
+        _check_apart(works)
+        return
+    checked: OrderedDict = works[0].plan.cache("cpu_apart_checked", OrderedDict)
+    key = tuple(map(id, prepared))
+    held = checked.get(key)
+    if held is not None and all(map(is_, held, prepared)):
+        checked.move_to_end(key)
+        return
+    _check_apart(works)
+    checked[key] = tuple(prepared)
+    while len(checked) > _APART_CACHE_SIZE:
+        checked.popitem(last=False)
 
 
 def _check_apart(works: list[GroupStep]) -> None:
