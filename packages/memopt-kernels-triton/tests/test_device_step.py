@@ -756,3 +756,35 @@ def test_bias_tables_of_cycled_betas_are_bounded_and_per_beta(monkeypatch):
         bc2_first = bc2 if bc2_first is None else bc2_first
         assert bc2 is bc2_first  # beta2's table is built once
         assert len(ops._BIAS_TABLES) <= ops._BIAS_KEEP
+
+
+@pytest.mark.parametrize("field", ["steps", "norm_steps"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda d: torch.zeros(4, dtype=torch.float64, device=d),
+        lambda d: torch.zeros(3, device=d),
+        lambda d: torch.zeros(8, device=d)[::2],
+        lambda d: [0.0] * 4,
+    ],
+    ids=["float64", "short", "strided", "list"],
+)
+def test_bad_device_counts_are_refused_before_any_launch(device, field, bad):
+    """A capturable step's counters (``steps``) and the record of the counts its second
+    moments are stored for (``norm_steps``) must each be a contiguous float32 tensor of one
+    count per plan slot on the group's device: anything else is refused, naming the field."""
+    from memopt_core.backends import DeviceStep
+    from memopt_core.formats import StateSpec
+    from memopt_core.testing import group_step, make_grads, make_group
+
+    group = make_group("adamw", StateSpec(moments="q8"), torch.float32, [33, 1, 64, 7], device)
+    work = group_step(group, make_grads(group, 1), 1)
+    steps = torch.zeros(4, device=device)
+    counts = {"steps": steps, "norm_steps": steps.clone()}
+    counts[field] = bad(device)
+    work.device_step = DeviceStep(lr=1e-3, betas=(0.9, 0.999), normalized=True, **counts)
+    before = [p.clone() for p in group.params]
+    with pytest.raises(ConfigError, match=f"device_step.{field} must be a contiguous float32"):
+        ops.fused_step(work)
+    assert all(torch.equal(a, b) for a, b in zip(before, group.params, strict=True))
+    assert torch.equal(steps, torch.zeros(4, device=device))

@@ -148,7 +148,10 @@ class DeviceStep:
     (``StateSpec.decay_normalized``); the backend computes Adam's ``beta2``,
     ``one_minus_beta2`` and ``bc2_sqrt`` words per tensor as
     :func:`memopt_core.reference.adam_scalars` does with ``normalized=True``, from
-    :func:`memopt_core.reference.decay_norm_table` at ``j = step % P``.
+    :func:`memopt_core.reference.decay_norm_table` at ``j = step % P``. ``norm_steps``
+    (None, or a tensor like ``steps``): the optimizer's record of the counts those moments are
+    stored for, which the backend advances exactly as ``steps`` (the same values, skipped
+    steps included), so that an edited count is seen against it without a copy per step.
     """
 
     steps: Tensor
@@ -160,6 +163,7 @@ class DeviceStep:
     decoupled: bool = False
     initial_lr: float | Tensor | None = None
     normalized: bool = False
+    norm_steps: Tensor | None = None
 
 
 @dataclass

@@ -198,11 +198,12 @@ class _Entry:
     held: list[dict[str, Tensor]] = field(default_factory=list)
     # Adam's decay-normalized second moments (q8/fp8: u = v / N, N read from each count): the
     # counts the stored u were normalized with, row 1 of ``counts`` (row 0 is ``steps``, so a
-    # host step advances both in one operation), and the version of ``steps`` when the two
-    # last agreed. An in-place edit of a count (``state[p]["step"].zero_()``, torch users'
-    # restart of the bias corrections) changes the version, and
-    # :meth:`MemOptimizer._sync_step_edits` then converts u to the new count before the next
-    # step reads it (None: other formats, which store v and take any count)
+    # host step advances both in one operation; a device step's kernels advance both:
+    # ``DeviceStep.norm_steps``), and the version of ``steps`` when the two last agreed. An
+    # in-place edit of a count (``state[p]["step"].zero_()``, torch users' restart of the bias
+    # corrections) changes the version, and :meth:`MemOptimizer._sync_step_edits` then
+    # converts u to the new count before the next step reads it (None: other formats, which
+    # store v and take any count)
     counts: Tensor | None = None
     norm_steps: Tensor | None = None
     norm_version: int = -1
@@ -1799,15 +1800,15 @@ class MemOptimizer(Optimizer):
                     return []
                 amp = None
         works: list[tuple[Any, backends.GroupStep]] = []
-        counters: list[_Entry] = []  # each work's entry (a host work's counters advance after
-        # it ran; a device step advances its own)
+        counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
+        # after it ran; None for a device step, which advances its own)
         for gi, entry, spec, backend, part in resolved:
             group = self.param_groups[gi]
             if on_device:
                 works.append(
                     (backend, self._device_work(gi, entry, spec, backend, part, staging, amp))
                 )
-                counters.append(entry)
+                counters.append(None)
                 continue
             steps = self._entry_steps(entry, [si for si, _, _ in part])
             counts = steps.tolist()  # one read for the whole entry
@@ -1834,16 +1835,12 @@ class MemOptimizer(Optimizer):
                 for p, st in zip(work.params, work.staging, strict=True):
                     if st is not None:
                         st.copy_(p.reshape(st.shape))
-            if work.device_step is None:
-                self._count_step(counters[i], work)
-            else:  # a device step advanced its counters itself
-                device_counted.append(counters[i])
+            if work.device_step is None:  # a device step advanced its counters itself
+                counted = counters[i]
+                assert counted is not None  # None only for a device step's work
+                self._count_step(counted, work)
 
-        device_counted: list[_Entry] = []
-        try:
-            _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
-        finally:
-            self._device_counted(device_counted)
+        _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
         self._check_step_limit(w for _, w in works if w.device_step is None)
         return works
 
@@ -1893,24 +1890,6 @@ class MemOptimizer(Optimizer):
                 views[si].add_(1)
         else:
             steps[torch.tensor(work.slots, device="cpu")] += 1
-
-    @staticmethod
-    def _device_counted(entries: Iterable[_Entry]) -> None:
-        """After device steps of ``entries`` (their kernels advanced the counters, which no
-        version counter sees): their decay-normalized second moments are normalized with
-        them. Every count was synced before the step (:meth:`_sync_step_edits`), so a copy of
-        all of them is right, whichever subset stepped; one copy call for the step (a launch
-        per param group would cost the host microseconds each)."""
-        held = {id(e): e for e in entries if e.norm_steps is not None}
-        if not held:
-            return
-        pairs = [(cast(Tensor, e.norm_steps), cast(Tensor, e.steps)) for e in held.values()]
-        if len(pairs) == 1:
-            pairs[0][0].copy_(pairs[0][1])
-        else:
-            torch._foreach_copy_([n for n, _ in pairs], [s for _, s in pairs])
-        for e in held.values():
-            e.norm_version = cast(Tensor, e.steps)._version
 
     def _check_before_update(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -1974,6 +1953,9 @@ class MemOptimizer(Optimizer):
             decoupled=decoupled,
             initial_lr=initial_lr,
             normalized=self._kind == "adam" and self._decay_normalized(group),
+            # the backend advances the record of the counts the moments are stored for with
+            # the counters (no copy follows the step; an edit is seen against it)
+            norm_steps=entry.norm_steps,
         )
 
     def _group_step(self, entry, spec, items, staging, scalars) -> backends.GroupStep:
@@ -2480,15 +2462,9 @@ class MemOptimizer(Optimizer):
             backends.mark_written(e.work.param_owners)
             if e.work.device_step is None:
                 self._count_step(e.counters, e.work)
-            else:  # a device step advanced its counters itself
-                device_counted.append(e.counters)
 
-        device_counted: list[_Entry] = []
         works = [(e.backend, e.work) for e in entries]
-        try:
-            _run_works(works, [e.prepared for e in entries], launch, ran)
-        finally:
-            self._device_counted(device_counted)
+        _run_works(works, [e.prepared for e in entries], launch, ran)
         self._check_step_limit(e.work for e in entries if e.work.device_step is None)
 
     @property

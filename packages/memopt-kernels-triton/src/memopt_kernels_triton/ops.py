@@ -2198,23 +2198,26 @@ def _prepare_device_step(
     dev = plan.device
     if not work.slots:
         return None
-    steps = ds.steps
-    if (
-        not isinstance(steps, Tensor)
-        or steps.dtype != torch.float32
-        or steps.shape != (len(plan.slots),)
-        or steps.device != dev
-        or not steps.is_contiguous()
-    ):
-        got = (
-            f"{steps.dtype}{tuple(steps.shape)} on {steps.device}"
-            if isinstance(steps, Tensor)
-            else type(steps).__name__
-        )
-        raise ConfigError(
-            f"device_step.steps must be a contiguous float32 tensor of {len(plan.slots)} counts "
-            f"(one per plan slot) on {dev}, got {got}"
-        )
+    for name in ("steps", "norm_steps"):
+        steps = getattr(ds, name)
+        if name == "norm_steps" and steps is None:
+            continue
+        if (
+            not isinstance(steps, Tensor)
+            or steps.dtype != torch.float32
+            or steps.shape != (len(plan.slots),)
+            or steps.device != dev
+            or not steps.is_contiguous()
+        ):
+            got = (
+                f"{steps.dtype}{tuple(steps.shape)} on {steps.device}"
+                if isinstance(steps, Tensor)
+                else type(steps).__name__
+            )
+            raise ConfigError(
+                f"device_step.{name} must be a contiguous float32 tensor of {len(plan.slots)} "
+                f"counts (one per plan slot) on {dev}, got {got}"
+            )
     _check_amp_tensor(ds.grad_scale, "grad_scale", dev)
     _check_amp_tensor(ds.found_inf, "found_inf", dev)
     return prepared if prepared is not None else prepare_step(work, config)
@@ -2263,6 +2266,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         (ceil_div(n, _WORDS_BLOCK),),
         words,
         ds.steps,
+        dummy if ds.norm_steps is None else ds.norm_steps,
         slots,
         n,
         *host,
@@ -2293,6 +2297,7 @@ def _device_words(work: GroupStep, words: Tensor) -> None:
         ILR=ilr is not None,
         ILR_PTR=ilr_t is not None,
         NORM=norm,
+        MIRROR=ds.norm_steps is not None,
         BLOCK=_WORDS_BLOCK,
     )
 

@@ -20,7 +20,9 @@ kernel runs before the rule kernel and, for the step's ``i``-th tensor (plan slo
   bias correction is 1.0), then ``(1 - beta2) / N[r]``;
 - ``inv_scale = float32(1 / float64(scale))`` when a GradScaler's scale is given
   (``GradScaler.unscale_``'s factor), else 1.0, and ``skip = found_inf != 0``;
-- advances ``steps[s]`` to ``k`` unless the step is skipped.
+- advances ``steps[s]`` to ``k`` unless the step is skipped, and with ``MIRROR``
+  ``norm_steps[s]`` the same way (core's record of the counts its decay-normalized second
+  moments are stored for, ``DeviceStep.norm_steps``: advanced here, no copy follows the step).
 
 ``lr`` arrives as the two int32 halves of its double's bits (Triton types a Python float argument
 as fp32), or with ``LR_PTR`` as a one-element float64 tensor read here, so that a captured graph
@@ -81,6 +83,7 @@ def _double(lo, hi):
 def device_words_kernel(
     out_ptr,
     steps_ptr,
+    norm_ptr,
     slots_ptr,
     n,
     w0,
@@ -119,6 +122,7 @@ def device_words_kernel(
     ILR: tl.constexpr,
     ILR_PTR: tl.constexpr,
     NORM: tl.constexpr,
+    MIRROR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -233,4 +237,7 @@ def device_words_kernel(
         _put(row, 7, (k == 1).to(tl.int32), mask)
         _put(row, 8, inv_bits, mask)
         _put(row, 9, skip, mask)
-    tl.store(steps_ptr + s, tl.where(skip != 0, cur, k_f), mask=mask)
+    counted = tl.where(skip != 0, cur, k_f)
+    tl.store(steps_ptr + s, counted, mask=mask)
+    if MIRROR:
+        tl.store(norm_ptr + s, counted, mask=mask)
