@@ -1510,7 +1510,9 @@ class MemOptimizer(Optimizer):
         gp = self._plans.get(gi)
         if gp is not None:
             for entry in gp.entries:
-                self._sync_step_edits(gi, entry)
+                steps = entry.steps  # the version check inline: it runs per group and step
+                if steps is not None and steps._version != entry.norm_version:
+                    self._sync_step_edits(gi, entry)
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
         if old != new:
