@@ -567,6 +567,17 @@ def test_a_version_1_state_dict_holds_v_and_loads_as_v(moments, compress):
         assert ((a - b).abs() <= tol * a.abs() + 2.0**-10 * a.abs().max()).all()
 
 
+def _train_bf16(model, opt, device, steps, start):
+    """``steps`` steps of a bfloat16 model with 12 inputs on a squared-output loss, batch ``t``
+    from seed ``t`` (from ``start``)."""
+    for t in range(start, start + steps):
+        gen = torch.Generator().manual_seed(t)
+        x = torch.randn(4, 12, generator=gen).to(device=device, dtype=torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
     """torch's get_optimizer_state_dict / set_optimizer_state_dict keep only 'state' and
     'param_groups': the memopt entry (rule, seed, version, compressed) travels in every saved
@@ -586,12 +597,7 @@ def test_torchs_state_dict_helpers_carry_the_seed_and_compressed_flag(device):
         return model, FlashAdamW(model.parameters(), **hyper)
 
     def train(model, opt, steps, start=0):
-        for t in range(start, start + steps):
-            gen = torch.Generator().manual_seed(t)
-            x = torch.randn(4, 12, generator=gen).to(device=device, dtype=torch.bfloat16)
-            model(x).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_bf16(model, opt, device, steps, start)
 
     straight, sopt = build(3)
     train(straight, sopt, 6)
@@ -1072,18 +1078,10 @@ def test_an_edited_step_count_equals_the_edit_of_a_decoded_state_dict(how, devic
         opt = FlashAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.994), compress_state_dict=False)
         return model, opt
 
-    def train(model, opt, steps, start):
-        for t in range(start, start + steps):
-            gen = torch.Generator().manual_seed(t)
-            x = torch.randn(4, 12, generator=gen).to(device=device, dtype=torch.bfloat16)
-            model(x).float().pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-
     runs = []
     for route in ("live", "dict"):
         model, opt = build()
-        train(model, opt, 100, 0)
+        _train_bf16(model, opt, device, 100, 0)
         if route == "dict":
             sd = opt.state_dict()
             for st in sd["state"].values():
@@ -1095,7 +1093,7 @@ def test_an_edited_step_count_equals_the_edit_of_a_decoded_state_dict(how, devic
                     opt.state[p]["step"].fill_(3)
                 else:
                     opt.state[p]["step"] = torch.tensor(3.0)
-        train(model, opt, 20, 100)
+        _train_bf16(model, opt, device, 20, 100)
         runs.append((list(model.parameters()), opt))
     (pa, oa), (pb, ob) = runs
     assert [int(oa.state[p]["step"]) for p in pa] == [23] * 4

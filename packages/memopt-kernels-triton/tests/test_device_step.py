@@ -81,6 +81,16 @@ def _optimizer(name, params, *, capturable, backend):
     )
 
 
+def _host_and_device(name, device):
+    """Config ``name`` on core's torch backend over CPU parameters (host counters) and on a
+    capturable Triton step over the same parameters on ``device``: (ref, ref params, mine,
+    device params)."""
+    dtype = CONFIGS[name][3]
+    ref_p, dev_p = _params(dtype, "cpu"), _params(dtype, device)
+    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
+    return ref, ref_p, _optimizer(name, dev_p, capturable=True, backend="triton"), dev_p
+
+
 def _grads(params, step, *, skip=()):
     gen = torch.Generator().manual_seed(1000 + step)
     for i, p in enumerate(params):
@@ -111,12 +121,8 @@ def test_capturable_equals_host_step(device, name):
     behind, so the rows of one launch hold different steps). Decay-normalized second moments
     (q8, fp8) over more than one period: the rows of one launch then also hold different
     ``j = step % P``, one of them 0 where the others are not."""
-    dtype = CONFIGS[name][3]
     n = NORMALIZED_STEPS.get(name, 4)
-    ref_p = _params(dtype, "cpu")
-    dev_p = _params(dtype, device)
-    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
-    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    ref, ref_p, mine, dev_p = _host_and_device(name, device)
     for step in range(1, n + 1):
         skip = (0, 3) if step == 2 else ()
         _grads(ref_p, step, skip=skip)
@@ -135,12 +141,8 @@ def test_an_edited_count_on_the_device_converts_like_the_host_one(device, name):
     (``state[p]["step"].zero_()``) and by assignment: the decay-normalized second moments are
     converted to the new counts, as for the host counters of core's torch backend, bit for
     bit, and never converted when nothing was edited (replays of the cached device step)."""
-    dtype = CONFIGS[name][3]
     n = NORMALIZED_STEPS[name]
-    ref_p = _params(dtype, "cpu")
-    dev_p = _params(dtype, device)
-    ref = _optimizer(name, ref_p, capturable=False, backend="torch")
-    mine = _optimizer(name, dev_p, capturable=True, backend="triton")
+    ref, ref_p, mine, dev_p = _host_and_device(name, device)
     for step in range(1, n + 9):
         skip = (0, 3) if step == 2 else ()
         _grads(ref_p, step, skip=skip)
