@@ -38,6 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, is_
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -915,9 +916,7 @@ def _resolve(
     if prepared is None:
         prepared = _prepare(work, params, grads, stage, originals)
         if key is not None:
-            lru[key] = prepared
-            while len(lru) > _CACHE_SIZE:
-                lru.popitem(last=False)
+            _remember(lru, key, prepared, _CACHE_SIZE)
     else:
         lru.move_to_end(key)
     return prepared, config, copies, grads
@@ -1041,9 +1040,14 @@ def _check_apart_once(works: list[GroupStep], prepared: list[PreparedStep | None
         checked.move_to_end(key)
         return
     _check_apart(works)
-    checked[key] = tuple(prepared)
-    while len(checked) > _APART_CACHE_SIZE:
-        checked.popitem(last=False)
+    _remember(checked, key, tuple(prepared), _APART_CACHE_SIZE)
+
+
+def _remember(lru: OrderedDict, key: Any, value: Any, size: int) -> None:
+    """Put ``value`` in the least-recently-used cache ``lru``, holding at most ``size``."""
+    lru[key] = value
+    while len(lru) > size:
+        lru.popitem(last=False)
 
 
 def _check_apart(works: list[GroupStep]) -> None:
