@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from memopt_core import ConfigError, MemOptimizer, conversions, reference
+from memopt_core import ConfigError, MemOptimizer, StateDictError, conversions, reference
 from memopt_core.formats import MOMENT_PRESETS, StateSpec, moment_codec
 
 N = 512
@@ -278,7 +278,9 @@ def test_a_beta2_schedule_keeps_v_tracking(moments):
 @pytest.mark.parametrize("moments", ["q8", "fp8"])
 def test_the_step_limit_advice_keeps_v(moments):
     """The 2**24 warning's advice, a count with the same remainder modulo ``P``, keeps ``v`` bit
-    for bit; 2**23 itself (the advice until 2026-12-06) read ``v`` 0.14x at beta2 0.999."""
+    for bit; 2**23 itself (the advice until 2026-12-06) read ``v`` 0.14x at beta2 0.999 until
+    the dict recorded the count its moments are stored for (``decay_norm_step``): now it is
+    converted, ``v`` kept within one re-encoding's rounding."""
     p = torch.zeros(N, requires_grad=True)
     opt = MemOptimizer([p], rule="adamw", lr=1e-3, moments=moments, backend="torch")
     p.grad = torch.ones(N)
@@ -301,6 +303,9 @@ def test_the_step_limit_advice_keeps_v(moments):
     assert 2**23 <= int(opt.state[p]["step"]) < 2**23 + period
     torch.testing.assert_close(_v(opt, p), v_before, rtol=0, atol=0)
     sd["state"][0]["step"] = torch.tensor(float(2**23))
+    opt.load_state_dict(sd)
+    assert 0.95 < (_v(opt, p) / v_before).mean().item() < 1.05
+    del sd["state"][0]["decay_norm_step"]  # a dict of stop 66 or before: read as stored for 2**23
     opt.load_state_dict(sd)
     assert (_v(opt, p) / v_before).mean().item() < 0.5
 
@@ -419,3 +424,133 @@ def test_an_edited_count_that_is_no_count_is_refused(bad):
     ):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+def _trained_q(moments: str, steps: int = 100) -> tuple[torch.nn.Parameter, MemOptimizer]:
+    """A parameter and its optimizer after ``steps`` steps at beta2 0.95 (the same bits at
+    every call)."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(N, generator=gen))
+    opt = MemOptimizer([p], lr=1e-3, betas=(0.9, 0.95), moments=moments)
+    for _ in range(steps):
+        p.grad = torch.randn(N, generator=gen)
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("how", ["in a copy", "in place", "through torch.save"])
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_a_count_edited_in_a_state_dict_is_converted(moments, how, tmp_path):
+    """A state dict records the count each q8/fp8 second moment is stored for
+    (``decay_norm_step``, a view of the optimizer's record that its steps advance): a count
+    edited in the dict before ``load_state_dict`` is converted as the same edit in the
+    optimizer is, bit for bit. Without the record, the stored ``u`` was read against the new
+    count: ``v`` 169x (0.95**-100) here, silently."""
+    p, opt = _trained_q(moments)
+    v_before = _v(opt, p)
+    sd = opt.state_dict()
+    assert int(sd["state"][0]["decay_norm_step"]) == 100
+    if how == "in place":
+        sd["state"][0]["step"].zero_()  # the live dict's count is the optimizer's own
+    else:
+        sd = copy.deepcopy(sd)
+        sd["state"][0]["step"] = torch.tensor(0.0)
+        if how == "through torch.save":
+            torch.save(sd, tmp_path / "sd.pt")
+            sd = torch.load(tmp_path / "sd.pt")
+    q = torch.nn.Parameter(torch.zeros(N))
+    loaded = MemOptimizer([q], lr=1e-3, betas=(0.9, 0.95), moments=moments)
+    loaded.load_state_dict(sd)
+    assert int(loaded.state[q]["step"]) == 0
+    p2, edited = _trained_q(moments)
+    edited.state[p2]["step"].zero_()
+    edited.settle_state()
+    assert torch.equal(_v(loaded, q), _v(edited, p2))
+    assert 0.9 < (_v(loaded, q) / v_before).mean().item() < 1.1
+
+
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_a_count_edited_after_a_load_is_converted(moments):
+    """A count edited in place after ``load_state_dict`` and before the first step (the
+    loaded optimizer's counters were read only at that step, so its record took the edited
+    count) is converted too: the bits of the same edit without the reload."""
+    p, opt = _trained_q(moments)
+    q = torch.nn.Parameter(p.detach().clone())
+    loaded = MemOptimizer([q], lr=1e-3, betas=(0.9, 0.95), moments=moments)
+    loaded.load_state_dict(opt.state_dict())
+    loaded.state[q]["step"].zero_()
+    opt.state[p]["step"].zero_()
+    for o in (loaded, opt):
+        o.settle_state()
+    assert torch.equal(_v(loaded, q), _v(opt, p))
+    g = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    for o, x in ((loaded, q), (opt, p)):
+        x.grad = g.clone()
+        o.step()
+    assert torch.equal(_v(loaded, q), _v(opt, p))
+    assert torch.equal(q.detach(), p.detach())
+
+
+def test_a_state_dict_held_across_steps_converts_nothing(monkeypatch):
+    """The dict's record is live, as its counts and moments are: a dict taken, then held
+    while the optimizer steps (and so advances counts, moments and record together), loads
+    with no conversion. Decoded dicts and formats that store ``v`` hold no record."""
+    p, opt = _trained_q("q8", 10)
+    sd = opt.state_dict()
+    for _ in range(3):
+        p.grad = torch.randn(N)
+        opt.step()
+    assert int(sd["state"][0]["step"]) == int(sd["state"][0]["decay_norm_step"]) == 13
+    calls = []
+    monkeypatch.setattr(MemOptimizer, "_renormalize", lambda *a: calls.append(a))
+    opt.load_state_dict(sd)
+    assert calls == []
+    b = torch.nn.Parameter(torch.randn(N))
+    bf16 = MemOptimizer([b], lr=1e-3, moments="bf16")
+    b.grad = torch.randn(N)
+    bf16.step()
+    assert "decay_norm_step" not in bf16.state_dict()["state"][0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 2.5, "7"])
+def test_a_count_record_that_is_no_count_is_refused(bad):
+    """A ``decay_norm_step`` that is no count is refused before anything is loaded, naming
+    the parameter."""
+    p, opt = _trained_q("q8", 3)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["decay_norm_step"] = bad if isinstance(bad, str) else torch.tensor(bad)
+    before = _v(opt, p)
+    with pytest.raises(StateDictError, match=r"'decay_norm_step' of parameter index 0 .*number"):
+        opt.load_state_dict(sd)
+    assert torch.equal(_v(opt, p), before)
+
+
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_a_count_edited_in_a_written_state_or_before_a_pickle_is_converted(moments):
+    """Two other ways a count edit reaches a copy of the state: a state dict entry written
+    into ``optimizer.state`` (ZeroRedundancyOptimizer's load writes them) with its count
+    edited, converted at the rebuild that adopts it; and a count edited in place before a
+    pickle or deepcopy, whose copy builds its counters from the counts it holds. Both give the
+    bits of the edit made in the optimizer."""
+    p, ref = _trained_q(moments)
+    ref.state[p]["step"].zero_()
+    ref.settle_state()
+    want = _v(ref, p)
+    p1, opt = _trained_q(moments)
+    entry = copy.deepcopy(opt.state_dict()["state"][0])
+    entry["step"] = torch.tensor(0.0)
+    opt.state[p1] = entry
+    opt.init_state()  # adopts it now, as the next step would
+    assert "decay_norm_step" not in opt.state[p1]
+    assert torch.equal(_v(opt, p1), want)
+    p2, opt = _trained_q(moments)
+    opt.state[p2]["step"].zero_()
+    for copied in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        (q,) = copied.param_groups[0]["params"]
+        copied.settle_state()
+        assert torch.equal(_v(copied, q), want)
+    bad = copy.deepcopy(opt.state_dict()["state"][0])
+    bad["decay_norm_step"] = torch.tensor(-3.0)
+    opt.state[p2] = bad
+    with pytest.raises(ConfigError, match=r"state\['decay_norm_step'\] of parameter #0 .*whole"):
+        opt.init_state()

@@ -110,7 +110,11 @@ def test_state_dict_format_and_dtypes_survive_loading():
         "exp_avg_sq_scale",
         "master_code",
         "param_shape",
+        "decay_norm_step",
     }
+    # the count the q8 second moment is stored for: the optimizer's live record
+    assert st["decay_norm_step"].item() == 2
+    assert "decay_norm_step" not in opt.state[params[0]]
     assert st["param_shape"].dtype == torch.int64
     assert st["param_shape"].tolist() == [4, 8]
     assert sd["state"][1]["param_shape"].tolist() == [5]

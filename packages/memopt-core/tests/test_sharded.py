@@ -180,7 +180,10 @@ def test_state_dict_of_a_sharded_parameter_is_global_and_loads_back(mesh, shape)
         opt.step()
     sd = opt.state_dict()
     st = sd["state"][0]
-    assert all(isinstance(v, DTensor) for k, v in st.items() if k not in ("step", "param_shape"))
+    plain = ("step", "param_shape", "decay_norm_step")
+    assert all(isinstance(v, DTensor) for k, v in st.items() if k not in plain)
+    assert not isinstance(st["decay_norm_step"], DTensor)
+    assert st["decay_norm_step"].item() == 2
     assert st["param_shape"].tolist() == list(shape)  # the global shape, a plain tensor
     n = w.numel()
     r = n // shape[0]
@@ -206,8 +209,9 @@ def test_state_dict_of_a_sharded_parameter_is_global_and_loads_back(mesh, shape)
     fresh.init_state()
     loaded = fresh.state_dict()
     for k, v in loaded["state"][0].items():
-        if k not in ("step", "param_shape"):
+        if k not in plain:
             v.to_local().copy_(snapshot[k])  # what dcp.load does in place
+    loaded["state"][0]["decay_norm_step"].copy_(snapshot["decay_norm_step"])
     loaded["state"][0]["step"] = snapshot["step"]
     fresh.load_state_dict(loaded)
     for k, v in opt.state[w].items():

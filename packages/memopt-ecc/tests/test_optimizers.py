@@ -1068,23 +1068,27 @@ def test_an_edited_step_count_equals_the_edit_of_a_decoded_state_dict(how, devic
     """``state[p]["step"].zero_()`` (torch users' restart of the bias corrections) or a new
     count put in the state, on q8 moments (stored ``u = v / beta2**(step % P)``): the next
     steps give the bits of the documented way around the normalization, the same edit made
-    in a decoded (``compress_state_dict=False``) dict and loaded. Before, ``u`` was read
-    against the new count: ``v`` 1.8x (0.994**-100) here, silently."""
+    in a decoded (``compress_state_dict=False``) dict and loaded, and the same edit in a
+    compressed dict (whose ``decay_norm_step`` records the count its codes are stored for).
+    Before, ``u`` was read against the new count: ``v`` 1.8x (0.994**-100) here, silently."""
 
-    def build():
+    def build(compress):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Linear(40, 5))
         model = model.to(device=device, dtype=torch.bfloat16)
-        opt = FlashAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.994), compress_state_dict=False)
+        opt = FlashAdamW(
+            model.parameters(), lr=1e-3, betas=(0.9, 0.994), compress_state_dict=compress
+        )
         return model, opt
 
     runs = []
-    for route in ("live", "dict"):
-        model, opt = build()
+    for route in ("live", "decoded dict", "compressed dict"):
+        model, opt = build(route == "compressed dict")
         _train_bf16(model, opt, device, 100, 0)
-        if route == "dict":
+        if route != "live":
             sd = opt.state_dict()
             for st in sd["state"].values():
+                assert ("decay_norm_step" in st) == (route == "compressed dict")
                 st["step"] = torch.tensor(3.0)
             opt.load_state_dict(sd)
         else:
@@ -1095,6 +1099,7 @@ def test_an_edited_step_count_equals_the_edit_of_a_decoded_state_dict(how, devic
                     opt.state[p]["step"] = torch.tensor(3.0)
         _train_bf16(model, opt, device, 20, 100)
         runs.append((list(model.parameters()), opt))
-    (pa, oa), (pb, ob) = runs
+    (pa, oa), *others = runs
     assert [int(oa.state[p]["step"]) for p in pa] == [23] * 4
-    assert_same_state(oa, pa, ob, pb)
+    for pb, ob in others:
+        assert_same_state(oa, pa, ob, pb)

@@ -154,6 +154,10 @@ _STEP_LIMIT = 2**24
 _CPU = torch.device("cpu")
 #: the state dict entry key recording the parameter's shape (the global shape of a sharded one)
 _PARAM_SHAPE = "param_shape"
+#: the state dict entry key recording the count a q8/fp8 second moment is stored for
+#: (``u = v / N(count)``): a live view of the counters' second row, so that a count edited in
+#: the dict before ``load_state_dict`` is seen and its moments converted, as in the optimizer
+_NORM_STEP_KEY = "decay_norm_step"
 #: rule kind -> the states it may keep
 _STATE_NAMES: dict[str, tuple[str, ...]] = {
     "adam": ("exp_avg", "exp_avg_sq"),
@@ -166,7 +170,7 @@ _CODE_KEY = "master_code"
 #: ``state[p]`` is the caller's (timm's Lookahead keeps ``lookahead_slow_buff`` there) and is
 #: kept through rebuilds and state dicts as torch keeps it
 _MEMOPT_KEYS = frozenset(
-    {"step", _CODE_KEY, _PARAM_SHAPE}
+    {"step", _CODE_KEY, _PARAM_SHAPE, _NORM_STEP_KEY}
     | {
         state_key(name, sfx)
         for names in _STATE_NAMES.values()
@@ -1345,6 +1349,8 @@ class MemOptimizer(Optimizer):
                 dict.update(state, views)
                 # the caller's own entries stay, as in torch (they were dropped at a rebuild)
                 dict.update(state, {k: v for k, v in prev.items() if k not in _MEMOPT_KEYS})
+                if _NORM_STEP_KEY in prev:
+                    self._convert_written_count(p, plan, prev, state)
                 new_states[p] = state
             bases = [index_base(p) for p in owners]
             entries.append(
@@ -1363,6 +1369,11 @@ class MemOptimizer(Optimizer):
         for entry in entries:
             entry.states = [new_states[p] for p in entry.owners]
             entry.held = [dict(s) for s in entry.states]
+            if entry.normalized:
+                # the counters now, not at the first step: a count edited before it (after
+                # load_state_dict or init_state) must differ from the one the moments were
+                # normalized with, which the counters' second row records from here on
+                self._entry_steps(entry)
         return entries
 
     def _drop_plan(self, gi: int) -> None:
@@ -2592,19 +2603,49 @@ class MemOptimizer(Optimizer):
         """:meth:`state_dict` before its post-hooks (they run on this finished dict)."""
         sd = self._sharded_state_dict(self._local_state_dict())
         state = sd["state"]
+        records = self._norm_step_records()
         for group, saved in zip(self.param_groups, sd["param_groups"], strict=True):
             for p, key in zip(group["params"], saved["params"], strict=True):
                 if key in state:
                     # a new entry: torch's state_dict() hands out the live self.state[p] dicts
                     shape = torch.tensor(tuple(p.shape), dtype=torch.int64, device="cpu")
                     state[key] = {**state[key], _PARAM_SHAPE: shape}
+                    record = records.get(id(p))
+                    # encoded second moments only (memopt-ecc's decoded ones are v, any count's)
+                    if record is not None and record[1] <= state[key].keys():
+                        state[key][_NORM_STEP_KEY] = record[0]
         return add_group_meta(sd)  # last: with what subclasses add (memopt-ecc's compressed)
 
-    def _local_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` with every state in the arena's local layout and no
-        ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
+    def _norm_step_records(self) -> dict[int, tuple[Tensor, set[str]]]:
+        """``{id(parameter): (its count record, its second moment's field keys)}`` for
+        :meth:`state_dict`'s ``decay_norm_step`` entries: the parameters whose q8/fp8 second
+        moments are held by a plan (the record is a view of its counters' second row, which
+        the steps advance with the counts, so a dict held across steps stays consistent)."""
+        out: dict[int, tuple[Tensor, set[str]]] = {}
+        for gp in self._plans.values():
+            for entry in gp.entries:
+                norm = entry.norm_steps
+                if norm is None:
+                    continue
+                for si, (p, mine, held) in enumerate(
+                    zip(entry.owners, entry.states, entry.held, strict=True)
+                ):
+                    keys = {k for k in held if k.startswith("exp_avg_sq")}
+                    if self.state.get(p) is mine and all(mine.get(k) is held[k] for k in keys):
+                        out[id(p)] = (norm[si], keys)
+        return out
+
+    def settle_state(self) -> None:
+        """Convert now what the next step would before reading ``self.state``: the q8/fp8
+        second moments of a group whose beta2 changed, or of a step count edited by hand, as
+        :meth:`state_dict` does. States written from outside are adopted (normalized with their
+        group's beta2) and copied into arenas at the next rebuild (the next step,
+        :meth:`init_state`), which converts a written entry's moments from its
+        ``decay_norm_step`` record. For code that reads ``self.state`` directly
+        (``memopt_checkpoint.to_torch_state_dict``); a group whose hyperparameters the next
+        step would refuse is left as it is. Returns None."""
         # a beta2 changed since a group's last step: its second moments convert now, as the
-        # next step would, so that the dict's follow its param groups' beta2 even where its
+        # next step would, so that a state dict's follow its param groups' beta2 even where its
         # record is lost (torch's flatten_optimizer_state_dict, ZeroRedundancyOptimizer). States
         # written from outside are adopted first (_adopt_state_writes: their group's beta2)
         self._adopt_state_writes()
@@ -2614,6 +2655,11 @@ class MemOptimizer(Optimizer):
             except ConfigError:
                 continue  # the next step refuses the group; its record says what it holds
             self._sync_decay_norm(gi)
+
+    def _local_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with every state in the arena's local layout and no
+        ``param_shape`` yet (extension point: memopt-ecc decodes moments here)."""
+        self.settle_state()
         sd = super().state_dict()
         sd[META_KEY] = {
             "rule": self.rule,
@@ -2809,7 +2855,9 @@ class MemOptimizer(Optimizer):
                     "param groups lists"
                 )
             gi, p = id_map[key]
-            new_state[p] = self._validated_state(p, gi, key, merged_groups[gi], entry)
+            new_state[p] = self._validated_state(
+                p, gi, key, merged_groups[gi], entry, norm_beta2[gi]
+            )
         # everything is valid: commit
         for group, merged in zip(self.param_groups, merged_groups, strict=True):
             group.clear()
@@ -2983,7 +3031,12 @@ class MemOptimizer(Optimizer):
                 "(were the parameters reordered, or the model changed, since it was saved?)"
             )
 
-    def _validated_state(self, p: Tensor, gi: int, key: Any, group: Mapping, entry: Any) -> dict:
+    def _validated_state(
+        self, p: Tensor, gi: int, key: Any, group: Mapping, entry: Any, norm_beta2: float
+    ) -> dict:
+        """``entry`` (the saved state of ``p``, param group ``gi``, index ``key``) checked against
+        ``group``'s format, as the state to load (:class:`StateDictError` naming what is wrong);
+        ``norm_beta2``: the beta2 its second moments are normalized with (0.0: ``v`` itself)."""
         label = f"parameter index {key!r} ({_describe_tensor(p)}, param group {gi})"
         if not isinstance(entry, Mapping):
             raise StateDictError(f"the state of {label} must be a dict, got {type(entry).__name__}")
@@ -3016,7 +3069,7 @@ class MemOptimizer(Optimizer):
                 f"the state of {label} lacks {missing} (the format master={spec.master!r}, "
                 f"moments={spec.moments!r} of rule {self.rule!r} stores {sorted(required)})"
             )
-        extra = sorted(set(entry) - required - {_PARAM_SHAPE}, key=str)
+        extra = sorted(set(entry) - required - {_PARAM_SHAPE, _NORM_STEP_KEY}, key=str)
         foreign = [k for k in extra if k not in _MEMOPT_KEYS]
         extra = [k for k in extra if k in _MEMOPT_KEYS]
         if extra:
@@ -3063,17 +3116,63 @@ class MemOptimizer(Optimizer):
                     "format writes (scales are 0..254): the state is corrupt or not memopt's"
                 )
             out[k] = t
+        if _NORM_STEP_KEY in entry:
+            self._convert_edited_count(out, entry[_NORM_STEP_KEY], group, norm_beta2, label)
         return out
 
+    def _convert_edited_count(
+        self, out: dict[str, Any], record: Any, group: Mapping, beta2: float, label: str
+    ) -> None:
+        """A state dict's q8/fp8 second moments in ``out`` are stored for the count in their
+        ``decay_norm_step`` ``record``. Where the dict's ``step`` was edited since it was saved,
+        copies of them are re-encoded for the new count, as an edit of the count in the
+        optimizer is (:meth:`_sync_step_edits`): read against the new count's ``N``, ``v`` would
+        be rescaled up to 256-fold, silently."""
+        was = int(self._validated_step(record, label, _NORM_STEP_KEY).item())
+        now = int(out["step"].item())
+        if was == now or beta2 == 0.0 or not self._decay_normalized(group):
+            return  # the same count; v itself (a version-1 dict); or another format's moments
+        codec = moment_codec(MOMENT_PRESETS[group["moments"]][1])
+        keys = [state_key("exp_avg_sq", sfx) for sfx in codec.fields]
+        if self._kind != "adam" or not all(k in out for k in keys):
+            return
+        for k in keys:  # the caller's dict keeps its tensors
+            out[k] = out[k].clone()
+        self._renormalize(group, out, (beta2, was), (beta2, now), None)
+
+    def _convert_written_count(
+        self, p: Tensor, plan: GroupPlan, prev: Mapping[str, Any], state: ParamState
+    ) -> None:
+        """A state dict entry written into ``self.state`` from outside (ZeroRedundancyOptimizer's
+        load writes them) and now copied into ``state``: its second moments are stored for its
+        ``decay_norm_step`` record, converted to its ``step`` where they differ, as
+        :meth:`load_state_dict` converts them."""
+        record = conversions.saved_step_count(prev[_NORM_STEP_KEY])
+        if record is None:
+            raise ConfigError(
+                f"state[{_NORM_STEP_KEY!r}] of {self._param_label(p)} is "
+                f"{prev[_NORM_STEP_KEY]!r}: the count its second moments are stored for is a "
+                "whole number >= 0"
+            )
+        beta2 = self._normalizing_beta2(plan.group_index)
+        count = int(float(state["step"]))
+        if beta2 is None or record == count:
+            return
+        codec = self._codec_of("exp_avg_sq", plan.spec)
+        if not all(state_key("exp_avg_sq", sfx) in prev for sfx in codec.fields):
+            return  # moments not written: the new ones are zero, any count's
+        group = self.param_groups[plan.group_index]
+        self._renormalize(group, state, (beta2, record), (beta2, count), None)
+
     @staticmethod
-    def _validated_step(step: Any, label: str) -> Tensor:
+    def _validated_step(step: Any, label: str, key: str = "step") -> Tensor:
         value = step
         if isinstance(value, Tensor):
             if value.numel() != 1 or value.is_complex() or value.is_meta:
-                raise StateDictError(f"'step' of {label} must be a single number, got {value!r}")
+                raise StateDictError(f"{key!r} of {label} must be a single number, got {value!r}")
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise StateDictError(f"'step' of {label} must be a number, got {step!r}")
+            raise StateDictError(f"{key!r} of {label} must be a number, got {step!r}")
         try:
             # counts are float32 tensors: 1e300 passed as finite and was stored as inf, which
             # every later step failed to convert
@@ -3082,12 +3181,15 @@ class MemOptimizer(Optimizer):
             whole = False
         if not whole:
             raise StateDictError(
-                f"'step' of {label} must be a whole number >= 0 that float32 holds, got {value}"
+                f"{key!r} of {label} must be a whole number >= 0 that float32 holds, got {value}"
             )
         return _step_tensor(value)
 
     # ------------------------------------------------------------------------ pickle, deepcopy
     def __getstate__(self) -> dict[str, Any]:
+        # an edited count's moments convert first, as state_dict() does: the copy's counters
+        # are built from the counts it holds, with no record of the old ones
+        self.settle_state()
         # compact copies of the state (views would pickle whole arenas once per view)
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for p, s in self.state.items():
