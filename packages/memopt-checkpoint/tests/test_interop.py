@@ -892,3 +892,28 @@ def test_sharded_parameters_are_refused_up_front(monkeypatch):
         load_torch_state_dict(opt, torch_sd)
     after = opt.state_dict()
     assert all(torch.equal(before["state"][1][k], after["state"][1][k]) for k in after["state"][1])
+
+
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_export_after_an_edited_count_converts_first(moments):
+    """A step count edited by hand before the export (``state[p]["step"].zero_()``): the
+    export converts the stored ``u`` to the new count first, as the next step would, and
+    hands out the ``v`` the optimizer holds (read against the new count's ``N``, it was
+    ``0.95**-60`` = 22x larger); so does a written entry's ``decay_norm_step``."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(40))
+    opt = MemOptimizer([p], lr=1e-3, betas=(0.9, 0.95), moments=moments)
+    for _ in range(60):
+        p.grad = torch.randn(40)
+        opt.step()
+    before = to_torch_state_dict(opt)["state"][0]["exp_avg_sq"]
+    written = copy.deepcopy(opt.state_dict()["state"][0])
+    opt.state[p]["step"].zero_()
+    after = to_torch_state_dict(opt)["state"][0]
+    assert int(after["step"]) == 0
+    assert 0.9 < (after["exp_avg_sq"] / before).mean().item() < 1.1
+    # a state dict entry written into optimizer.state (ZeroRedundancyOptimizer's load writes
+    # them), its count edited: read for the count its record says until the next step adopts it
+    written["step"] = torch.tensor(5.0)
+    opt.state[p] = written
+    assert torch.equal(to_torch_state_dict(opt)["state"][0]["exp_avg_sq"], before)

@@ -36,6 +36,8 @@ _UNREAD = -2.0  # a step count no checkpoint holds: the entry was not in it
 #: the ``memopt`` entry's list of each group's normalizing beta2 (memopt-core's version 2)
 _NORM_KEY = "decay_norm_beta2"
 _PARAM_SHAPE = "param_shape"
+#: the count a q8/fp8 second moment is stored for (memopt-core's record, since stop 67)
+_NORM_STEP = "decay_norm_step"
 #: the fields of the 'memopt' entry read from the checkpoint (None: not in it): core's, and
 #: AdamBridge's family, precision and clipping state
 _META_FIELDS = (
@@ -467,6 +469,16 @@ def check_dcp_load(
                 "init_state()"
             )
         missing = sorted(names - saved)
+        if _NORM_STEP in missing and set(missing) <= {_NORM_STEP, _PARAM_SHAPE}:
+            # a partial load would leave the live record, a view of the optimizer's own
+            # counters, beside the saved counts: the moments would then be converted from it
+            raise StateDictError(
+                f"the checkpoint holds no {_NORM_STEP!r} for {label}: an older memopt saved it "
+                "(its q8/fp8 second moments are stored for their saved 'step'). Delete that key "
+                "from every state entry of the dict given to dcp.load (for entry in "
+                f"sd[{key!r}]['state'].values(): entry.pop({_NORM_STEP!r}, None)); "
+                "load_state_dict then reads the moments as stored for their step"
+            )
         if missing and missing != [_PARAM_SHAPE]:  # param_shape: an older memopt, see below
             raise StateDictError(
                 f"the checkpoint holds no {missing} for {label} (saved with other "

@@ -180,6 +180,9 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     _refuse_sharded(optimizer, "to_torch_state_dict")
     kind = "adam" if cls is not torch.optim.SGD else "sgd"
     defaults = _torch_defaults(cls)
+    # q8/fp8 second moments of an edited step count or a changed beta2 convert first, as the
+    # next step would: read against the edited count's N, v would come out rescaled
+    optimizer.settle_state()
     state: dict[int, dict[str, Tensor]] = {}
     groups: list[dict[str, Any]] = []
     index = 0
@@ -311,7 +314,15 @@ def _export_entry(
                 f"{name!r}; it is not the state of an Adam optimizer"
             )
         if name == "exp_avg_sq":  # q8 / fp8 store u = v / N: torch's is v
-            x = conversions.denormalize_second_moment(x, optimizer.decay_norm(gi, int(step)))
+            # N of the count u is stored for: a state dict entry written into optimizer.state
+            # (ZeroRedundancyOptimizer's load), not adopted yet, records it
+            count = conversions.saved_step_count(entry.get("decay_norm_step", step))
+            if count is None:
+                raise StateDictError(
+                    f"the memopt state of parameter index {index} holds decay_norm_step "
+                    f"{entry['decay_norm_step']!r}, which is no step count"
+                )
+            x = conversions.denormalize_second_moment(x, optimizer.decay_norm(gi, count))
         out[name] = x
     return out
 
