@@ -1077,13 +1077,17 @@ class MemOptimizer(Optimizer):
         self._ensure_all_plans(trainable or only is not None)
         self._writes_seen = self._writes.n
 
-    def _ensure_all_plans(self, trainable: bool) -> None:
-        # a rebuild below copies each state's count and moments as they are: a count edited
-        # in place converts its moments first
+    def _sync_all_step_edits(self) -> None:
+        """:meth:`_sync_step_edits` of every entry of every group still in ``param_groups``."""
         for gi, gp in self._plans.items():
             if gi < len(self.param_groups):
                 for e in gp.entries:
                     self._sync_step_edits(gi, e)
+
+    def _ensure_all_plans(self, trainable: bool) -> None:
+        # a rebuild below copies each state's count and moments as they are: a count edited
+        # in place converts its moments first
+        self._sync_all_step_edits()
         reindexed = False
         # a rebuilt group leaves its family arena (memopt_core.plan.family_arenas): the family's
         # other groups are rebuilt with it, so that no dead region of the old storage stays
@@ -3188,8 +3192,9 @@ class MemOptimizer(Optimizer):
     # ------------------------------------------------------------------------ pickle, deepcopy
     def __getstate__(self) -> dict[str, Any]:
         # an edited count's moments convert first, as state_dict() does: the copy's counters
-        # are built from the counts it holds, with no record of the old ones
-        self.settle_state()
+        # are built from the counts it holds, with no record of the old ones (a changed beta2
+        # needs nothing: the record of the one they are normalized with is pickled)
+        self._sync_all_step_edits()
         # compact copies of the state (views would pickle whole arenas once per view)
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for p, s in self.state.items():
