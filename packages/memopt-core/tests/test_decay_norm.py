@@ -554,3 +554,51 @@ def test_a_count_edited_in_a_written_state_or_before_a_pickle_is_converted(momen
     opt.state[p2] = bad
     with pytest.raises(ConfigError, match=r"state\['decay_norm_step'\] of parameter #0 .*whole"):
         opt.init_state()
+
+
+@pytest.mark.parametrize("read", ["state_dict twice", "pickle", "deepcopy", "export"])
+def test_an_assigned_count_is_converted_once(read):
+    """A new count put in the state (``state[p]["step"] = torch.tensor(0.)``) is converted
+    when the state write is adopted, and not again by a later adoption before the rebuild:
+    ``state_dict()`` twice, a pickle or deepcopy, an export, then the step or a load of the
+    dict taken. Each converted the moments once more (``v`` 0.95**100 = 0.006x)."""
+    checkpoint = pytest.importorskip("memopt_checkpoint")
+    p, ref = _trained_q("q8")
+    ref.state[p]["step"].zero_()
+    ref.settle_state()
+    want = _v(ref, p)
+    p, opt = _trained_q("q8")
+    opt.state[p]["step"] = torch.tensor(0.0)
+    if read == "state_dict twice":
+        opt.state_dict()
+    elif read == "pickle":
+        pickle.loads(pickle.dumps(opt))
+    elif read == "deepcopy":
+        copy.deepcopy(opt)
+    else:
+        checkpoint.to_torch_state_dict(opt)
+    sd = copy.deepcopy(opt.state_dict())
+    assert int(sd["state"][0]["step"]) == int(sd["state"][0]["decay_norm_step"]) == 0
+    q = torch.nn.Parameter(p.detach().clone())
+    loaded = MemOptimizer([q], lr=1e-3, betas=(0.9, 0.95), moments="q8")
+    loaded.load_state_dict(sd)
+    opt.init_state()  # the rebuild that adopts the write
+    assert torch.equal(_v(opt, p), want)
+    assert torch.equal(_v(loaded, q), want)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -2.0, 0.5])
+@pytest.mark.parametrize("record", [True, False], ids=["with record", "without"])
+def test_a_written_state_whose_count_is_no_count_is_refused(bad, record):
+    """A state dict entry written into ``optimizer.state`` with a count that is none: a
+    ConfigError naming the parameter (NaN raised a bare ValueError deep in the step; a
+    negative or a fraction passed)."""
+    p, opt = _trained_q("q8", 5)
+    entry = copy.deepcopy(opt.state_dict()["state"][0])
+    entry["step"] = torch.tensor(bad)
+    if not record:
+        del entry["decay_norm_step"]
+    opt.state[p] = entry
+    p.grad = torch.randn(N)
+    with pytest.raises(ConfigError, match=r"state\['step'\] of parameter #0 .*whole number >= 0"):
+        opt.step()

@@ -473,8 +473,10 @@ def check_dcp_load(
             # a partial load would leave the live record, a view of the optimizer's own
             # counters, beside the saved counts: the moments would then be converted from it
             raise StateDictError(
-                f"the checkpoint holds no {_NORM_STEP!r} for {label}: an older memopt saved it "
-                "(its q8/fp8 second moments are stored for their saved 'step'). Delete that key "
+                f"the checkpoint holds no {_NORM_STEP!r} for {label}: an older memopt saved it, "
+                "or its state was written into optimizer.state by hand and not stepped before "
+                "the save (its q8/fp8 second moments are stored for their saved 'step'). Delete "
+                "that key "
                 "from every state entry of the dict given to dcp.load (for entry in "
                 f"sd[{key!r}]['state'].values(): entry.pop({_NORM_STEP!r}, None)); "
                 "load_state_dict then reads the moments as stored for their step"

@@ -1635,7 +1635,14 @@ class MemOptimizer(Optimizer):
                     self._renormalize(group, st, (beta2, int(was[si])), (beta2, int(now[si])), None)
         if not adopting:
             norm.copy_(steps)
-            entry.norm_version = steps._version
+        else:
+            # the adopted count replaced its view of row 0 until the rebuild: both rows now
+            # hold it, so that a second adoption (state_dict() twice, a pickle, an export, then
+            # the step) or the rebuild's own check converts nothing again
+            assert entry.counts is not None  # norm_steps is its row 1
+            for si, _ in edits:
+                entry.counts[:, si] = now[si]
+        entry.norm_version = steps._version
 
     def _conversion_words(self, p: Tensor, tensor_id: int, u: Tensor, step: int) -> Tensor:
         """Stochastic-rounding words of a re-encoding of ``p``'s second moments ``u`` at step
@@ -2027,12 +2034,19 @@ class MemOptimizer(Optimizer):
                     return steps
             elif all(state[p]["step"] is v for p, v in zip(owners, views, strict=True)):
                 return self._hold_steps(entry, steps.to(dev))
-        return self._hold_steps(
-            entry,
-            torch.stack(
-                [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]
-            ),
+        steps = torch.stack(
+            [self.state[p]["step"].to(dev, torch.float32).reshape(()) for p in entry.owners]
         )
+        # counts read from the states (new ones, or written from outside) are checked once here,
+        # not at every step: NaN failed deep in the step, a fraction or a negative passed
+        whole = torch.isfinite(steps) & (steps >= 0) & (steps == steps.floor())
+        if not bool(whole.all()):
+            si = int((~whole).nonzero()[0])
+            raise ConfigError(
+                f"state['step'] of {self._param_label(entry.owners[si])} is {float(steps[si])}: "
+                "a step count is a whole number >= 0"
+            )
+        return self._hold_steps(entry, steps)
 
     def _hold_steps(self, entry: _Entry, steps: Tensor) -> Tensor:
         """Make ``steps`` ``entry``'s counters: each state's ``step`` becomes a view of it."""
@@ -3158,8 +3172,13 @@ class MemOptimizer(Optimizer):
                 f"{prev[_NORM_STEP_KEY]!r}: the count its second moments are stored for is a "
                 "whole number >= 0"
             )
+        count = conversions.saved_step_count(state["step"])
+        if count is None:
+            raise ConfigError(
+                f"state['step'] of {self._param_label(p)} is {float(state['step'])}: a step "
+                "count is a whole number >= 0"
+            )
         beta2 = self._normalizing_beta2(plan.group_index)
-        count = int(float(state["step"]))
         if beta2 is None or record == count:
             return
         codec = self._codec_of("exp_avg_sq", plan.spec)
