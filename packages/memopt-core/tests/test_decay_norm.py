@@ -409,14 +409,18 @@ def test_counts_advanced_by_the_optimizer_convert_nothing(monkeypatch, device):
     assert calls == []
 
 
+@pytest.mark.parametrize("moments", ["q8", "fp32", "bf16"])
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 2.5, float("inf")])
-def test_an_edited_count_that_is_no_count_is_refused(bad):
+def test_an_edited_count_that_is_no_count_is_refused(bad, moments):
     """A count set in place to what no count is: refused before any write, naming the
-    parameter (its moments could not be converted to it)."""
+    parameter (q8: its moments could not be converted to it; fp32 and bf16 moments, which take
+    any count, raised a bare ValueError deep in the step for NaN and inf, and took a negative
+    or a fraction), also on a replayed step."""
     p = torch.nn.Parameter(torch.randn(N))
-    opt = MemOptimizer([p], lr=1e-3, moments="q8")
-    p.grad = torch.randn(N)
-    opt.step()
+    opt = MemOptimizer([p], lr=1e-3, moments=moments)
+    for _ in range(3):  # replays from the second step on
+        p.grad = torch.randn(N)
+        opt.step()
     before = p.detach().clone()
     opt.state[p]["step"].fill_(bad)
     with pytest.raises(

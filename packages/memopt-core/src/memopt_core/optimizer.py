@@ -203,14 +203,15 @@ class _Entry:
     # Adam's decay-normalized second moments (q8/fp8: u = v / N, N read from each count): the
     # counts the stored u were normalized with, row 1 of ``counts`` (row 0 is ``steps``, so a
     # host step advances both in one operation; a device step's kernels advance both:
-    # ``DeviceStep.norm_steps``), and the version of ``steps`` when the two last agreed. An
-    # in-place edit of a count (``state[p]["step"].zero_()``, torch users' restart of the bias
-    # corrections) changes the version, and :meth:`MemOptimizer._sync_step_edits` then
-    # converts u to the new count before the next step reads it (None: other formats, which
-    # store v and take any count)
+    # ``DeviceStep.norm_steps``). ``counts_version``: the version of ``steps`` when the
+    # optimizer last wrote or checked them (every format). An in-place edit of a count
+    # (``state[p]["step"].zero_()``, torch users' restart of the bias corrections) changes the
+    # version, and :meth:`MemOptimizer._sync_step_edits` then checks the counts and converts u
+    # to the new count before the next step reads it (``norm_steps`` None: other formats,
+    # which store v and take any count)
     counts: Tensor | None = None
     norm_steps: Tensor | None = None
-    norm_version: int = -1
+    counts_version: int = -1
     normalized: bool = False
 
     def holds_its_state(self, state: Mapping[Tensor, Any]) -> bool:
@@ -1519,15 +1520,15 @@ class MemOptimizer(Optimizer):
         count and beta2 (``v = u * N_old`` rounded to fp32, ``v / N_new`` rounded toward zero,
         then the format's encode: to nearest for an edited count, as a decoded state dict's
         load does, stochastically for a beta2 change)."""
-        old = self._normalizing_beta2(gi)
-        if old is None:
-            return
         gp = self._plans.get(gi)
         if gp is not None:
             for entry in gp.entries:
                 steps = entry.steps  # the version check inline: it runs per group and step
-                if steps is not None and steps._version != entry.norm_version:
+                if steps is not None and steps._version != entry.counts_version:
                     self._sync_step_edits(gi, entry)
+        old = self._normalizing_beta2(gi)
+        if old is None:
+            return
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
         if old != new:
@@ -1594,9 +1595,13 @@ class MemOptimizer(Optimizer):
         second moments were replaced too is the writer's, normalized with its count. O(1)
         while no count was edited: the counters' version is unchanged."""
         norm, steps = entry.norm_steps, entry.steps
-        if norm is None or steps is None:
+        if steps is None or (norm is None and adopting):
             return
-        if not adopting and steps._version == entry.norm_version:
+        if not adopting and steps._version == entry.counts_version:
+            return
+        if norm is None:  # counts edited in place, moments that take any: checked only
+            self._check_counts(entry, steps)
+            entry.counts_version = steps._version
             return
         # (a GPU's counters: one synchronisation, after an edit or a move only)
         was = norm.tolist()
@@ -1642,7 +1647,7 @@ class MemOptimizer(Optimizer):
             assert entry.counts is not None  # norm_steps is its row 1
             for si, _ in edits:
                 entry.counts[:, si] = now[si]
-        entry.norm_version = steps._version
+        entry.counts_version = steps._version
 
     def _conversion_words(self, p: Tensor, tensor_id: int, u: Tensor, step: int) -> Tensor:
         """Stochastic-rounding words of a re-encoding of ``p``'s second moments ``u`` at step
@@ -1906,14 +1911,16 @@ class MemOptimizer(Optimizer):
                     counts[:, si].add_(1)
             else:
                 counts[:, torch.tensor(work.slots, device="cpu")] += 1
-            entry.norm_version = steps._version
-        elif work.full:
-            steps.add_(1)
-        elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
-            for si in work.slots:
-                views[si].add_(1)
+            entry.counts_version = steps._version
         else:
-            steps[torch.tensor(work.slots, device="cpu")] += 1
+            if work.full:
+                steps.add_(1)
+            elif len(work.slots) <= 8:  # e.g. gradient release: cheaper than an index
+                for si in work.slots:
+                    views[si].add_(1)
+            else:
+                steps[torch.tensor(work.slots, device="cpu")] += 1
+            entry.counts_version = steps._version
 
     def _check_before_update(
         self, only: list[Tensor] | None, grads: Mapping[Tensor, Tensor] | None = None
@@ -2039,6 +2046,12 @@ class MemOptimizer(Optimizer):
         )
         # counts read from the states (new ones, or written from outside) are checked once here,
         # not at every step: NaN failed deep in the step, a fraction or a negative passed
+        self._check_counts(entry, steps)
+        return self._hold_steps(entry, steps)
+
+    def _check_counts(self, entry: _Entry, steps: Tensor) -> None:
+        """ConfigError naming the first parameter of ``entry`` whose count in ``steps`` is no
+        count (NaN, inf, negative, a fraction); one vectorized check."""
         whole = torch.isfinite(steps) & (steps >= 0) & (steps == steps.floor())
         if not bool(whole.all()):
             si = int((~whole).nonzero()[0])
@@ -2046,7 +2059,6 @@ class MemOptimizer(Optimizer):
                 f"state['step'] of {self._param_label(entry.owners[si])} is {float(steps[si])}: "
                 "a step count is a whole number >= 0"
             )
-        return self._hold_steps(entry, steps)
 
     def _hold_steps(self, entry: _Entry, steps: Tensor) -> Tensor:
         """Make ``steps`` ``entry``'s counters: each state's ``step`` becomes a view of it."""
@@ -2060,7 +2072,9 @@ class MemOptimizer(Optimizer):
             counts[0].copy_(steps)
             counts[1].copy_(steps if norm is None else norm)
             entry.counts, steps, entry.norm_steps = counts, counts[0], counts[1]
-            entry.norm_version = -1 if norm is not None else steps._version
+            entry.counts_version = -1 if norm is not None else steps._version
+        else:
+            entry.counts_version = steps._version
         entry.steps = steps
         entry.step_views = [steps[i] for i in range(len(entry.owners))]
         for p, v, held in zip(entry.owners, entry.step_views, entry.held, strict=True):
