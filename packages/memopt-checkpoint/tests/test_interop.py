@@ -760,6 +760,11 @@ BAD = {
         "not a torch.optim.AdamW state dict",
     ),
     "adam dict": (lambda sd: sd.update(_adam_dict()), "decoupled_weight_decay=False"),
+    # a bare TypeError (unhashable type: 'list') before (a helper's hunt, 2026-12-07)
+    "nested params": (
+        lambda sd: _set(sd, ["param_groups", 0, "params"], [[0]]),
+        r"'params' must be a list of parameter indices, got \[\[0\]\]",
+    ),
 }
 
 
@@ -790,11 +795,13 @@ def test_a_bad_torch_dict_is_refused_and_changes_nothing(case):
     load_torch_state_dict(my_opt, ref_opt.state_dict())
 
 
-def test_sgdw_refuses_torch_l2_decay():
+@pytest.mark.parametrize("wd", [0.01, torch.tensor([0.0, 0.0])], ids=["l2", "two elements"])
+def test_sgdw_refuses_torch_l2_decay(wd):
+    """(A weight decay of two elements raised a bare ValueError from float().)"""
     sd = _sgd_dict()
     model = Net()
     opt = MemOptimizer(model.parameters(), rule="sgdw", momentum=0.9)
-    sd["param_groups"][0]["weight_decay"] = 0.01
+    sd["param_groups"][0]["weight_decay"] = wd
     before = snapshot(opt, model)
     with pytest.raises(StateDictError, match="L2"):
         load_torch_state_dict(opt, sd)

@@ -283,6 +283,40 @@ def test_gradient_dtype_must_be_param_dtype_or_fp32():
         opt.step()
 
 
+@pytest.mark.parametrize("how", ["the same dict", "a copy sharing its params"])
+def test_a_group_appended_by_hand_to_param_groups_is_refused(how):
+    """A group appended to ``param_groups`` by hand (not through add_param_group) whose
+    parameters another group holds: its plan is new, and the check of a params list edited
+    by hand did not run for it, so both groups' launches updated the parameter at one count
+    (one more step moved it twice as far, its count read one step)."""
+    a, b = P(4), P(3)
+    opt = MemOptimizer([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad, b.grad = torch.ones(4), torch.ones(3)
+    opt.step()
+    g0 = opt.param_groups[0]
+    opt.param_groups.append(g0 if how == "the same dict" else dict(g0))
+    before = a.detach().clone()
+    with pytest.raises(
+        ConfigError, match=r"#0 of param group 0 and parameter #0 of param group 2 share"
+    ):
+        opt.step()
+    assert torch.equal(a.detach(), before)
+    assert opt.state[a]["step"].item() == 1
+
+
+def test_step_parameters_refuses_grads_and_staging_that_are_no_tensors():
+    """A gradient that is no tensor failed deep in the step (AttributeError
+    '_is_zerotensor'), a staging key that is no tensor in the message's label."""
+    w = P(64)
+    opt = MemOptimizer([w])
+    with pytest.raises(ConfigError, match=r"grads\[parameter #0 of param group 0 .*\] must be a "):
+        opt.step_parameters([w], grads={w: [1.0] * 64})
+    w.grad = torch.ones(64)
+    with pytest.raises(ConfigError, match=r"staging is keyed by the parameters .* got a key 'w'"):
+        opt.step_parameters([w], staging={"w": torch.zeros(64, dtype=torch.bfloat16)})
+    assert opt.state == {}
+
+
 def test_step_parameters_with_a_foreign_tensor():
     opt = MemOptimizer([P(3)])
     with pytest.raises(

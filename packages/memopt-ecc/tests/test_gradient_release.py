@@ -646,6 +646,26 @@ def test_a_pre_step_that_returns_no_bool_is_refused():
     handle.remove()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(pre_step=5), TypeError, r"pre_step must be a function .*got int"),
+        (dict(allow_unsynchronized="no"), ConfigError, r"allow_unsynchronized must be True or"),
+    ],
+)
+def test_a_pre_step_that_is_no_function_and_a_flag_that_is_no_bool_are_refused(
+    kwargs, error, message
+):
+    """Refused when release is enabled: a pre_step of 5 failed in the first backward's hook,
+    with that gradient dropped; "no" read as true and skipped the check of unsynchronized
+    models (a helper's hunt, 2026-12-07)."""
+    model = make_model("cpu")
+    opt = FlashAdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(error, match=message):
+        enable_gradient_release(model, opt, **kwargs)
+    assert not opt.gradient_release_active
+
+
 def test_a_load_under_release_creates_every_trainable_state_up_front():
     """Release creates the state up front (not in the first backward). A checkpoint of a run in
     which a parameter had no gradient yet holds no state for it (memopt creates it at the first

@@ -108,3 +108,18 @@ def test_bridge_refuses_a_master_of_another_dtype():
     sd["state"][k]["master"] = sd["state"][k]["master"].double()
     with pytest.raises(StateDictError, match="master"):
         AdamBridge(make_model(CPU).parameters(), lr=2e-3, precision="bf16").load_state_dict(sd)
+
+
+def test_a_state_dict_whose_params_are_no_keys_is_refused():
+    """A saved group's ``params`` holding a list: a bare TypeError (unhashable type) in the
+    host load before (a helper's hunt, 2026-12-07); now core's message, before any change."""
+    p = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    opt = AdamBridge([p], pin_memory=False)
+    p.grad = torch.ones_like(p)
+    opt.step_sync()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["params"] = [[0]]
+    q = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    fresh = AdamBridge([q], pin_memory=False)
+    with pytest.raises(StateDictError, match=r"'params' must be a list of parameter indices"):
+        fresh.load_state_dict(sd)

@@ -58,7 +58,11 @@ from memopt_core.formats import (
     MomentCodec,
     StateSpec,
 )
-from memopt_core.optimizer import MemOptimizer, require_memopt_optimizer
+from memopt_core.optimizer import (
+    MemOptimizer,
+    check_saved_param_lists,
+    require_memopt_optimizer,
+)
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
 from memopt_core.sharding import is_dtensor
 
@@ -398,6 +402,7 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
         raise StateDictError("the torch state dict's 'param_groups' must be a list")
     if not isinstance(saved_state, Mapping):
         raise StateDictError("the torch state dict's 'state' must be a dict")
+    check_saved_param_lists(state_dict)
     if len(saved_groups) != len(optimizer.param_groups):
         raise StateDictError(
             f"the torch state dict has {len(saved_groups)} param group(s), this optimizer has "
@@ -501,7 +506,12 @@ def _merged_group(
             )
     elif rule == "sgdw":
         wd = saved["weight_decay"]
-        if not isinstance(wd, (int, float, Tensor)) or float(_plain(wd)) != 0.0:
+        if (
+            isinstance(wd, bool)
+            or not isinstance(wd, (int, float, Tensor))
+            or (isinstance(wd, Tensor) and wd.numel() != 1)
+            or float(_plain(wd)) != 0.0
+        ):
             raise StateDictError(
                 f"{what} has weight_decay={wd!r}: torch.optim.SGD's decay is L2, which rule "
                 "'sgdw' (decoupled decay) does not apply; load it into rule 'sgd'"

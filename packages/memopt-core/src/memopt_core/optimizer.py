@@ -1149,11 +1149,11 @@ class MemOptimizer(Optimizer):
                 # quadratic)
                 self._index = None
                 reindexed = True
-                if cur is not None:
-                    # add_param_group's check, for a tensor appended by hand: one already held
-                    # by another group would be updated by both groups' launches and counted
-                    # once (one step counter per parameter)
-                    check_parameters_apart(labelled_parameters(self.param_groups), [])
+                # add_param_group's check, for a tensor appended by hand, or a group appended
+                # to param_groups by hand (the same dict twice, a copy sharing its params list:
+                # its plan is new): one already held by another group would be updated by both
+                # groups' launches and counted once (one step counter per parameter)
+                check_parameters_apart(labelled_parameters(self.param_groups), [])
             builds[gi] = (gi, group, members, names, formats, signature)
         for gi in builds:
             left |= self._families_of(gi)
@@ -2553,6 +2553,12 @@ class MemOptimizer(Optimizer):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
             )
+        for p, g in (grads or {}).items():
+            if not isinstance(g, Tensor):  # it failed deep in the step (no _is_zerotensor)
+                what = self._param_label(p) if isinstance(p, Tensor) else repr(p)
+                raise ConfigError(
+                    f"grads[{what}] must be a tensor (the gradient), got {type(g).__name__}"
+                )
         if found_inf is not None and (
             not isinstance(found_inf, Tensor)
             or found_inf.numel() != 1
@@ -2580,6 +2586,10 @@ class MemOptimizer(Optimizer):
             )
         wanted = {id(p) for p in params}
         for p, st in staging.items():
+            if not isinstance(p, Tensor):  # its label failed deep in the check
+                raise ConfigError(
+                    f"staging is keyed by the parameters being stepped, got a key {p!r}"
+                )
             if id(p) not in wanted:
                 raise ConfigError(
                     f"staging names {self._param_label(p)}, which is not among the parameters "
@@ -2802,7 +2812,7 @@ class MemOptimizer(Optimizer):
                 f"expected a state dict (a mapping), got {type(state_dict).__name__}"
             )
         loaded = run_load_pre_hooks(self, dict(state_dict))
-        _check_saved_param_lists(loaded)
+        check_saved_param_lists(loaded)
         self._check_param_shapes(loaded)  # first: before any layout conversion complains
         state_dict = self._prepare_loaded(self._localized(loaded))
         for key in ("state", "param_groups"):
@@ -3316,10 +3326,11 @@ def _from_bytes(t: Tensor, dtype: str) -> Tensor:
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-def _check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
+def check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
     """StateDictError unless every saved param group's ``params`` is a list of parameter keys
     (None, a number or nested lists raised a bare TypeError in the conversions before the
-    checks)."""
+    checks). For every loader of saved groups (memopt-checkpoint's torch interop,
+    memopt-offload's AdamBridge)."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, (list, tuple)):
         return  # the checks explain it

@@ -64,7 +64,7 @@ from memopt_core.hook_wrappers import (
     reject_unsynchronized,
     remove_hooks,
 )
-from memopt_core.optimizer import grad_dtype_ok
+from memopt_core.optimizer import check_bool, grad_dtype_ok
 
 __all__ = ["GradientReleaseHandle", "enable_gradient_release"]
 
@@ -378,6 +378,14 @@ def enable_gradient_release(
         or bucket_mb < 0
     ):
         raise ConfigError(f"bucket_mb must be a finite number of MiB >= 0, got {bucket_mb!r}")
+    # a string flag read as true skipped the check below; a pre_step that is no function
+    # failed in the first backward's hooks, with that gradient dropped
+    check_bool("allow_unsynchronized", allow_unsynchronized)
+    if pre_step is not None and not callable(pre_step):
+        raise TypeError(
+            f"pre_step must be a function (param, group) -> bool or None, got "
+            f"{type(pre_step).__name__}"
+        )
     reject_hook_wrappers(model, "enable_gradient_release()")
     if not allow_unsynchronized:
         reject_unsynchronized(model, "enable_gradient_release()", "pass allow_unsynchronized=True")

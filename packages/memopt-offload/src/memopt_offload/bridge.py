@@ -139,6 +139,7 @@ from memopt_core.optimizer import (
     MemOptimizer,
     adam_hyperparameters,
     check_bool,
+    check_saved_param_lists,
     real_as_float,
 )
 from memopt_core.plan import StateArena, own_storage
@@ -1888,6 +1889,8 @@ class AdamBridge(Optimizer):
         the top level, else from the param groups (torch's ``set_state_dict`` hands it over
         there; all must hold the same one); it never enters the live ``param_groups``."""
         state_dict = run_load_pre_hooks(self, state_dict)
+        if isinstance(state_dict, Mapping):
+            check_saved_param_lists(state_dict)
         meta, saved_groups = self._saved_groups(state_dict)
         if self._pending or self._inflight:
             self._finish()
