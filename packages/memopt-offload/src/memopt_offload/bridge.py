@@ -1889,9 +1889,8 @@ class AdamBridge(Optimizer):
         the top level, else from the param groups (torch's ``set_state_dict`` hands it over
         there; all must hold the same one); it never enters the live ``param_groups``."""
         state_dict = run_load_pre_hooks(self, state_dict)
-        if isinstance(state_dict, Mapping):
-            check_saved_param_lists(state_dict)
         meta, saved_groups = self._saved_groups(state_dict)
+        check_saved_param_lists(state_dict)  # the keys in them (a nested list: bare TypeError)
         if self._pending or self._inflight:
             self._finish()
         params = [p for g in self.param_groups for p in g["params"]]
