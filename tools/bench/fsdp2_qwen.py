@@ -33,9 +33,8 @@ import offload_e2e
 import qwen2_shape
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from memopt_core.testing import init_rank
+from memopt_core.testing import init_rank, leave_group, spawn_ranks
 
 ROWS = ("torch-adamw", "flash-adamw", "flash-adamw-release", "apexw-bf16")
 GIB = 2**30
@@ -129,8 +128,10 @@ def worker(rank: int, world: int, init_file: str, row: str, args: argparse.Names
             "params": sum(p.numel() for p in model.parameters()),
         }
         Path(args.tmp, f"{row}-rank{rank}.json").write_text(json.dumps(out))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,15 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         args.tmp = tmp
         for row in rows:
             init = Path(tmp, f"init-{row}")
+            files = [Path(tmp, f"{row}-rank{r}.json") for r in range(args.world)]
             try:
-                mp.spawn(worker, args=(args.world, str(init), row, args), nprocs=args.world)
+                # gloo now and then aborts a rank at teardown, after its work: spawn_ranks accepts
+                # that when every rank wrote its results (CI saw it in this script, 2026-12-07)
+                spawn_ranks(worker, (args.world, str(init), row, args), args.world, files)
             except Exception as exc:  # a failed row is reported, the others still run
                 results.append({"row": row, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 print(f"{row}: FAILED {exc}", file=sys.stderr)
                 continue
-            ranks = [
-                json.loads(Path(tmp, f"{row}-rank{r}.json").read_text()) for r in range(args.world)
-            ]
+            ranks = [json.loads(f.read_text()) for f in files]
             results.append(
                 {
                     "row": row,
