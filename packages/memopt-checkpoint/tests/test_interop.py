@@ -489,6 +489,29 @@ def test_decouple_lr_switched_on_by_hand_exports_before_its_first_step():
         to_torch_state_dict(opt)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("lr", -1.0, "learning rate"),
+        ("betas", (0.9, 1.0), "beta"),
+        ("eps", -1e-8, "invalid eps"),
+        ("moments", "q4", "unknown moment format 'q4'"),
+    ],
+)
+def test_an_export_refuses_group_values_the_step_refuses(key, value, message):
+    """A hand edit the next step would refuse was exported as it was (a helper's hunt,
+    2026-12-07): torch's load_state_dict checks nothing, and its step ran lr=-1 (ascent)."""
+    torch.manual_seed(4)
+    model = Net()
+    opt = MemOptimizer(model.parameters(), rule="adamw", moments="q8")
+    train(model, opt, 1)
+    opt.param_groups[0][key] = value
+    with pytest.raises(
+        ConfigError, match=rf"(?i){message}.*param group 0|param group 0.*{message}"
+    ):
+        to_torch_state_dict(opt)
+
+
 # ------------------------------------------------------------------------ mixed bf16 / fp32
 def _mixed_optimizer(kind: str, model: nn.Module) -> MemOptimizer:
     if kind == "flash":
@@ -748,6 +771,11 @@ BAD = {
     "meta moment": (
         lambda sd: _set(sd, ["state", 0, "exp_avg_sq"], sd["state"][0]["exp_avg_sq"].to("meta")),
         "'exp_avg_sq' of parameter index 0 .*on the meta device",
+    ),
+    # q8 stored it as its NaN code, and the next step made NaN weights (a helper's hunt)
+    "negative exp_avg_sq": (
+        lambda sd: sd["state"][2]["exp_avg_sq"].view(-1)[1].fill_(-1e-12),
+        "'exp_avg_sq' of parameter index 2 .*negative values",
     ),
     "memopt dict": (lambda sd: sd.update(memopt={"rule": "adamw"}), "optimizer.load_state_dict"),
     # a memopt state dict through torch's get_state_dict: the entry in the groups only

@@ -317,6 +317,23 @@ def test_step_parameters_refuses_grads_and_staging_that_are_no_tensors():
     assert opt.state == {}
 
 
+def test_step_parameters_refuses_grads_of_parameters_not_stepped():
+    """A gradient in ``grads`` for a parameter left out of ``params`` was dropped without a
+    word: the caller meant it to be used."""
+    a, b = P(64), P(32)
+    opt = MemOptimizer([a, b])
+    a.grad = torch.ones(64)
+    with pytest.raises(
+        ConfigError, match=r"grads names parameter #1 of param group 0 .* not among the param"
+    ):
+        opt.step_parameters([a], grads={b: torch.ones(32)})
+    with pytest.raises(ConfigError, match=r"grads is keyed by the parameters .* got a key 'b'"):
+        opt.step_parameters([a], grads={"b": torch.ones(32)})
+    assert opt.state == {}
+    opt.step_parameters([a], grads={a: torch.ones(64)})  # its own gradient: steps
+    assert opt.state[a]["step"].item() == 1
+
+
 def test_step_parameters_with_a_foreign_tensor():
     opt = MemOptimizer([P(3)])
     with pytest.raises(
@@ -771,3 +788,97 @@ def test_a_block_scale_byte_of_255_is_refused_at_load():
     with pytest.raises(StateDictError, match=r"'exp_avg_scale' .* block scale byte 255"):
         opt.load_state_dict(sd)
     assert torch.equal(opt.state[p]["exp_avg_scale"], before)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "fp8"])
+def test_a_negative_second_moment_is_refused_at_load(moments):
+    """An average of squares is never negative; torch loads one and its next step takes the
+    square root (NaN weights). -0.0 (what sqrt keeps) and a state of zeros load."""
+    p = P(64)
+    p.grad = torch.randn(64)
+    opt = MemOptimizer([p], moments=moments)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    sd = copy.deepcopy(opt.state_dict())
+    v = sd["state"][0]["exp_avg_sq"]
+    bits = v.view(torch.uint8) if v.element_size() == 1 else None
+    if bits is not None:  # float8 e5m2: the sign bit of a nonzero code (torch assigns no float8)
+        i = int(bits.nonzero()[0])
+        bits[i] |= 0x80
+    else:
+        v[3] = -1e-8
+    with pytest.raises(StateDictError, match=r"'exp_avg_sq' of parameter index 0 .* negative"):
+        opt.load_state_dict(sd)
+    for k, t in before.items():
+        assert torch.equal(opt.state[p][k], t), k
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg_sq"].view(torch.uint8 if bits is not None else v.dtype).zero_()
+    if bits is None:
+        sd["state"][0]["exp_avg_sq"][5] = -0.0
+    opt.load_state_dict(sd)  # zeros and -0.0 are second moments
+    p.grad = torch.randn(64)
+    opt.step()
+    assert torch.isfinite(p.detach()).all()
+
+
+def test_check_param_groups_raises_what_the_step_would():
+    a, b = P(8), P(8)
+    opt = MemOptimizer([{"params": [a]}, {"params": [b]}])
+    opt.check_param_groups()  # valid groups: nothing
+    opt.param_groups[1]["betas"] = (0.9, 1.5)
+    with pytest.raises(ConfigError, match=r"\(param group 1\)") as checked:
+        opt.check_param_groups()
+    a.grad, b.grad = torch.ones(8), torch.ones(8)
+    with pytest.raises(ConfigError) as stepped:
+        opt.step()
+    assert str(checked.value) == str(stepped.value)
+
+
+STAGING_OVERLAPS = {
+    # what the staging buffer of parameter a is: each copy overwrote it after the update (the
+    # torch backend); the cpu backend refused the call's own tensors, not a parameter held and
+    # not stepped
+    "a itself": lambda a, b, ga, gb: a.data,
+    "b, stepped": lambda a, b, ga, gb: b.data,
+    "b, held and not stepped": lambda a, b, ga, gb: b.data,
+    "a's gradient": lambda a, b, ga, gb: ga,
+    "b's gradient": lambda a, b, ga, gb: gb,
+    "half of b": lambda a, b, ga, gb: b.data.view(torch.bfloat16)[32:96],
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", list(STAGING_OVERLAPS))
+def test_staging_that_shares_memory_is_refused_before_any_write(backend, case):
+    if backend == "cpu":
+        pytest.importorskip("memopt_kernels_cpu")
+    a, b = P(64), P(64)
+    opt = MemOptimizer([a, b], lr=1e-2, backend=backend)
+    ga, gb = torch.randn(64), torch.randn(64)
+    params = [a] if case in ("a itself", "a's gradient", "b, held and not stepped") else [a, b]
+    grads = {p: g for p, g in ((a, ga), (b, gb)) if any(p is q for q in params)}
+    st = STAGING_OVERLAPS[case](a, b, ga, gb)
+    st = st if st.dtype == torch.bfloat16 else st.view(torch.bfloat16)[:64]
+    before = [t.detach().clone() for t in (a, b, ga, gb)]
+    with pytest.raises(ConfigError, match=r"staging of parameter #0 of param group 0 .* share"):
+        opt.step_parameters(params, grads=grads, staging={a: st})
+    for t, old in zip((a, b, ga, gb), before, strict=True):
+        assert torch.equal(t.detach(), old)
+    assert opt.state == {}
+
+
+def test_staging_checks_held_parameters_on_their_current_addresses():
+    """The held parameters' byte ranges are cached: a parameter added later, or moved, is seen."""
+    a, b = P(64), P(64)
+    opt = MemOptimizer([a], lr=1e-2)
+    a.grad = torch.randn(64)
+    opt.step_parameters([a], staging={a: torch.empty(64, dtype=torch.bfloat16)})
+    opt.add_param_group({"params": [b]})
+    with pytest.raises(ConfigError, match="share"):
+        opt.step_parameters([a], staging={a: b.data.view(torch.bfloat16)[:64]})
+    old = b.data
+    b.data = torch.randn(64)  # the cached range of b is stale: old is no parameter now
+    opt.step_parameters([a], staging={a: old.view(torch.bfloat16)[:64]})
+    assert torch.equal(old.view(torch.bfloat16)[:64], a.detach().to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="share"):
+        opt.step_parameters([a], staging={a: b.data.view(torch.bfloat16)[64:]})

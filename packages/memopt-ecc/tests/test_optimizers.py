@@ -673,6 +673,24 @@ def test_uncompressed_moment_that_does_not_fit_is_named():
         FlashAdamW([p]).load_state_dict(sd)
 
 
+@pytest.mark.parametrize("quantize", [True, False])
+def test_a_negative_decoded_second_moment_is_refused(quantize):
+    """q8 encoded a negative ``v`` as its NaN code, and the next step made NaN weights."""
+    p = torch.randn(8, 40).bfloat16().requires_grad_()
+    opt = FlashAdamW([p], compress_state_dict=False, quantize=quantize)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg_sq"][2, 3] = -1e-20
+    with pytest.raises(StateDictError, match=r"'exp_avg_sq' of parameter index 0 .*negative"):
+        opt.load_state_dict(sd)
+    for k, v in before.items():
+        assert torch.equal(opt.state[p][k], v), k
+    sd["state"][0]["exp_avg_sq"][2, 3] = -0.0  # what sqrt keeps: a second moment
+    opt.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("saved", ["bf16", "fp32"])
 def test_a_state_saved_for_a_parameter_of_the_other_dtype_says_so(saved):
     """A bf16 model's state (cast_model) loaded into an fp32 one, or the reverse: the message

@@ -184,6 +184,9 @@ def to_torch_state_dict(optimizer: MemOptimizer) -> dict[str, Any]:
     _refuse_sharded(optimizer, "to_torch_state_dict")
     kind = "adam" if cls is not torch.optim.SGD else "sgd"
     defaults = _torch_defaults(cls)
+    # hand-edited group values the next step would refuse: torch's load_state_dict checks
+    # none, and its step would run them (a negative lr ascends)
+    optimizer.check_param_groups()
     # q8/fp8 second moments of an edited step count or a changed beta2 convert first, as the
     # next step would: read against the edited count's N, v would come out rescaled
     optimizer.settle_state()
@@ -576,6 +579,8 @@ def _validated_entry(kind: str, key: Any, gi: int, p: Tensor, entry: Any) -> dic
                 f"state {name!r} of {label} has shape {tuple(value.shape)}; the parameter's is "
                 f"{tuple(p.shape)}"
             )
+        if name == "exp_avg_sq":  # torch loads a negative one; memopt's formats cannot hold it
+            conversions.check_second_moment(value, f"state {name!r} of {label}")
         out[name] = value
     return out
 

@@ -27,9 +27,11 @@ from torch import Tensor
 
 from memopt_core.errors import ConfigError
 from memopt_core.plan import element_offsets, overlaps_itself
+from memopt_core.sharding import is_dtensor
 
 __all__ = [
     "Label",
+    "addressable",
     "check_aliasing",
     "check_parameters_apart",
     "clear_of",
@@ -161,12 +163,10 @@ def check_aliasing(
         active.append(item)
 
 
-def _addressable(t: Tensor) -> bool:
+def addressable(t: Tensor) -> bool:
     """Whether ``t``'s memory can be compared: not sharded, not on meta, not a tensor subclass
     without storage (those are left to the step's own checks)."""
-    from memopt_core.sharding import is_dtensor
-
-    if is_dtensor(t) or t.device.type == "meta":
+    if is_dtensor(t) or t.is_meta:
         return False
     try:
         return t.data_ptr() != 0
@@ -222,7 +222,7 @@ def check_parameters_apart(
     from its own old value, so in the overlap one update would overwrite the other (the torch
     backend kept one of two silently). Used when a param group is added (core's optimizers and
     AdamBridge); sharded, meta and storage-less parameters are skipped."""
-    new = [(t, what) for t, what in new if _addressable(t)]
+    new = [(t, what) for t, what in new if addressable(t)]
     for t, what in new:
         if not t.is_contiguous() and overlaps_itself(t):
             raise ConfigError(
@@ -230,7 +230,7 @@ def check_parameters_apart(
                 "expanded tensor?): it cannot be updated in place; give it its own memory "
                 "(p.data = p.data.clone())"
             )
-    check_aliasing(new + [(t, what) for t, what in held if _addressable(t)], [])
+    check_aliasing(new + [(t, what) for t, what in held if addressable(t)], [])
 
 
 def sorted_extents(tensors: Sequence[Tensor]) -> tuple[list[int], list[int]] | None:

@@ -31,9 +31,11 @@ import torch
 from torch import Tensor
 
 from memopt_core import backends
+from memopt_core.errors import StateDictError
 from memopt_core.formats.base import ENCODE_SLICE, MasterCodec, MomentCodec
 
 __all__ = [
+    "check_second_moment",
     "codec_kernels",
     "decode_master",
     "decode_moment",
@@ -141,6 +143,25 @@ def encode_master_into(
         else partial(kernels.encode_master, codec.name, param_dtype=codec.param_dtype)
     )
     codec.encode_into(x, param, code, slice_elems=slice_elems, encode=encode)
+
+
+def check_second_moment(v: Tensor, what: str) -> None:
+    """:class:`StateDictError` naming ``what`` where the second moment ``v`` (stored values or
+    codes of any floating dtype, float8 included, whose sign is the value's) holds a value below
+    zero. An average of squares never is one, and a state dict that loads it (torch's
+    ``load_state_dict`` does) steps to NaN weights through its square root. -0.0 and NaN pass
+    (NaN is what a diverged run holds: the caller may want it back). In slices of
+    ``ENCODE_SLICE`` elements, so that a float8 tensor's float32 copy stays small."""
+    flat = v.detach().reshape(-1)
+    for i in range(0, flat.numel(), ENCODE_SLICE):
+        part = flat[i : i + ENCODE_SLICE]
+        if part.element_size() == 1:  # torch compares no float8
+            part = part.float()
+        if bool((part < 0).any()):
+            raise StateDictError(
+                f"{what} holds negative values, which no second moment (an average of squared "
+                "gradients) can: the state is corrupt"
+            )
 
 
 def denormalize_second_moment(u: Tensor, norm: float) -> Tensor:

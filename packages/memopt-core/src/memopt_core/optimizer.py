@@ -53,10 +53,14 @@ from torch.optim import Optimizer
 
 from memopt_core import backends, conversions, reference, rng
 from memopt_core.aliasing import (
+    addressable,
+    check_aliasing,
     check_parameters_apart,
+    clear_of,
     has_memory,
     labelled_parameters,
     refuse_negated,
+    sorted_extents,
 )
 from memopt_core.backends import grad_dtype_ok
 from memopt_core.cached_step import CachedEntry, CachedStep
@@ -677,6 +681,8 @@ class MemOptimizer(Optimizer):
         self._plans: dict[int, _GroupPlans] = {}
         self._where: dict[int, tuple[int, int, int]] = {}
         self._index: dict[int, int] | None = None
+        #: (ids of the held parameters, their sorted_extents) for _check_staging_apart
+        self._held_extents: tuple[tuple[int, ...], Any] | None = None
         self._drop_cached_steps()
 
     def _drop_cached_steps(self) -> None:
@@ -2544,16 +2550,28 @@ class MemOptimizer(Optimizer):
         params = list(params)
         if staging is not None:
             self._check_staging(params, staging)
+            self._check_staging_apart(params, staging, grads)
         if grads is not None and not isinstance(grads, Mapping):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
             )
-        for p, g in (grads or {}).items():
-            if not isinstance(g, Tensor):  # it failed deep in the step (no _is_zerotensor)
-                what = self._param_label(p) if isinstance(p, Tensor) else repr(p)
-                raise ConfigError(
-                    f"grads[{what}] must be a tensor (the gradient), got {type(g).__name__}"
-                )
+        if grads:
+            stepped = {id(p) for p in params}
+            for p, g in grads.items():
+                if not isinstance(p, Tensor):
+                    raise ConfigError(
+                        f"grads is keyed by the parameters being stepped, got a key {p!r}"
+                    )
+                if not isinstance(g, Tensor):  # it failed deep in the step (no _is_zerotensor)
+                    raise ConfigError(
+                        f"grads[{self._param_label(p)}] must be a tensor (the gradient), got "
+                        f"{type(g).__name__}"
+                    )
+                if id(p) not in stepped:  # its gradient would be dropped without a word
+                    raise ConfigError(
+                        f"grads names {self._param_label(p)}, which is not among the parameters "
+                        "being stepped: pass it in params too, or leave its gradient out"
+                    )
         if found_inf is not None and (
             not isinstance(found_inf, Tensor)
             or found_inf.numel() != 1
@@ -2613,6 +2631,52 @@ class MemOptimizer(Optimizer):
                     f"{p.numel()} elements on {p.device}, got {got}"
                 )
 
+    def _check_staging_apart(
+        self, params: list[Tensor], staging: Mapping[Tensor, Tensor], grads: Any
+    ) -> None:
+        """ConfigError when a staging buffer shares memory with another, with a gradient of the
+        call or with a parameter this optimizer holds: its copy overwrote them (the torch and
+        Triton backends copy after the update; the cpu backend refused only its call's
+        tensors). The held parameters' byte ranges are cached per set of parameters, so a call
+        costs binary searches (memopt-offload's per-bucket path); a cached range says no more
+        than "maybe" (a parameter moved by ``p.data = ...``): the exact check then decides, on
+        the current addresses. A parameter made a view of a staging buffer after the ranges were
+        cached is not seen."""
+        named = [
+            (st, functools.partial(self._staging_label, p))
+            for p, st in staging.items()
+            if st.numel()
+        ]
+        if not named:
+            return
+        given = grads if isinstance(grads, Mapping) else {}
+        read = [(p, g) for p, g in given.items()]
+        read += [(p, p.grad) for p in params if p not in given and isinstance(p.grad, Tensor)]
+        check_aliasing(
+            named,
+            [(g, functools.partial(self._grad_label, p)) for p, g in read if addressable(g)],
+        )
+        held = [p for group in self.param_groups for p in group["params"]]
+        key = tuple(map(id, held))
+        if self._held_extents is None or self._held_extents[0] != key:
+            self._held_extents = (key, sorted_extents([p for p in held if addressable(p)]))
+        sts = [st for st, _ in named]
+        if clear_of(
+            self._held_extents[1], [st.data_ptr() for st in sts], [st.nbytes for st in sts]
+        ):
+            return
+        self._held_extents = None  # maybe stale: rebuilt at the next call
+        check_aliasing(
+            named,
+            [(p, what) for p, what in labelled_parameters(self.param_groups) if addressable(p)],
+        )
+
+    def _staging_label(self, p: Tensor) -> str:
+        return f"staging of {self._param_label(p)}"
+
+    def _grad_label(self, p: Tensor) -> str:
+        return f"the gradient of {self._param_label(p)}"
+
     # ---------------------------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:
         """torch's format (``state`` by parameter index, ``param_groups``) with memopt's named
@@ -2671,6 +2735,14 @@ class MemOptimizer(Optimizer):
                     if self.state.get(p) is mine and all(mine.get(k) is held[k] for k in keys):
                         out[id(p)] = (norm[si], keys)
         return out
+
+    def check_param_groups(self) -> None:
+        """:class:`ConfigError` naming the first param group whose hyperparameters the next step
+        would refuse (a hand edit of ``param_groups``: ``lr=-1``, ``betas=(0.9, 1.0)``, an
+        unknown format). For code that hands the groups on without stepping
+        (``memopt_checkpoint.to_torch_state_dict``). Returns None."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"(param group {gi})")
 
     def settle_state(self) -> None:
         """Convert now what the next step would before reading ``self.state``: the q8/fp8
@@ -3152,6 +3224,8 @@ class MemOptimizer(Optimizer):
                     f"state {k!r} of {label} holds the block scale byte 255, which no memopt "
                     "format writes (scales are 0..254): the state is corrupt or not memopt's"
                 )
+            if k == "exp_avg_sq" and t.is_floating_point():  # q8's codes are unsigned
+                conversions.check_second_moment(t, f"state {k!r} of {label}")
             out[k] = t
         if _NORM_STEP_KEY in entry:
             self._convert_edited_count(out, entry[_NORM_STEP_KEY], group, norm_beta2, label)

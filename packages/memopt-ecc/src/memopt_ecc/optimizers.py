@@ -518,6 +518,10 @@ class FlashOptimizer(MemOptimizer):
                             f"{tuple(t.shape)}; a decoded moment (compress_state_dict=False) "
                             f"must be torch.float32 of the parameter's shape {tuple(p.shape)}"
                         )
+                    if name == "exp_avg_sq":  # q8 would store a negative v as its NaN code
+                        conversions.check_second_moment(
+                            t, f"state {name!r} of parameter index {key!r}"
+                        )
                     padded = round_up(p.numel(), padding_unit(spec))
                     flat = torch.zeros(padded, dtype=torch.float32, device=t.device)
                     flat[: p.numel()] = t.reshape(-1)
