@@ -8,6 +8,8 @@ import json
 import os
 import pickle
 import stat
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -400,6 +402,28 @@ def test_a_cache_variable_naming_a_folder_puts_the_file_in_it(tmp_path, monkeypa
     assert auto_mode.default_cache_path() == tmp_path / "there" / "apexw-modes.json"
     monkeypatch.setenv(auto_mode.CACHE_ENV, str(tmp_path / "modes.json"))
     assert auto_mode.default_cache_path() == tmp_path / "modes.json"
+
+
+@needs_two_candidates
+@pytest.mark.parametrize("how", ["existing", "trailing separator"])
+def test_a_mode_cache_naming_a_folder_puts_the_file_in_it(tmp_path, how):
+    """ApexW(mode_cache=<a folder>) was never written (each trial warned that the write
+    failed), while MEMOPT_APEXW_CACHE=<a folder> holds apexw-modes.json: the same rule now."""
+    if how == "existing":
+        (tmp_path / "modes").mkdir()
+        given: Any = tmp_path / "modes"
+    else:
+        given = f"{tmp_path}/modes{os.sep}"
+    a = make_params("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = ApexW(a, mode_cache=given)
+        train(opt, a, TRIAL_STEPS + 1)
+    d = opt.mode_decision
+    assert d is not None
+    assert d.source == "measured"
+    saved = json.loads((tmp_path / "modes" / "apexw-modes.json").read_text())
+    assert saved["entries"][d.signature]["mode"] == d.mode
 
 
 def test_no_home_directory_decides_without_a_cache(monkeypatch):

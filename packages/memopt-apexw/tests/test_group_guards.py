@@ -71,6 +71,28 @@ def test_a_group_setting_another_rules_key_is_refused(how, key, value):
 
 
 @pytest.mark.parametrize("how", ["added", "edited"])
+def test_a_group_asking_for_another_mode_is_refused(how):
+    """A group's mode key was ignored silently (a helper's hunt, 2026-12-07): the whole ApexW
+    runs one mode."""
+    p, opt = _opt()
+    q = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+    refused = pytest.raises(ConfigError, match=r"sets mode='fused', but mode is a constructor")
+    if how == "added":
+        with refused:
+            opt.add_param_group({"params": [q], "mode": "fused"})
+        assert len(opt.param_groups) == 1
+    else:
+        opt.param_groups[0]["mode"] = "fused"
+        p.grad = torch.ones(8, dtype=torch.bfloat16)
+        with refused:
+            opt.step()
+        assert not p.any()  # nothing stepped
+    opt.param_groups[0]["mode"] = opt.mode  # the mode it runs with is fine
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["added", "edited"])
 def test_a_group_asking_for_another_capturable_is_refused(how):
     """ApexW's capturable is the whole optimizer's CUDA graph: a group's own key was ignored
     silently (FlashAdamW refuses it; adversarial round 4)."""

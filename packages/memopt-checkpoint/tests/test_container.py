@@ -291,6 +291,13 @@ def test_meta_is_snapshotted_at_open(tmp_path):
         ({"x": [float("nan")]}, r"meta\['x'\]\[0\]"),
         ({"x": {3: "a"}}, "keys must be str"),
         ({"t": torch.ones(1)}, "Tensor"),
+        # lone surrogates (os.fsdecode of a file name that is not UTF-8): a bare
+        # UnicodeEncodeError at the commit, after every tensor was written
+        (
+            {"src": ["data_\udcff.bin"]},
+            r"meta\['src'\]\[0\] \('data_\\udcff.bin'\) is not valid UTF-8",
+        ),
+        ({"x": {"\udcff": 1}}, r"meta\['x'\] key .* is not valid UTF-8"),
     ],
 )
 def test_bad_meta_is_a_config_error_before_any_file_is_made(tmp_path, meta, match):
@@ -383,6 +390,30 @@ def test_a_path_that_is_no_regular_file_is_refused_before_writing(tmp_path):
         write_checkpoint(tmp_path / "ck.bin", {"a": torch.ones(3)})
     assert stat.S_ISFIFO(os.stat(tmp_path / "ck.bin").st_mode)
     assert listing(tmp_path) == {"ck.bin"}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_reading_a_fifo_is_refused_without_waiting(tmp_path):
+    """open(path, "rb") of a FIFO waits for a writer: load() and read_meta() froze on a stale
+    pipe at a checkpoint's path. An alarm turns a wait into this test's failure."""
+    import signal
+
+    os.mkfifo(tmp_path / "ck.bin")
+
+    def waited(*_):
+        raise TimeoutError("the reader waited on the FIFO")
+
+    old = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CheckpointError, match=r"ck\.bin: not a regular file"):
+            CheckpointReader(tmp_path / "ck.bin")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError, match="Is a directory"):
+        CheckpointReader(tmp_path / "dir")
 
 
 @pytest.mark.skipif(

@@ -1057,9 +1057,21 @@ def test_check_dcp_load_of_a_missing_folder_or_a_file(tmp_path):
     opt.init_state()
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         check_dcp_load(opt, tmp_path / "nothing")
+    # read only for checkpoints keyed by name: for the others it passed silently
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module, got dict"):
+        check_dcp_load(opt, tmp_path / "nothing", model={"not": "a module"})
     (tmp_path / "ck.mopt").write_bytes(b"x")
     with pytest.raises(StateDictError, match=r"is a file; .* memopt_checkpoint\.load"):
         check_dcp_load(opt, tmp_path / "ck.mopt")
+    # a folder that is no DCP checkpoint, and one whose .metadata is cut short (a helper's
+    # hunt, 2026-12-07: both the CheckpointException)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StateDictError, match=r"'.*empty' is no torch.distributed.checkpoint .*"):
+        check_dcp_load(opt, tmp_path / "empty")
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / ".metadata").write_bytes(b"\x80\x04junk")
+    with pytest.raises(StateDictError, match=r"could not read the checkpoint .*cut"):
+        check_dcp_load(opt, tmp_path / "cut")
 
 
 @pytest.mark.usefixtures("process_group")

@@ -772,6 +772,23 @@ BAD = {
         lambda sd: _set(sd, ["state", 0, "exp_avg_sq"], sd["state"][0]["exp_avg_sq"].to("meta")),
         "'exp_avg_sq' of parameter index 0 .*on the meta device",
     ),
+    # flags read by truthiness and an unchecked scheduler base (a helper's hunt, 2026-12-07)
+    "amsgrad string": (
+        lambda sd: _set(sd, ["param_groups", 0, "amsgrad"], "no"),
+        "amsgrad must be a bool, got 'no'",
+    ),
+    "decoupled string": (
+        lambda sd: _set(sd, ["param_groups", 0, "decoupled_weight_decay"], "no"),
+        "decoupled_weight_decay must be a bool, got 'no'",
+    ),
+    "initial_lr string": (
+        lambda sd: _set(sd, ["param_groups", 0, "initial_lr"], "x"),
+        "initial_lr must be a number >= 0, got 'x'",
+    ),
+    "initial_lr negative": (
+        lambda sd: _set(sd, ["param_groups", 0, "initial_lr"], -1.0),
+        "initial_lr must be a number >= 0, got -1.0",
+    ),
     # q8 stored it as its NaN code, and the next step made NaN weights (a helper's hunt)
     "negative exp_avg_sq": (
         lambda sd: sd["state"][2]["exp_avg_sq"].view(-1)[1].fill_(-1e-12),

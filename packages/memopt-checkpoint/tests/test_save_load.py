@@ -319,7 +319,21 @@ def test_bad_arguments(tmp_path):
         save(tmp_path / "x", model=torch.nn.Linear(2, 2), optimizer=opt)
     with pytest.raises(ConfigError, match="JSON"):
         save(tmp_path / "x", model=model, extra={"bad": object()})
+    for extra in ([("step", 3)], "abc"):  # bare AttributeErrors (a helper's hunt, 2026-12-07)
+        with pytest.raises(ConfigError, match=r"extra must be a mapping .* got (list|str)"):
+            save(tmp_path / "x", model=model, extra=extra)
     assert not (tmp_path / "x").exists()
+    save(tmp_path / "x", model=model, optimizer=opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    for kwargs, match in (
+        (dict(model=model.state_dict()), "model must be a torch.nn.Module, got OrderedDict"),
+        (dict(model=opt, optimizer=model), "model must be a torch.nn.Module, got MemOptimizer"),
+        (dict(model=model, optimizer=opt.state_dict()), "optimizer must be a torch.optim.Opt"),
+        (dict(model=model, strict="no"), "strict must be True or False, got 'no'"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load(tmp_path / "x", **kwargs)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 class WithExtraState(torch.nn.Linear):
@@ -795,6 +809,28 @@ def test_fp32_state_dict_without_a_memopt_optimizer_is_fp32(optimizer):
     for k, v in floating.items():
         assert v.dtype == torch.float32, k
         assert torch.equal(v, model.state_dict()[k].float()), k
+
+
+def test_fp32_export_refuses_what_is_no_optimizer_of_the_model(tmp_path):
+    """``opt.state_dict()`` for ``opt``, a string, or another model's optimizer: the export
+    widened the bf16 weights and left out the ECC masters it exists to keep (a helper's hunt,
+    2026-12-07)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).bfloat16()
+    opt = MemOptimizer(model.parameters(), master="ecc24", lr=1e-3)
+    other = MemOptimizer(torch.nn.Linear(8, 8).bfloat16().parameters(), master="ecc24")
+    for bad, error, message in (
+        (opt.state_dict(), TypeError, "optimizer itself .* got dict"),
+        ("opt", TypeError, "got str"),
+        (other, ConfigError, "holds none of the model's parameters"),
+    ):
+        with pytest.raises(error, match=message):
+            fp32_model_state_dict(model, bad)
+        with pytest.raises(error, match=message):
+            export_fp32(tmp_path / "w.pt", model, bad)
+    assert not (tmp_path / "w.pt").exists()
+    half = MemOptimizer([model.weight], master="ecc24")  # a part of the model: its masters
+    assert set(fp32_model_state_dict(model, half)) == {"weight", "bias"}
 
 
 def test_fp32_export_of_ecc_masters_needs_no_memopt_ecc(tmp_path, monkeypatch):

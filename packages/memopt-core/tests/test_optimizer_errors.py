@@ -882,3 +882,36 @@ def test_staging_checks_held_parameters_on_their_current_addresses():
     assert torch.equal(old.view(torch.bfloat16)[:64], a.detach().to(torch.bfloat16))
     with pytest.raises(ConfigError, match="share"):
         opt.step_parameters([a], staging={a: b.data.view(torch.bfloat16)[64:]})
+
+
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay", "moments", "maximize"])
+def test_a_group_key_deleted_by_hand_is_named(key):
+    """A bare KeyError in the step before (a helper's hunt, 2026-12-07)."""
+    p = P(8)
+    opt = MemOptimizer([p])
+    del opt.param_groups[0][key]
+    p.grad = torch.ones(8)
+    before = p.detach().clone()
+    with pytest.raises(ConfigError, match=rf"param group 0 has no '{key}': give it a value"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "differentiable", "decoupled_weight_decay"])
+def test_torch_flags_in_a_group_must_be_bools(flag):
+    """ "no" was read as true: amsgrad="no" refused as amsgrad=True, decoupled_weight_decay="no"
+    taken as decoupling."""
+    p = P(8)
+    opt = MemOptimizer([p], rule="adamw")
+    opt.param_groups[0][flag] = "no"
+    p.grad = torch.ones(8)
+    with pytest.raises(ConfigError, match=rf"{flag} \(param group 0\) must be True or False"):
+        opt.step()
+
+
+@pytest.mark.parametrize("params", [None, 5, "w", {"w": 1}])
+def test_a_group_whose_params_are_no_list_is_named(params):
+    opt = MemOptimizer([P(8)])
+    with pytest.raises(ConfigError, match=r"params \(param group 1\) must be a list of param"):
+        opt.add_param_group({"params": params})
+    assert len(opt.param_groups) == 1

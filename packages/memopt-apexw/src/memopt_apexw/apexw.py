@@ -127,8 +127,9 @@ class ApexW(MemOptimizer):
             (core's pure-torch backend), or ``"auto"``: decided by timed trial steps, cached per
             model signature (:attr:`mode_decision` says what and why).
         mode_cache: JSON file of ``mode="auto"`` decisions: ``"default"``
-            (:func:`memopt_apexw.auto_mode.default_cache_path`), a non-empty path, or None (decide
-            in memory, every time).
+            (:func:`memopt_apexw.auto_mode.default_cache_path`), a non-empty path (a folder,
+            named with a trailing separator or existing, holds ``apexw-modes.json``), or None
+            (decide in memory, every time).
         backend: advanced: force a kernel backend by name (e.g. ``"triton"`` on CPU under
             ``TRITON_INTERPRET=1``, for tests); None defers to ``MEMOPT_BACKEND`` as read here,
             ``"auto"`` ignores it (core's rule). A forced backend is the only candidate of
@@ -256,6 +257,11 @@ class ApexW(MemOptimizer):
                 f"{where} sets capturable={g['capturable']!r}, but capturable is a constructor "
                 f"argument of the whole ApexW, which runs with capturable={self.capturable!r}: "
                 "build a new ApexW to change it"
+            )
+        if "mode" in g and g["mode"] != self.mode:  # read from the optimizer, never a group
+            raise ConfigError(
+                f"{where} sets mode={g['mode']!r}, but mode is a constructor argument of the "
+                f"whole ApexW, which runs with mode={self.mode!r}: build a new ApexW to change it"
             )
         if "state" in g and g["state"] != g["moments"]:  # a key only a later edit puts there
             raise ConfigError(
@@ -576,7 +582,9 @@ class ApexW(MemOptimizer):
                 )
                 self.mode_cache = None  # decided once, without a cache, as mode_cache=None
                 return None
-        return Path(self.mode_cache)
+        # a folder holds the file, as $MEMOPT_APEXW_CACHE's (a folder given here was never
+        # written: each trial warned that the write failed)
+        return auto_mode.cache_file(Path(self.mode_cache), os.fspath(self.mode_cache))
 
     def _start_auto(self) -> None:
         if self.capturable:

@@ -46,6 +46,7 @@ __all__ = [
     "WARMUP_STEPS",
     "ModeDecision",
     "Trial",
+    "cache_file",
     "default_cache_path",
     "load_decision",
     "save_decision",
@@ -87,11 +88,16 @@ def default_cache_path() -> Path:
     home directory and there is none."""
     env = os.environ.get(CACHE_ENV)
     if env:
-        path = Path(env).expanduser()
-        # Path() drops a trailing "/": "dir/" (meant as a folder) became a file named "dir"
-        folder = env.endswith(("/", os.sep)) or path.is_dir()
-        return path / _CACHE_NAME if folder else path
+        return cache_file(Path(env).expanduser(), env)
     return cache_files.cache_dir() / _CACHE_NAME
+
+
+def cache_file(path: Path, given: str) -> Path:
+    """The decision cache's file for ``path`` (``given``: as the user wrote it): a folder,
+    named with a trailing separator or existing, holds ``apexw-modes.json``."""
+    # Path() drops a trailing "/": "dir/" (meant as a folder) became a file named "dir"
+    folder = given.endswith(("/", os.sep)) or path.is_dir()
+    return path / _CACHE_NAME if folder else path
 
 
 def _versions() -> dict[str, str]:

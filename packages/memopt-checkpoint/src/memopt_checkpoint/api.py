@@ -60,6 +60,7 @@ from torch.nn.parameter import is_lazy
 
 from memopt_checkpoint.container import CheckpointReader, CheckpointWriter
 from memopt_core.errors import CheckpointError, ConfigError, StateDictError
+from memopt_core.optimizer import check_bool
 
 __all__ = ["CHECKPOINT_SCHEMA", "load", "save"]
 
@@ -239,6 +240,8 @@ def save(
     JSON would not give back as it is (a tuple, inf) raises ``ConfigError`` naming it."""
     if model is None and optimizer is None:
         raise ConfigError("save needs a model, an optimizer or both")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ConfigError(f"extra must be a mapping of names to values, got {type(extra).__name__}")
     meta: dict[str, Any] = {"schema": CHECKPOINT_SCHEMA}
     tensors: list[tuple[str, Tensor]] = []
     if model is not None:
@@ -332,6 +335,15 @@ def load(
     and return ``extra``. Validates the whole file and every name and shape before changing
     anything; ``strict=False`` tolerates model entries missing on either side (never a shape or
     dtype mismatch)."""
+    # a state dict passed for its module failed deep in the load (AttributeError), and the two
+    # swapped were reported as a checkpoint without the optimizer's entries
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    check_bool("strict", strict)
     with CheckpointReader(path) as reader:
         meta = _checked_meta(reader, path)
         model_sd = _plan_model(reader, meta, model, strict) if model is not None else None

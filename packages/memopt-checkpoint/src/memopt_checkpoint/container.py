@@ -67,6 +67,7 @@ import errno
 import json
 import math
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
@@ -186,9 +187,22 @@ def _read_exact(file: Any, out: memoryview, what: str) -> None:
         pos += got
 
 
+def _check_utf8(text: str, where: str) -> None:
+    """ConfigError unless ``text`` encodes as UTF-8: a lone surrogate (what ``os.fsdecode``
+    gives for a file name that is not UTF-8) failed the commit, after every tensor was written,
+    with a bare UnicodeEncodeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where} ({text!r}) is not valid UTF-8 text: {e}") from None
+
+
 def _check_json_value(value: Any, where: str) -> None:
     """Raise ConfigError unless ``value`` round-trips through JSON (str dict keys, finite floats)."""
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, str):
+        _check_utf8(value, where)
+        return
+    if value is None or isinstance(value, (bool, int)):
         return
     if isinstance(value, float):
         if not math.isfinite(value):
@@ -204,6 +218,7 @@ def _check_json_value(value: Any, where: str) -> None:
                 raise ConfigError(
                     f"{where} has key {k!r} of type {type(k).__name__}: meta dict keys must be str"
                 )
+            _check_utf8(k, f"{where} key")
             _check_json_value(item, f"{where}[{k!r}]")
         return
     raise ConfigError(
@@ -279,10 +294,7 @@ class CheckpointWriter:
         self._check_open(f"add {key!r}")
         if not isinstance(key, str):
             raise ConfigError(f"checkpoint keys must be str, got {type(key).__name__} {key!r}")
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ConfigError(f"checkpoint key {key!r} is not valid UTF-8 text: {e}") from None
+        _check_utf8(key, "checkpoint key")
         if key in self._keys:
             raise ConfigError(f"duplicate checkpoint key {key!r}: each key can be added once")
         if not isinstance(tensor, torch.Tensor):
@@ -397,6 +409,28 @@ def write_checkpoint(
 # reading
 
 
+def _open_regular(path: Path) -> Any:
+    """``path`` opened for unbuffered binary reading, refused unless it is a regular file: a
+    FIFO left at a checkpoint's path made ``open`` wait for a writer forever (it is opened
+    without blocking, then checked), and a device is no checkpoint."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):  # what open() raised
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{path}: not a regular file (a FIFO, a socket or a device): not a memopt "
+                "checkpoint"
+            )
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class CheckpointReader:
     """Open a checkpoint, validate its header, trailer and index; load tensors by key.
 
@@ -406,7 +440,7 @@ class CheckpointReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(os.fspath(path))
-        self._file: Any = open(self.path, "rb", buffering=0)  # noqa: SIM115
+        self._file: Any = _open_regular(self.path)
         try:
             self._open()
         except BaseException:

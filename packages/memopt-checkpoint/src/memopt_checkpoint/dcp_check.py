@@ -222,7 +222,11 @@ def check_dcp_load(
     parameter's shape (AdamBridge saves no ``param_shape``). ``TypeError`` for other optimizers.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    if model is not None and not isinstance(model, torch.nn.Module):
+        # read only for a checkpoint keyed by name: one keyed by index passed it silently
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     bridge = _adam_bridge(optimizer)
     if not bridge and not isinstance(optimizer, MemOptimizer):
         raise TypeError(
@@ -267,14 +271,27 @@ def check_dcp_load(
                 f"{where!r} is a file; a torch.distributed.checkpoint checkpoint is a folder "
                 "(a file written by memopt_checkpoint.save loads with memopt_checkpoint.load)"
             )
+        if not os.path.exists(os.path.join(where, ".metadata")):
+            raise StateDictError(
+                f"{where!r} is no torch.distributed.checkpoint checkpoint: it has no .metadata "
+                "file (an unfinished save, or another folder)"
+            )
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
-    dcp.load(
-        {key: probe},
-        checkpoint_id=checkpoint_id,
-        storage_reader=storage_reader,
-        planner=planner,
-        process_group=process_group,
-    )
+    try:
+        dcp.load(
+            {key: probe},
+            checkpoint_id=checkpoint_id,
+            storage_reader=storage_reader,
+            planner=planner,
+            process_group=process_group,
+        )
+    except CheckpointException as e:  # a BaseException: it escaped `except Exception`
+        # its text holds each rank's traceback, whose last line is the error
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+        raise StateDictError(
+            f"torch.distributed.checkpoint could not read the checkpoint {checkpoint_id!r} "
+            f"(a corrupt or truncated .metadata?): {cause}"
+        ) from e
     # dcp.load set the planner up with the checkpoint's metadata
     metadata = planner.metadata
     assert metadata is not None

@@ -50,6 +50,8 @@ def fp32_model_state_dict(
         raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
     while isinstance(model, _WRAPPERS):  # keys without "module.", as memopt_ecc's
         model = model.module
+    if optimizer is not None:
+        _check_optimizer_of(model, optimizer)
     if isinstance(optimizer, MemOptimizer):
         sd = get_fp32_model_state_dict(model, optimizer)
         return {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in sd.items()}
@@ -79,6 +81,23 @@ def fp32_model_state_dict(
             else:
                 out[name] = t.detach().cpu().clone()
     return out
+
+
+def _check_optimizer_of(model: torch.nn.Module, optimizer: Any) -> None:
+    """TypeError/ConfigError for an ``optimizer`` that is no optimizer (``opt.state_dict()``
+    passed for ``opt``) or holds none of ``model``'s parameters (another model's): either way
+    the export widened the bf16 weights and left out the masters it exists to keep."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be the optimizer itself (a torch.optim.Optimizer) or None, got "
+            f"{type(optimizer).__name__}"
+        )
+    params = {id(p) for p in model.parameters()}
+    if params and not any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+        raise ConfigError(
+            f"the {type(optimizer).__name__} holds none of the model's parameters (another "
+            "model's optimizer?): its master weights would be left out"
+        )
 
 
 def export_fp32(

@@ -61,6 +61,7 @@ from memopt_core.formats import (
 from memopt_core.optimizer import (
     MemOptimizer,
     check_saved_param_lists,
+    real_as_float,
     require_memopt_optimizer,
 )
 from memopt_core.plan import own_storage, padding_unit, round_up, state_key
@@ -496,12 +497,12 @@ def _merged_group(
             f"state dict (this optimizer runs rule {rule!r}; is it a torch {other} dict?)"
         )
     if kind == "adam":
-        if saved.get("amsgrad", False):
+        if _saved_flag(saved, "amsgrad", what):
             raise StateDictError(
                 f"{what} has amsgrad=True: memopt has no AMSGrad (it keeps no max_exp_avg_sq)"
             )
-        dwd = saved.get("decoupled_weight_decay")
-        if dwd is not None and bool(dwd) != (rule == "adamw"):
+        dwd = _saved_flag(saved, "decoupled_weight_decay", what)
+        if dwd is not None and dwd != (rule == "adamw"):
             raise StateDictError(
                 f"{what} has decoupled_weight_decay={dwd} (torch.optim."
                 f"{'AdamW' if dwd else 'Adam'}); this optimizer runs rule {rule!r}: use rule "
@@ -524,15 +525,29 @@ def _merged_group(
         merged[k] = _plain(saved[k])
     if kind == "adam" and isinstance(merged["betas"], (list, tuple)):
         merged["betas"] = tuple(_plain(b) for b in merged["betas"])
-    maximize = saved.get("maximize", False)
-    if not isinstance(maximize, bool):  # bool("no") is True
-        raise StateDictError(f"{what}: maximize must be a bool, got {maximize!r}")
-    merged["maximize"] = maximize
+    merged["maximize"] = bool(_saved_flag(saved, "maximize", what))
     merged["decouple_lr"] = False  # torch decays by lr * weight_decay
-    if "initial_lr" in saved:
-        merged["initial_lr"] = _plain(saved["initial_lr"])
+    if "initial_lr" in saved:  # an LR scheduler's base: it scales every later lr
+        initial = _plain(saved["initial_lr"])
+        if (
+            isinstance(initial, bool)
+            or not isinstance(initial, (int, float))
+            or not 0.0 <= real_as_float(initial) < math.inf
+        ):
+            raise StateDictError(f"{what}: initial_lr must be a number >= 0, got {initial!r}")
+        merged["initial_lr"] = initial
     merged["params"] = list(saved["params"])
     return merged
+
+
+def _saved_flag(saved: Mapping[str, Any], key: str, what: str) -> bool | None:
+    """A saved group's torch flag ``key``: True, False or None where it is absent (or None);
+    StateDictError for anything else (bool("no") is True: amsgrad="no" was refused as
+    amsgrad=True, decoupled_weight_decay="no" taken as true)."""
+    value = saved.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise StateDictError(f"{what}: {key} must be a bool, got {value!r}")
+    return value
 
 
 def _validated_entry(kind: str, key: Any, gi: int, p: Tensor, entry: Any) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -148,6 +148,11 @@ _HYPER = (
     "stochastic_rounding",
 )
 _BOOLS = ("nesterov", "maximize", "decouple_lr", "stochastic_rounding")
+#: the keys of a param group that the step reads (torch's ``__setstate__`` adds defaults such as
+#: ``differentiable`` that older groups lack: those are read with ``get``)
+_GROUP_KEYS = frozenset(
+    ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "master", "moments", *_BOOLS)
+)
 #: 2: Adam's 8-bit second moments are stored decay-normalized (``decay_norm_beta2`` in the
 #: ``memopt`` entry); a version-1 dict's hold ``v`` itself and are normalized at the next step
 _STATE_DICT_VERSION = 2
@@ -313,12 +318,20 @@ def check_bool(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
+def _refuse_missing_key(key: str, where: str) -> NoReturn:
+    """ConfigError for a param group (``where``: "(param group 0)") that lacks ``key``: torch
+    fills every default in, so it was deleted by hand (a bare KeyError in the step before)."""
+    raise ConfigError(f"{where.strip('()')} has no {key!r}: give it a value (del removed it?)")
+
+
 def adam_hyperparameters(g: Mapping[str, Any], betas: Any, where: str) -> dict[str, Any]:
     """``g``'s ``lr``, ``eps`` and ``weight_decay`` (finite, >= 0) and ``betas`` (a pair in
     [0, 1)) as floats: real numbers or one-element tensors, else a ConfigError naming the value
     and ``where``. MemOptimizer's group check and memopt-offload's AdamBridge share it."""
     out: dict[str, Any] = {}
     for key, name in (("lr", "learning rate"), ("eps", "eps"), ("weight_decay", "weight_decay")):
+        if key not in g:  # AdamBridge's groups come without MemOptimizer's check of them
+            _refuse_missing_key(key, where)
         out[key] = _as_float(g[key], "learning rate (lr)" if key == "lr" else name, where)
         if out[key] < 0:
             raise ConfigError(f"invalid {name} {out[key]} {where}: it must be >= 0")
@@ -703,6 +716,9 @@ class MemOptimizer(Optimizer):
 
     def _check_group(self, g: Mapping[str, Any], where: str) -> tuple[float, float]:
         """Validate a group's hyperparameters (ConfigError); returns the betas as floats."""
+        # torch fills every default into a group: one deleted by hand was a bare KeyError
+        if not g.keys() >= _GROUP_KEYS:
+            _refuse_missing_key(next(k for k in sorted(_GROUP_KEYS) if k not in g), where)
         if g["betas"] is None and self._kind != "sgd":  # SGD's groups carry betas unused
             raise ConfigError(
                 f"betas {where} is None: give the pair of floats (the default is "
@@ -723,6 +739,9 @@ class MemOptimizer(Optimizer):
         b = adam_hyperparameters(g, self._group_betas(g), where)["betas"]
         # torch.optim's keys that change the rule: in a group (a torch-style config, a hand
         # edit) they would be ignored silently
+        for flag in ("amsgrad", "differentiable"):  # torch's flags: "no" read as true
+            if g.get(flag) is not None:
+                check_bool(f"{flag} {where}", g[flag])
         if self._kind == "adam" and g.get("amsgrad"):
             raise ConfigError(
                 f"{where} sets amsgrad=True: memopt has no AMSGrad (it would need a compact "
@@ -730,7 +749,9 @@ class MemOptimizer(Optimizer):
             )
         decoupled = RULES[self.rule][1]
         dwd = g.get("decoupled_weight_decay")
-        if self._kind == "adam" and dwd is not None and bool(dwd) != decoupled:
+        if dwd is not None:
+            check_bool(f"decoupled_weight_decay {where}", dwd)
+        if self._kind == "adam" and dwd is not None and dwd != decoupled:
             raise ConfigError(
                 f"{where} sets decoupled_weight_decay={dwd!r}, but rule {self.rule!r} "
                 f"{'decouples' if decoupled else 'does not decouple'} weight decay: use the "
@@ -818,6 +839,11 @@ class MemOptimizer(Optimizer):
         elif isinstance(raw, (set, frozenset)):
             raise ConfigError(
                 f"params {where} is a set, whose order changes between runs: pass a list"
+            )
+        elif not isinstance(raw, Iterable) or isinstance(raw, (str, bytes, Mapping)):
+            raise ConfigError(
+                f"params {where} must be a list of parameters (or (name, parameter) pairs), "
+                f"got {type(raw).__name__}"
             )
         # a generator is used up by the checks below: torch must get the same items
         raw = param_group["params"] = list(raw)
@@ -1111,16 +1137,21 @@ class MemOptimizer(Optimizer):
         current: dict[int, tuple] = {}
         extends: dict[int, tuple[tuple, list[Tensor]]] = {}  # (build args, gained members)
         for gi, group in enumerate(self.param_groups):
-            members = self._members(group, trainable)
-            names = self._group_names(gi, group, members)
-            formats = (group["master"], group["moments"])
-            signature = (
-                formats,
-                group["stochastic_rounding"],
-                names,
-                tuple(map(id, members)),
-                tuple((p.device, p.dtype, p.shape) for p in members),
-            )
+            try:
+                members = self._members(group, trainable)
+                names = self._group_names(gi, group, members)
+                formats = (group["master"], group["moments"])
+                signature = (
+                    formats,
+                    group["stochastic_rounding"],
+                    names,
+                    tuple(map(id, members)),
+                    tuple((p.device, p.dtype, p.shape) for p in members),
+                )
+            except KeyError as e:  # a key deleted from the group by hand (no cost otherwise)
+                if not e.args or e.args[0] not in _GROUP_KEYS or e.args[0] in group:
+                    raise
+                _refuse_missing_key(e.args[0], f"(param group {gi})")
             cur = self._plans.get(gi)
             if cur is not None and cur.signature == signature:
                 cur.source = (group, group["params"], len(group["params"]))
