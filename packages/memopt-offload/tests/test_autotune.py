@@ -421,11 +421,24 @@ def test_step_lower_bound_without_link_counts_host_only():
         ((10, -1.0, 1.0), "host_bytes_per_param"),
         ((10, 1.0, float("nan")), "link_bytes_per_param"),
         ((10, float("inf"), 1.0), "host_bytes_per_param"),
+        # ints beyond float's range: a bare OverflowError before
+        ((10**400, 1.0, 1.0), "n_params must be an int within float's range"),
+        ((10, 10**400, 1.0), r"host_bytes_per_param must be finite \(within float's range\)"),
+        ((10, 1.0, 10**400), r"link_bytes_per_param must be finite \(within float's range\)"),
     ],
 )
 def test_step_lower_bound_rejects_bad_arguments(args, name):
     with pytest.raises(ConfigError, match=name):
         make_config().step_lower_bound_ms(*args)
+
+
+def test_a_cache_dir_that_is_no_path_is_refused():
+    """A bare TypeError from pathlib before."""
+    match = r"cache_dir must be a path \(str or os.PathLike\) or None, got 5"
+    with pytest.raises(ConfigError, match=match):
+        cache_path(5)
+    with pytest.raises(ConfigError, match=match):
+        AutoTuneConfig.load_or_measure(5, quick=True)
 
 
 def test_config_is_frozen():

@@ -390,6 +390,73 @@ def test_unsupported_group_flags_are_refused(flag):
     assert torch.equal(p.detach(), torch.zeros(2))
 
 
+def test_a_group_without_decoupled_weight_decay_is_refused():
+    """torch's Adam groups say decoupled_weight_decay=False (L2 decay through the gradient):
+    AdamBridge decayed such a group as AdamW does, silently. Refused, as maximize is."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    match = r"does not support decoupled_weight_decay=False \(param group 0\); its weight decay"
+    with pytest.raises(ConfigError, match=match):
+        AdamBridge([{"params": [p], "decoupled_weight_decay": False}], precision="fp32")
+    AdamBridge([{"params": [p], "decoupled_weight_decay": True}], precision="fp32")  # AdamW's
+    opt = AdamBridge([p], lr=0.1, weight_decay=0.5, precision="fp32")
+    opt.param_groups[0]["decoupled_weight_decay"] = False  # set later: refused at the step
+    p.grad = torch.ones(2)
+    with pytest.raises(ConfigError, match=match):
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda g: g.update(params=None), r"'params' of param group 0 must be the list of its"),
+        (lambda g: g.pop("betas"), r"betas \(param group 0\) is missing; expected a pair"),
+    ],
+    ids=["params None", "betas deleted"],
+)
+def test_a_live_group_edited_into_nonsense_is_a_config_error(edit, match):
+    """A bare TypeError (len of None) or KeyError ('betas') from the step before."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    edit(opt.param_groups[0])
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, batch(0, "cpu")).backward()
+    with pytest.raises(ConfigError, match=match):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_a_live_group_replaced_by_a_non_dict_is_a_config_error():
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), lr=1e-2)
+    opt.param_groups[0] = list(model.parameters())
+    loss_of(model, batch(0, "cpu")).backward()
+    with pytest.raises(ConfigError, match=r"param_groups\[0\] must be a dict, got a list"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("max_grad_norm", None), ("max_grad_norm", -1.0), ("clip_mode", "wait")]
+)
+def test_the_clipping_settings_are_fixed_at_construction(name, value):
+    """They were plain attributes, read live but checked only by the constructor: None set
+    between backward and step_sync() left the step's held buckets unsubmitted (the step was
+    lost, then ran a step later with the next step's gradients), -1.0 reversed the updates."""
+    model = make_model("cpu")
+    opt = AdamBridge(model.parameters(), lr=1e-2, max_grad_norm=1.0, clip_mode="overlap")
+    opt.attach_hooks(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, batch(0, "cpu")).backward()
+    with pytest.raises(
+        ConfigError, match=rf"AdamBridge\.{name} is fixed at construction, got an assignment of"
+    ):
+        setattr(opt, name, value)
+    assert (opt.max_grad_norm, opt.clip_mode) == (1.0, "overlap")
+    assert opt.step_sync() > 0
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert [e["step"].item() for e in opt.state_dict()["state"].values()] == [1] * 6
+
+
 def test_a_compiled_caller_runs_the_step_eagerly():
     """torch.compile around step() (a compiled training step) graph-breaks into the eager step:
     the same bits as calling it directly, and the optimizer stays usable."""
@@ -418,7 +485,7 @@ def test_a_bad_clipping_state_is_refused():
         sd["memopt"] = {**sd["memopt"], "clip_coef": bad}
         with pytest.raises(StateDictError, match=r"memopt\['clip_coef'\] must be None or a number"):
             opt.load_state_dict(sd)
-    for bad in (-2.0, -math.inf, "1"):
+    for bad in (-2.0, -math.inf, "1", 10**400):  # 10**400: a bare OverflowError before
         sd["memopt"] = {**sd["memopt"], "clip_coef": 0.5, "last_grad_norm": bad}
         with pytest.raises(StateDictError, match=r"memopt\['last_grad_norm'\] must be None or"):
             opt.load_state_dict(sd)

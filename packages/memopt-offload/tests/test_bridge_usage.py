@@ -156,6 +156,73 @@ def test_param_group_params_from_a_generator(device):
     assert len(opt.param_groups[0]["params"]) == len(opt._slots) == 6
 
 
+def test_parameters_in_a_set_are_refused(device):
+    """torch refuses a group's set of parameters: its order follows the tensors' ids, which
+    differ between runs, so a state dict saved by index loads onto other parameters after a
+    resume. add_param_group listed it before torch's check (AdamBridge(set) as well)."""
+    params = list(make_model(device).parameters())
+    for kind in (set, frozenset):
+        with pytest.raises(ConfigError, match=f"'params' of param group 0 is a {kind.__name__}, "):
+            AdamBridge([{"params": kind(params)}])
+        with pytest.raises(ConfigError, match=f"^params is a {kind.__name__}, whose order changes"):
+            AdamBridge(kind(params))
+    opt = AdamBridge(params[:2])
+    with pytest.raises(ConfigError, match="'params' of param group 1 is a set"):
+        opt.add_param_group({"params": set(params[2:])})
+    assert len(opt.param_groups) == 1
+    assert len(opt._slots) == 2
+
+
+def test_params_that_are_no_tensors_are_config_errors(device):
+    """Bare TypeError, RuntimeError and AttributeError from these before."""
+    model = make_model(device)
+    params = list(model.parameters())
+    with pytest.raises(ConfigError, match="'params' of param group 0 must be an iterable of "):
+        AdamBridge([{"params": None}])
+    with pytest.raises(ConfigError, match=r"^params must be an iterable of tensors, got NoneType"):
+        AdamBridge(None)
+    opt = AdamBridge(model.named_parameters())
+    with pytest.raises(ConfigError, match="'params' of param group 1 must be an iterable of "):
+        opt.add_param_group({"params": 5})
+    # torch reads a pair as (name, parameter): a pair of tensors passed bool(tensor) a name
+    with pytest.raises(ConfigError, match=r"parameter #0 of param group 0 is a pair, read as "):
+        AdamBridge([tuple(params[:2])])
+    for bad in ("0.weight", None):
+        with pytest.raises(ConfigError, match="master_weight takes a parameter tensor, got "):
+            opt.master_weight(bad)
+    assert torch.equal(opt.master_weight(params[0]), params[0].detach().float())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-ecc24", "compact"])
+def test_a_parameter_without_saved_state_starts_over(device, precision):
+    """Stage 2 unfreezes a layer frozen in stage 1 and loads stage 1's state dict, which holds
+    no state for it. update="host" left that layer without host state: the next state_dict()
+    wrote its 'master' alone (which load_state_dict refuses), master_weight() raised a bare
+    KeyError 'master_code' and state_bytes() under-counted. It starts over (step 0, zero
+    moments, the master of its weight), as with update="device"."""
+    m1 = make_model(device)
+    m1[0].requires_grad_(False)
+    o1 = AdamBridge(m1.parameters(), lr=1e-2, precision=precision)
+    for t in range(3):
+        loss_of(m1, batch(t, device)).backward()
+        o1.step()
+        o1.zero_grad()
+    stage1 = copy.deepcopy(o1.state_dict())
+    m2 = copy.deepcopy(m1)
+    m2[0].requires_grad_(True)
+    o2 = AdamBridge(m2.parameters(), lr=1e-2, precision=precision)
+    fresh, nbytes = copy.deepcopy(o2.state_dict()), o2.state_bytes()
+    o2.load_state_dict(stage1)
+    assert o2.state_bytes() == nbytes
+    sd = copy.deepcopy(o2.state_dict())
+    for i in (0, 1):  # the first layer's: a new optimizer's
+        assert sorted(sd["state"][i]) == sorted(fresh["state"][i])
+        for k, v in fresh["state"][i].items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+    assert torch.equal(o2.master_weight(m2[0].weight), m2[0].weight.detach().float().cpu())
+    o2.load_state_dict(sd)
+
+
 @both_updates()
 def test_failed_add_param_group_changes_nothing(device, precision, update, monkeypatch):
     model = make_model(device)
@@ -438,6 +505,13 @@ def test_bad_state_dict_is_refused_before_anything_changes(device, precision, up
         (lambda sd: sd.update(param_groups=[1]), "'param_groups' must be a list of dicts"),
         (lambda sd: sd["param_groups"][0].update(params=None), "'params' of param group 0"),
         (lambda sd: sd["memopt"].update(version=99), "version 99; this AdamBridge reads version 1"),
+        # loaded onto two parameters, and a third left without state (update="host")
+        (
+            lambda sd: sd["param_groups"][0]["params"].__setitem__(2, 0),
+            "parameter index 0 appears twice in the state dict",
+        ),
+        # kept by the host update, which wrote it back into checkpoints the device one refused
+        (lambda sd: sd["state"][0].update(bogus=torch.zeros(1)), r"unexpected .*\['bogus'\]"),
     ]
     for step in (float("nan"), float("inf"), torch.tensor(float("nan")), -1, 2.5, 2**200):
         # update="device" raised a raw ValueError / OverflowError for nan and inf
@@ -445,6 +519,12 @@ def test_bad_state_dict_is_refused_before_anything_changes(device, precision, up
             (lambda sd, step=step: sd["state"][0].update(step=step), "'step' of parameter index 0")
         )
     last = max(saved["state"])  # the entries before it would be loaded first
+    cases.append(  # the next step made NaN weights with update="device"
+        (
+            lambda sd: sd["state"][last].update(exp_avg_sq=-sd["state"][last]["exp_avg_sq"] - 1),
+            f"'exp_avg_sq' of parameter index {last} .*holds negative values",
+        )
+    )
     for key in ("master", "exp_avg"):  # meta: torch.load(map_location="meta"); the copies failed
         cases.append(
             (

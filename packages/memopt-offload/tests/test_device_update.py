@@ -349,6 +349,39 @@ def test_state_dict_resume_and_across_updates(device, tmp_path):
     assert_same_params(straight, back, "host checkpoint resumed with update='device'")
 
 
+def test_a_partial_state_dict_restarts_the_same_state_in_either_update(device):
+    """A state dict without entries for some trainable parameters: the device update restarts
+    them (step 0, zero moments, the code of the current weight); the host update left them
+    without host state, so its next state_dict() could not be loaded. Both now hold the same
+    bits after the load and after three more steps."""
+    results = {}
+    for update in ("device", "host"):
+        model = make_model(device)
+        opt = AdamBridge(model.parameters(), lr=1e-2, precision=PRECISION, update=update, seed=3)
+        for t in range(3):
+            loss_of(model, batch(t, device)).backward()
+            opt.step()
+            opt.zero_grad()
+        sd = copy.deepcopy(opt.state_dict())
+        del sd["state"][0], sd["state"][3]
+        opt.load_state_dict(sd)
+        loaded = copy.deepcopy(opt.state_dict())
+        for t in range(3, 6):
+            loss_of(model, batch(t, device)).backward()
+            opt.step()
+            opt.zero_grad()
+        results[update] = loaded, opt.state_dict(), model
+    (dev_loaded, dev_sd, dev_model), (host_loaded, host_sd, host_model) = results.values()
+    assert [e["step"].item() for e in host_loaded["state"].values()] == [0, 3, 3, 0, 3, 3]
+    for a, b in ((dev_loaded, host_loaded), (dev_sd, host_sd)):
+        assert a["state"].keys() == b["state"].keys()
+        for i, entry in a["state"].items():
+            assert entry.keys() == b["state"][i].keys(), i
+            for k, v in entry.items():
+                assert torch.equal(b["state"][i][k], v), (i, k)
+    assert_same_params(dev_model, host_model, "after the partial load and three steps")
+
+
 def test_bad_state_dict_changes_nothing(device):
     model = make_model(device)
     opt = device_bridge(model.parameters())

@@ -142,6 +142,10 @@ default_cache_dir = cache_files.cache_dir
 def cache_path(cache_dir: str | os.PathLike | None = None, machine: str | None = None) -> Path:
     """The cache file of ``machine`` (default: this one) in ``cache_dir`` (default:
     :func:`default_cache_dir`)."""
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(
+            f"cache_dir must be a path (str or os.PathLike) or None, got {cache_dir!r}"
+        )
     directory = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     key = machine_key() if machine is None else machine
     return directory / f"autotune-{hashlib.sha1(key.encode()).hexdigest()}.json"
@@ -478,14 +482,19 @@ class AutoTuneConfig:
         ``duplex_gbs``; 0 when no link was measured (no CUDA)."""
         if isinstance(n_params, bool) or not isinstance(n_params, int) or n_params < 0:
             raise ConfigError(f"n_params must be an int >= 0, got {n_params!r}")
+        # the products below are floats: an int beyond float's range raised OverflowError
+        if not math.isfinite(real_as_float(n_params)):
+            raise ConfigError("n_params must be an int within float's range, got a larger one")
         for name, v in (
             ("host_bytes_per_param", host_bytes_per_param),
             ("link_bytes_per_param", link_bytes_per_param),
         ):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ConfigError(f"{name} must be a number >= 0, got {v!r}")
-            if not math.isfinite(v):
-                raise ConfigError(f"{name} must be finite, got {v!r}")
+            if not math.isfinite(real_as_float(v)):
+                raise ConfigError(
+                    f"{name} must be finite (within float's range), got {real_as_float(v)}"
+                )
         host_ms = n_params * host_bytes_per_param / (self.host_gbs * 1e6)
         link_ms = 0.0
         if self.duplex_gbs is not None:

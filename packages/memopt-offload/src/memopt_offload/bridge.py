@@ -117,7 +117,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, NoReturn, TypedDict
 
 import torch
 from torch import Tensor
@@ -194,6 +194,80 @@ def _written(p: Tensor) -> tuple[int, int]:
     return p._version, p.data_ptr()
 
 
+def _check_ordered_params(params: Any, what: str) -> None:
+    """ConfigError unless ``params`` (``what``) is an ordered iterable. torch refuses a set: its
+    order follows the tensors' ids, which differ between runs, so a state dict saved by index
+    would load onto other parameters after a resume."""
+    if isinstance(params, (set, frozenset)):
+        raise ConfigError(
+            f"{what} is a {type(params).__name__}, whose order changes between runs (a state "
+            "dict would load onto other parameters): give a list"
+        )
+    if not isinstance(params, Iterable):
+        raise ConfigError(f"{what} must be an iterable of tensors, got {type(params).__name__}")
+
+
+def _named_item(item: Any, i: int, gi: int) -> Any:
+    """The parameter of item ``i`` of param group ``gi``: torch reads a pair as ``(name,
+    parameter)``, so its name must be a str (a pair of tensors is no named parameter)."""
+    if not (isinstance(item, tuple) and len(item) == 2):
+        return item
+    if not isinstance(item[0], str):
+        raise ConfigError(
+            f"parameter #{i} of param group {gi} is a pair, read as (name, parameter), whose "
+            f"name is a {type(item[0]).__name__}: give tensors, or (str, tensor) pairs as "
+            "named_parameters() does"
+        )
+    return item[1]
+
+
+def _live_params(group: Any, gi: int) -> list[Tensor] | tuple[Tensor, ...]:
+    """The 'params' list of live param group ``gi`` (ConfigError where the group, or its list,
+    was replaced by something else)."""
+    if not isinstance(group, dict):
+        raise ConfigError(f"param_groups[{gi}] must be a dict, got a {type(group).__name__}")
+    params = group.get("params")
+    if not isinstance(params, (list, tuple)):
+        raise ConfigError(
+            f"'params' of param group {gi} must be the list of its parameters, got "
+            f"{type(params).__name__}"
+        )
+    return params
+
+
+def _refuse_clipping_change(name: str, value: Any) -> NoReturn:
+    raise ConfigError(
+        f"AdamBridge.{name} is fixed at construction, got an assignment of {value!r}: pass "
+        f"{name} to the constructor of a new AdamBridge (load_state_dict() of this one's "
+        "state_dict() carries the state over)"
+    )
+
+
+def _saved_float(v: Any, what: str, allowed: str) -> float:
+    """Saved number ``v`` (``what``) as a float; StateDictError for anything else, an int
+    beyond float's range included (no step saves one)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise StateDictError(f"{what} must be None or a number {allowed}, got {v!r}")
+    try:
+        return float(v)
+    except OverflowError:
+        raise StateDictError(
+            f"{what} must be None or a number {allowed}, got an int beyond float's range"
+        ) from None
+
+
+def _refuse_repeated_indices(saved_groups: list[Mapping[str, Any]]) -> None:
+    """StateDictError for a parameter index that saved groups list twice: a load maps each
+    index to the parameter at its position, so it would give one parameter's state to
+    another and leave a third without any (core's loader refuses it too)."""
+    listed: set[Any] = set()
+    for saved in saved_groups:
+        for k in saved["params"]:
+            if k in listed:
+                raise StateDictError(f"parameter index {k!r} appears twice in the state dict")
+            listed.add(k)
+
+
 def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Zeroed host tensor whose pages the CPU kernels' threads touch first (NUMA locality)."""
     t = torch.empty(n, dtype=dtype, device=device)
@@ -228,12 +302,21 @@ def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise ConfigError(
                 f"AdamBridge does not support {flag}=True {where}; its update is AdamW without it"
             )
+    # torch's Adam sets it False for L2 decay through the gradient; this update decouples it
+    if not group.get("decoupled_weight_decay", True):
+        raise ConfigError(
+            f"AdamBridge does not support decoupled_weight_decay="
+            f"{group['decoupled_weight_decay']!r} {where}; its weight decay is AdamW's "
+            "(decoupled)"
+        )
     for key in _BRIDGE_WIDE:
         if key in group:
             raise ConfigError(
                 f"{key} {where}: it is an AdamBridge-wide setting (a constructor argument), "
                 "the same for every param group"
             )
+    if "betas" not in group:  # a key deleted from a live group
+        raise ConfigError(f"betas {where} is missing; expected a pair (beta1, beta2)")
     return adam_hyperparameters(group, group["betas"], where)
 
 
@@ -705,8 +788,8 @@ class AdamBridge(Optimizer):
 
         self.precision = precision
         self.update = update
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self.clip_mode = clip_mode
+        self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self._clip_mode = clip_mode
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.pin_memory = pin_memory
         self.last_grad_norm: float | None = None
@@ -749,6 +832,7 @@ class AdamBridge(Optimizer):
             raise ConfigError(
                 "params must be an iterable of tensors or param groups: wrap it in a list"
             )
+        _check_ordered_params(params, "params")
         # While the constructor adds its groups, the checks against the groups already held and
         # the host optimizer wait for the last one: made per group, they made construction
         # quadratic in the number of groups (14.7 s for 1000 one-parameter groups)
@@ -765,6 +849,27 @@ class AdamBridge(Optimizer):
         if host_groups:
             self._host = self._new_host(host_groups)
 
+    # A step's buckets wait for its norm (or not) by the clipping they found when they
+    # closed, and the hooks close them during backward: a change between backward and
+    # step_sync() left buckets held forever or ran them twice. Fixed at construction.
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global L2 norm gradients are clipped to (None: no clipping), as constructed."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float | None) -> None:
+        _refuse_clipping_change("max_grad_norm", value)
+
+    @property
+    def clip_mode(self) -> str:
+        """``"wait"`` or ``"overlap"`` (see the module doc), as constructed."""
+        return self._clip_mode
+
+    @clip_mode.setter
+    def clip_mode(self, value: str) -> None:
+        _refuse_clipping_change("clip_mode", value)
+
     # ------------------------------------------------------------------------- host memory
     @property
     def _cuda(self) -> bool:
@@ -777,11 +882,13 @@ class AdamBridge(Optimizer):
             raise ConfigError("add_param_group while hooks are attached: call detach_hooks() first")
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise ConfigError("a param group must be a dict with a 'params' entry")
+        gi = len(self.param_groups)
         raw = param_group["params"]
+        if not isinstance(raw, Tensor):
+            _check_ordered_params(raw, f"'params' of param group {gi}")
         # a generator is used up by the checks below: torch must get the same items
         raw = param_group["params"] = [raw] if isinstance(raw, Tensor) else list(raw)
-        params = [item[1] if isinstance(item, tuple) and len(item) == 2 else item for item in raw]
-        gi = len(self.param_groups)
+        params = [_named_item(item, i, gi) for i, item in enumerate(raw)]
         device = self._device
         seen: set[int] = set()
         held = (
@@ -1038,6 +1145,8 @@ class AdamBridge(Optimizer):
         return PRECISIONS[self.precision][1] == "ecc24" and p.dtype == torch.bfloat16
 
     def _slot(self, p: Tensor) -> _Slot:
+        if not isinstance(p, Tensor):
+            raise ConfigError(f"master_weight takes a parameter tensor, got {type(p).__name__}")
         slot = self._slots.get(id(p))
         if slot is None or slot.param is not p:
             raise ConfigError(
@@ -1410,7 +1519,7 @@ class AdamBridge(Optimizer):
                 "appending to param_groups"
             )
         for gi, (group, built) in enumerate(zip(groups, self._group_params, strict=True)):
-            params = group["params"]
+            params = _live_params(group, gi)
             if len(params) == len(built) and all(map(operator.is_, params, built)):
                 continue
             names = group.get("param_names", [])
@@ -1890,7 +1999,6 @@ class AdamBridge(Optimizer):
         there; all must hold the same one); it never enters the live ``param_groups``."""
         state_dict = run_load_pre_hooks(self, state_dict)
         meta, saved_groups = self._saved_groups(state_dict)
-        check_saved_param_lists(state_dict)  # the keys in them (a nested list: bare TypeError)
         if self._pending or self._inflight:
             self._finish()
         params = [p for g in self.param_groups for p in g["params"]]
@@ -1919,6 +2027,7 @@ class AdamBridge(Optimizer):
         assert host is not None  # update="host"
         host_params = [m for g in host.param_groups for m in g["params"]]
         host_index = {id(m): i for i, m in enumerate(host_params)}
+        host_sd = host.state_dict()
         host_state: dict[int, Any] = {}
         masters: list[tuple[_Slot, Tensor]] = []
         pos: dict[Any, int] = {}  # saved parameter index -> position
@@ -1934,19 +2043,12 @@ class AdamBridge(Optimizer):
                 raise StateDictError(
                     f"the state dict holds state for parameter index {key!r}, which is frozen here"
                 )
-            if not isinstance(entry, Mapping) or "master" not in entry:
-                raise StateDictError(f"the state of parameter index {key!r} lacks 'master'")
-            m, master = entry["master"], slot.host_master
-            if not isinstance(m, Tensor) or m.dtype != master.dtype or m.shape != (master.shape):
-                raise StateDictError(
-                    f"'master' of parameter index {key!r} must be {master.dtype} of shape "
-                    f"{tuple(master.shape)}"
-                )
-            refuse_valueless(f"'master' of parameter index {key!r}", m)
-            masters.append((slot, m))
+            master = slot.host_master
+            own = host_sd["state"].get(host_index[id(master)], {})
+            masters.append((slot, self._checked_host_entry(key, entry, master, own)))
             host_state[host_index[id(master)]] = {k: v for k, v in entry.items() if k != "master"}
         host_groups = []
-        for hg, saved in zip(host.state_dict()["param_groups"], saved_groups, strict=True):
+        for hg, saved in zip(host_sd["param_groups"], saved_groups, strict=True):
             merged = dict(hg)
             merged.update({k: deepcopy(saved[k]) for k in _HYPER})
             host_groups.append(merged)
@@ -1972,7 +2074,52 @@ class AdamBridge(Optimizer):
                     slot.staging.copy_(slot.host_master)
                 slot.param.copy_(slot.host_upload)
                 slot.seen = _written(slot.param)
+        loaded = {id(slot) for slot, _ in masters}
+        self._restart_host_state([s for s in self._slots.values() if id(s) not in loaded])
         self._load_clipping(meta)
+
+    @staticmethod
+    def _checked_host_entry(
+        key: Any, entry: Any, master: Tensor, saved_keys: Iterable[str]
+    ) -> Tensor:
+        """The saved master in ``entry`` (the state of parameter index ``key``, whose host
+        master is ``master``), checked, once ``entry`` is found to hold no key but ``master``
+        and the host optimizer's ``saved_keys``: that loader keeps any other as the caller's,
+        where the device update refuses it, so a checkpoint would not move between them."""
+        if not isinstance(entry, Mapping) or "master" not in entry:
+            raise StateDictError(f"the state of parameter index {key!r} lacks 'master'")
+        m = entry["master"]
+        if not isinstance(m, Tensor) or m.dtype != master.dtype or m.shape != (master.shape):
+            raise StateDictError(
+                f"'master' of parameter index {key!r} must be {master.dtype} of shape "
+                f"{tuple(master.shape)}"
+            )
+        refuse_valueless(f"'master' of parameter index {key!r}", m)
+        extra = sorted(set(entry) - set(saved_keys) - {"master"}, key=str)
+        if extra:
+            expected = sorted({*saved_keys, "master"} - {"param_shape"})
+            raise StateDictError(
+                f"the state of parameter index {key!r} has unexpected entries {extra}; "
+                f"AdamBridge saves {expected}"
+            )
+        return m
+
+    def _restart_host_state(self, slots: list[_Slot]) -> None:
+        """Parameters absent from a loaded state dict start over, as update="device"'s do
+        (``DeviceUpdater.reset_steps``): the loader dropped their host state, and without it
+        a later state_dict() wrote a 'master' alone, which no load takes. Step 0, zero
+        moments, the master (and ECC code) of their current weight."""
+        if not slots:
+            return
+        host = self._host
+        assert host is not None  # update="host"
+        with torch.no_grad():
+            for slot in slots:
+                slot.host_master.copy_(slot.param.detach())
+                if slot.staging is not None:
+                    slot.staging.copy_(slot.host_master)
+                slot.seen = _written(slot.param)
+        host.init_state()  # the state of every master without any: core's fresh state
 
     def _load_clipping(self, meta: Mapping[str, Any]) -> None:
         """The clipping state of a loaded dict (None in dicts from before it was saved). Its
@@ -1992,12 +2139,8 @@ class AdamBridge(Optimizer):
             v = meta.get(key) if isinstance(meta, Mapping) else None
             if v is None:
                 continue
-            number = not isinstance(v, bool) and isinstance(v, (int, float))
-            if key == "clip_coef":
-                ok = number and 0 <= v <= 1
-            else:
-                ok = number and (math.isnan(v) or v >= 0)
-            if not ok:
+            x = _saved_float(v, f"{what}'s memopt[{key!r}]", allowed)
+            if not (0 <= x <= 1 if key == "clip_coef" else math.isnan(x) or x >= 0):
                 raise StateDictError(
                     f"{what}'s memopt[{key!r}] must be None or a number {allowed}, got {v!r}"
                 )
@@ -2023,8 +2166,8 @@ class AdamBridge(Optimizer):
     def _saved_groups(self, state_dict: Any) -> tuple[Mapping[str, Any], list[Mapping[str, Any]]]:
         """The ``memopt`` entry of ``state_dict`` (top level, else its param groups') and its
         param groups without that entry, once its containers, family, version and precision,
-        and each group's size and hyperparameters, are checked against this optimizer
-        (:class:`~memopt_core.errors.StateDictError` otherwise)."""
+        and each group's size, indices (each listed once) and hyperparameters, are checked
+        against this optimizer (:class:`~memopt_core.errors.StateDictError` otherwise)."""
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise StateDictError("expected the dict AdamBridge.state_dict() returns")
         meta = saved_meta(state_dict)
@@ -2062,6 +2205,8 @@ class AdamBridge(Optimizer):
                 _check_hyper(saved, f"({where})")
             except ConfigError as e:
                 raise StateDictError(str(e)) from None
+        check_saved_param_lists(state_dict)  # the keys in them (a nested list: bare TypeError)
+        _refuse_repeated_indices(saved_groups)
         return meta, saved_groups
 
     def _load_device_state(

@@ -577,7 +577,11 @@ class DeviceUpdater:
                     f"got {got}"
                 )
             refuse_valueless(f"{k!r} of parameter index {key!r}", t)
-        # the host update's check, so that a state dict moves between the two updates
+        # the host update's checks, so that a state dict moves between the two updates (a
+        # negative second moment steps to NaN weights through its square root)
+        conversions.check_second_moment(
+            entry["exp_avg_sq"], f"'exp_avg_sq' of parameter index {key!r}"
+        )
         MemOptimizer._validated_step(entry["step"], f"parameter index {key!r}")
 
     def load_entry(self, pos: int, entry: Mapping[str, Any]) -> None:
