@@ -737,6 +737,7 @@ def test_lr_schedulers_go_through_extra(tmp_path):
     ("meta", "match"),
     [
         ({"schema": "2"}, r"'schema' is '2', not an int"),
+        ({"schema": 0}, r"'schema' is 0, not an int >= 1"),
         ({"schema": 2, "model": {}}, r"its 'model' entry is not"),
         ({"schema": 2, "model": {"keys": ["weight"], "aliases": {"bias": "b"}}}, "'model' entry"),
         (
@@ -760,6 +761,25 @@ def test_a_container_with_a_foreign_meta_is_a_checkpoint_error(meta, match, tmp_
     with pytest.raises(CheckpointError, match=match):
         load(tmp_path / "x.mopt", model=model, optimizer=opt)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_group_listing_a_parameter_twice_is_named(tmp_path):
+    """A checkpoint edited (its checksums recomputed) to list a name twice in a param group:
+    the message said the group "lacks [] and has []" (a helper's hunt, 2026-12-07)."""
+    from memopt_checkpoint.container import CheckpointReader, write_checkpoint
+
+    model, opt = build("memopt-q8-fp32")
+    save(tmp_path / "ok.mopt", model=model, optimizer=opt)
+    with CheckpointReader(tmp_path / "ok.mopt") as r:
+        meta = copy.deepcopy(r.meta)
+        tensors = {k: r.load(k) for k in r}
+    names = meta["optimizer"]["param_groups"][0]["params"]
+    names.append(names[0])
+    write_checkpoint(tmp_path / "dup.mopt", tensors, meta=meta)
+    with pytest.raises(
+        StateDictError, match="param group 0 of the checkpoint lists a parameter tw"
+    ):
+        load(tmp_path / "dup.mopt", model=model, optimizer=opt)
 
 
 @pytest.mark.parametrize("wrapper", ["DataParallel", "DistributedDataParallel"])

@@ -417,7 +417,9 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
 
     # JSON values, of any type until require() has checked them
     schema: Any = meta.get("schema")
-    require(type(schema) is int, f"its meta's 'schema' is {schema!r}, not an int")
+    require(
+        type(schema) is int and schema >= 1, f"its meta's 'schema' is {schema!r}, not an int >= 1"
+    )
     if schema > CHECKPOINT_SCHEMA:
         raise CheckpointError(
             f"{os.fspath(path)} uses checkpoint schema {schema}; this memopt-checkpoint "
@@ -586,6 +588,11 @@ def _plan_optimizer(reader, meta, model, optimizer) -> dict[str, Any]:
         if sorted(saved["params"]) != sorted(mine):
             missing = sorted(set(mine) - set(saved["params"]))
             extra = sorted(set(saved["params"]) - set(mine))
+            if not missing and not extra:  # the same names, one listed twice
+                raise StateDictError(
+                    f"param group {gi} of the checkpoint lists a parameter twice: the file is "
+                    "corrupt or was edited"
+                )
             raise StateDictError(
                 f"param group {gi} differs: the checkpoint lacks {missing[:8]} and has "
                 f"{extra[:8]} that the optimizer's group does not"
