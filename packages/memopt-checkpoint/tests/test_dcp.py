@@ -1066,12 +1066,16 @@ def test_check_dcp_load_of_a_missing_folder_or_a_file(tmp_path):
     # a folder that is no DCP checkpoint, and one whose .metadata is cut short (a helper's
     # hunt, 2026-12-07: both the CheckpointException)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StateDictError, match=r"'.*empty' is no torch.distributed.checkpoint .*"):
+    with pytest.raises(StateDictError, match=r"could not read a checkpoint at .*empty"):
         check_dcp_load(opt, tmp_path / "empty")
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / ".metadata").write_bytes(b"\x80\x04junk")
-    with pytest.raises(StateDictError, match=r"could not read the checkpoint .*cut"):
+    with pytest.raises(StateDictError, match=r"could not read a checkpoint at .*cut"):
         check_dcp_load(opt, tmp_path / "cut")
+    # a checkpoint saved without collectives holds per-rank metadata only: it is read
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=tmp_path / "local", use_collectives=False)
+    assert ".metadata" not in {f.name for f in (tmp_path / "local").iterdir()}
+    check_dcp_load(opt, tmp_path / "local")
 
 
 @pytest.mark.usefixtures("process_group")

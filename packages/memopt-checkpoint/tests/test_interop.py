@@ -772,6 +772,10 @@ BAD = {
         lambda sd: _set(sd, ["state", 0, "exp_avg_sq"], sd["state"][0]["exp_avg_sq"].to("meta")),
         "'exp_avg_sq' of parameter index 0 .*on the meta device",
     ),
+    "index twice": (
+        lambda sd: _set(sd, ["param_groups", 0, "params", 1], 0),
+        "parameter index 0 appears twice in the state dict",
+    ),
     # flags read by truthiness and an unchecked scheduler base (a helper's hunt, 2026-12-07)
     "amsgrad string": (
         lambda sd: _set(sd, ["param_groups", 0, "amsgrad"], "no"),
@@ -811,6 +815,17 @@ BAD = {
         r"'params' must be a list of parameter indices, got \[\[0\]\]",
     ),
 }
+
+
+def test_a_numpy_initial_lr_loads():
+    """torch's AdamW under an LR scheduler built with lr=np.float32(1e-3) saves initial_lr as
+    numpy's float; a check of the value must take it, as torch does."""
+    np = pytest.importorskip("numpy")
+    ref_opt, _, my_opt = _adamw_setup()
+    sd = copy.deepcopy(ref_opt.state_dict())
+    sd["param_groups"][0]["initial_lr"] = np.float32(1e-3)
+    load_torch_state_dict(my_opt, sd)
+    assert my_opt.param_groups[0]["initial_lr"] == np.float32(1e-3)
 
 
 @pytest.mark.parametrize("case", list(BAD))

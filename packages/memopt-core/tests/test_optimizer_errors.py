@@ -317,6 +317,29 @@ def test_step_parameters_refuses_grads_and_staging_that_are_no_tensors():
     assert opt.state == {}
 
 
+def test_step_parameters_names_a_gradient_that_is_no_tensor_beside_staging():
+    """The staging check read every gradient before the gradients were checked: an
+    AttributeError (review of stop 68's diff)."""
+    w = P(64)
+    opt = MemOptimizer([w])
+    for bad in (None, 1.0):
+        with pytest.raises(ConfigError, match=r"grads\[parameter #0 .*\] must be a tensor"):
+            opt.step_parameters(
+                [w], grads={w: bad}, staging={w: torch.empty(64, dtype=torch.bfloat16)}
+            )
+    assert opt.state == {}
+
+
+def test_a_pair_of_tensors_is_no_named_parameter():
+    """torch reads a 2-tuple as (name, parameter): (a, b) of two tensors held b alone, and a
+    was never trained (a helper's review, 2026-12-07)."""
+    a, b = P(4), P(4)
+    with pytest.raises(ConfigError, match=r"parameter #0 \(param group 0\) is a pair, read as"):
+        MemOptimizer([(a, b)])
+    opt = MemOptimizer([("a", a), ("b", b)])  # named parameters, as named_parameters() gives
+    assert opt.param_groups[0]["param_names"] == ["a", "b"]
+
+
 def test_step_parameters_refuses_grads_of_parameters_not_stepped():
     """A gradient in ``grads`` for a parameter left out of ``params`` was dropped without a
     word: the caller meant it to be used."""

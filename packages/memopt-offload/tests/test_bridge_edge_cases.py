@@ -398,6 +398,9 @@ def test_a_group_without_decoupled_weight_decay_is_refused():
     with pytest.raises(ConfigError, match=match):
         AdamBridge([{"params": [p], "decoupled_weight_decay": False}], precision="fp32")
     AdamBridge([{"params": [p], "decoupled_weight_decay": True}], precision="fp32")  # AdamW's
+    AdamBridge([{"params": [p], "decoupled_weight_decay": None}], precision="fp32")  # unset
+    with pytest.raises(ConfigError, match=r"decoupled_weight_decay .* must be True or False"):
+        AdamBridge([{"params": [p], "decoupled_weight_decay": "no"}], precision="fp32")
     opt = AdamBridge([p], lr=0.1, weight_decay=0.5, precision="fp32")
     opt.param_groups[0]["decoupled_weight_decay"] = False  # set later: refused at the step
     p.grad = torch.ones(2)

@@ -109,9 +109,7 @@ def _live_named_state(
     model holds: wrappers' prefixes removed, as its loader maps them)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    in_model = {id(p) for p in model.parameters()}
+    in_model = {id(p) for p in model.parameters()}  # (check_dcp_load checked its type)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in in_model:
@@ -271,11 +269,6 @@ def check_dcp_load(
                 f"{where!r} is a file; a torch.distributed.checkpoint checkpoint is a folder "
                 "(a file written by memopt_checkpoint.save loads with memopt_checkpoint.load)"
             )
-        if not os.path.exists(os.path.join(where, ".metadata")):
-            raise StateDictError(
-                f"{where!r} is no torch.distributed.checkpoint checkpoint: it has no .metadata "
-                "file (an unfinished save, or another folder)"
-            )
     planner = dcp.DefaultLoadPlanner(allow_partial_load=True)
     try:
         dcp.load(
@@ -289,8 +282,8 @@ def check_dcp_load(
         # its text holds each rank's traceback, whose last line is the error
         cause = (str(e).strip().splitlines() or [type(e).__name__])[-1]
         raise StateDictError(
-            f"torch.distributed.checkpoint could not read the checkpoint {checkpoint_id!r} "
-            f"(a corrupt or truncated .metadata?): {cause}"
+            f"torch.distributed.checkpoint could not read a checkpoint at {checkpoint_id!r} "
+            f"(a folder that holds none, an unfinished save, or a corrupt .metadata?): {cause}"
         ) from e
     # dcp.load set the planner up with the checkpoint's metadata
     metadata = planner.metadata

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -417,11 +418,7 @@ def load_torch_state_dict(optimizer: MemOptimizer, state_dict: Mapping[str, Any]
     for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         new_groups.append(_merged_group(optimizer.rule, kind, cls, gi, group, saved))
         for key, p in zip(saved["params"], group["params"], strict=True):
-            if key in where:
-                raise StateDictError(
-                    f"parameter index {key!r} appears twice in the torch state dict"
-                )
-            where[key] = (gi, p)
+            where[key] = (gi, p)  # each key once: check_saved_param_lists
     moments: dict[Any, dict[str, Tensor]] = {}
     for key, entry in saved_state.items():
         if key not in where:
@@ -529,9 +526,9 @@ def _merged_group(
     merged["decouple_lr"] = False  # torch decays by lr * weight_decay
     if "initial_lr" in saved:  # an LR scheduler's base: it scales every later lr
         initial = _plain(saved["initial_lr"])
-        if (
+        if (  # a real number as torch's optimizers take them: numpy's too
             isinstance(initial, bool)
-            or not isinstance(initial, (int, float))
+            or not isinstance(initial, numbers.Real)
             or not 0.0 <= real_as_float(initial) < math.inf
         ):
             raise StateDictError(f"{what}: initial_lr must be a number >= 0, got {initial!r}")

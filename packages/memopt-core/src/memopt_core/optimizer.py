@@ -694,8 +694,9 @@ class MemOptimizer(Optimizer):
         self._plans: dict[int, _GroupPlans] = {}
         self._where: dict[int, tuple[int, int, int]] = {}
         self._index: dict[int, int] | None = None
-        #: (ids of the held parameters, their sorted_extents) for _check_staging_apart
-        self._held_extents: tuple[tuple[int, ...], Any] | None = None
+        #: (the param lists' ids and lengths, the held parameters' sorted_extents) for
+        #: _check_staging_apart
+        self._held_extents: tuple[tuple[tuple[int, int], ...], Any] | None = None
         self._drop_cached_steps()
 
     def _drop_cached_steps(self) -> None:
@@ -848,8 +849,14 @@ class MemOptimizer(Optimizer):
         # a generator is used up by the checks below: torch must get the same items
         raw = param_group["params"] = list(raw)
         tensors, names = [], []
-        for item in raw:
+        for i, item in enumerate(raw):
             if isinstance(item, tuple) and len(item) == 2:
+                if not isinstance(item[0], str):  # (a, b) of two tensors dropped a silently
+                    raise ConfigError(
+                        f"parameter #{i} {where} is a pair, read as (name, parameter), whose name "
+                        f"is a {type(item[0]).__name__}: give tensors, or (str, tensor) pairs as "
+                        "named_parameters() does"
+                    )
                 names.append(item[0])
                 item = item[1]
             tensors.append(item)
@@ -2581,7 +2588,6 @@ class MemOptimizer(Optimizer):
         params = list(params)
         if staging is not None:
             self._check_staging(params, staging)
-            self._check_staging_apart(params, staging, grads)
         if grads is not None and not isinstance(grads, Mapping):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
@@ -2603,6 +2609,8 @@ class MemOptimizer(Optimizer):
                         f"grads names {self._param_label(p)}, which is not among the parameters "
                         "being stepped: pass it in params too, or leave its gradient out"
                     )
+        if staging is not None:  # once the gradients are known to be tensors
+            self._check_staging_apart(params, staging, grads)
         if found_inf is not None and (
             not isinstance(found_inf, Tensor)
             or found_inf.numel() != 1
@@ -2668,11 +2676,11 @@ class MemOptimizer(Optimizer):
         """ConfigError when a staging buffer shares memory with another, with a gradient of the
         call or with a parameter this optimizer holds: its copy overwrote them (the torch and
         Triton backends copy after the update; the cpu backend refused only its call's
-        tensors). The held parameters' byte ranges are cached per set of parameters, so a call
-        costs binary searches (memopt-offload's per-bucket path); a cached range says no more
-        than "maybe" (a parameter moved by ``p.data = ...``): the exact check then decides, on
-        the current addresses. A parameter made a view of a staging buffer after the ranges were
-        cached is not seen."""
+        tensors). The held parameters' byte ranges are cached per param lists, so a call costs
+        binary searches over them (memopt-offload's per-bucket path); a cached range says no
+        more than "maybe" (a parameter moved by ``p.data = ...``): the exact check then decides,
+        on the current addresses. A parameter moved onto a staging buffer's memory (made a view
+        of it) after the ranges were cached is not seen until the param lists change."""
         named = [
             (st, functools.partial(self._staging_label, p))
             for p, st in staging.items()
@@ -2687,9 +2695,12 @@ class MemOptimizer(Optimizer):
             named,
             [(g, functools.partial(self._grad_label, p)) for p, g in read if addressable(g)],
         )
-        held = [p for group in self.param_groups for p in group["params"]]
-        key = tuple(map(id, held))
+        # per group, not per parameter: the check runs once per offload bucket, and a key of
+        # every parameter cost O(parameters) each time (a list edited in place to the same
+        # length is seen at the next rebuild of the cache, as a moved parameter is)
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.param_groups)
         if self._held_extents is None or self._held_extents[0] != key:
+            held = [p for group in self.param_groups for p in group["params"]]
             self._held_extents = (key, sorted_extents([p for p in held if addressable(p)]))
         sts = [st for st, _ in named]
         if clear_of(
@@ -2910,7 +2921,7 @@ class MemOptimizer(Optimizer):
                 f"expected a state dict (a mapping), got {type(state_dict).__name__}"
             )
         loaded = run_load_pre_hooks(self, dict(state_dict))
-        check_saved_param_lists(loaded)
+        check_saved_param_lists(loaded, each_once=False)  # repeats: with the groups, below
         self._check_param_shapes(loaded)  # first: before any layout conversion complains
         state_dict = self._prepare_loaded(self._localized(loaded))
         for key in ("state", "param_groups"):
@@ -3421,14 +3432,18 @@ def _from_bytes(t: Tensor, dtype: str) -> Tensor:
 _F32_MAX = torch.finfo(torch.float32).max
 
 
-def check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
+def check_saved_param_lists(state_dict: Mapping[str, Any], *, each_once: bool = True) -> None:
     """StateDictError unless every saved param group's ``params`` is a list of parameter keys
     (None, a number or nested lists raised a bare TypeError in the conversions before the
-    checks). For every loader of saved groups (memopt-checkpoint's torch interop,
-    memopt-offload's AdamBridge)."""
+    checks), each listed once over all groups (a load maps each key to the parameter at its
+    position: a key listed twice gave one parameter another's state and left one without).
+    For every loader of saved groups (this optimizer's, memopt-checkpoint's torch interop,
+    memopt-offload's AdamBridge); ``each_once=False`` leaves the repeats to the caller (this
+    optimizer's loader names a wrong number of groups first)."""
     groups = state_dict.get("param_groups")
     if not isinstance(groups, (list, tuple)):
         return  # the checks explain it
+    listed: set[Hashable] = set()
     for gi, saved in enumerate(groups):
         if not isinstance(saved, Mapping) or "params" not in saved:
             continue  # likewise
@@ -3438,6 +3453,10 @@ def check_saved_param_lists(state_dict: Mapping[str, Any]) -> None:
                 f"param group {gi} of the state dict: 'params' must be a list of parameter "
                 f"indices, got {reprlib.repr(keys)}"
             )
+        for key in keys if each_once else ():
+            if key in listed:
+                raise StateDictError(f"parameter index {key!r} appears twice in the state dict")
+            listed.add(key)
 
 
 def _step_tensor(value: Any) -> Tensor:

@@ -256,18 +256,6 @@ def _saved_float(v: Any, what: str, allowed: str) -> float:
         ) from None
 
 
-def _refuse_repeated_indices(saved_groups: list[Mapping[str, Any]]) -> None:
-    """StateDictError for a parameter index that saved groups list twice: a load maps each
-    index to the parameter at its position, so it would give one parameter's state to
-    another and leave a third without any (core's loader refuses it too)."""
-    listed: set[Any] = set()
-    for saved in saved_groups:
-        for k in saved["params"]:
-            if k in listed:
-                raise StateDictError(f"parameter index {k!r} appears twice in the state dict")
-            listed.add(k)
-
-
 def _first_touched_zeros(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Zeroed host tensor whose pages the CPU kernels' threads touch first (NUMA locality)."""
     t = torch.empty(n, dtype=dtype, device=device)
@@ -303,7 +291,10 @@ def _check_hyper(group: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"AdamBridge does not support {flag}=True {where}; its update is AdamW without it"
             )
     # torch's Adam sets it False for L2 decay through the gradient; this update decouples it
-    if not group.get("decoupled_weight_decay", True):
+    dwd = group.get("decoupled_weight_decay")
+    if dwd is not None:
+        check_bool(f"decoupled_weight_decay {where}", dwd)  # "no" read as true
+    if dwd is False:
         raise ConfigError(
             f"AdamBridge does not support decoupled_weight_decay="
             f"{group['decoupled_weight_decay']!r} {where}; its weight decay is AdamW's "
@@ -2205,8 +2196,9 @@ class AdamBridge(Optimizer):
                 _check_hyper(saved, f"({where})")
             except ConfigError as e:
                 raise StateDictError(str(e)) from None
-        check_saved_param_lists(state_dict)  # the keys in them (a nested list: bare TypeError)
-        _refuse_repeated_indices(saved_groups)
+        # the keys in them (a nested list: bare TypeError), each listed once (one listed twice
+        # mapped a parameter's state onto another)
+        check_saved_param_lists(state_dict)
         return meta, saved_groups
 
     def _load_device_state(
