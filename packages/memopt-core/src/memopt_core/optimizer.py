@@ -2586,14 +2586,12 @@ class MemOptimizer(Optimizer):
         if isinstance(params, Tensor):
             params = [params]
         params = list(params)
-        if staging is not None:
-            self._check_staging(params, staging)
         if grads is not None and not isinstance(grads, Mapping):
             raise ConfigError(
                 f"grads must be a {{parameter: gradient}} mapping, got {type(grads).__name__}"
             )
+        stepped = {id(p) for p in params} if grads or staging is not None else set()
         if grads:
-            stepped = {id(p) for p in params}
             for p, g in grads.items():
                 if not isinstance(p, Tensor):
                     raise ConfigError(
@@ -2610,6 +2608,7 @@ class MemOptimizer(Optimizer):
                         "being stepped: pass it in params too, or leave its gradient out"
                     )
         if staging is not None:  # once the gradients are known to be tensors
+            self._check_staging(stepped, staging)
             self._check_staging_apart(params, staging, grads)
         if found_inf is not None and (
             not isinstance(found_inf, Tensor)
@@ -2631,18 +2630,18 @@ class MemOptimizer(Optimizer):
         # (they wrap it to set this flag): this is a step too, gradient release's instead of it
         self._opt_called = True
 
-    def _check_staging(self, params: list[Tensor], staging: Mapping[Tensor, Tensor]) -> None:
+    def _check_staging(self, stepped: set[int], staging: Mapping[Tensor, Tensor]) -> None:
+        """Each entry of ``staging`` (keyed by parameters whose ids are in ``stepped``)."""
         if not isinstance(staging, Mapping):
             raise ConfigError(
                 f"staging must be a {{parameter: bf16 tensor}} mapping, got {type(staging).__name__}"
             )
-        wanted = {id(p) for p in params}
         for p, st in staging.items():
             if not isinstance(p, Tensor):  # its label failed deep in the check
                 raise ConfigError(
                     f"staging is keyed by the parameters being stepped, got a key {p!r}"
                 )
-            if id(p) not in wanted:
+            if id(p) not in stepped:
                 raise ConfigError(
                     f"staging names {self._param_label(p)}, which is not among the parameters "
                     "being stepped"
