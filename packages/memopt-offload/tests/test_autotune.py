@@ -12,6 +12,7 @@ import math
 import os
 import stat
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -501,3 +502,32 @@ def test_a_config_of_another_machine_warns():
     finally:
         ops.set_num_threads(before[0])
         ops.set_chunk_size(before[1])
+
+
+@pytest.mark.parametrize(
+    ("update", "backend"),
+    [("host", None), ("host", "torch"), ("device", None), ("device", "torch")],
+    ids=["host", "host-torch", "device", "device-torch"],
+)
+def test_autotune_where_no_update_runs_the_cpu_kernels_warns(
+    device, update, backend, kernel_settings
+):
+    """autotune sets the C++ CPU kernels' threads and chunk size: with backend="torch" (core's
+    reference), or update="device" on a GPU (Triton), no update runs those kernels, and the
+    config (or a measurement, autotune=True) was silently of no use. Still applied, as asked."""
+    from memopt_offload import AdamBridge
+
+    tuned = make_config(num_threads=kernel_settings[0] + 1, chunk_size=kernel_settings[1] * 2)
+    params = [torch.nn.Parameter(torch.zeros(64, device=device, dtype=torch.bfloat16))]
+    kw = dict(precision="bf16-ecc24", update=update, backend=backend, autotune=tuned)
+    if backend == "torch" or (update == "device" and device.type == "cuda"):
+        with pytest.warns(UserWarning, match="autotune has no effect") as record:
+            AdamBridge(params, **kw)
+        found = [w for w in record if "autotune has no effect" in str(w.message)]
+        assert len(found) == 1, [str(w.message) for w in record]
+        assert found[0].filename == __file__  # the user's line
+    else:  # the CPU kernels run the updates
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            AdamBridge(params, **kw)
+    assert (ops.get_num_threads(), ops.get_chunk_size()) == (tuned.num_threads, tuned.chunk_size)

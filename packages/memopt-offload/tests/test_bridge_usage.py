@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -190,7 +192,8 @@ def test_params_that_are_no_tensors_are_config_errors(device):
     for bad in ("0.weight", None):
         with pytest.raises(ConfigError, match="master_weight takes a parameter tensor, got "):
             opt.master_weight(bad)
-    assert torch.equal(opt.master_weight(params[0]), params[0].detach().float())
+    # the host master: a CPU tensor, whatever the parameter's device
+    assert torch.equal(opt.master_weight(params[0]), params[0].detach().float().cpu())
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-ecc24", "compact"])
@@ -304,6 +307,69 @@ def test_bad_arguments(device):
         AdamBridge(params, lr=-1.0, precision="bf16-ecc24", update="device")
     with pytest.raises(ValueError, match="beta2"):
         AdamBridge(params, betas=(0.9, 1.0), precision="bf16-ecc24", update="device")
+
+
+def _built_warning_free(*args, **kw) -> AdamBridge:
+    """``AdamBridge(*args, **kw)``, failing on any warning it gives."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return AdamBridge(*args, **kw)
+
+
+def _one_warning_from_this_file(record, match: str) -> None:
+    """``record`` (pytest.warns) holds one UserWarning matching ``match``, attributed to this
+    test file: stacklevel points at the user's ``AdamBridge(...)`` call."""
+    found = [w for w in record if re.search(match, str(w.message))]
+    assert len(found) == 1, [str(w.message) for w in record]
+    assert found[0].category is UserWarning
+    assert found[0].filename == __file__
+
+
+def test_prefetch_mb_given_to_the_host_update_warns(device):
+    """prefetch_mb is the device update's state budget; with update="host" a value given was
+    silently ignored. Its default (None: 512 for update="device") warns for neither."""
+    params = list(make_model(device).parameters())
+    match = r"prefetch_mb=64\.0 has no effect with update='host'"
+    with pytest.warns(UserWarning, match=match) as record:
+        AdamBridge(params, prefetch_mb=64.0)
+    _one_warning_from_this_file(record, match)
+    with pytest.raises(ConfigError, match="prefetch_mb"):  # a bad value is refused first
+        AdamBridge(params, prefetch_mb=-1)
+    _built_warning_free(params)
+    dev = _built_warning_free(params, precision="bf16-ecc24", update="device")
+    assert dev._dev.prefetch_bytes == 512 * 2**20  # the documented default
+    dev = _built_warning_free(params, precision="bf16-ecc24", update="device", prefetch_mb=0)
+    assert dev._dev.prefetch_bytes == 0
+
+
+@pytest.mark.parametrize("mode", ["wait", "overlap"])
+def test_clip_mode_without_max_grad_norm_warns(device, mode):
+    """clip_mode says when gradients are clipped: without max_grad_norm (no clipping) a value
+    given was silently meaningless. The default (None: "wait") does not warn."""
+    params = list(make_model(device).parameters())
+    match = f"clip_mode='{mode}' has no effect without max_grad_norm"
+    with pytest.warns(UserWarning, match=match) as record:
+        opt = AdamBridge(params, clip_mode=mode)
+    _one_warning_from_this_file(record, match)
+    assert opt.clip_mode == mode
+    assert _built_warning_free(params).clip_mode == "wait"
+    opt = _built_warning_free(params, max_grad_norm=1.0, clip_mode=mode)
+    assert opt.clip_mode == mode
+    assert _built_warning_free(params, max_grad_norm=1.0).clip_mode == "wait"
+
+
+def test_seed_with_fp32_state_warns(device):
+    """precision="fp32" rounds nothing stochastically (fp32 masters and moments, the bf16
+    weights rounded to nearest), so a seed given there was silently unused. The default (None:
+    0) does not warn, nor does a seed with stochastically rounded state."""
+    params = list(make_model(device).parameters())
+    match = "seed=7 has no effect with precision='fp32'"
+    with pytest.warns(UserWarning, match=match) as record:
+        AdamBridge(params, precision="fp32", seed=7)
+    _one_warning_from_this_file(record, match)
+    assert _built_warning_free(params, precision="fp32").state_dict()["memopt"]["seed"] == 0
+    opt = _built_warning_free(params, precision="bf16", seed=7)
+    assert opt.state_dict()["memopt"]["seed"] == 7
 
 
 @both_updates()

@@ -126,6 +126,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from memopt_core.aliasing import check_parameters_apart, labelled_parameters
+from memopt_core.backends import forced_backend
 from memopt_core.eager import run_eagerly
 from memopt_core.errors import ConfigError, OffloadError, StateDictError
 from memopt_core.formats import MOMENT_PRESETS, master_codec, moment_codec
@@ -174,6 +175,8 @@ PRECISIONS: dict[str, tuple[str, str]] = {
 UPDATES = ("host", "device")
 #: update -> bucket_mb when None is given (docs/benchmarks/2026-12-01-offload-device-update.md)
 _DEFAULT_BUCKET_MB = {"host": 32.0, "device": 64.0}
+#: update="device": prefetch_mb when None is given (the host update copies no state ahead)
+_DEFAULT_PREFETCH_MB = 512.0
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _CLIP_MODES = ("wait", "overlap")
 _STATE_DICT_VERSION = 1
@@ -241,6 +244,42 @@ def _refuse_clipping_change(name: str, value: Any) -> NoReturn:
         f"{name} to the constructor of a new AdamBridge (load_state_dict() of this one's "
         "state_dict() carries the state over)"
     )
+
+
+def _warn_unused_arguments(
+    *,
+    update: str,
+    precision: str,
+    max_grad_norm: float | None,
+    clip_mode: str | None,
+    seed: int | None,
+    prefetch_mb: float | None,
+) -> None:
+    """A UserWarning (at the caller of ``AdamBridge(...)``) for each argument given a value
+    that has no effect with the others: their defaults (None) say "the update's default" and
+    never warn. Contradictions are ConfigErrors, raised before this runs."""
+    unused = []
+    if prefetch_mb is not None and update == "host":
+        unused.append(
+            f"prefetch_mb={prefetch_mb!r} has no effect with update='host': it is the device "
+            "update's budget of state copied to the GPU ahead of the gradients "
+            "(update='device'); the host update copies gradients, not state"
+        )
+    if clip_mode is not None and max_grad_norm is None:
+        unused.append(
+            f"clip_mode={clip_mode!r} has no effect without max_grad_norm: it says when a "
+            "step's gradients are clipped, and max_grad_norm=None clips nothing (updates "
+            "overlap backward either way)"
+        )
+    if seed is not None and precision == "fp32":
+        unused.append(
+            f"seed={seed!r} has no effect with precision='fp32': it keys stochastic rounding, "
+            "and fp32 masters and moments round nothing (the bf16 weights are rounded to "
+            "nearest)"
+        )
+    for message in unused:
+        # AdamBridge.__init__ called this: its caller is the user's line
+        warnings.warn(f"AdamBridge: {message}; leave it out", UserWarning, stacklevel=3)
 
 
 def _saved_float(v: Any, what: str, allowed: str) -> float:
@@ -671,15 +710,20 @@ class AdamBridge(Optimizer):
             ``"compact"`` (the last two: an ECC-24 master for bf16 parameters, with bf16 or q8
             moments; float32 parameters keep an fp32 master).
         max_grad_norm: clip gradients to this global L2 norm (None: no clipping).
-        clip_mode: ``"wait"`` (exact) or ``"overlap"`` (previous step's norm), see module doc.
+        clip_mode: with ``max_grad_norm``: ``"wait"`` (exact; what None picks) or
+            ``"overlap"`` (previous step's norm), see module doc. Without clipping a value
+            given has no effect, and warns.
         bucket_mb: gradient megabytes per update call (latency vs. call overhead); None: 32
             for ``update="host"``, 64 for ``update="device"`` (each bucket costs the device
             update about 1 ms of Python; 64 was faster than 32 on the Qwen2.5-0.5B shape).
         pin_memory: page-lock the host buffers (GPU parameters only).
-        seed: key of the stochastic-rounding generator; its low 32 bits key it (docs/formats.md),
-            so seeds equal modulo 2**32 round alike.
-        autotune: an :class:`memopt_offload.autotune.AutoTuneConfig` to apply (kernel threads
-            and chunk size), True to load or measure one, None to leave the settings as they are.
+        seed: key of the stochastic-rounding generator (None: 0); its low 32 bits key it
+            (docs/formats.md), so seeds equal modulo 2**32 round alike. ``precision="fp32"``
+            rounds nothing stochastically: a seed given there has no effect, and warns.
+        autotune: an :class:`memopt_offload.autotune.AutoTuneConfig` to apply (the C++ CPU
+            kernels' threads and chunk size, process-wide), True to load or measure one, None
+            to leave the settings as they are. Where no update runs those kernels
+            (``backend="torch"``, or ``update="device"`` on a GPU) it warns.
         backend: kernel backend. ``update="host"``: ``"cpu"`` (the C++ kernels, what None
             picks) or ``"torch"`` (core's reference). ``update="device"``: None picks the
             Triton kernels on CUDA (the C++ kernels for a CPU model); ``"torch"`` forces core's
@@ -689,7 +733,9 @@ class AdamBridge(Optimizer):
             backward (:mod:`memopt_offload.device_update`); needs ``precision="bf16-ecc24"``
             and no ``overlap_forward``.
         prefetch_mb: ``update="device"``: device megabytes of state copied ahead of the
-            gradients (0: none; a positive budget below one bucket copies one bucket ahead).
+            gradients (None: 512; 0: none; a positive budget below one bucket copies one
+            bucket ahead). ``update="host"`` copies no state: a value given there has no
+            effect, and warns.
 
     Host memory is allocated when a param group is added (at construction), with an
     :class:`~memopt_core.errors.OffloadError` before anything is allocated when the host lacks it.
@@ -713,14 +759,14 @@ class AdamBridge(Optimizer):
         *,
         precision: str = "bf16",
         max_grad_norm: float | None = None,
-        clip_mode: str = "wait",
+        clip_mode: str | None = None,
         bucket_mb: float | None = None,
         pin_memory: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         autotune: bool | AutoTuneConfig | None = None,
         backend: str | None = None,
         update: str = "host",
-        prefetch_mb: float = 512.0,
+        prefetch_mb: float | None = None,
     ) -> None:
         # a str first: a list (precision=["bf16"]) is unhashable, a TypeError in the dict lookup
         if not isinstance(precision, str) or precision not in PRECISIONS:
@@ -732,22 +778,24 @@ class AdamBridge(Optimizer):
                 f"update='device' keeps precision='bf16-ecc24' state (ECC-24 code and bf16 "
                 f"moments, 5 B per bf16 parameter), got precision={precision!r}"
             )
-        if not _megabytes(prefetch_mb, zero=True):
+        if prefetch_mb is not None and not _megabytes(prefetch_mb, zero=True):
             raise ConfigError(f"prefetch_mb must be a finite number >= 0, got {prefetch_mb!r}")
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise ConfigError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
             if not (math.isfinite(real_as_float(max_grad_norm)) and max_grad_norm > 0):
                 raise ConfigError(f"max_grad_norm must be finite and > 0, got {max_grad_norm}")
-        if clip_mode not in _CLIP_MODES:
+        if clip_mode is not None and clip_mode not in _CLIP_MODES:
             raise ConfigError(f"clip_mode must be one of {_CLIP_MODES}, got {clip_mode!r}")
         if bucket_mb is None:
             bucket_mb = _DEFAULT_BUCKET_MB[update]
         if not _megabytes(bucket_mb, zero=False):
             raise ConfigError(f"bucket_mb must be a finite number > 0, got {bucket_mb!r}")
         check_bool("pin_memory", pin_memory)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ConfigError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64
+        ):
+            raise ConfigError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         tuned = None
         if autotune is True:
             tuned = AutoTuneConfig.load_or_measure()
@@ -766,6 +814,14 @@ class AdamBridge(Optimizer):
                     UserWarning,
                     stacklevel=2,
                 )
+        _warn_unused_arguments(
+            update=update,
+            precision=precision,
+            max_grad_norm=max_grad_norm,
+            clip_mode=clip_mode,
+            seed=seed,
+            prefetch_mb=prefetch_mb,
+        )
         # applied before the host state is allocated (the pool's threads first-touch its
         # pages), and taken back if the construction fails: the settings are process-wide
         untune = None
@@ -780,7 +836,7 @@ class AdamBridge(Optimizer):
         self.precision = precision
         self.update = update
         self._max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
-        self._clip_mode = clip_mode
+        self._clip_mode = "wait" if clip_mode is None else clip_mode
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.pin_memory = pin_memory
         self.last_grad_norm: float | None = None
@@ -788,8 +844,11 @@ class AdamBridge(Optimizer):
         self._slots: dict[int, _Slot] = {}
         self._slabs: list[HostSlab] = []
         self._host: _HostAdamW | None = None
+        seed = 0 if seed is None else seed
         self._host_args = _HostArgs(seed=seed, backend="cpu" if backend is None else backend)
         self._dev: DeviceUpdater | None = None
+        if prefetch_mb is None:
+            prefetch_mb = _DEFAULT_PREFETCH_MB
         self._dev_args = _DeviceArgs(
             seed=seed,
             bucket_bytes=self.bucket_bytes,
@@ -812,10 +871,35 @@ class AdamBridge(Optimizer):
             self._add_initial_groups(
                 params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
             )
+            if tuned is not None:
+                self._warn_untuned_kernels()
         except BaseException:
             if untune is not None:
                 untune()
             raise
+
+    def _warn_untuned_kernels(self) -> None:
+        """Warn (at the caller of ``AdamBridge(...)``) when ``autotune`` has no effect on this
+        optimizer's updates: it sets the C++ CPU kernels' thread count and chunk size, and
+        ``backend="torch"``, or ``update="device"`` on a GPU (Triton), runs no update there."""
+        if self.update == "device":
+            regions = self._dev.regions if self._dev is not None else []
+            names = sorted({region.backend.name for region in regions})
+            if not names or "cpu" in names:  # nothing to update yet, or a CPU model's update
+                return
+            runs = f"update='device' runs its updates with the {' and '.join(names)} backend"
+        else:
+            name = forced_backend(self._host_args["backend"])
+            if name in (None, "cpu"):
+                return
+            runs = f"backend={name!r} runs the host updates"
+        warnings.warn(
+            "AdamBridge: autotune has no effect on this optimizer: it sets the thread count and "
+            f"chunk size of the C++ CPU kernels (memopt-kernels-cpu), and {runs}; leave it out "
+            "(the settings were applied, process-wide)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _add_initial_groups(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         """The constructor's param groups and their host state (torch's ``__init__``)."""
