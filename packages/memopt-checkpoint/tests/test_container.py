@@ -758,6 +758,20 @@ def _rewrite_index(path: Path, edit) -> None:
         (lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "offset": 65}]}, "out of place"),
         (lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "offset": 10**9}]}, "out of place"),
         (lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "shape": [-3, -4]}]}, "non-negative"),
+        # a bad-input hunt (2026-12-08): a dtype that is a list or a dict was a bare TypeError
+        # (unhashable); the rest were taken
+        (lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "dtype": []}]}, r"unknown dtype \[\]"),
+        (lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "dtype": {}}]}, r"unknown dtype \{\}"),
+        (lambda ix: {**ix, "format_version": True}, "format_version True != header version 1"),
+        (lambda ix: {**ix, "format_version": 1.0}, "format_version 1.0 != header version 1"),
+        (
+            lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "crc32": 1 << 32}]},
+            "crc32 4294967296 is no 32-bit checksum",
+        ),
+        (
+            lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "key": "a\ud800"}]},
+            r"key 'a\\ud800' is not valid UTF-8",
+        ),
     ],
 )
 def test_malformed_index_is_a_checkpoint_error(sample, edit, match):
@@ -765,6 +779,119 @@ def test_malformed_index_is_a_checkpoint_error(sample, edit, match):
     _rewrite_index(path, edit)
     with pytest.raises(CheckpointError, match=match):
         CheckpointReader(path)
+
+
+def _open_and_load_all(path: Path) -> None:
+    with CheckpointReader(path) as r:
+        for key in r:
+            r.load(key)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [[1 << 63, 0], [0, 1 << 63], [1 << 64, 0], [1 << 62, 1 << 62, 0], [0, (1 << 63) - 1, 2]],
+)
+def test_a_shape_torch_cannot_build_is_a_checkpoint_error(sample, shape):
+    """An empty tensor's sizes are not bounded by the file: a size of 2**63 passed the index
+    checks and the load's reshape raised a bare TypeError, a product of sizes past int64 a
+    RuntimeError (a bad-input hunt, 2026-12-08). Now the index is refused when it is read."""
+    path, _ = sample
+
+    def edit(ix):
+        ix["tensors"][0].update(shape=shape, nbytes=0)
+        return ix
+
+    _rewrite_index(path, edit)
+    with pytest.raises(CheckpointError, match=r"'first': shape \[.*\] is no tensor's: "):
+        _open_and_load_all(path)
+    with pytest.raises(CheckpointError, match="is no tensor's"):
+        read_meta(path)
+
+
+def test_the_largest_empty_shape_torch_builds_round_trips(tmp_path):
+    big = torch.empty(((1 << 63) - 1, 0), dtype=torch.float32, device="cpu")
+    write_checkpoint(tmp_path / "ck.bin", {"big": big})
+    with CheckpointReader(tmp_path / "ck.bin") as r:
+        assert r.load("big").shape == big.shape
+
+
+def test_the_writer_refuses_an_empty_tensor_the_reader_would_refuse(tmp_path):
+    t = torch.empty(0, dtype=torch.uint8, device="cpu").reshape(0, 1 << 62, 1 << 62)
+    with (
+        CheckpointWriter(tmp_path / "ck.bin") as w,
+        pytest.raises(ConfigError, match=r"'t' of shape .* multiply past 2\*\*63 - 1"),
+    ):
+        w.add("t", t)  # (the writer stays usable: the commit writes an empty file)
+    with CheckpointReader(tmp_path / "ck.bin") as r:
+        assert r.keys() == []
+
+
+def test_a_shape_of_many_dims_is_refused_without_multiplying_them_all(sample):
+    """20,000 sizes of 2**62: the check multiplied them all (a product of 1.2 million bits: a
+    second here, 10 s at 60,000 sizes, quadratic in the index size) and put the whole shape in
+    its message. It stops at the first size that passes int64 and shows a few."""
+    path, _ = sample
+    _rewrite_index(
+        path, lambda ix: {**ix, "tensors": [{**ix["tensors"][0], "shape": [1 << 62] * 20000}]}
+    )
+    with pytest.raises(CheckpointError, match="multiply past") as info:
+        CheckpointReader(path)
+    assert len(str(info.value)) < 400
+
+
+def test_payloads_that_overlap_or_are_out_of_order_are_refused(tmp_path):
+    """Two keys of one size, their offsets and checksums swapped (or both pointing at one
+    payload): every check passed and each loaded the other's values, silently (a bad-input
+    hunt, 2026-12-08). The writer lays payloads out in the index's order, so an index whose
+    payloads go back is refused."""
+    path = tmp_path / "ck.bin"
+    write_checkpoint(path, {"a": torch.zeros(16, device="cpu"), "b": torch.ones(16, device="cpu")})
+
+    def swapped(ix):
+        a, b = ix["tensors"]
+        a["offset"], b["offset"] = b["offset"], a["offset"]
+        a["crc32"], b["crc32"] = b["crc32"], a["crc32"]
+        return ix
+
+    def shared(ix):
+        a, b = ix["tensors"]
+        b.update(offset=a["offset"], crc32=a["crc32"])
+        return ix
+
+    original = path.read_bytes()
+    for edit in (swapped, shared):
+        path.write_bytes(original)
+        _rewrite_index(path, edit)
+        with pytest.raises(CheckpointError, match=r"'b': payload .* starts before the previous"):
+            _open_and_load_all(path)
+
+
+def test_an_index_nested_too_deeply_is_a_checkpoint_error(sample):
+    """json's parser recurses per level: a bare RecursionError (a bad-input hunt, 2026-12-08)."""
+    path, _ = sample
+    data = path.read_bytes()
+    index_offset = struct.unpack_from("<Q", data, len(data) - 32)[0]
+    raw = b"[" * 100_000 + b"]" * 100_000
+    trailer = struct.pack("<QQI12s", index_offset, len(raw), zlib.crc32(raw), b"MEMOPTEND")
+    path.write_bytes(data[:index_offset] + raw + trailer)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        read_meta(path)
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"-Infinity", b"1e999"])
+def test_a_number_the_writer_never_writes_is_a_checkpoint_error(sample, number):
+    """The writer refuses inf and NaN in its meta, and JSON has none: an index edited to hold
+    one handed it on (1e999 reads as inf)."""
+    path, _ = sample
+    data = path.read_bytes()
+    _, index = parse_layout(data)
+    index["meta"] = {"lr": 12345.5}
+    index_offset = struct.unpack_from("<Q", data, len(data) - 32)[0]
+    raw = json.dumps(index).encode().replace(b"12345.5", number)
+    trailer = struct.pack("<QQI12s", index_offset, len(raw), zlib.crc32(raw), b"MEMOPTEND")
+    path.write_bytes(data[:index_offset] + raw + trailer)
+    with pytest.raises(CheckpointError, match=f"holds the number {number.decode()}, which is no"):
+        read_meta(path)
 
 
 # --------------------------------------------------------------------------------------------

@@ -782,6 +782,111 @@ def test_a_group_listing_a_parameter_twice_is_named(tmp_path):
         load(tmp_path / "dup.mopt", model=model, optimizer=opt)
 
 
+def _edited(tmp_path, edit):
+    """A real save's meta passed through ``edit`` and written back with its tensors (checksums
+    right: an edit, not damage); returns the path and a model and optimizer to load into."""
+    from memopt_checkpoint.container import CheckpointReader, write_checkpoint
+
+    model, opt = build("memopt-q8-fp32")
+    train(model, opt, 2)
+    save(tmp_path / "ok.mopt", model=model, optimizer=opt, extra={"t": torch.arange(3)})
+    with CheckpointReader(tmp_path / "ok.mopt") as r:
+        meta = copy.deepcopy(r.meta)
+        tensors = {k: r.load(k) for k in r}
+    edit(meta)
+    write_checkpoint(tmp_path / "edited.mopt", tensors, meta=meta)
+    return tmp_path / "edited.mopt", *build("memopt-q8-fp32", seed=7)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        # an alias of a list: a bare TypeError (unhashable)
+        (lambda m: m["model"]["aliases"].update({"head.weight": []}), "'model' entry is not"),
+        (lambda m: m["model"]["aliases"].update({"head.weight": {}}), "'model' entry is not"),
+        # a stored name made an alias of another of its shape and dtype: loaded silently with
+        # the other's values
+        (
+            lambda m: m["model"]["aliases"].update({"mid.bias": "norm.weight"}),
+            r"names \['mid.bias'\] both as a stored tensor, an alias or a value",
+        ),
+        (
+            lambda m: m["model"]["values"].update({"head.weight": 1}),
+            r"names \['head.weight'\] both",
+        ),
+    ],
+)
+def test_an_edited_model_entry_is_a_checkpoint_error(tmp_path, edit, match):
+    """A bad-input hunt (2026-12-08): the file's checksums are right, its meta is not what
+    save writes."""
+    path, model, opt = _edited(tmp_path, edit)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CheckpointError, match=match):
+        load(path, model=model, optimizer=opt)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _share_first_exp_avg(meta):
+    state = meta["optimizer"]["state"]
+    first = next(iter(state.values()))["exp_avg"]
+    for entry in state.values():
+        entry["exp_avg"] = first
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda m: m.update(extra_tensors=["t"] * 1000), r"\['extra/t', 'extra/t', "),
+        (_share_first_exp_avg, r"\['optim/emb.weight/exp_avg', "),
+        (lambda m: m["model"]["keys"].append("mid.bias"), r"\['model/mid.bias'\]"),
+    ],
+)
+def test_a_tensor_referred_to_twice_is_refused_before_it_is_read(
+    tmp_path, monkeypatch, edit, match
+):
+    """save refers to each stored tensor once. Each mention was read anew: a meta listing one
+    extra tensor 1,000 times read it 1,000 times (of a 1 GB tensor, 1 TB from a file of 1 GB;
+    a bad-input hunt, 2026-12-08). Refused before anything is read."""
+    from memopt_checkpoint.container import CheckpointReader
+
+    path, model, opt = _edited(tmp_path, edit)
+    reads = []
+    real_load = CheckpointReader.load
+
+    def counted(self, key, device="cpu"):
+        reads.append(key)
+        return real_load(self, key, device)
+
+    monkeypatch.setattr(CheckpointReader, "load", counted)
+    with pytest.raises(CheckpointError, match=f"refers to tensors more than once: {match}"):
+        load(path, model=model, optimizer=opt)
+    assert reads == []
+
+
+@pytest.mark.parametrize("where", ["group", "state", "memopt"])
+def test_an_optimizer_entry_nested_too_deeply_is_a_checkpoint_error(tmp_path, where):
+    """400 levels of lists in a param group, a state entry or the memopt entry: load's checks
+    recursed 2 frames a level, a bare RecursionError (a bad-input hunt, 2026-12-08)."""
+    deep: list = []
+    inner = deep
+    for _ in range(400):
+        inner.append([])
+        inner = inner[0]
+
+    def edit(meta):
+        info = meta["optimizer"]
+        target = {
+            "group": info["param_groups"][0],
+            "state": next(iter(info["state"].values())),
+            "memopt": info["memopt"],
+        }[where]
+        target["deep"] = deep
+
+    path, model, opt = _edited(tmp_path, edit)
+    with pytest.raises(CheckpointError, match="'optimizer' entry is nested more than 64 levels"):
+        load(path, model=model, optimizer=opt)
+
+
 @pytest.mark.parametrize("wrapper", ["DataParallel", "DistributedDataParallel"])
 def test_fp32_state_dict_of_a_wrapped_model_has_the_same_keys_for_every_optimizer(
     wrapper, tmp_path

@@ -428,15 +428,25 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
     refs: list[Any] = []
     info = meta.get("model")
     if info is not None:
-        aliases = info.get("aliases", {}) if isinstance(info, dict) else None
+        aliases: Any = info.get("aliases", {}) if isinstance(info, dict) else None
+        values: Any = info.get("values", {}) if isinstance(info, dict) else None
         require(
             isinstance(info, dict)
             and _str_list(info.get("keys"))
             and isinstance(aliases, dict)
+            and _str_list(list(aliases.values()))  # (a list there was a bare TypeError)
             and set(aliases.values()) <= set(info["keys"])
             and all(isinstance(k, str) for k in aliases)
-            and isinstance(info.get("values", {}), dict),
+            and isinstance(values, dict),
             "its 'model' entry is not {'keys': [str], 'aliases': {str: stored key}, 'values': {}}",
+        )
+        # a name both stored and an alias (or a value) loaded the alias's tensor in place of
+        # its own, silently where the shapes agree
+        shadowed = sorted((set(aliases) | set(values)) & set(info["keys"]))
+        shadowed += sorted(set(aliases) & set(values))
+        require(
+            not shadowed,
+            f"its model names {shadowed[:8]} both as a stored tensor, an alias or a value",
         )
         refs += [f"model/{k}" for k in info["keys"]]
     info = meta.get("optimizer")
@@ -458,6 +468,12 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
             "its 'optimizer' entry lacks the class, keying, param groups, state or shapes "
             "save writes",
         )
+        # the checks here, memopt's loaders and their copies recurse per level: a few hundred
+        # levels of lists were a bare RecursionError
+        require(
+            not _nested_deeper([groups, state, info.get("memopt")], _MAX_DEPTH),
+            f"its 'optimizer' entry is nested more than {_MAX_DEPTH} levels deep",
+        )
         if schema >= 3:
             require(
                 _float_refs_ok([groups, state, info.get("memopt")]),
@@ -475,7 +491,34 @@ def _checked_meta(reader: CheckpointReader, path: str | os.PathLike) -> dict[str
     refs += [f"extra/{k}" for k in extra_tensors]
     missing = [r for r in refs if not isinstance(r, str) or r not in reader]
     require(not missing, f"it refers to tensors it does not hold: {missing[:8]}")
+    # save refers to each tensor once; a key named many times was read once per mention (a
+    # few bytes of meta each read the whole tensor again: more memory than the file holds)
+    seen: set[str] = set()
+    repeated = []
+    for r in refs:
+        if r in seen:
+            repeated.append(r)
+        seen.add(r)
+    require(not repeated, f"it refers to tensors more than once: {repeated[:8]}")
     return meta
+
+
+#: The deepest nesting of lists and dicts :func:`load` takes in the optimizer's entry (the
+#: state dicts of every optimizer here nest 3 levels).
+_MAX_DEPTH = 64
+
+
+def _nested_deeper(v: Any, limit: int) -> bool:
+    """Whether the JSON value ``v`` nests lists and dicts more than ``limit`` levels deep
+    (without recursion, visiting each value once)."""
+    stack = [(v, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (list, dict)):
+            if depth >= limit:
+                return True
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _extra_state_keys(model: torch.nn.Module) -> set[str]:

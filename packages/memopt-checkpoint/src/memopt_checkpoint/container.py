@@ -56,6 +56,17 @@ bytes must be zero; the padding between payloads is not checked. A reader refuse
 version newer than :data:`FORMAT_VERSION` before looking at anything else, so a later version
 may change everything after the first 12 bytes.
 
+Beyond its checksum, the index must be what the writer writes, checked per tensor when the file
+is opened (so a crafted or edited index is a ``CheckpointError`` too, before any payload is
+read): ``format_version`` the int of the header; each entry's ``key`` a unique UTF-8 str,
+``dtype`` a name above, ``shape`` a list of ints below 2**63 whose product, zeros taken as 1,
+is below 2**63 too (what torch can build; the writer refuses an empty tensor beyond that),
+``nbytes`` its element count times the dtype's size, ``crc32`` below 2**32, ``offset`` 64-byte
+aligned; the payloads lie between the header and the index, in the index's order, none
+starting before the previous one ends (no two keys share bytes, so a load reads at most the
+file's size). The JSON holds only finite numbers (no ``NaN``, ``Infinity`` or ``1e999``) and
+is not nested beyond what :func:`json.loads` reads without recursing too deep.
+
 Supported dtypes: float32, float64, bfloat16, float16, float8_e4m3fn, float8_e5m2, uint8,
 int8, int16, int32, int64, bool. Bit patterns round-trip exactly (NaN payloads, ``-0.0``).
 """
@@ -123,6 +134,50 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 _ITEMSIZE = {name: dtype.itemsize for name, dtype in SUPPORTED_DTYPES.items()}
+
+_INT64_MAX = (1 << 63) - 1
+"""The largest size, stride or element count a torch tensor has (sizes are int64)."""
+
+
+def _shape_problem(shape: list[int] | tuple[int, ...]) -> str | None:
+    """Why a tensor of ``shape`` (non-negative ints) cannot be rebuilt by torch, or None.
+
+    Each size and the product of the sizes with zeros taken as 1 (the largest stride, and every
+    partial element count) must fit int64: a size of 2**63 made the load's ``reshape`` raise a
+    bare TypeError, and an empty ``[2**62, 2**62, 0]`` a RuntimeError. Constant work per
+    dimension: the product stops growing once it passes the limit.
+    """
+    span = 1
+    for d in shape:
+        if d > _INT64_MAX:
+            return f"size {d} does not fit int64 (torch's sizes are at most 2**63 - 1)"
+        span *= max(d, 1)
+        if span > _INT64_MAX:
+            return "its sizes (zeros taken as 1) multiply past 2**63 - 1, which torch cannot index"
+    return None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, for messages about edited indexes."""
+    text = repr(value)
+    return (
+        text if len(text) <= limit else f"{text[: limit - 20]}...{text[-12:]} ({len(text)} chars)"
+    )
+
+
+class _NonFiniteNumber(ValueError):
+    """A JSON number the writer never writes (NaN, Infinity, or a float beyond float's range)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFiniteNumber(text if len(text) <= 40 else f"{text[:30]}...")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise _NonFiniteNumber(text)
 
 
 class TensorEntry(NamedTuple):
@@ -317,6 +372,9 @@ class CheckpointWriter:
             raise ConfigError(f"{key!r}: only dense tensors can be stored, not {tensor.layout}")
         if tensor.device.type == "meta":
             raise ConfigError(f"{key!r}: a tensor on the meta device has no data to store")
+        problem = _shape_problem(tuple(tensor.shape))
+        if problem is not None:  # an empty tensor only; the reader refuses it
+            raise ConfigError(f"{key!r} of shape {tuple(tensor.shape)} cannot be stored: {problem}")
         self._guarded(self._add, key, name, tensor)
 
     def _add(self, key: str, name: str, tensor: torch.Tensor) -> None:
@@ -501,7 +559,18 @@ class CheckpointReader:
         if zlib.crc32(raw) != index_crc:
             raise self._error("the index is corrupt: its CRC-32 does not match the trailer's")
         try:
-            index = json.loads(raw.decode("utf-8"))
+            index = json.loads(
+                raw.decode("utf-8"), parse_float=_finite_float, parse_constant=_no_constant
+            )
+        except RecursionError:  # '[' * 100000: json's parser recurses per level
+            raise self._error(
+                "the index is malformed: its JSON is nested too deeply to read"
+            ) from None
+        except _NonFiniteNumber as e:
+            raise self._error(
+                f"the index is malformed: it holds the number {e}, which is no finite float "
+                "(the writer never writes NaN or Infinity)"
+            ) from None
         except ValueError as e:
             raise self._error(f"the index is corrupt: not UTF-8 JSON ({e})") from None
         self._parse_index(index, version, index_offset)
@@ -513,11 +582,13 @@ class CheckpointReader:
 
         if not isinstance(index, dict) or not {"format_version", "meta", "tensors"} <= set(index):
             raise bad("expected an object with format_version, meta and tensors")
-        if index["format_version"] != version:
-            raise bad(f"format_version {index['format_version']!r} != header version {version}")
+        saved_version = index["format_version"]
+        if type(saved_version) is not int or saved_version != version:  # not True, not 1.0
+            raise bad(f"format_version {_show(saved_version)} != header version {version}")
         if not isinstance(index["meta"], dict) or not isinstance(index["tensors"], list):
             raise bad("meta must be an object and tensors a list")
         entries: dict[str, tuple[TensorEntry, int, int]] = {}
+        end = HEADER_SIZE  # where the previous payload ended
         for i, e in enumerate(index["tensors"]):
             fields = ("key", "dtype", "shape", "offset", "nbytes", "crc32")
             if not isinstance(e, dict) or not set(fields) <= set(e):
@@ -525,16 +596,40 @@ class CheckpointReader:
             key, dtype, shape = e["key"], e["dtype"], e["shape"]
             offset, nbytes, crc = e["offset"], e["nbytes"], e["crc32"]
             if not isinstance(key, str) or key in entries:
-                raise bad(f"tensor #{i} has a non-string or duplicate key {key!r}")
-            if dtype not in SUPPORTED_DTYPES:
-                raise bad(f"{key!r} has unknown dtype {dtype!r}")
+                raise bad(f"tensor #{i} has a non-string or duplicate key {_show(key)}")
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate, escaped in the JSON
+                raise bad(f"tensor #{i}'s key {_show(key)} is not valid UTF-8 text") from None
+            # (a list or dict for the dtype was a bare TypeError: unhashable)
+            if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+                raise bad(f"{_show(key)} has unknown dtype {_show(dtype)}")
             ints = [offset, nbytes, crc, *shape] if isinstance(shape, list) else None
             if ints is None or any(type(v) is not int or v < 0 for v in ints):
-                raise bad(f"{key!r}: shape, offset, nbytes and crc32 must be non-negative ints")
-            if nbytes != math.prod(shape) * _ITEMSIZE[dtype]:
-                raise bad(f"{key!r}: nbytes {nbytes} does not match {dtype} of shape {shape}")
+                raise bad(
+                    f"{_show(key)}: shape, offset, nbytes and crc32 must be non-negative ints"
+                )
+            if crc > 0xFFFFFFFF:
+                raise bad(f"{_show(key)}: crc32 {crc} is no 32-bit checksum")
+            problem = _shape_problem(shape)
+            if problem is not None:
+                raise bad(f"{_show(key)}: shape {_show(shape)} is no tensor's: {problem}")
+            numel = 0 if 0 in shape else math.prod(shape)  # < 2**63: no big-int cost
+            if nbytes != numel * _ITEMSIZE[dtype]:
+                raise bad(
+                    f"{_show(key)}: nbytes {nbytes} does not match {dtype} of shape {_show(shape)}"
+                )
             if offset % ALIGNMENT or offset < HEADER_SIZE or offset + nbytes > limit:
-                raise bad(f"{key!r}: payload [{offset}, {offset + nbytes}) is out of place")
+                raise bad(f"{_show(key)}: payload [{offset}, {offset + nbytes}) is out of place")
+            # the writer lays payloads out in the index's order: one that starts before the
+            # previous one ended shares its bytes (two keys read the same tensor, and a load
+            # read a payload once per key: more memory than the file holds)
+            if offset < end:
+                raise bad(
+                    f"{_show(key)}: payload [{offset}, {offset + nbytes}) starts before the "
+                    f"previous tensor's ended (at {end}): payloads overlap or are out of order"
+                )
+            end = offset + nbytes
             entries[key] = (TensorEntry(SUPPORTED_DTYPES[dtype], tuple(shape), nbytes), offset, crc)
         self.meta: dict[str, Any] = index["meta"]
         self._entries = entries
