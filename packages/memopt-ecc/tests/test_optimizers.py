@@ -691,6 +691,19 @@ def test_a_negative_decoded_second_moment_is_refused(quantize):
     opt.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("value", [torch.tensor([True, False]), torch.tensor(True), "yes", None])
+def test_a_saved_stochastic_rounding_that_is_no_bool_is_named(value):
+    """``bool()`` of a saved tensor of two values was a bare RuntimeError in the ECC loader."""
+    p = torch.randn(8, 40).bfloat16().requires_grad_()
+    opt = FlashAdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["stochastic_rounding"] = value
+    with pytest.raises(StateDictError, match="stochastic_rounding .* must be True or False"):
+        opt.load_state_dict(sd)
+
+
 @pytest.mark.parametrize("saved", ["bf16", "fp32"])
 def test_a_state_saved_for_a_parameter_of_the_other_dtype_says_so(saved):
     """A bf16 model's state (cast_model) loaded into an fp32 one, or the reverse: the message

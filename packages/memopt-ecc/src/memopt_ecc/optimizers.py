@@ -488,11 +488,14 @@ class FlashOptimizer(MemOptimizer):
                 if not isinstance(entry, Mapping):
                     continue
                 p = local_shard(param)  # a sharded parameter's state is its shard's
+                sr = saved.get("stochastic_rounding", True)
+                if not isinstance(sr, bool):  # bool() of a tensor of two was a RuntimeError
+                    return sd  # core names it
                 try:
                     spec = StateSpec(
                         master="fp32" if p.dtype == torch.float32 else saved["master"],
                         moments=saved["moments"],
-                        stochastic_rounding=bool(saved.get("stochastic_rounding", True)),
+                        stochastic_rounding=sr,
                     )
                 except (KeyError, ConfigError):
                     return sd
