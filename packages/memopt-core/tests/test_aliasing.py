@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from memopt_core.aliasing import (
+    any_extents_overlap,
     check_aliasing,
     check_parameters_apart,
     clear_of,
+    ranges_overlap,
     refuse_negated,
     sorted_extents,
 )
@@ -108,6 +110,26 @@ def test_clear_of_finds_every_overlap_with_sorted_extents():
     assert sorted_extents([buf[::2]]) is None  # strided: no exact extent
     assert not clear_of(None, [buf.data_ptr()], [1])
     assert clear_of(sorted_extents([buf[:8]]), [], [])
+
+
+def test_ranges_overlap_against_brute_force():
+    """The sorted scan (the backends' fast check before labelling tensors) against every pair,
+    empty ranges, shared starts and ranges nested in others included."""
+    gen = torch.Generator().manual_seed(1)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for trial in range(2000):
+        k = int(torch.randint(0, 7, (1,), generator=gen))
+        starts = torch.randint(0, 60, (k,), generator=gen).tolist()
+        stops = [a + int(torch.randint(0, 5, (1,), generator=gen)) for a in starts]
+        want = any(
+            max(starts[i], starts[j]) < min(stops[i], stops[j])
+            for i in range(k)
+            for j in range(i + 1, k)
+        )
+        assert ranges_overlap(starts, stops) == want, (trial, starts, stops)
+        views = [buf[a:b] for a, b in zip(starts, stops, strict=True)]
+        assert any_extents_overlap(views) == want, (trial, starts, stops)
+    assert any_extents_overlap([buf[::2], buf[40:]])  # strided: left to the exact check
 
 
 def test_refuse_negated_names_the_tensor_and_the_fix():

@@ -18,8 +18,8 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -32,11 +32,13 @@ from memopt_core.sharding import is_dtensor
 __all__ = [
     "Label",
     "addressable",
+    "any_extents_overlap",
     "check_aliasing",
     "check_parameters_apart",
     "clear_of",
     "has_memory",
     "labelled_parameters",
+    "ranges_overlap",
     "refuse_negated",
     "same_view",
     "share_memory",
@@ -108,18 +110,28 @@ def _sorted_ranges(tensors: Sequence[Tensor]) -> list[tuple[int, int]] | None:
     return sorted(zip(starts, map(operator.add, starts, map(_NBYTES, tensors)), strict=True))
 
 
-def _any_extents_overlap(tensors: list[Tensor]) -> bool:
+def ranges_overlap(starts: Sequence[int], stops: Sequence[int]) -> bool:
+    """Whether any two of the byte ranges ``[starts[i], stops[i])`` overlap (an empty range
+    shares nothing). A sort and C-level passes, no per-range Python call: a backend that read
+    its tensors' addresses and sizes for other checks passes them here."""
+    keep = list(compress(range(len(starts)), map(operator.lt, starts, stops)))
+    if len(keep) < 2:
+        return False
+    get = itemgetter(*sorted(keep, key=starts.__getitem__))
+    begins, ends = get(starts), get(stops)
+    # sorted by start, non-empty: a range that overlaps an earlier one overlaps the one just
+    # before it too (that one starts between them, before the earlier one's end)
+    return any(map(operator.lt, begins[1:], ends[:-1]))
+
+
+def any_extents_overlap(tensors: Sequence[Tensor]) -> bool:
     """Whether any two of ``tensors``' byte ranges overlap (a strided tensor counts as
-    overlapping: the exact check decides). A sort and one scan, no per-tensor Python call."""
-    ranges = _sorted_ranges(tensors)
-    if ranges is None:
+    overlapping: the exact check decides): :func:`check_aliasing`'s common case, which a
+    backend can test before it labels every tensor for that function's messages."""
+    if not all(map(Tensor.is_contiguous, tensors)):
         return True
-    end = 0
-    for start, stop in ranges:
-        if start < end and start < stop:  # an empty tensor shares nothing
-            return True
-        end = max(end, stop)
-    return False
+    starts = list(map(Tensor.data_ptr, tensors))
+    return ranges_overlap(starts, list(map(operator.add, starts, map(_NBYTES, tensors))))
 
 
 def _name(label: Label) -> str:
@@ -135,7 +147,7 @@ def check_aliasing(
     tensor of the call (``read`` ones included). ``pairs``: (parameter, its gradient) pairs
     that may be the same view (the module doc's one allowed case). O(n log n) over the
     tensors' byte ranges; element by element only for strided tensors whose ranges overlap."""
-    if not _any_extents_overlap([t for t, _ in written] + [t for t, _ in read]):
+    if not any_extents_overlap([t for t, _ in written] + [t for t, _ in read]):
         return  # the common case, in C-level passes and one scan
     allowed = {(id(p), id(g)) for p, g in pairs}
     items = []

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import numbers
+import operator
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -43,7 +44,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing, has_memory, refuse_negated
+from memopt_core.aliasing import (
+    Label,
+    check_aliasing,
+    has_memory,
+    ranges_overlap,
+    refuse_negated,
+)
 from memopt_core.backends import (
     PARAM_DTYPES,
     RULES,
@@ -709,6 +716,156 @@ def _prepare(
         )
     has_momentum = work.rule == "sgd" and work.scalars.momentum != 0.0
     arena_kw, arena_tensors = _arena_args(work, has_momentum)
+    table = _table_if_plain(work, params, grads, stage, originals, arena_tensors)
+    if table is None:
+        table = _checked_table(work, params, grads, stage, originals, arena_tensors)
+    mcodec = work.spec.master_for(plan.param_dtype)
+    static = dict(
+        rule=_RULE_IDS[work.rule],
+        master=master_id(mcodec.name, plan.param_dtype),
+        block=plan.block_size,
+        sr=bool(work.spec.stochastic_rounding),
+        arena_elements=plan.total,
+        **arena_kw,
+    )
+    return _Prepared(table, n, static)
+
+
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
+_IS_CPU = attrgetter("is_cpu")
+_NBYTES = attrgetter("nbytes")
+_LAYOUT = attrgetter("layout")
+
+
+def _slot_columns(plan) -> tuple[list[int], list[int], list[int]]:
+    """The plan's slots' element counts, padded counts and arena offsets (cached per plan)."""
+    return plan.cache(
+        "cpu_slot_columns",
+        lambda: (
+            [s.numel for s in plan.slots],
+            [s.padded for s in plan.slots],
+            [s.offset for s in plan.slots],
+        ),
+    )
+
+
+def _table_if_plain(
+    work: GroupStep,
+    params: list[Tensor],
+    grads: list[Tensor],
+    stage: list[Tensor | None],
+    originals: list[Tensor],
+    arena_tensors: list[tuple[Tensor, str]],
+) -> Tensor | None:
+    """The slot table of the common case, every check of :func:`_checked_table` passed in
+    C-level passes over all tensors at once; None where any tensor needs a closer look (which
+    :func:`_checked_table` gives it, naming the problem): strided tensors updated through copies,
+    empty ones, numpy ids or bases, staging for some slots only, memory shared anywhere (a
+    gradient that is its own parameter included). That function's loop costs about 7 us per
+    tensor, and a step whose gradients moved (``zero_grad(set_to_none=True)``) or whose
+    stepping set changed (a mixture of experts) builds a new table."""
+    plan, slots, n = work.plan, work.slots, len(work.slots)
+    given = work.grads
+    staged = [st for st in stage if st is not None]
+    if not n or (staged and len(staged) != n):
+        return None
+    try:
+        # no contiguous copies: the table points at the caller's tensors
+        if not (all(map(is_, params, originals)) and all(map(is_, grads, given))):
+            return None
+        tensors = [*originals, *grads, *staged]
+        if not (
+            all(map(isinstance, tensors, itertools.repeat(Tensor)))
+            and all(map(_IS_CPU, tensors))
+            and set(map(_LAYOUT, tensors)) == {torch.strided}
+            and not any(map(Tensor.is_neg, tensors))
+        ):
+            return None
+        pptrs = list(map(Tensor.data_ptr, originals))
+        gptrs = list(map(Tensor.data_ptr, grads))
+        sptrs = list(map(Tensor.data_ptr, staged)) if staged else [0] * n
+        gdtypes = set(map(_DTYPE, grads))
+        numels, padded, offsets = _slot_columns(plan)
+        snumel = [numels[si] for si in slots]
+        spadded = [padded[si] for si in slots]
+        tids, bases = work.tensor_ids, work.index_bases
+        if not (
+            all(pptrs)  # 0: empty (or no memory)
+            and all(gptrs)
+            and (not staged or (all(sptrs) and functools.reduce(operator.or_, sptrs) % 2 == 0))
+            and set(map(_DTYPE, originals)) == {plan.param_dtype}
+            and all(grad_dtype_ok(plan.param_dtype, d) for d in gdtypes)
+            # addresses aligned to the largest element size there (a power of two)
+            and functools.reduce(operator.or_, pptrs) % plan.param_dtype.itemsize == 0
+            and functools.reduce(operator.or_, gptrs) % max(d.itemsize for d in gdtypes) == 0
+            and list(map(Tensor.numel, originals)) == snumel
+            and list(map(_SHAPE, grads)) == list(map(_SHAPE, originals))
+            and set(map(type, tids)) <= {int}
+            and (bases is None or set(map(type, bases)) <= {int})
+        ):
+            return None
+        bases = [0] * n if bases is None else list(bases)
+        if min(bases) < 0 or max(map(operator.add, bases, spadded)) >= INDEX_LIMIT:
+            return None
+        if staged and not (
+            plan.param_dtype != torch.float16
+            and set(map(_DTYPE, staged)) == {torch.bfloat16}
+            and list(map(Tensor.numel, staged)) == snumel
+            and all(map(Tensor.is_contiguous, staged))
+        ):
+            return None
+        # the byte ranges from what was read above (the arena's few tensors read here): a
+        # range shared anywhere goes to the exact check, which allows a gradient that is its
+        # own parameter
+        if not all(map(Tensor.is_contiguous, tensors)):
+            return None
+        pbytes = list(map(operator.mul, snumel, itertools.repeat(plan.param_dtype.itemsize)))
+        if len(gdtypes) == 1:
+            gbytes = list(map(operator.mul, snumel, itertools.repeat(next(iter(gdtypes)).itemsize)))
+        else:
+            gbytes = list(map(_NBYTES, grads))
+        arena = [t for t, _ in arena_tensors]
+        astarts = list(map(Tensor.data_ptr, arena))
+        starts = [*pptrs, *gptrs, *astarts]
+        stops = [
+            *map(operator.add, pptrs, pbytes),
+            *map(operator.add, gptrs, gbytes),
+            *map(operator.add, astarts, map(_NBYTES, arena)),
+        ]
+        if staged:  # bf16 copies of the parameters' sizes
+            starts += sptrs
+            stops += map(operator.add, sptrs, map(operator.mul, snumel, itertools.repeat(2)))
+        if ranges_overlap(starts, stops):
+            return None
+    except (RuntimeError, TypeError, AttributeError):  # odd tensors: looked at one by one
+        return None
+    columns = (
+        pptrs,
+        gptrs,
+        [GRAD_IDS[d] for d in map(_DTYPE, grads)],
+        map(_U32.__and__, tids),
+        snumel,
+        spadded,
+        [offsets[si] for si in slots],
+        sptrs,
+        bases,
+    )
+    # column by column through an array: a list of rows to torch.tensor took 1.8 us per tensor
+    flat = torch.frombuffer(array("q", itertools.chain.from_iterable(columns)), dtype=torch.int64)
+    return flat.reshape(len(SLOT_COLUMNS), n).t().contiguous()
+
+
+def _checked_table(
+    work: GroupStep,
+    params: list[Tensor],
+    grads: list[Tensor],
+    stage: list[Tensor | None],
+    originals: list[Tensor],
+    arena_tensors: list[tuple[Tensor, str]],
+) -> Tensor:
+    """The slot table, each slot checked on its own (ConfigError naming the first problem)."""
+    plan = work.plan
     written: list[tuple[Tensor, Label]] = list(arena_tensors)
     read: list[tuple[Tensor, Label]] = []
     pairs: list[tuple[Tensor, Tensor]] = []
@@ -718,8 +875,8 @@ def _prepare(
     ):
         slot = plan.slots[si]
         base = work.index_base(k)
-        # the common case is checked without building any message (a few microseconds per
-        # tensor): a step whose gradients moved validates every tensor again
+        # checked without building any message first: a slot that passes costs a few
+        # microseconds
         if not _slot_ok(plan, slot, p0, g, st, tid, base):
             _check_slot(plan, slot, k, si, p0, g, st, tid, base)  # raises the first problem
         label = _SlotLabel(k, si, p0)
@@ -745,17 +902,7 @@ def _prepare(
             ]
         )
     check_aliasing(written, read, pairs)
-    table = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(SLOT_COLUMNS))
-    mcodec = work.spec.master_for(plan.param_dtype)
-    static = dict(
-        rule=_RULE_IDS[work.rule],
-        master=master_id(mcodec.name, plan.param_dtype),
-        block=plan.block_size,
-        sr=bool(work.spec.stochastic_rounding),
-        arena_elements=plan.total,
-        **arena_kw,
-    )
-    return _Prepared(table, n, static)
+    return torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(-1, len(SLOT_COLUMNS))
 
 
 def _check_group(work: GroupStep) -> None:
@@ -776,9 +923,6 @@ def _check_group(work: GroupStep) -> None:
             f"the CPU kernels pad to blocks of 1 or 32 elements, got {plan.block_size}"
         )
 
-
-_DTYPE = attrgetter("dtype")
-_SHAPE = attrgetter("shape")
 
 # validated slot tables kept per plan: memopt-offload steps each plan in a few dozen buckets
 # (different slot subsets) per optimizer step; a table is 72 B per tensor

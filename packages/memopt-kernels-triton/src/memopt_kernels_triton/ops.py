@@ -46,7 +46,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from memopt_core.aliasing import Label, check_aliasing, has_memory, refuse_negated
+from memopt_core.aliasing import (
+    Label,
+    any_extents_overlap,
+    check_aliasing,
+    has_memory,
+    refuse_negated,
+)
 from memopt_core.backends import (
     RULES,
     DeviceStep,
@@ -919,12 +925,16 @@ def _validate(work: GroupStep, plan) -> None:
     if not _tensors_fit(work, plan):
         _refuse_misfit(work, plan)
     # the kernel's programs write parameters and state while others read gradients: shared
-    # memory would race (a gradient that is exactly its own parameter is read first, allowed)
+    # memory would race (a gradient that is exactly its own parameter is read first, allowed).
+    # Tensors apart (the common case) need no labels: two objects per tensor less.
+    arena = list(work.arena.tensors())
+    if not any_extents_overlap([*work.params, *work.grads, *arena]):
+        return
     written: list[tuple[Tensor, Label]] = [
         (p, functools.partial("parameter {} (plan slot {})".format, k, si))
         for k, (si, p) in enumerate(zip(work.slots, work.params, strict=True))
     ]
-    written += [(t, "a state tensor of the group") for t in work.arena.tensors()]
+    written += [(t, "a state tensor of the group") for t in arena]
     read: list[tuple[Tensor, Label]] = [
         (g, functools.partial("the gradient of parameter {} (plan slot {})".format, k, si))
         for k, (si, g) in enumerate(zip(work.slots, work.grads, strict=True))
