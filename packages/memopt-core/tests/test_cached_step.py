@@ -576,14 +576,16 @@ print("same bits")
 """
 
 
-def test_triton_prepared_launches_in_the_interpreter(tmp_path):
-    """Triton's prepared launches hold raw addresses and the gradient dtype: every configuration
-    and every scenario that changes what they fixed, in the interpreter (about a minute)."""
+def interpret_triton(tmp_path, script_text):
+    """Run ``script_text`` (which imports the test modules by name: the tests folder is its
+    first argument, and prints "same bits" when every check passed) with the Triton backend in
+    its interpreter, in a subprocess: Triton reads ``TRITON_INTERPRET`` at import. Skips
+    without the Triton packages."""
     for mod in ("memopt_kernels_triton", "triton", "numpy"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"needs {mod} (Triton's interpreter on CPU tensors)")
-    script = tmp_path / "triton_cached.py"
-    script.write_text(_TRITON_SCRIPT)
+    script = tmp_path / "triton_script.py"
+    script.write_text(script_text)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("MEMOPT_BACKEND", None)
     done = subprocess.run(
@@ -595,6 +597,12 @@ def test_triton_prepared_launches_in_the_interpreter(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "same bits" in done.stdout
+
+
+def test_triton_prepared_launches_in_the_interpreter(tmp_path):
+    """Triton's prepared launches hold raw addresses and the gradient dtype: every configuration
+    and every scenario that changes what they fixed, in the interpreter (about a minute)."""
+    interpret_triton(tmp_path, _TRITON_SCRIPT)
 
 
 def _trained(backend, moments="q8", steps=4):

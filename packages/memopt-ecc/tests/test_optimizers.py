@@ -700,7 +700,7 @@ def test_a_saved_stochastic_rounding_that_is_no_bool_is_named(value):
     opt.step()
     sd = copy.deepcopy(opt.state_dict())
     sd["param_groups"][0]["stochastic_rounding"] = value
-    with pytest.raises(StateDictError, match="stochastic_rounding .* must be True or False"):
+    with pytest.raises(StateDictError, match=r"stochastic_rounding .* must be True or False"):
         opt.load_state_dict(sd)
 
 

@@ -389,14 +389,22 @@ def _run_end(works: list[tuple[Any, backends.GroupStep]], i: int) -> int:
     return max(j, i + 1)
 
 
+def _found_inf_on_host(amp: tuple[Tensor | None, Tensor | None]) -> bool:
+    """Whether a GradScaler's found-inf flag is set, read on the host (one synchronisation, as
+    in the scaler's own loop), for a step where a work cannot take its flags on the device."""
+    found_inf = amp[1]
+    return found_inf is not None and bool(found_inf.item())
+
+
 def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tensor]) -> bool:
     """A GradScaler's step where a work cannot take its flags on the device: False (nothing to
-    run) when its found-inf flag is set (read on the host: one synchronisation, as in the
-    scaler's own loop), else True after unscaling ``grads`` in place by the factor and kernel
-    ``GradScaler.unscale_`` uses (the same bits as that loop)."""
-    grad_scale, found_inf = amp
-    if found_inf is not None and found_inf.item():
+    run) when its found-inf flag is set (:func:`_found_inf_on_host`), else True after unscaling
+    ``grads`` in place by the factor and kernel ``GradScaler.unscale_`` uses (the same bits as
+    that loop). Called once every check of the step passed: a refused step must leave the
+    gradients scaled, for the scaler's retry to unscale them once."""
+    if _found_inf_on_host(amp):
         return False
+    grad_scale = amp[0]
     if grad_scale is not None:
         inv = grad_scale.double().reciprocal().float()
         by_place: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -697,6 +705,9 @@ class MemOptimizer(Optimizer):
         #: (the param lists' ids and lengths, the held parameters' sorted_extents) for
         #: _check_staging_apart
         self._held_extents: tuple[tuple[tuple[int, int], ...], Any] | None = None
+        #: while a step checks its input (:meth:`_atomically`): how to take back what it changed
+        #: so far (plans and states built, an initial_lr recorded), newest last; None otherwise
+        self._undo: list[Callable[[], None]] | None = None
         self._drop_cached_steps()
 
     def _drop_cached_steps(self) -> None:
@@ -1105,6 +1116,64 @@ class MemOptimizer(Optimizer):
                     "memopt_ecc: master_weight_bits/quantize) and load it again"
                 )
 
+    def _atomically(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` (a step's checks, which may build plans and states first), whose
+        changes to the plans, the states and the param groups are taken back when it raises: a
+        refused step leaves no trace (a parameter refused at its first step keeps no state,
+        visible in ``state``, ``state_dict()`` and :meth:`state_bytes`). What it records:
+        :meth:`_build_group`, :meth:`_extend_group` and :meth:`_scalars` (an ``initial_lr``).
+        Not taken back: the conversions that adopt states written from outside or an edited step
+        count (:meth:`_adopt_state_writes`, :meth:`_sync_all_step_edits`), which the next step
+        makes alike, and dropped cached steps (the ordinary step gives their bits)."""
+        pending = self._state_written()  # writes from outside, adopted by fn (or the next step)
+        seen = self._writes_seen
+        self._undo = []
+        try:
+            return fn(*args)
+        except BaseException:
+            undo, self._undo = self._undo, None
+            for action in reversed(undo):
+                action()
+            # the states put back are no writes from outside (those still pending are adopted
+            # again by the next step: adopting is idempotent)
+            self._writes_seen = seen if pending else self._writes.n
+            raise
+        finally:
+            self._undo = None
+
+    def _restorer(self, gi: int, params: list[Tensor], rebuilt: bool) -> Callable[[], None]:
+        """What puts group ``gi``'s plan back as it is now, with the states of ``params`` (those
+        it is about to be built or extended with) and where they are placed, for
+        :meth:`_atomically`. ``rebuilt``: the group's ``_GroupPlans`` is about to be replaced
+        (which unplaces its owners too), else extended in place."""
+        old = self._plans.get(gi)
+        kept = None if old is None else (list(old.entries), old.signature)
+        states = [(p, self.state.get(p)) for p in params]
+        if rebuilt and old is not None:
+            params = params + [p for e in old.entries for p in e.owners]
+        where = [(id(p), self._where.get(id(p))) for p in params]
+
+        def restore() -> None:
+            if old is None:
+                self._plans.pop(gi, None)
+            else:
+                assert kept is not None
+                old.entries[:], old.signature = kept
+                self._plans[gi] = old
+            for pid, loc in where:
+                if loc is None:
+                    self._where.pop(pid, None)
+                else:
+                    self._where[pid] = loc
+            for p, st in states:
+                if st is None:
+                    self.state.pop(p, None)
+                else:
+                    self.state[p] = st
+            self._index = None
+
+        return restore
+
     def _ensure_plans(self, only: list[Tensor] | None = None, trainable: bool = False) -> None:
         """(Re)build the plans and arenas of every group whose parameters or formats changed,
         or whose states were written from outside. ``only`` (:meth:`step_parameters`'s
@@ -1321,6 +1390,8 @@ class MemOptimizer(Optimizer):
         self, gi, group, members, names, formats, signature, plans, arenas, ids=None
     ) -> None:
         index = self._tensor_index() if ids is None else ids
+        if self._undo is not None:
+            self._undo.append(self._restorer(gi, members, rebuilt=True))
         self._drop_plan(gi)
         entries = self._make_entries(plans, members, names, arenas, index)
         self._plans[gi] = _GroupPlans(
@@ -1337,6 +1408,8 @@ class MemOptimizer(Optimizer):
         monitored). Here no state moves; each gain adds its own launch to the group's step
         until a rebuild plans them all together. Same bits."""
         cur = self._plans[gi]
+        if self._undo is not None:
+            self._undo.append(self._restorer(gi, gained, rebuilt=False))
         self._drop_cached_steps()  # they hold the old entries
         plans = make_plans(
             [local_shard(p) for p in gained],
@@ -1471,7 +1544,7 @@ class MemOptimizer(Optimizer):
         """
         self._refuse_inference_mode("init_state")
         with torch.no_grad():
-            self._ensure_plans(trainable=True)
+            self._atomically(self._ensure_plans, None, True)
 
     # ------------------------------------------------------------------------------- stepping
     def _scalars(
@@ -1499,6 +1572,8 @@ class MemOptimizer(Optimizer):
                         f"lr it would record now is {lr}: set the group's initial_lr (> 0) too"
                     )
                 group["initial_lr"] = _initial_lr(group["lr"])
+                if self._undo is not None:  # taken back when the step is refused
+                    self._undo.append(functools.partial(group.pop, "initial_lr", None))
             initial_lr = float(group["initial_lr"])
         if kind == "adam":
             return reference.adam_scalars(
@@ -1536,7 +1611,9 @@ class MemOptimizer(Optimizer):
     def _decay_normalized(group: Mapping[str, Any]) -> bool:
         """Whether ``group``'s Adam second moments are stored divided by their decay
         (``StateSpec.decay_normalized``: the 8-bit moment presets)."""
-        return group.get("moments") in DECAY_NORMALIZED_PRESETS
+        moments = group.get("moments")
+        # a saved group edited to a list or dict (unhashable) is named by the loader's checks
+        return isinstance(moments, str) and moments in DECAY_NORMALIZED_PRESETS
 
     def _normalizing_beta2(self, gi: int) -> float | None:
         """The beta2 that group ``gi``'s stored second moments are normalized with (None: they
@@ -1557,6 +1634,40 @@ class MemOptimizer(Optimizer):
         beta2 = self._normalizing_beta2(group_index)
         return 1.0 if beta2 is None else reference.decay_norm(beta2, int(step))
 
+    def _check_sync(self, gi: int) -> int:
+        """The refusals of :meth:`_sync_decay_norm` of group ``gi``, writing nothing: a step
+        checks everything before it converts any moments (a refused step converted some).
+        Returns what that sync has to do: 0 nothing (the step skips it), 1 bookkeeping (record
+        the group's beta2, or the version of counts checked here), 2 maybe convert moments (a
+        count edited in place, a changed beta2). Per group and step, in place of the sync's own
+        cost while nothing changed."""
+        todo = 0
+        gp = self._plans.get(gi)
+        if gp is not None:
+            for entry in gp.entries:
+                steps = entry.steps
+                if steps is not None and steps._version != entry.counts_version:
+                    self._check_counts(entry, steps)
+                    todo = 2 if entry.norm_steps is not None else max(todo, 1)
+        if self._kind == "adam":  # what _normalizing_beta2 reads
+            group = self.param_groups[gi]
+            if self._decay_normalized(group):
+                new = float(self._group_betas(group)[1])
+                old = self._norm_beta2.get(gi)
+                if old is None:
+                    todo = max(todo, 1)  # the sync records it
+                elif old != new:
+                    self._refuse_beta2_conversion_in_capture(gi, old, new)
+                    todo = 2
+        return todo
+
+    def _refuse_beta2_conversion_in_capture(self, gi: int, old: float, new: float) -> None:
+        self._refuse_conversion_in_capture(
+            f"param group {gi}'s beta2 changed to {new} since its second moments were "
+            f"last written (with {old})",
+            "take one eager step with the new beta2",
+        )
+
     def _sync_decay_norm(self, gi: int) -> None:
         """Before group ``gi`` steps: where a step count was edited (:meth:`_sync_step_edits`)
         or its beta2 changed since its normalized second moments were written (a scheduler, a
@@ -1576,11 +1687,7 @@ class MemOptimizer(Optimizer):
         group = self.param_groups[gi]
         new = float(self._group_betas(group)[1])
         if old != new:
-            self._refuse_conversion_in_capture(
-                f"param group {gi}'s beta2 changed to {new} since its second moments were "
-                f"last written (with {old})",
-                "take one eager step with the new beta2",
-            )
+            self._refuse_beta2_conversion_in_capture(gi, old, new)
             sr = bool(group["stochastic_rounding"])
             tensor_ids = self._tensor_index()
             for p in group["params"]:
@@ -1822,15 +1929,62 @@ class MemOptimizer(Optimizer):
         (backend, work) pairs it ran, in order (:meth:`_update_and_cache` caches them). ``amp``:
         a GradScaler's (scale, found_inf) (:attr:`_step_supports_amp_scaling`); without
         ``capturable`` they run on the device where every work can (its counters move there),
-        else on the host (one synchronisation; nothing runs when an inf was found)."""
+        else on the host (one synchronisation; nothing runs when an inf was found).
+
+        A refused update leaves no trace: :meth:`_resolve` runs every check (the groups', the
+        gradients', the backends') before anything is written, and what it built (the plans
+        and states of parameters at their first step) is taken back when one fails
+        (:meth:`_atomically`); the writes that cannot be taken back (moments converted to a new
+        beta2 or step count, gradients unscaled for a GradScaler) come after it."""
         self._check_before_update(only, grads)
+        works, counters, synced, on_host = self._atomically(
+            self._resolve, only, staging, grads, amp
+        )
+        for gi in synced:
+            self._sync_decay_norm(gi)
+        if on_host is not None:  # a GradScaler's flags, read on the host
+            assert amp is not None
+            if not _unscale_on_host(amp, on_host):
+                return []
+
+        def ran(i: int) -> None:
+            backend, work = works[i]
+            backends.mark_written(work.param_owners)
+            if work.staging is not None and not backends.writes_staging(backend):
+                for p, st in zip(work.params, work.staging, strict=True):
+                    if st is not None:
+                        st.copy_(p.reshape(st.shape))
+            if work.device_step is None:  # a device step advanced its counters itself
+                counted = counters[i]
+                assert counted is not None  # None only for a device step's work
+                self._count_step(counted, work)
+
+        _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
+        self._check_step_limit(w for _, w in works if w.device_step is None)
+        return works
+
+    def _resolve(
+        self,
+        only: list[Tensor] | None,
+        staging: Mapping[Tensor, Tensor] | None,
+        grads: Mapping[Tensor, Tensor] | None,
+        amp: tuple[Tensor | None, Tensor | None] | None,
+    ) -> tuple[list[tuple[Any, backends.GroupStep]], list[_Entry | None], list[int], Any]:
+        """The checks and the works of :meth:`_update`, writing nothing it cannot take back
+        (run through :meth:`_atomically`): ``(works, counters, synced, on_host)``: each work's
+        entry whose host counters advance after it ran (None for a device step, which advances
+        its own), the param groups whose :meth:`_sync_decay_norm` runs once every check passed,
+        and, where ``amp``'s flags are read on the host, the gradients for
+        :func:`_unscale_on_host` (else None; no works when an inf was found)."""
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
         resolved = []
+        synced: dict[int, int] = {}  # group index -> what its sync does (_check_sync)
         for gi, ei, part in tasks:
             group = self.param_groups[gi]
             self._check_group(group, f"(param group {gi})")
-            self._sync_decay_norm(gi)
+            if gi not in synced:
+                synced[gi] = self._check_sync(gi)
             entry = self._plans[gi].entries[ei]
             plan = entry.plan
             if entry.sharded:
@@ -1859,13 +2013,18 @@ class MemOptimizer(Optimizer):
             )
             resolved.append((gi, entry, spec, backend, part))
         on_device = self._capturable
+        on_host: list[Tensor] | None = None
+        unscales = False  # the gradients are unscaled on the host before the works run
         if amp is not None and not on_device:
             # a GradScaler's step without capturable: on the device where every work can run
-            # there (its counts move there), else as GradScaler's own loop does it
+            # there (its counts move there), else as GradScaler's own loop does it (after
+            # every check: the unscaling writes the gradients)
             on_device = all(backends.runs_device_steps(r[3]) for r in resolved)
             if not on_device:
-                if not _unscale_on_host(amp, [g for r in resolved for _, _, g in r[4]]):
-                    return []
+                if _found_inf_on_host(amp):  # skipped before the works, as by the scaler
+                    return [], [], [gi for gi, todo in synced.items() if todo], None
+                on_host = [g for r in resolved for _, _, g in r[4]]
+                unscales = amp[0] is not None
                 amp = None
         works: list[tuple[Any, backends.GroupStep]] = []
         counters: list[_Entry | None] = []  # each work's entry (a host work's counters advance
@@ -1893,24 +2052,13 @@ class MemOptimizer(Optimizer):
         if self.check_numerics:
             self._check_finite(works)
         # the first run validates its own works before writing anything (one backend.step, or
-        # a step_all that validates all of its run): the others are checked before it runs
-        backends.check_works(works[_run_end(works, 0) :] if works else [])
-
-        def ran(i: int) -> None:
-            backend, work = works[i]
-            backends.mark_written(work.param_owners)
-            if work.staging is not None and not backends.writes_staging(backend):
-                for p, st in zip(work.params, work.staging, strict=True):
-                    if st is not None:
-                        st.copy_(p.reshape(st.shape))
-            if work.device_step is None:  # a device step advanced its counters itself
-                counted = counters[i]
-                assert counted is not None  # None only for a device step's work
-                self._count_step(counted, work)
-
-        _run_works(works, None, lambda i: works[i][0].step(works[i][1]), ran)
-        self._check_step_limit(w for _, w in works if w.device_step is None)
-        return works
+        # a step_all that validates all of its run): the others are checked before it runs.
+        # Where something is written before it (the conversions, the unscaling) or was built
+        # for this step (taken back on a refusal), the first run is checked here too
+        if works:
+            whole = self._undo or unscales or 2 in synced.values()
+            backends.check_works(works if whole else works[_run_end(works, 0) :])
+        return works, counters, [gi for gi, todo in synced.items() if todo], on_host
 
     def _check_step_limit(self, works: Iterable[backends.GroupStep]) -> None:
         """Warn once when a step count reaches 2**24, where float32 counters stop (torch's too).
@@ -2267,6 +2415,12 @@ class MemOptimizer(Optimizer):
         parameter and gradient keeps its address (:mod:`memopt_core.cached_step`): the same bits
         without the per-tensor host work.
 
+        A step refused for bad input (``ConfigError``, ``NumericsError``: a group value, a
+        gradient, a backend's check) changes nothing: no parameter, state or step count, no
+        state built for parameters at their first step, no ``initial_lr`` recorded, no gradient
+        unscaled for a GradScaler; fixed and stepped again, it gives the bits of a step never
+        refused. The same holds for :meth:`step_parameters` and :meth:`init_state`.
+
         While gradient release is active: does nothing (the closure is not called), warns once
         per activation and returns None; torch's step hooks still run once. Inside a CUDA graph
         capture it needs ``capturable=True`` (``ConfigError`` otherwise, before any change).
@@ -2482,45 +2636,71 @@ class MemOptimizer(Optimizer):
                 self._cache_futile = min(self._cache_futile + 1, 5)
                 self._cache_wait = 2**self._cache_futile - 1
             return False
-        cached.replays += 1
-        if amp is None:
-            self._cache_futile = 0
         self._check_before_update(None)
         cached.hand_grads(grads)
         try:
-            checked: set[int] = set()
-            for e in cached.entries:
-                group = self.param_groups[e.group_index]
-                if e.group_index not in checked:
-                    self._check_group(group, f"(param group {e.group_index})")
-                    self._sync_decay_norm(e.group_index)
-                    checked.add(e.group_index)
-                work = e.work
-                if amp is None:
-                    work.step = e.last_step + 1
-                    work.first_step = work.step == 1
-                    work.scalars = self._scalars(group, work.step)
-                else:  # counters unchanged (checked above, no state written): no view check
-                    work.scalars, work.device_step = self._device_step(
-                        e.group_index, e.counters, None, amp
-                    )
-                work.seed = self.seed
-            if self.check_numerics:
-                self._check_finite([(e.backend, e.work) for e in cached.entries])
+            # every check first (a refused replay changes nothing, as a refused ordinary step;
+            # an initial_lr recorded by _scalars is taken back), then the conversions
+            checked = self._atomically(self._check_replay, key, cached, amp)
+            for gi, todo in checked.items():
+                if todo:
+                    self._sync_decay_norm(gi)
             try:
-                if not cached.prepared:
-                    cached.prepare()
-                else:
-                    cached.follow_grads()
                 self._launch_cached(cached)
             except BaseException:
-                # a launch prepared again for these gradients may be what failed: replaying it
-                # would fail the same way until the gradients move, so the next step starts over
-                self._cached_steps.pop(key, None)  # the failed launch may have dropped it
+                self._cached_steps.pop(key, None)  # as for a failed preparation (below)
                 raise
+            cached.replays += 1
+            if amp is None:
+                self._cache_futile = 0
         finally:
             cached.drop_grads()
         return True
+
+    def _check_replay(
+        self,
+        key: Any,
+        cached: CachedStep,
+        amp: tuple[Tensor | None, Tensor | None] | None,
+    ) -> dict[int, int]:
+        """:meth:`_replay`'s checks, with each work's scalars (or device step) set and its
+        launch prepared for the gradients it holds; returns the param groups stepped, with what
+        their :meth:`_sync_decay_norm` has to do (:meth:`_check_sync`)."""
+        checked: dict[int, int] = {}
+        for e in cached.entries:
+            group = self.param_groups[e.group_index]
+            if e.group_index not in checked:
+                self._check_group(group, f"(param group {e.group_index})")
+                checked[e.group_index] = self._check_sync(e.group_index)
+            work = e.work
+            if amp is None:
+                work.step = e.last_step + 1
+                work.first_step = work.step == 1
+                work.scalars = self._scalars(group, work.step)
+            else:  # counters unchanged (checked above, no state written): no view check
+                work.scalars, work.device_step = self._device_step(
+                    e.group_index, e.counters, None, amp
+                )
+            work.seed = self.seed
+        if self.check_numerics:
+            self._check_finite([(e.backend, e.work) for e in cached.entries])
+        try:
+            if not cached.prepared:
+                cached.prepare()
+            else:
+                cached.follow_grads()
+            if self._undo or 2 in checked.values():
+                # the works without a prepared launch are validated as they launch, after what
+                # is written before (moments converted, an initial_lr recorded): checked here
+                backends.check_works(
+                    [(e.backend, e.work) for e in cached.entries if e.prepared is None]
+                )
+        except BaseException:
+            # a launch prepared again for these gradients may be what failed: replaying it
+            # would fail the same way until the gradients move, so the next step starts over
+            self._cached_steps.pop(key, None)  # the failed launch may have dropped it
+            raise
+        return checked
 
     def _launch_cached(self, cached: CachedStep) -> None:
         """Run every work of ``cached`` (scalars, step and gradients set) and count the step
