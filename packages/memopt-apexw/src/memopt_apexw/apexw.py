@@ -47,7 +47,7 @@ from memopt_core.eager import run_eagerly
 from memopt_core.errors import BackendUnavailableError, ConfigError
 from memopt_core.formats import StateSpec
 from memopt_core.optimizer import check_bool, forgets_scaler_flags_on_error
-from memopt_core.sharding import is_dtensor
+from memopt_core.sharding import is_dtensor, local_shard
 
 __all__ = ["MODES", "STATES", "ApexW", "state_bytes_per_param"]
 
@@ -440,24 +440,29 @@ class ApexW(MemOptimizer):
     def _backend_name(self, mode: str) -> str:
         return "torch" if mode == "torch" else (self.fused_backend or "auto")
 
-    def _fused_selection(self) -> Iterator[tuple[Any, StateSpec, Any]]:
-        """(plan, spec, backend) per state group under mode='fused' (core's selection)."""
-        self._ensure_plans()
+    def _fused_selection(self) -> Iterator[tuple[torch.device, torch.dtype, StateSpec, Any]]:
+        """(device, dtype, spec, backend) per state group that a step under mode='fused' runs:
+        core's selection (:meth:`_resolve`), for the plans its parameters with a gradient get
+        (one per device and dtype of a group), after core's checks of their groups and dtypes.
+
+        Computed from the parameters, building no plan: it runs before the step (and before the
+        mode="auto" trial), outside core's atomic section, so plans and states built here would
+        outlive a step refused after it (core takes back only what its own checks build)."""
         name = self._backend_name("fused")
-        for gi, gp in self._plans.items():
-            group = self.param_groups[gi]
-            for entry in gp.entries:
-                plan = entry.plan
-                spec = self._spec(group, plan.param_dtype)
-                yield (
-                    plan,
-                    spec,
-                    backends.select_backend(self._kind, spec, plan.device, plan.param_dtype, name),
-                )
+        for gi, group in enumerate(self.param_groups):
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if not stepped:
+                continue
+            self._check_group(group, f"(param group {gi})")  # names a key deleted by hand
+            self._check_dtypes(gi, group, stepped)  # names a parameter cast since it was added
+            for device, dtype in dict.fromkeys((local_shard(p).device, p.dtype) for p in stepped):
+                spec = self._spec(group, dtype)
+                chosen = backends.select_backend(self._kind, spec, device, dtype, name)
+                yield device, dtype, spec, chosen
 
     def _fused_names(self) -> set[str]:
         """Backend names mode='fused' would run."""
-        return {getattr(chosen, "name", "?") for _, _, chosen in self._fused_selection()}
+        return {getattr(chosen, "name", "?") for *_, chosen in self._fused_selection()}
 
     def _require_fused(self) -> None:
         """BackendUnavailableError, with the registry's reasons, where a group would run on core's
@@ -474,19 +479,19 @@ class ApexW(MemOptimizer):
         """The registry's reasons why some group would run on core's torch backend (empty: none
         would)."""
         why: set[str] = set()
-        for plan, spec, chosen in self._fused_selection():
+        for device, dtype, spec, chosen in self._fused_selection():
             if getattr(chosen, "name", "?") != "torch":
                 continue
-            kernel = backends.default_order(plan.device)[0]
+            kernel = backends.default_order(device)[0]
             if kernel == "torch":
-                why.add(f"no kernel backend exists for {plan.device.type} tensors")
+                why.add(f"no kernel backend exists for {device.type} tensors")
                 continue
             try:
                 backends.get_backend(kernel)
             except BackendUnavailableError as e:  # not installed (what to install), or unusable
                 why.add(str(e))
                 continue
-            caps = backends.backend_capabilities(self._kind, spec, plan.device, plan.param_dtype)
+            caps = backends.backend_capabilities(self._kind, spec, device, dtype)
             why.add(f"memopt backend {kernel!r} {caps[kernel][1]}")
         return why
 
@@ -595,6 +600,9 @@ class ApexW(MemOptimizer):
                     f"kernel backend for some parameters: {'; '.join(sorted(why))}. Use "
                     "capturable=False to run core's pure-torch step"
                 )
+        # first: its selection runs core's group checks, which name a key deleted by hand
+        # (the signature reads the group's keys)
+        fused = "torch" not in self._fused_names()
         self._sig = auto_mode.signature(self.param_groups, self.capturable, self.check_numerics)
         key = self._sig[0]
         path = self._cache_path()
@@ -603,9 +611,7 @@ class ApexW(MemOptimizer):
             if found is not None:
                 self._decide(found)
                 return
-        candidates = ["torch"]
-        if "torch" not in self._fused_names():
-            candidates.insert(0, "fused")
+        candidates = ["fused", "torch"] if fused else ["torch"]
         if len(candidates) == 1:
             self._decide(ModeDecision(candidates[0], "only candidate", {}, key, None))
             return
