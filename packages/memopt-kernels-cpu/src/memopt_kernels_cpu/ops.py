@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -689,8 +689,10 @@ def _prepare(
     grads: list[Tensor],
     stage: list[Tensor | None],
     originals: list[Tensor],
+    reads: _Reads | None = None,
 ) -> _Prepared:
-    """Validate everything (before any kernel runs) and build the slot table."""
+    """Validate everything (before any kernel runs) and build the slot table; ``reads``: see
+    :func:`_table_if_plain`."""
     plan = work.plan
     n = len(work.slots)
     if not (len(work.params) == len(work.grads) == len(work.tensor_ids) == n):
@@ -716,7 +718,7 @@ def _prepare(
         )
     has_momentum = work.rule == "sgd" and work.scalars.momentum != 0.0
     arena_kw, arena_tensors = _arena_args(work, has_momentum)
-    table = _table_if_plain(work, params, grads, stage, originals, arena_tensors)
+    table = _table_if_plain(work, params, grads, stage, originals, arena_tensors, reads)
     if table is None:
         table = _checked_table(work, params, grads, stage, originals, arena_tensors)
     mcodec = work.spec.master_for(plan.param_dtype)
@@ -750,6 +752,38 @@ def _slot_columns(plan) -> tuple[list[int], list[int], list[int]]:
     )
 
 
+class _Reads(NamedTuple):
+    """What one C-level pass per property read of a step's parameters and gradients, each of
+    them contiguous (:func:`_read`). The table cache's key holds these values. On a miss (every
+    step whose gradients moved or whose stepping set changed) they are passed down to the
+    passes that build the new table (:func:`_table_if_plain`) rather than read again;
+    :func:`prepare_step` passes its own down too."""
+
+    pptrs: tuple[int, ...]
+    pdtypes: tuple[torch.dtype, ...]
+    pnumels: tuple[int, ...]
+    gptrs: tuple[int, ...]
+    gdtypes: tuple[torch.dtype, ...]
+    gshapes: tuple[torch.Size, ...]
+    pneg: tuple[bool, ...]
+    gneg: tuple[bool, ...]
+
+
+def _read(params: list[Tensor], grads: list[Tensor]) -> _Reads:
+    """The :class:`_Reads` of ``params`` and ``grads`` (the caller found them contiguous);
+    torch's errors for odd tensors come through."""
+    return _Reads(
+        tuple(map(Tensor.data_ptr, params)),
+        tuple(map(_DTYPE, params)),
+        tuple(map(Tensor.numel, params)),
+        tuple(map(Tensor.data_ptr, grads)),
+        tuple(map(_DTYPE, grads)),
+        tuple(map(_SHAPE, grads)),
+        tuple(map(Tensor.is_neg, params)),
+        tuple(map(Tensor.is_neg, grads)),
+    )
+
+
 def _table_if_plain(
     work: GroupStep,
     params: list[Tensor],
@@ -757,6 +791,7 @@ def _table_if_plain(
     stage: list[Tensor | None],
     originals: list[Tensor],
     arena_tensors: list[tuple[Tensor, str]],
+    reads: _Reads | None = None,
 ) -> Tensor | None:
     """The slot table of the common case, every check of :func:`_checked_table` passed in
     C-level passes over all tensors at once; None where any tensor needs a closer look (which
@@ -764,7 +799,10 @@ def _table_if_plain(
     empty ones, numpy ids or bases, staging for some slots only, memory shared anywhere (a
     gradient that is its own parameter included). That function's loop costs about 7 us per
     tensor, and a step whose gradients moved (``zero_grad(set_to_none=True)``) or whose
-    stepping set changed (a mixture of experts) builds a new table."""
+    stepping set changed (a mixture of experts) builds a new table.
+
+    ``reads``: the caller's :func:`_read` of ``originals`` and ``grads``, which it found
+    contiguous (the table cache's key holds it); None: both are checked and read here."""
     plan, slots, n = work.plan, work.slots, len(work.slots)
     given = work.grads
     staged = [st for st in stage if st is not None]
@@ -779,13 +817,18 @@ def _table_if_plain(
             all(map(isinstance, tensors, itertools.repeat(Tensor)))
             and all(map(_IS_CPU, tensors))
             and set(map(_LAYOUT, tensors)) == {torch.strided}
-            and not any(map(Tensor.is_neg, tensors))
         ):
             return None
-        pptrs = list(map(Tensor.data_ptr, originals))
-        gptrs = list(map(Tensor.data_ptr, grads))
+        if reads is None:
+            # strided tensors are updated through copies (staging is checked below)
+            if not all(map(Tensor.is_contiguous, [*originals, *grads])):
+                return None
+            reads = _read(originals, grads)
+        if any(reads.pneg) or any(reads.gneg) or any(map(Tensor.is_neg, staged)):
+            return None
+        pptrs, gptrs = reads.pptrs, reads.gptrs
         sptrs = list(map(Tensor.data_ptr, staged)) if staged else [0] * n
-        gdtypes = set(map(_DTYPE, grads))
+        gdtypes = set(reads.gdtypes)
         numels, padded, offsets = _slot_columns(plan)
         snumel = [numels[si] for si in slots]
         spadded = [padded[si] for si in slots]
@@ -794,13 +837,13 @@ def _table_if_plain(
             all(pptrs)  # 0: empty (or no memory)
             and all(gptrs)
             and (not staged or (all(sptrs) and functools.reduce(operator.or_, sptrs) % 2 == 0))
-            and set(map(_DTYPE, originals)) == {plan.param_dtype}
+            and set(reads.pdtypes) == {plan.param_dtype}
             and all(grad_dtype_ok(plan.param_dtype, d) for d in gdtypes)
             # addresses aligned to the largest element size there (a power of two)
             and functools.reduce(operator.or_, pptrs) % plan.param_dtype.itemsize == 0
             and functools.reduce(operator.or_, gptrs) % max(d.itemsize for d in gdtypes) == 0
-            and list(map(Tensor.numel, originals)) == snumel
-            and list(map(_SHAPE, grads)) == list(map(_SHAPE, originals))
+            and list(reads.pnumels) == snumel
+            and list(reads.gshapes) == list(map(_SHAPE, originals))
             and set(map(type, tids)) <= {int}
             and (bases is None or set(map(type, bases)) <= {int})
         ):
@@ -818,8 +861,6 @@ def _table_if_plain(
         # the byte ranges from what was read above (the arena's few tensors read here): a
         # range shared anywhere goes to the exact check, which allows a gradient that is its
         # own parameter
-        if not all(map(Tensor.is_contiguous, tensors)):
-            return None
         pbytes = list(map(operator.mul, snumel, itertools.repeat(plan.param_dtype.itemsize)))
         if len(gdtypes) == 1:
             gbytes = list(map(operator.mul, snumel, itertools.repeat(next(iter(gdtypes)).itemsize)))
@@ -843,7 +884,7 @@ def _table_if_plain(
     columns = (
         pptrs,
         gptrs,
-        [GRAD_IDS[d] for d in map(_DTYPE, grads)],
+        [GRAD_IDS[d] for d in reads.gdtypes],
         map(_U32.__and__, tids),
         snumel,
         spadded,
@@ -929,24 +970,18 @@ def _check_group(work: GroupStep) -> None:
 _CACHE_SIZE = 128
 
 
-def _cache_key(work: GroupStep, params, grads, stage) -> tuple:
+def _cache_key(work: GroupStep, reads: _Reads, stage) -> tuple:
     """Everything validation checked and the kernel call depends on, so that a hit stands in
     for validation: the tensors' addresses, dtypes and sizes (a smaller tensor at a cached
     address must not get the cached bounds), the gradients' shapes, the negative bits (a
     negated view shares its tensor's address), the ids and index bases (with their types: a
     bool or float base equal to a valid int is refused by validation, so it must not find that
-    int's table), the formats and rounding (``work.spec``), the rule."""
+    int's table), the formats and rounding (``work.spec``), the rule. The tensors' values come
+    from ``reads`` (:func:`_read` of the step's parameters and gradients)."""
     bases = work.index_bases
     return (
         tuple(work.slots),
-        tuple(map(Tensor.data_ptr, params)),
-        tuple(map(_DTYPE, params)),
-        tuple(map(Tensor.numel, params)),
-        tuple(map(Tensor.data_ptr, grads)),
-        tuple(map(_DTYPE, grads)),
-        tuple(map(_SHAPE, grads)),
-        tuple(map(Tensor.is_neg, params)),
-        tuple(map(Tensor.is_neg, grads)),
+        reads,
         tuple(work.tensor_ids),
         None if bases is None else tuple((type(b), b) for b in bases),
         tuple(map(_ptr, stage)),
@@ -1032,7 +1067,9 @@ def _resolve(
         strided = not (
             all(map(Tensor.is_contiguous, params)) and all(map(Tensor.is_contiguous, grads))
         )
-        key: tuple | None = None if strided else _cache_key(work, params, grads, stage)
+        # read once: on a miss, the new table's passes take what the key read
+        reads = None if strided else _read(params, grads)
+        key: tuple | None = None if reads is None else _cache_key(work, reads, stage)
         hash(key)  # an unhashable index base: validation says why
     except (TypeError, RuntimeError, AttributeError):  # not tensors: validation says why
         _prepare(work, params, grads, stage, originals)
@@ -1058,7 +1095,7 @@ def _resolve(
     lru: OrderedDict = work.plan.cache("cpu_tables", OrderedDict)
     prepared = lru.get(key) if key is not None else None
     if prepared is None:
-        prepared = _prepare(work, params, grads, stage, originals)
+        prepared = _prepare(work, params, grads, stage, originals, reads)
         if key is not None:
             _remember(lru, key, prepared, _CACHE_SIZE)
     else:
@@ -1260,5 +1297,9 @@ def prepare_step(work: GroupStep) -> PreparedStep | None:
         strided = True
     if strided:
         return None
-    prepared = _prepare(work, params, grads, [None] * len(params), params)
+    try:  # passed down, as in fused_step: the table's passes then read no tensor again
+        reads: _Reads | None = _read(params, grads)
+    except (RuntimeError, TypeError, AttributeError):  # an odd tensor: validation names it
+        reads = None
+    prepared = _prepare(work, params, grads, [None] * len(params), params, reads)
     return PreparedStep(work.rule, prepared)
