@@ -375,6 +375,37 @@ def test_an_edited_step_count_keeps_v(moments, how, count, capturable, device):
     assert _close(_v(opt, p).cpu(), v64) < tol
 
 
+@pytest.mark.parametrize("moments", ["q8", "fp8"])
+def test_a_count_edited_in_place_then_rebuilt_is_converted_once(moments):
+    """A count edited in place before a step that rebuilds its group (a parameter appended to
+    the group's list): the rebuild copies the moments stored for the old count and converts
+    the copies, leaving the old ones as they were for a refused step to put back. The bits of
+    a twin converted without the rebuild; read against the new count unconverted, ``v`` was
+    169x fp64's (0.95**-100)."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(N, generator=gen) for _ in range(102)]
+    runs = []
+    for rebuilt in (False, True):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, N))
+        opt = MemOptimizer([p], lr=1e-3, betas=(0.9, 0.95), moments=moments)
+        for k, g in enumerate(grads):
+            if k == 100:
+                _edit_count(opt, p, "in place", 0)
+                if rebuilt:
+                    q = torch.nn.Parameter(torch.ones(5))
+                    q.grad = torch.ones(5)
+                    opt.param_groups[0]["params"].append(q)
+            p.grad = g.clone()
+            opt.step()
+        assert int(opt.state[p]["step"]) == 2
+        runs.append((p.detach(), {k: v.clone() for k, v in opt.state[p].items()}))
+    (p_plain, plain), (p_rebuilt, rebuilt_state) = runs
+    assert torch.equal(p_plain, p_rebuilt)
+    assert plain.keys() == rebuilt_state.keys()
+    for k, v in plain.items():
+        assert torch.equal(v, rebuilt_state[k]), k
+
+
 def test_counts_advanced_by_the_optimizer_convert_nothing(monkeypatch, device):
     """No edit, no conversion: steps of changing subsets (a parameter without a gradient
     keeps its count), replays of the cached step, a GradScaler's steps (on a GPU their counts

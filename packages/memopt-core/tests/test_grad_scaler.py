@@ -11,8 +11,10 @@ import math
 
 import pytest
 import torch
+from test_cached_step import backend_names
 
 from memopt_core import MemOptimizer
+from memopt_core.testing import bits
 
 
 class _ScalerLoop(MemOptimizer):
@@ -24,7 +26,7 @@ class _ScalerLoop(MemOptimizer):
 def _train(cls, steps, bad_steps, **kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 5))
-    opt = cls(model.parameters(), backend="torch", seed=3, **kw)
+    opt = cls(model.parameters(), **{"backend": "torch", "seed": 3, **kw})
     # growth_interval 3: the scale grows and backs off within the run
     scaler = torch.amp.GradScaler("cpu", init_scale=1000.0, growth_interval=3)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
@@ -66,6 +68,40 @@ def test_scaler_flags_on_a_host_backend_equal_the_scaler_loop(kw):
             ), key
         assert float(sb["step"]) == 37.0
     assert s_ref.get_scale() == s_mine.get_scale()
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_a_host_step_reads_found_inf_once(backend, monkeypatch):
+    """On a backend without device steps the optimizer reads the scaler's found-inf flag on
+    the host: once per step (on CUDA each read is a device synchronisation; the step read it
+    twice, once to skip the works and once more before unscaling). 8 iterations, two of them
+    non-finite: the same bits as the scaler's own loop."""
+    bad = {3, 6}
+    kw = {"rule": "adamw", "moments": "q8", "backend": backend}
+    m_ref, ref, _ = _train(_ScalerLoop, 8, bad, **kw)
+    flags: list[torch.Tensor] = []  # each step's flag, as the scaler hands it over
+    reads: list[int] = []  # the iteration of each flag read
+    real_step, real_item = MemOptimizer.step, torch.Tensor.item
+
+    def step(self, *args, **kwargs):
+        flags.append(self.found_inf)
+        return real_step(self, *args, **kwargs)
+
+    def item(self):
+        reads.extend(i for i, f in enumerate(flags, start=1) if f is self)
+        return real_item(self)
+
+    monkeypatch.setattr(MemOptimizer, "step", step)
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    m_mine, mine, _ = _train(MemOptimizer, 8, bad, **kw)
+    monkeypatch.undo()
+    assert reads == list(range(1, 9))
+    assert [float(f) for f in flags] == [float(i in bad) for i in range(1, 9)]
+    for a, b in zip(m_ref.parameters(), m_mine.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in ref.state[a]:
+            assert torch.equal(bits(ref.state[a][key]), bits(mine.state[b][key])), key
+        assert float(mine.state[b]["step"]) == 6.0
 
 
 def test_check_numerics_leaves_the_flags_to_the_scaler():

@@ -13,6 +13,7 @@ cpu one where installed, and Triton's in its interpreter (a subprocess, as in
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -295,11 +296,60 @@ def run_rebuild_refused(backend):
         assert_same_optimizers(a, b, opt, ref, f"step {step}")
 
 
+def _counts_edited(opt, params):
+    """Counts edited in place: that of group 0's first parameter to 100, that of group 1's
+    first (``params[3]``) to no count (2.5), which the step refuses."""
+    saved = [(opt.state[p]["step"], opt.state[p]["step"].clone()) for p in (params[0], params[3])]
+    saved[0][0].fill_(100.0)
+    saved[1][0].fill_(2.5)
+
+    def undo():
+        for count, was in saved:
+            count.copy_(was)
+
+    return undo
+
+
+def run_count_edit_refused(backend):
+    """A step count edited in place converts the q8 second moments stored for it (``v / N``,
+    ``N`` of the count) before its group steps. A step refused by another group's edit (a count
+    of 2.5) converted them first, and the retry with the edit taken back converted them back,
+    rounded twice. Now they convert once the checks passed (or in a rebuild's copies, dropped
+    with it): the bits of a twin that never saw the refused step, whether group 0 just steps,
+    gains a parameter at its first gradient (its plan extended) or one appended to its list (a
+    rebuild)."""
+    for change in ("none", "first gradient", "appended"):
+        a = [p for i, p in enumerate(t.make_params(torch.float32)) if i != 2]  # no empty one
+        b = t.twin(a)
+
+        def make(ps, change=change):
+            first = ps[:3] if change == "first gradient" else ps[:2]
+            groups = [{"params": first}, {"params": ps[3:]}]
+            return MemOptimizer(groups, rule="adamw", lr=1e-2, moments="q8", backend=backend)
+
+        opt, ref = make(a), make(b)
+        for step in range(1, 7):
+            skip = (2,) if step < 4 else ()  # parameter 2's first gradient at step 4
+            t.set_grads(a, step, skip=skip)
+            t.set_grads(b, step, in_place=False, skip=skip)
+            if step == 4:
+                if change == "appended":
+                    opt.param_groups[0]["params"].append(a[2])
+                    ref.param_groups[0]["params"].append(b[2])
+                where = f"{change}, step {step}"
+                refuse(opt, a, _counts_edited, _step, where, ConfigError, state_dict=False)
+            opt.step()
+            ref.step()
+            assert_same_optimizers(a, b, opt, ref, f"{change}, step {step}")
+        assert float(opt.state[a[0]]["step"]) == 6
+
+
 SCENARIOS = [
     run_gradscaler_refused_after_its_checks,
     run_initial_lr_recorded_by_a_refused_step,
     run_moments_converted_by_a_refused_step,
     run_rebuild_refused,
+    run_count_edit_refused,
 ]
 
 
@@ -328,6 +378,58 @@ def test_a_refused_step_parameters_leaves_no_trace(backend, case):
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__.removeprefix("run_"))
 def test_scenario(backend, scenario):
     scenario(backend)
+
+
+@pytest.mark.parametrize("backend", t.backend_names())
+def test_a_rebuild_from_written_states_frees_each_old_arena(backend, monkeypatch):
+    """States written into ``optimizer.state`` from outside (copies, as ZeroRedundancyOptimizer's
+    load writes them) rebuild every group at the next step from them. The old arenas are read
+    by nothing: each is freed as its group is rebuilt (the step kept them all until its checks
+    passed: one more copy of the whole state at the peak). A step refused after every group was
+    rebuilt (a sparse gradient) leaves no trace, ``state_bytes()`` included (the old plans come back with new zeroed
+    arenas), and fixed, steps as a twin that never saw it."""
+    a = t.make_params(torch.float32)
+    b = t.twin(a)
+    groups = len(a)
+
+    def make(ps):
+        return MemOptimizer(
+            [{"params": [p]} for p in ps], rule="adamw", lr=1e-2, moments="q8", backend=backend
+        )
+
+    opt, ref = make(a), make(b)
+    for step in (1, 2):
+        t.set_grads(a, step)
+        t.set_grads(b, step, in_place=False)
+        opt.step()
+        ref.step()
+    for o, ps in ((opt, a), (ref, b)):
+        for p in ps:
+            o.state[p] = {k: v.clone() for k, v in o.state[p].items()}
+    old = [
+        [weakref.ref(x) for e in opt._plans[gi].entries for x in e.arena.tensors()]
+        for gi in range(groups)
+    ]
+    alive = []  # at each new arena: the groups whose old arena is still alive
+    real = opt._new_arena
+
+    def new_arena(plan, codecs, master):
+        alive.append([gi for gi, refs in enumerate(old) if any(r() is not None for r in refs)])
+        return real(plan, codecs, master)
+
+    monkeypatch.setattr(opt, "_new_arena", new_arena)
+    t.set_grads(a, 3)
+    t.set_grads(b, 3, in_place=False)
+    refuse(opt, a, _sparse_grad, _step, "rebuild from written states")
+    # the rebuilt groups, then the old plans reopened (in reverse) by the refusal
+    assert alive == [list(range(gi + 1, groups)) for gi in range(groups)] + [[]] * groups
+    for step in (3, 4):
+        if step == 4:
+            t.set_grads(a, step)
+            t.set_grads(b, step, in_place=False)
+        opt.step()
+        ref.step()
+        assert_same_optimizers(a, b, opt, ref, f"step {step}")
 
 
 @pytest.mark.parametrize("backend", t.backend_names())

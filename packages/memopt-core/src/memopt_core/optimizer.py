@@ -44,7 +44,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, cast
 
 import torch
@@ -223,6 +223,13 @@ class _Entry:
     counts_version: int = -1
     normalized: bool = False
 
+    def released(self, state: Mapping[Tensor, Any]) -> bool:
+        """Whether no owner's state in ``state`` holds a tensor this entry's states held (its
+        arena's views, its counters): all of them were replaced, and the entry alone keeps its
+        arena alive."""
+        held = {id(t) for h in self.held for t in h.values()}
+        return not any(id(t) in held for p in self.owners for t in (state.get(p) or {}).values())
+
     def holds_its_state(self, state: Mapping[Tensor, Any]) -> bool:
         """Whether every owner's state in ``state`` is still the dict and tensors it was."""
         for p, mine, held in zip(self.owners, self.states, self.held, strict=True):
@@ -396,14 +403,12 @@ def _found_inf_on_host(amp: tuple[Tensor | None, Tensor | None]) -> bool:
     return found_inf is not None and bool(found_inf.item())
 
 
-def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tensor]) -> bool:
-    """A GradScaler's step where a work cannot take its flags on the device: False (nothing to
-    run) when its found-inf flag is set (:func:`_found_inf_on_host`), else True after unscaling
-    ``grads`` in place by the factor and kernel ``GradScaler.unscale_`` uses (the same bits as
-    that loop). Called once every check of the step passed: a refused step must leave the
-    gradients scaled, for the scaler's retry to unscale them once."""
-    if _found_inf_on_host(amp):
-        return False
+def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tensor]) -> None:
+    """A GradScaler's step where a work cannot take its flags on the device, its found-inf flag
+    read clear (by :meth:`MemOptimizer._resolve`, once: each read is a device synchronisation):
+    unscale ``grads`` in place by the factor and kernel ``GradScaler.unscale_`` uses (the same
+    bits as that loop). Called once every check of the step passed: a refused step must leave
+    the gradients scaled, for the scaler's retry to unscale them once."""
     grad_scale = amp[0]
     if grad_scale is not None:
         inv = grad_scale.double().reciprocal().float()
@@ -413,7 +418,6 @@ def _unscale_on_host(amp: tuple[Tensor | None, Tensor | None], grads: list[Tenso
         for (dev, _), same in by_place.items():
             seen = torch.zeros(1, dtype=torch.float32, device=dev)  # checked by the scaler
             torch._amp_foreach_non_finite_check_and_unscale_(same, seen, inv.to(dev))
-    return True
 
 
 def forgets_scaler_flags_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -1122,9 +1126,10 @@ class MemOptimizer(Optimizer):
         refused step leaves no trace (a parameter refused at its first step keeps no state,
         visible in ``state``, ``state_dict()`` and :meth:`state_bytes`). What it records:
         :meth:`_build_group`, :meth:`_extend_group` and :meth:`_scalars` (an ``initial_lr``).
-        Not taken back: the conversions that adopt states written from outside or an edited step
-        count (:meth:`_adopt_state_writes`, :meth:`_sync_all_step_edits`), which the next step
-        makes alike, and dropped cached steps (the ordinary step gives their bits)."""
+        Not taken back: the conversions that adopt states written from outside
+        (:meth:`_adopt_state_writes`), which the next step makes alike, and dropped cached steps
+        (the ordinary step gives their bits). A count edited in place is converted after the
+        checks (:meth:`_sync_decay_norm`), or in a rebuild's copies (:meth:`_build_groups`)."""
         pending = self._state_written()  # writes from outside, adopted by fn (or the next step)
         seen = self._writes_seen
         self._undo = []
@@ -1145,34 +1150,80 @@ class MemOptimizer(Optimizer):
         """What puts group ``gi``'s plan back as it is now, with the states of ``params`` (those
         it is about to be built or extended with) and where they are placed, for
         :meth:`_atomically`. ``rebuilt``: the group's ``_GroupPlans`` is about to be replaced
-        (which unplaces its owners too), else extended in place."""
+        (which unplaces its owners too), else extended in place.
+
+        A rebuild from states written from outside (``signature`` None:
+        :meth:`_adopt_state_writes`; ZeroRedundancyOptimizer's load) copies those states, not
+        the old arenas, and an old arena that none of them holds a tensor of is kept alive by
+        its entry alone. Kept until the step's checks pass, each was one more copy of its
+        group's state at the peak of a rebuild of several groups (88 MiB against 56 in a
+        4-group repro); it is freed with the old plan instead, and a refused step gives its
+        entry a new zeroed arena (:meth:`_reopener`): what :meth:`state_bytes` counted, and
+        nothing reads it before the next step rebuilds the group from its states again. A
+        family arena (:func:`~memopt_core.plan.family_arenas`) is kept: its storage lives
+        until every member is dropped, which the new family's allocation precedes anyway."""
         old = self._plans.get(gi)
-        kept = None if old is None else (list(old.entries), old.signature)
+        # the old plan without its entries: a rebuild drops them (and what they hold)
+        shell = None if old is None else replace(old, entries=[])
+        kept: list[_Entry | Callable[[], _Entry]] = []
+        if old is not None:
+            kept = [
+                self._reopener(e)
+                if rebuilt
+                and old.signature is None
+                and e.arena.family is None
+                and e.released(self.state)
+                else e
+                for e in old.entries
+            ]
         states = [(p, self.state.get(p)) for p in params]
         if rebuilt and old is not None:
             params = params + [p for e in old.entries for p in e.owners]
         where = [(id(p), self._where.get(id(p))) for p in params]
 
         def restore() -> None:
-            if old is None:
-                self._plans.pop(gi, None)
-            else:
-                assert kept is not None
-                old.entries[:], old.signature = kept
-                self._plans[gi] = old
-            for pid, loc in where:
-                if loc is None:
-                    self._where.pop(pid, None)
-                else:
-                    self._where[pid] = loc
+            # the states first: the new ones hold the new arenas, freed before any reopens
             for p, st in states:
                 if st is None:
                     self.state.pop(p, None)
                 else:
                     self.state[p] = st
+            self._plans.pop(gi, None)
+            if shell is not None:
+                shell.entries[:] = [e if isinstance(e, _Entry) else e() for e in kept]
+                self._plans[gi] = shell
+            for pid, loc in where:
+                if loc is None:
+                    self._where.pop(pid, None)
+                else:
+                    self._where[pid] = loc
             self._index = None
 
         return restore
+
+    def _reopener(self, entry: _Entry) -> Callable[[], _Entry]:
+        """What gives back ``entry`` (:meth:`_Entry.released`, of a group to rebuild from its
+        states) with a new zeroed arena of its plan (:meth:`_new_arena`), holding neither its
+        arena nor its states' tensors meanwhile (:meth:`_restorer`). The states it records are
+        new empty dicts, as no state in ``self.state`` holds any of its tensors."""
+        arena = entry.arena
+        plan, codecs, master = entry.plan, arena.codecs, arena.master
+        rest = {
+            f.name: getattr(entry, f.name)
+            for f in fields(entry)
+            if f.name not in ("arena", "states", "held")
+        }
+        n = len(entry.owners)
+
+        def reopen() -> _Entry:
+            return _Entry(
+                arena=self._new_arena(plan, codecs, master),
+                states=[ParamState(self._writes) for _ in range(n)],
+                held=[{} for _ in range(n)],
+                **rest,
+            )
+
+        return reopen
 
     def _ensure_plans(self, only: list[Tensor] | None = None, trainable: bool = False) -> None:
         """(Re)build the plans and arenas of every group whose parameters or formats changed,
@@ -1194,9 +1245,6 @@ class MemOptimizer(Optimizer):
                     self._sync_step_edits(gi, e)
 
     def _ensure_all_plans(self, trainable: bool) -> None:
-        # a rebuild below copies each state's count and moments as they are: a count edited
-        # in place converts its moments first
-        self._sync_all_step_edits()
         reindexed = False
         # a rebuilt group leaves its family arena (memopt_core.plan.family_arenas): the family's
         # other groups are rebuilt with it, so that no dead region of the old storage stays
@@ -1281,6 +1329,9 @@ class MemOptimizer(Optimizer):
                 builds[gi] = args
                 kept.add(gi)
         if builds:
+            # the last group's old plan: held here, it kept its arenas alive through the whole
+            # rebuild (each group's is freed as it is rebuilt: _restorer)
+            del cur
             self._build_groups([builds[gi] for gi in sorted(builds)], kept)
 
     def _gained_stateless(
@@ -1345,6 +1396,12 @@ class MemOptimizer(Optimizer):
                 functools.partial(self._spec, group),
                 group_index=gi,
             )
+        # a state with a count edited in place (its moments not converted yet: that waits for
+        # the step's checks, :meth:`_sync_decay_norm`) is copied with the count its moments are
+        # stored for, and the copies are converted: the old moments stay as they were for a
+        # refused step to put back (converted there, they were converted again at the retry
+        # with the count edited back)
+        records = self._norm_step_records(edited=True)
         kin: dict[tuple, list[GroupPlan]] = defaultdict(list)
         for gi, _, _, names, *_ in builds:
             for plan in plans[gi]:
@@ -1360,7 +1417,9 @@ class MemOptimizer(Optimizer):
             if gi in kept:
                 ids = {id(p): e.tensor_ids[si] for e in self._plans[gi].entries
                        for si, p in enumerate(e.owners)}  # fmt: skip
-            self._build_group(gi, group, members, names, formats, signature, plans[gi], arenas, ids)
+            self._build_group(
+                gi, group, members, names, formats, signature, plans[gi], arenas, ids, records
+            )
 
     def _merges_groups(self, plan: GroupPlan) -> bool:
         """Whether the backend that will step ``plan`` runs several param groups in one launch
@@ -1387,13 +1446,13 @@ class MemOptimizer(Optimizer):
                 raise _changed_error(self._param_label(p), plan, si)
 
     def _build_group(
-        self, gi, group, members, names, formats, signature, plans, arenas, ids=None
+        self, gi, group, members, names, formats, signature, plans, arenas, ids, records
     ) -> None:
         index = self._tensor_index() if ids is None else ids
         if self._undo is not None:
             self._undo.append(self._restorer(gi, members, rebuilt=True))
         self._drop_plan(gi)
-        entries = self._make_entries(plans, members, names, arenas, index)
+        entries = self._make_entries(plans, members, names, arenas, index, records)
         self._plans[gi] = _GroupPlans(
             signature, formats, names, entries, (group, group["params"], len(group["params"]))
         )
@@ -1416,7 +1475,7 @@ class MemOptimizer(Optimizer):
             functools.partial(self._spec, group),
             group_index=gi,
         )
-        entries = self._make_entries(plans, gained, cur.names, {}, self._tensor_index())
+        entries = self._make_entries(plans, gained, cur.names, {}, self._tensor_index(), {})
         cur.entries.extend(entries)
         cur.signature = signature
         self._place(gi, entries, len(cur.entries) - len(entries))
@@ -1428,10 +1487,12 @@ class MemOptimizer(Optimizer):
             for si, p in enumerate(entry.owners):
                 self._where[id(p)] = (gi, ei, si)
 
-    def _make_entries(self, plans, members, names, arenas, index) -> list[_Entry]:
+    def _make_entries(self, plans, members, names, arenas, index, records) -> list[_Entry]:
         """The entries of ``plans`` (of ``members``), with their arenas (from ``arenas``, by the
         plan's id, else new) and each member's new state in ``self.state``: the values of its
-        previous state copied in, a new master code encoding its current weight."""
+        previous state copied in, a new master code encoding its current weight. ``records``:
+        :meth:`_norm_step_records` of the states whose count was edited in place (their
+        second moments are converted to it in the copies)."""
         entries: list[_Entry] = []
         new_states: dict[Tensor, ParamState] = {}
         owner_of = {id(local_shard(p)): p for p in members}
@@ -1471,8 +1532,11 @@ class MemOptimizer(Optimizer):
                 dict.update(state, views)
                 # the caller's own entries stay, as in torch (they were dropped at a rebuild)
                 dict.update(state, {k: v for k, v in prev.items() if k not in _MEMOPT_KEYS})
-                if _NORM_STEP_KEY in prev:
-                    self._convert_written_count(p, plan, prev, state)
+                record = prev.get(_NORM_STEP_KEY)
+                if record is None and id(p) in records:
+                    record = records[id(p)][0]
+                if record is not None:
+                    self._convert_written_count(p, plan, record, prev, state)
                 new_states[p] = state
             bases = [index_base(p) for p in owners]
             entries.append(
@@ -1942,10 +2006,9 @@ class MemOptimizer(Optimizer):
         )
         for gi in synced:
             self._sync_decay_norm(gi)
-        if on_host is not None:  # a GradScaler's flags, read on the host
+        if on_host is not None:  # a GradScaler's flags, read on the host: no inf found
             assert amp is not None
-            if not _unscale_on_host(amp, on_host):
-                return []
+            _unscale_on_host(amp, on_host)
 
         def ran(i: int) -> None:
             backend, work = works[i]
@@ -1974,7 +2037,7 @@ class MemOptimizer(Optimizer):
         (run through :meth:`_atomically`): ``(works, counters, synced, on_host)``: each work's
         entry whose host counters advance after it ran (None for a device step, which advances
         its own), the param groups whose :meth:`_sync_decay_norm` runs once every check passed,
-        and, where ``amp``'s flags are read on the host, the gradients for
+        and, where ``amp``'s flags are read on the host and no inf was found, the gradients for
         :func:`_unscale_on_host` (else None; no works when an inf was found)."""
         self._ensure_plans(only)
         tasks = self._collect(only, grads)
@@ -2938,16 +3001,20 @@ class MemOptimizer(Optimizer):
                         state[key][_NORM_STEP_KEY] = record[0]
         return add_group_meta(sd)  # last: with what subclasses add (memopt-ecc's compressed)
 
-    def _norm_step_records(self) -> dict[int, tuple[Tensor, set[str]]]:
+    def _norm_step_records(self, edited: bool = False) -> dict[int, tuple[Tensor, set[str]]]:
         """``{id(parameter): (its count record, its second moment's field keys)}`` for
         :meth:`state_dict`'s ``decay_norm_step`` entries: the parameters whose q8/fp8 second
         moments are held by a plan (the record is a view of its counters' second row, which
-        the steps advance with the counts, so a dict held across steps stays consistent)."""
+        the steps advance with the counts, so a dict held across steps stays consistent).
+        ``edited``: only those of plan entries whose counts changed since the optimizer last
+        wrote or checked them (edited in place: :meth:`_sync_step_edits`)."""
         out: dict[int, tuple[Tensor, set[str]]] = {}
         for gp in self._plans.values():
             for entry in gp.entries:
-                norm = entry.norm_steps
-                if norm is None:
+                norm, steps = entry.norm_steps, entry.steps
+                if norm is None or (
+                    edited and steps is not None and steps._version == entry.counts_version
+                ):
                     continue
                 for si, (p, mine, held) in enumerate(
                     zip(entry.owners, entry.states, entry.held, strict=True)
@@ -3473,17 +3540,18 @@ class MemOptimizer(Optimizer):
         self._renormalize(group, out, (beta2, was), (beta2, now), None)
 
     def _convert_written_count(
-        self, p: Tensor, plan: GroupPlan, prev: Mapping[str, Any], state: ParamState
+        self, p: Tensor, plan: GroupPlan, saved: Any, prev: Mapping[str, Any], state: ParamState
     ) -> None:
-        """A state dict entry written into ``self.state`` from outside (ZeroRedundancyOptimizer's
-        load writes them) and now copied into ``state``: its second moments are stored for its
-        ``decay_norm_step`` record, converted to its ``step`` where they differ, as
-        :meth:`load_state_dict` converts them."""
-        record = conversions.saved_step_count(prev[_NORM_STEP_KEY])
+        """A state ``prev`` now copied into ``state`` (a rebuild), whose second moments are
+        stored for the count ``saved`` (its ``decay_norm_step`` record: a state dict entry
+        written into ``self.state`` from outside, as ZeroRedundancyOptimizer's load writes them;
+        or its plan's record of a count edited in place since): they are converted to its
+        ``step`` where they differ, as :meth:`load_state_dict` converts them."""
+        record = conversions.saved_step_count(saved)
         if record is None:
             raise ConfigError(
                 f"state[{_NORM_STEP_KEY!r}] of {self._param_label(p)} is "
-                f"{prev[_NORM_STEP_KEY]!r}: the count its second moments are stored for is a "
+                f"{saved!r}: the count its second moments are stored for is a "
                 "whole number >= 0"
             )
         count = conversions.saved_step_count(state["step"])
