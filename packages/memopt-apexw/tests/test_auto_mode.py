@@ -622,3 +622,31 @@ def test_a_group_added_to_a_fixed_mode_keeps_it(mode):
     train(opt, a, 1)
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(64))]})
     assert opt.mode_decision == ModeDecision(mode, "fixed")
+
+
+def test_a_parameter_holding_state_without_a_gradient_counts_in_the_decision(monkeypatch):
+    """A parameter with state (``init_state()``) but no gradient at auto mode's first step will
+    step later: if no kernel backend runs it, "fused" is no candidate (it was one, and its trial
+    step raised BackendUnavailableError once that parameter got a gradient)."""
+    from memopt_core import backends
+
+    real = backends.select_backend
+
+    def select(kind, spec, device, dtype, name):  # no kernel backend for bfloat16 (simulated)
+        return real(kind, spec, device, dtype, "torch" if dtype == torch.bfloat16 else name)
+
+    monkeypatch.setattr(backends, "select_backend", select)
+    pf = torch.nn.Parameter(torch.randn(64, device="cpu"))
+    pb = torch.nn.Parameter(torch.randn(64, device="cpu", dtype=torch.bfloat16))
+    opt = ApexW([pf, pb], mode="auto", mode_cache=None)
+    opt.init_state()
+    pf.grad = torch.randn(64, device="cpu")
+    opt.step()
+    assert opt.mode_decision is not None
+    assert opt.mode_decision.mode == "torch"
+    assert opt.mode_decision.source == "only candidate"
+    for _ in range(6):  # every parameter stepping: the decided mode runs them all
+        pf.grad = torch.randn(64, device="cpu")
+        pb.grad = torch.randn(64, device="cpu", dtype=torch.bfloat16)
+        opt.step()
+    assert float(opt.state[pb]["step"]) == 6.0

@@ -442,20 +442,23 @@ class ApexW(MemOptimizer):
 
     def _fused_selection(self) -> Iterator[tuple[torch.device, torch.dtype, StateSpec, Any]]:
         """(device, dtype, spec, backend) per state group that a step under mode='fused' runs:
-        core's selection (:meth:`_resolve`), for the plans its parameters with a gradient get
-        (one per device and dtype of a group), after core's checks of their groups and dtypes.
+        core's selection (:meth:`_resolve`), for the plans of the parameters with a gradient or
+        a state (core's members, :meth:`_members`: one plan per device and dtype of a group),
+        after core's checks of their groups and dtypes.
 
         Computed from the parameters, building no plan: it runs before the step (and before the
         mode="auto" trial), outside core's atomic section, so plans and states built here would
         outlive a step refused after it (core takes back only what its own checks build)."""
         name = self._backend_name("fused")
         for gi, group in enumerate(self.param_groups):
-            stepped = [p for p in group["params"] if p.grad is not None]
-            if not stepped:
+            # a parameter holding state (init_state(), a load, earlier steps) without a
+            # gradient now counts too: mode="auto" decides once, and it will step
+            members = self._members(group, trainable=False)
+            if not members:
                 continue
             self._check_group(group, f"(param group {gi})")  # names a key deleted by hand
-            self._check_dtypes(gi, group, stepped)  # names a parameter cast since it was added
-            for device, dtype in dict.fromkeys((local_shard(p).device, p.dtype) for p in stepped):
+            self._check_dtypes(gi, group, members)  # names a parameter cast since it was added
+            for device, dtype in dict.fromkeys((local_shard(p).device, p.dtype) for p in members):
                 spec = self._spec(group, dtype)
                 chosen = backends.select_backend(self._kind, spec, device, dtype, name)
                 yield device, dtype, spec, chosen
