@@ -3602,10 +3602,7 @@ class MemOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # an edited count's moments convert first, as state_dict() does: the copy's counters
         # are built from the counts it holds, with no record of the old ones (a changed beta2
-        # needs nothing: the record of the one they are normalized with is pickled). A new
-        # count put in a state's dict is a write from outside: adopted first, as settle_state()
-        # does, else the copy read the moments against that count
-        self._adopt_state_writes()
+        # needs nothing: the record of the one they are normalized with is pickled)
         self._sync_all_step_edits()
         # compact copies of the state (views would pickle whole arenas once per view)
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
