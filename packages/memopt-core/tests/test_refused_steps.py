@@ -317,10 +317,8 @@ def run_count_edit_refused(backend):
     rounded twice. Now they convert once the checks passed (or in a rebuild's copies, dropped
     with it): the bits of a twin that never saw the refused step, whether group 0 just steps,
     gains a parameter at its first gradient (its plan extended) or one appended to its list (a
-    rebuild), or holds a state written from outside (as ZeroRedundancyOptimizer's load writes
-    them: a rebuild, whose adoption of the write converted the edited count's moments before
-    the checks)."""
-    for change in ("none", "first gradient", "appended", "written"):
+    rebuild)."""
+    for change in ("none", "first gradient", "appended"):
         a = [p for i, p in enumerate(t.make_params(torch.float32)) if i != 2]  # no empty one
         b = t.twin(a)
 
@@ -338,9 +336,6 @@ def run_count_edit_refused(backend):
                 if change == "appended":
                     opt.param_groups[0]["params"].append(a[2])
                     ref.param_groups[0]["params"].append(b[2])
-                elif change == "written":  # group 0's other state, copies written in
-                    for o, p in ((opt, a[1]), (ref, b[1])):
-                        o.state[p] = {k: v.clone() for k, v in o.state[p].items()}
                 where = f"{change}, step {step}"
                 refuse(opt, a, _counts_edited, _step, where, ConfigError, state_dict=False)
             opt.step()

@@ -1080,9 +1080,9 @@ class MemOptimizer(Optimizer):
         self._norm_writes_seen = self._writes.n
         for gi, gp in self._plans.items():
             if not all(e.holds_its_state(self.state) for e in gp.entries):
-                # the rebuild copies the states as they are, and converts the copies of those
-                # still held whose count was edited (_build_groups); nothing here converts, so
-                # a step refused after this adoption leaves the moments as they were
+                if gi < len(self.param_groups):  # the rebuild copies the moments as they are
+                    for e in gp.entries:
+                        self._sync_step_edits(gi, e, adopting=True)
                 gp.signature = None  # rebuilt by _ensure_all_plans
                 if adopt_norms:
                     self._norm_beta2[gi] = _group_beta2(self.param_groups, gi)
@@ -1126,13 +1126,10 @@ class MemOptimizer(Optimizer):
         refused step leaves no trace (a parameter refused at its first step keeps no state,
         visible in ``state``, ``state_dict()`` and :meth:`state_bytes`). What it records:
         :meth:`_build_group`, :meth:`_extend_group` and :meth:`_scalars` (an ``initial_lr``).
-        Not taken back: the adoption of states written from outside
-        (:meth:`_adopt_state_writes`: their group marked for a rebuild, its beta2 recorded),
-        which the next step makes alike, and dropped cached steps (the ordinary step gives their
-        bits). Nothing in ``fn`` converts the moments the optimizer holds: a count edited in one
-        of its states (in place, or a new count put in its dict) converts after the checks
-        (:meth:`_sync_decay_norm`), or in a rebuild's copies (:meth:`_build_groups`), which a
-        refusal drops."""
+        Not taken back: the conversions that adopt states written from outside
+        (:meth:`_adopt_state_writes`), which the next step makes alike, and dropped cached steps
+        (the ordinary step gives their bits). A count edited in place is converted after the
+        checks (:meth:`_sync_decay_norm`), or in a rebuild's copies (:meth:`_build_groups`)."""
         pending = self._state_written()  # writes from outside, adopted by fn (or the next step)
         seen = self._writes_seen
         self._undo = []
@@ -1241,21 +1238,11 @@ class MemOptimizer(Optimizer):
         self._writes_seen = self._writes.n
 
     def _sync_all_step_edits(self) -> None:
-        """:meth:`_sync_group_step_edits` of every group still in ``param_groups``."""
-        for gi in self._plans:
+        """:meth:`_sync_step_edits` of every entry of every group still in ``param_groups``."""
+        for gi, gp in self._plans.items():
             if gi < len(self.param_groups):
-                self._sync_group_step_edits(gi)
-
-    def _sync_group_step_edits(self, gi: int) -> None:
-        """:meth:`_sync_step_edits` of every entry of group ``gi``, outside a step (nothing
-        takes it back): of a group waiting for the rebuild that adopts states written from
-        outside (:meth:`_adopt_state_writes`), with ``adopting``, which also converts a count
-        put in a state it still holds, as the rebuild's copies would be (for readers of
-        ``self.state``: :meth:`settle_state`, a pickle)."""
-        gp = self._plans.get(gi)
-        if gp is not None:
-            for e in gp.entries:
-                self._sync_step_edits(gi, e, adopting=gp.signature is None)
+                for e in gp.entries:
+                    self._sync_step_edits(gi, e)
 
     def _ensure_all_plans(self, trainable: bool) -> None:
         reindexed = False
@@ -1409,13 +1396,12 @@ class MemOptimizer(Optimizer):
                 functools.partial(self._spec, group),
                 group_index=gi,
             )
-        # a state still held whose count was edited (in place, or a new count put in its dict:
-        # its moments not converted yet, as that waits for the step's checks,
-        # :meth:`_sync_decay_norm`) is copied with the count its moments are stored for, and
-        # the copies are converted: the old moments stay as they were for a refused step to
-        # put back (converted there, they were converted again at the retry with the count
-        # edited back). A record equal to the count converts nothing.
-        records = self._norm_step_records()
+        # a state with a count edited in place (its moments not converted yet: that waits for
+        # the step's checks, :meth:`_sync_decay_norm`) is copied with the count its moments are
+        # stored for, and the copies are converted: the old moments stay as they were for a
+        # refused step to put back (converted there, they were converted again at the retry
+        # with the count edited back)
+        records = self._norm_step_records(edited=True)
         kin: dict[tuple, list[GroupPlan]] = defaultdict(list)
         for gi, _, _, names, *_ in builds:
             for plan in plans[gi]:
@@ -1505,8 +1491,8 @@ class MemOptimizer(Optimizer):
         """The entries of ``plans`` (of ``members``), with their arenas (from ``arenas``, by the
         plan's id, else new) and each member's new state in ``self.state``: the values of its
         previous state copied in, a new master code encoding its current weight. ``records``:
-        :meth:`_norm_step_records` of the states still held (the second moments of those
-        whose count was edited are converted to it in the copies)."""
+        :meth:`_norm_step_records` of the states whose count was edited in place (their
+        second moments are converted to it in the copies)."""
         entries: list[_Entry] = []
         new_states: dict[Tensor, ParamState] = {}
         owner_of = {id(local_shard(p)): p for p in members}
@@ -1818,9 +1804,8 @@ class MemOptimizer(Optimizer):
     def _sync_step_edits(self, gi: int, entry: _Entry, adopting: bool = False) -> None:
         """Convert the second moments of ``entry`` (param group ``gi``) whose step count was
         edited since they were normalized with it: ``state[p]["step"].zero_()`` in place, or
-        (``adopting``: a group waiting for the rebuild that takes the states written from
-        outside as they are, settled outside a step: :meth:`_sync_group_step_edits`) a new
-        count put in a state it still holds. Without this, the stored ``u`` would be read
+        (``adopting``: :meth:`_adopt_state_writes`, before the rebuild that takes the states
+        as they are) a new count put in the state. Without this, the stored ``u`` would be read
         against the new count's ``N``: ``v`` rescaled silently, up to 256-fold. A state whose
         second moments were replaced too is the writer's, normalized with its count. O(1)
         while no count was edited: the counters' version is unchanged."""
@@ -1867,8 +1852,8 @@ class MemOptimizer(Optimizer):
             norm.copy_(steps)
         else:
             # the adopted count replaced its view of row 0 until the rebuild: both rows now
-            # hold it, so that a second settling (state_dict() twice, a pickle, an export, then
-            # the step) or the rebuild's copies (their record: row 1) convert nothing again
+            # hold it, so that a second adoption (state_dict() twice, a pickle, an export, then
+            # the step) or the rebuild's own check converts nothing again
             assert entry.counts is not None  # norm_steps is its row 1
             for si, _ in edits:
                 entry.counts[:, si] = now[si]
@@ -3016,17 +3001,20 @@ class MemOptimizer(Optimizer):
                         state[key][_NORM_STEP_KEY] = record[0]
         return add_group_meta(sd)  # last: with what subclasses add (memopt-ecc's compressed)
 
-    def _norm_step_records(self) -> dict[int, tuple[Tensor, set[str]]]:
+    def _norm_step_records(self, edited: bool = False) -> dict[int, tuple[Tensor, set[str]]]:
         """``{id(parameter): (its count record, its second moment's field keys)}`` for
-        :meth:`state_dict`'s ``decay_norm_step`` entries and a rebuild's copies: the parameters
-        whose q8/fp8 second moments are held by a plan (the record is a view of its counters'
-        second row, which the steps advance with the counts, so a dict held across steps stays
-        consistent)."""
+        :meth:`state_dict`'s ``decay_norm_step`` entries: the parameters whose q8/fp8 second
+        moments are held by a plan (the record is a view of its counters' second row, which
+        the steps advance with the counts, so a dict held across steps stays consistent).
+        ``edited``: only those of plan entries whose counts changed since the optimizer last
+        wrote or checked them (edited in place: :meth:`_sync_step_edits`)."""
         out: dict[int, tuple[Tensor, set[str]]] = {}
         for gp in self._plans.values():
             for entry in gp.entries:
-                norm = entry.norm_steps
-                if norm is None:
+                norm, steps = entry.norm_steps, entry.steps
+                if norm is None or (
+                    edited and steps is not None and steps._version == entry.counts_version
+                ):
                     continue
                 for si, (p, mine, held) in enumerate(
                     zip(entry.owners, entry.states, entry.held, strict=True)
@@ -3063,7 +3051,6 @@ class MemOptimizer(Optimizer):
                 self._check_group(group, f"(param group {gi})")
             except ConfigError:
                 continue  # the next step refuses the group; its record says what it holds
-            self._sync_group_step_edits(gi)  # a group to rebuild: its held states' counts too
             self._sync_decay_norm(gi)
 
     def _local_state_dict(self) -> dict[str, Any]:
